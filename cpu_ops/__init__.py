@@ -1,0 +1,1 @@
+"""Numba CPU operators for sparse decode attention over the DRAM KV cache."""

@@ -1,0 +1,91 @@
+"""Open a GGUF file with the `gguf` package and check every tensor against the file before use."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+from ktlong.errors import GGUFError
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    name: str
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # torch order: outermost first (GGUF stores innermost first)
+    offset: int  # absolute byte offset in the file
+    num_bytes: int
+
+
+class GGUFFile:
+    """Metadata and raw tensor bytes of one GGUF file, memory-mapped, validated on open."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise GGUFError(f"GGUF file {self.path} does not exist; check --gguf_path.")
+        if not self.path.is_file():
+            raise GGUFError(f"{self.path} is not a file; pass the .gguf file itself to --gguf_path.")
+        self.file_size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            magic = f.read(4)
+        if magic != GGUF_MAGIC:
+            raise GGUFError(f"{self.path} is not a GGUF file (it does not start with 'GGUF'); "
+                            "convert the model with llama.cpp's convert_hf_to_gguf.py.")
+        try:
+            self._reader = GGUFReader(self.path, "r")
+        except Exception as e:  # the gguf package raises many kinds on a damaged header
+            raise GGUFError(f"{self.path} is truncated or corrupt ({type(e).__name__}: {e}); "
+                            "download or convert it again.") from None
+        self.tensors: dict[str, TensorInfo] = {}
+        for t in self._reader.tensors:
+            self.tensors[t.name] = self._checked_tensor_info(t)
+
+    def _checked_tensor_info(self, t) -> TensorInfo:
+        try:
+            ggml_type = GGMLQuantizationType(int(t.tensor_type))
+        except ValueError:
+            raise GGUFError(f"{self.path}: tensor {t.name} has unknown type id {int(t.tensor_type)}; "
+                            "the file is corrupt or from a newer llama.cpp.") from None
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        num_elements = int(np.prod(shape))
+        block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+        if num_elements % block_size or shape[-1] % block_size:
+            raise GGUFError(f"{self.path}: tensor {t.name} of shape {shape} does not fit "
+                            f"{ggml_type.name} blocks of {block_size}; the file is corrupt.")
+        num_bytes = num_elements // block_size * type_size
+        offset = int(t.data_offset)
+        if offset < 0 or offset + num_bytes > self.file_size:
+            raise GGUFError(f"{self.path} is truncated: tensor {t.name} needs bytes up to "
+                            f"{offset + num_bytes:,} but the file has {self.file_size:,}; "
+                            "download or convert it again.")
+        return TensorInfo(t.name, ggml_type, shape, offset, num_bytes)
+
+    def get(self, key: str, default=None):
+        """A metadata value as a Python object (str, int, float, bool or list)."""
+        field = self._reader.fields.get(key)
+        if field is None:
+            return default
+        return field.contents()
+
+    def require(self, key: str):
+        value = self.get(key)
+        if value is None:
+            raise GGUFError(f"{self.path} lacks the metadata key '{key}'; convert it with a "
+                            "recent llama.cpp.")
+        return value
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as a read-only uint8 view of the memory map."""
+        info = self.tensors[name]
+        return self._reader.data[info.offset:info.offset + info.num_bytes]
+
+    @property
+    def architecture(self) -> str:
+        return str(self.require("general.architecture"))

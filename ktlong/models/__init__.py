@@ -1,0 +1,1 @@
+"""Model definitions: they wire layers together and own no engine logic."""

@@ -1,0 +1,82 @@
+"""The llama family (llama, mistral, qwen2, internlm2-as-llama): the dense forward in torch.
+
+Engines (dense generation, layer-major prefill, hybrid decode) call the per-layer pieces
+`qkv`, `attention_output` and `mlp`; `forward` is the plain dense path built from them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ktlong.kv_cache_dense import DenseKVCache
+from ktlong.model_config import ModelConfig
+from ktlong.rope import apply_rope, inv_freq, rope_cos_sin
+from ktlong.weights import ModelWeights
+from operators.dense_attention import dense_attention
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return x32.to(x.dtype) * weight
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: ModelWeights):
+        self.config = config
+        self.weights = weights
+        self.device = weights.embed.device
+        self.dtype = weights.embed.dtype
+        self.inv_freq, self.rope_mscale = inv_freq(config.rope, weights.rope_freq_factors)
+        self.inv_freq = self.inv_freq.to(self.device)
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        # token_ids: [T] -> [T, hidden]
+        return self.weights.embed[token_ids]
+
+    def qkv(self, i: int, x: torch.Tensor, positions: torch.Tensor):
+        """x: [T, hidden] -> q [T, H, D], k [T, KV, D], v [T, KV, D], RoPE applied."""
+        c, w = self.config, self.weights.layers[i]
+        h = rms_norm(x, w.attn_norm, c.rms_norm_eps)
+        q = F.linear(h, w.wq, w.bq).view(-1, c.num_heads, c.head_dim)
+        k = F.linear(h, w.wk, w.bk).view(-1, c.num_kv_heads, c.head_dim)
+        v = F.linear(h, w.wv, w.bv).view(-1, c.num_kv_heads, c.head_dim)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.rope_mscale)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attention_output(self, i: int, o: torch.Tensor) -> torch.Tensor:
+        # o: [T, H, D] -> [T, hidden]
+        return F.linear(o.reshape(o.shape[0], -1), self.weights.layers[i].wo)
+
+    def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        w = self.weights.layers[i]
+        h = rms_norm(x, w.ffn_norm, self.config.rms_norm_eps)
+        return F.linear(F.silu(F.linear(h, w.w_gate)) * F.linear(h, w.w_up), w.w_down)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden] -> [T, vocab] float32
+        h = rms_norm(x, self.weights.output_norm, self.config.rms_norm_eps)
+        return F.linear(h, self.weights.output).float()
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, cache: DenseKVCache, start: int,
+                last_only: bool = False) -> torch.Tensor:
+        """Run tokens at positions start.. through every layer, appending their K/V to cache.
+
+        token_ids: [T] -> logits [T, vocab] (or [1, vocab] with last_only).
+        """
+        end = start + token_ids.shape[0]
+        positions = torch.arange(start, end, device=self.device)
+        x = self.embed(token_ids.to(self.device))
+        for i in range(self.config.num_layers):
+            q, k, v = self.qkv(i, x, positions)
+            keys, values = cache.append(i, start, k, v)
+            x = x + self.attention_output(i, dense_attention(q, keys, values, self.scale))
+            x = x + self.mlp(i, x)
+        if last_only:
+            x = x[-1:]
+        return self.logits(x)

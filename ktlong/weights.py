@@ -1,0 +1,121 @@
+"""Read a llama-family model's tensors from GGUF, dequantised on the target device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ktlong.dequant import SUPPORTED_TYPES, dequantize
+from ktlong.errors import GGUFError
+from ktlong.gguf_file import GGUFFile
+from ktlong.model_config import PERMUTED_QK_ARCHS, ModelConfig
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    attn_norm: torch.Tensor  # [hidden]
+    wq: torch.Tensor  # [num_heads * head_dim, hidden]
+    wk: torch.Tensor  # [num_kv_heads * head_dim, hidden]
+    wv: torch.Tensor  # [num_kv_heads * head_dim, hidden]
+    wo: torch.Tensor  # [hidden, num_heads * head_dim]
+    bq: torch.Tensor | None
+    bk: torch.Tensor | None
+    bv: torch.Tensor | None
+    ffn_norm: torch.Tensor  # [hidden]
+    w_gate: torch.Tensor  # [intermediate, hidden]
+    w_up: torch.Tensor  # [intermediate, hidden]
+    w_down: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass(slots=True)
+class ModelWeights:
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    output_norm: torch.Tensor  # [hidden]
+    output: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+    rope_freq_factors: torch.Tensor | None  # [rope_dim / 2], llama3-style scaling
+
+
+def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's row permutation (adjacent-pair RoPE -> half-split RoPE).
+
+    w: [num_heads * head_dim, ...]; rows of a head go from (d/2, 2) order to (2, d/2).
+    """
+    rest = w.shape[1:]
+    head_dim = w.shape[0] // num_heads
+    return w.reshape(num_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
+
+
+class TensorSource:
+    """Dequantises named tensors from a GGUF file onto one device, checking types first."""
+
+    def __init__(self, gf: GGUFFile, device: torch.device, dtype: torch.dtype):
+        self.gf, self.device, self.dtype = gf, device, dtype
+        for info in gf.tensors.values():
+            if info.ggml_type not in SUPPORTED_TYPES:
+                raise GGUFError(
+                    f"{gf.path}: tensor {info.name} has type {info.ggml_type.name}, which ktlong "
+                    f"does not dequantise; supported: {', '.join(t.name for t in sorted(SUPPORTED_TYPES))} "
+                    "(requantise the model with llama-quantize).")
+
+    def has(self, name: str) -> bool:
+        return name in self.gf.tensors
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        info = self.gf.tensors.get(name)
+        if info is None:
+            raise GGUFError(f"{self.gf.path} lacks tensor {name}; the file is incomplete or not a "
+                            f"{self.gf.architecture} model.")
+        if shape is not None and info.shape != shape:
+            raise GGUFError(f"{self.gf.path}: tensor {name} has shape {info.shape}, the metadata "
+                            f"implies {shape}; the file is corrupt.")
+        raw = torch.from_numpy(np.array(self.gf.raw(name))).to(self.device)
+        return dequantize(raw, info.ggml_type, info.shape, self.dtype)
+
+    def get_optional(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor | None:
+        return self.get(name, shape) if self.has(name) else None
+
+
+def load_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
+                 dtype: torch.dtype) -> ModelWeights:
+    src = TensorSource(gf, device, dtype)
+    c = config
+    q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    permuted = c.arch in PERMUTED_QK_ARCHS
+    layers = []
+    for i in range(c.num_layers):
+        p = f"blk.{i}."
+        wq = src.get(p + "attn_q.weight", (q_dim, c.hidden_size))
+        wk = src.get(p + "attn_k.weight", (kv_dim, c.hidden_size))
+        bq = src.get_optional(p + "attn_q.bias", (q_dim,))
+        bk = src.get_optional(p + "attn_k.bias", (kv_dim,))
+        if permuted:
+            wq, wk = unpermute_qk(wq, c.num_heads), unpermute_qk(wk, c.num_kv_heads)
+            bq = unpermute_qk(bq, c.num_heads) if bq is not None else None
+            bk = unpermute_qk(bk, c.num_kv_heads) if bk is not None else None
+        layers.append(LayerWeights(
+            attn_norm=src.get(p + "attn_norm.weight", (c.hidden_size,)),
+            wq=wq, wk=wk,
+            wv=src.get(p + "attn_v.weight", (kv_dim, c.hidden_size)),
+            wo=src.get(p + "attn_output.weight", (c.hidden_size, q_dim)),
+            bq=bq, bk=bk,
+            bv=src.get_optional(p + "attn_v.bias", (kv_dim,)),
+            ffn_norm=src.get(p + "ffn_norm.weight", (c.hidden_size,)),
+            w_gate=src.get(p + "ffn_gate.weight", (c.intermediate_size, c.hidden_size)),
+            w_up=src.get(p + "ffn_up.weight", (c.intermediate_size, c.hidden_size)),
+            w_down=src.get(p + "ffn_down.weight", (c.hidden_size, c.intermediate_size)),
+        ))
+    embed = src.get("token_embd.weight", (c.vocab_size, c.hidden_size))
+    output = src.get("output.weight", (c.vocab_size, c.hidden_size)) if c.has_output_head else embed
+    freq_factors = src.get_optional("rope_freqs.weight")
+    if freq_factors is not None:
+        freq_factors = freq_factors.float()
+    return ModelWeights(
+        embed=embed,
+        layers=layers,
+        output_norm=src.get("output_norm.weight", (c.hidden_size,)),
+        output=output,
+        rope_freq_factors=freq_factors,
+    )

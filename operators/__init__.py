@@ -1,0 +1,1 @@
+"""GPU-side operators (CompactAttention, Triton kernels) and their pure-torch references."""
