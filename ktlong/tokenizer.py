@@ -44,7 +44,7 @@ class GGUFTokenizer:
             raise GGUFError(f"{gf.path}: pre-tokenizer '{pre}' is not supported; supported: "
                             f"{', '.join(PRE_TOKENIZERS)}.")
         tokens: list[str] = gf.require("tokenizer.ggml.tokens")
-        merges: list[str] = gf.require("tokenizer.ggml.merges")
+        merges: list[str] = gf.get("tokenizer.ggml.merges") or []
         types: list[int] = gf.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
         patterns, ignore_merges = PRE_TOKENIZERS[pre]
 

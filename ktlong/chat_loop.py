@@ -1,0 +1,109 @@
+"""The interactive loop behind local_chat.py: read a prompt, stream the answer, keep history."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ktlong.config import Config
+from ktlong.conversation import Conversation, PromptTooLongError
+from ktlong.dense_session import DenseSession
+from ktlong.generate import generate
+from ktlong.loader import LoadedModel
+from ktlong.sampling import Sampler
+
+HELP = ('Type a message. Empty line: send the prompt file. A file path: send that file. """: start '
+        'or end multi-line input. /reset: forget the conversation. /exit: quit. Ctrl-C: stop an answer.')
+
+
+class ChatLoop:
+    def __init__(self, lm: LoadedModel, config: Config, max_seq_len: int, prompt_file: str | None,
+                 out=sys.stdout, err=sys.stderr):
+        self.lm, self.config, self.max_seq_len = lm, config, max_seq_len
+        self.prompt_file, self.out, self.err = prompt_file, out, err
+        template = lm.chat_template if config.use_chat_template else None
+        self.conversation = Conversation(lm.tokenizer, template, config.system_prompt)
+        self.session = DenseSession(lm.model, max_seq_len, config.chunk_size)
+        self.sampler = Sampler(config.temperature, config.top_p, config.top_k, config.seed)
+
+    def notice(self, text: str):
+        print(f"[{text}]", file=self.err, flush=True)
+
+    def ask(self, user_text: str):
+        reserve = min(self.config.max_new_tokens, self.max_seq_len // 2)
+        try:
+            ids, dropped = self.conversation.prompt_ids(user_text, self.max_seq_len, reserve)
+        except PromptTooLongError as e:
+            self.notice(str(e))
+            return None
+        if dropped:
+            self.notice(f"dropped the {dropped} oldest turn(s) to stay within max_seq_len={self.max_seq_len}")
+        result = generate(self.session, ids, self.config.max_new_tokens, self.sampler,
+                          self.lm.tokenizer.stop_ids, self.lm.tokenizer.decode,
+                          on_text=lambda s: print(s, end="", file=self.out, flush=True),
+                          show_progress=True)
+        print(file=self.out, flush=True)
+        self.conversation.add_turn(user_text, result.text)
+        self.notice(f"{result.prompt_tokens} prompt tokens in {result.prefill_seconds:.2f}s, "
+                    f"{len(result.token_ids)} tokens at {result.decode_tokens_per_second:.1f} tok/s"
+                    + (", interrupted" if result.finish_reason == "interrupted" else ""))
+        return result
+
+    def read_file(self, path: str) -> str | None:
+        try:
+            return Path(path).expanduser().read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            self.notice(f"cannot read {path}: {e}")
+            return None
+
+    def next_prompt(self, read_line) -> str | None:
+        """The next message, or None at end of input; handles files, multi-line and commands."""
+        while True:
+            line = read_line()
+            if line is None:
+                return None
+            stripped = line.strip()
+            if stripped == '"""':
+                lines = []
+                while (more := read_line()) is not None and more.strip() != '"""':
+                    lines.append(more)
+                return "\n".join(lines)
+            if stripped == "":
+                if self.prompt_file:
+                    return self.read_file(self.prompt_file) or ""
+                continue
+            if stripped in ("/exit", "/quit"):
+                return None
+            if stripped == "/reset":
+                self.conversation.reset()
+                self.session.reset()
+                self.notice("conversation cleared")
+                continue
+            if stripped in ("/help", "/?"):
+                self.notice(HELP)
+                continue
+            if len(stripped) < 4096 and Path(stripped).expanduser().is_file():
+                return self.read_file(stripped) or ""
+            return line
+
+    def run(self, interactive: bool):
+        if interactive:
+            self.notice(HELP)
+        if self.prompt_file:
+            text = self.read_file(self.prompt_file)
+            if text:
+                self.ask(text)
+
+        def read_line():
+            while True:
+                try:
+                    return input("> " if interactive else "")
+                except EOFError:
+                    return None
+                except KeyboardInterrupt:
+                    print(file=self.out)
+                    self.notice("use /exit to quit")
+
+        while (text := self.next_prompt(read_line)) is not None:
+            if text.strip():
+                self.ask(text)

@@ -1,0 +1,48 @@
+"""Dense generation state: one contiguous KV cache, reused across turns by common prefix."""
+
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from ktlong.kv_cache_dense import DenseKVCache
+from ktlong.models.llama import LlamaModel
+
+
+class DenseSession:
+    def __init__(self, model: LlamaModel, max_seq_len: int, chunk_size: int):
+        c = model.config
+        self.model, self.max_seq_len, self.chunk_size = model, max_seq_len, chunk_size
+        self.cache = DenseKVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_seq_len,
+                                  model.device, model.dtype)
+        self.ids: list[int] = []  # tokens whose K/V are in the cache, in order
+
+    def reset(self):
+        self.ids = []
+
+    def prefill(self, prompt_ids: list[int], show_progress: bool = False) -> torch.Tensor:
+        """Make the cache hold exactly prompt_ids; return the last token's logits [vocab]."""
+        assert len(prompt_ids) <= self.max_seq_len
+        reuse = 0
+        for a, b in zip(self.ids, prompt_ids[:-1]):  # always recompute the last prompt token
+            if a != b:
+                break
+            reuse += 1
+        todo = prompt_ids[reuse:]
+        self.ids = list(prompt_ids[:reuse])
+        bar = tqdm(total=len(todo), unit="tok", desc="prefill", leave=False,
+                   disable=not show_progress or len(todo) <= self.chunk_size)
+        logits = None
+        for start in range(0, len(todo), self.chunk_size):
+            chunk = todo[start:start + self.chunk_size]
+            logits = self.model.forward(torch.tensor(chunk), self.cache, len(self.ids), last_only=True)
+            self.ids.extend(chunk)
+            bar.update(len(chunk))
+        bar.close()
+        return logits[-1]
+
+    def step(self, token_id: int) -> torch.Tensor:
+        """Append one token; return its logits [vocab]."""
+        logits = self.model.forward(torch.tensor([token_id]), self.cache, len(self.ids), last_only=True)
+        self.ids.append(token_id)
+        return logits[-1]

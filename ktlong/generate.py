@@ -1,0 +1,53 @@
+"""Generate an answer token by token, streaming text as it becomes printable."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from ktlong.dense_session import DenseSession
+from ktlong.sampling import Sampler
+from ktlong.text_stream import TextStream
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    text: str
+    prompt_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    finish_reason: str  # stop | length | interrupted
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return max(len(self.token_ids) - 1, 0) / self.decode_seconds if self.decode_seconds else 0.0
+
+
+def generate(session: DenseSession, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler,
+             stop_ids: frozenset[int], decode: Callable[[list[int]], str],
+             on_text: Callable[[str], None] = lambda s: None, show_progress: bool = False) -> Generation:
+    """Greedy or sampled continuation of prompt_ids; Ctrl-C ends it early, keeping what was made."""
+    stream = TextStream(decode)
+    max_new_tokens = min(max_new_tokens, session.max_seq_len - len(prompt_ids))
+    start = time.perf_counter()
+    finish, prefill_done = "length", start
+    try:
+        logits = session.prefill(prompt_ids, show_progress)
+        prefill_done = time.perf_counter()
+        for i in range(max_new_tokens):
+            token = sampler(logits)
+            if token in stop_ids:
+                finish = "stop"
+                break
+            on_text(stream.push(token))
+            if i + 1 < max_new_tokens:
+                logits = session.step(token)
+    except KeyboardInterrupt:
+        finish = "interrupted"
+    end = time.perf_counter()
+    if prefill_done == start:
+        prefill_done = end
+    return Generation(stream.ids, stream.text(), len(prompt_ids), prefill_done - start,
+                      end - prefill_done, finish)

@@ -1,0 +1,114 @@
+"""Chat with a GGUF model: `python local_chat.py [--gguf_path MODEL.gguf] [--prompt_file doc.txt]`.
+
+Flags follow KTransformers' local_chat; every option of configs/default.yaml can also be set
+with --set key=value. Piped standard input is read as one message per line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+
+def default_values() -> dict:
+    from ktlong.config import DEFAULT_FILE
+
+    return yaml.safe_load(DEFAULT_FILE.read_text())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = default_values()
+    p = argparse.ArgumentParser(
+        prog="local_chat.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Chat with a long-context GGUF model on one GPU plus host memory, or on the CPU.",
+        epilog="Options not listed here: --set KEY=VALUE with any key of configs/default.yaml; "
+               "`python -m ktlong.config show` prints them all with their values.")
+    model = p.add_argument_group("model")
+    model.add_argument("--gguf_path", help="GGUF file, or a folder holding one")
+    model.add_argument("--model", help=f"packaged model name or GGUF path (default: {d['model']})")
+    model.add_argument("--model_path", help="folder with the model's files; its .gguf is used when "
+                       "--gguf_path is not given (tokenizer and config are read from the GGUF)")
+    model.add_argument("--device", help=f"auto, cpu, cuda or cuda:N (default: {d['device']})")
+    run = p.add_argument_group("long context")
+    run.add_argument("--mode", choices=["normal", "long_context"], help=f"default: {d['mode']}")
+    run.add_argument("--max_seq_len", type=int, help="longest prompt plus answer in tokens "
+                     "(default: the model's context length)")
+    run.add_argument("--cpu_infer", type=int, help=f"CPU threads (default: {d['threads_num']} = all cores)")
+    run.add_argument("--use_cuda_graph", action="store_true", default=None,
+                     help="replay the GPU decode step as a CUDA graph")
+    gen = p.add_argument_group("generation")
+    gen.add_argument("--prompt_file", help="text file sent as the first message; an empty line resends it")
+    gen.add_argument("--max_new_tokens", type=int, help=f"default: {d['max_new_tokens']}")
+    gen.add_argument("--temperature", type=float, help=f"0 = greedy (default: {d['temperature']})")
+    cfg = p.add_argument_group("configuration")
+    cfg.add_argument("--config", help="YAML file merged over ~/.config/ktlong/config.yaml")
+    cfg.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="set any option, e.g. --set block_size=64 (repeatable)")
+    return p
+
+
+FLAG_TO_OPTION = {"model": "model", "gguf_path": "model", "mode": "mode", "device": "device",
+                  "max_seq_len": "max_seq_len", "cpu_infer": "threads_num",
+                  "use_cuda_graph": "use_cuda_graph", "max_new_tokens": "max_new_tokens",
+                  "temperature": "temperature"}
+
+
+def overrides_from(args) -> dict:
+    from pathlib import Path
+
+    from ktlong.config import parse_set
+
+    out = parse_set(args.set)
+    if args.model_path and not args.gguf_path and not args.model:
+        ggufs = sorted(Path(args.model_path).expanduser().glob("*.gguf"))
+        if ggufs:
+            out["model"] = (str(ggufs[0]), "--model_path")
+    for flag, option in FLAG_TO_OPTION.items():
+        value = getattr(args, flag)
+        if value is not None:
+            out[option] = (value, f"--{flag}")
+    return out
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from ktlong.errors import KtlongError
+
+    try:
+        return run(args)
+    except KtlongError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
+    import torch
+
+    from ktlong.chat_loop import ChatLoop
+    from ktlong.config import load_config
+    from ktlong.device import resolve_device, resolve_dtype
+    from ktlong.errors import ConfigError
+    from ktlong.loader import load_model, open_model
+
+    config = load_config(args.config, overrides_from(args))
+    _, model_config = open_model(config.model)  # checks the file before any weight is read
+    max_seq_len = config.check_against_model(model_config.num_layers, model_config.context_length)
+    if config.mode == "long_context":
+        raise ConfigError("mode long_context (offloaded KV, sparse attention) is not in this build "
+                          "yet; run with --mode normal.")
+    if config.threads_num:
+        torch.set_num_threads(config.threads_num)
+    device = resolve_device(config.device)
+    lm = load_model(config.model, device, resolve_dtype(config.dtype, device))
+    c = lm.config
+    print(f"[loaded {lm.path.name}: {c.arch}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} "
+          f"heads, context {c.context_length}, on {device} in {lm.load_seconds:.1f}s; "
+          f"max_seq_len {max_seq_len}]", file=sys.stderr)
+    ChatLoop(lm, config, max_seq_len, args.prompt_file).run(interactive=sys.stdin.isatty())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Shared fixtures: real packaged models and the transformers references, built once per session."""
+
+import os
+from functools import cache
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _model_path(name):
+    from ktlong.errors import ModelNotFoundError
+    from ktlong.model_registry import resolve_model_path
+
+    try:
+        return resolve_model_path(name)
+    except ModelNotFoundError as e:
+        pytest.fail(str(e))  # a missing test model is a broken install, not a skip
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    return _model_path("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def qwen_path():
+    return _model_path("qwen2.5-coder-0.5b")
+
+
+@cache
+def _hf_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@cache
+def _hf_model(path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer():
+    return _hf_tokenizer
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    return _hf_model

@@ -1,0 +1,156 @@
+"""Configuration: merge order, first-run file, validation messages, CLI flags."""
+
+import pytest
+import yaml
+
+from ktlong.config import (DEFAULT_FILE, Config, load_config, option_names, parse_set,
+                           read_yaml_options)
+from ktlong.errors import ConfigError
+
+
+@pytest.fixture
+def user_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    return tmp_path / "xdg" / "ktlong" / "config.yaml"
+
+
+def test_default_file_lists_every_option_once_with_a_comment():
+    lines = [l for l in DEFAULT_FILE.read_text().splitlines() if l and not l.startswith("#")]
+    keys = [l.split(":", 1)[0] for l in lines]
+    assert sorted(keys) == sorted(option_names())
+    assert all("#" in l.split(":", 1)[1] for l in lines), "every option needs a comment"
+
+
+def test_issue_options_exist():
+    required = """chunk_size max_seq_len block_size local_windows_len second_select_num threads_num
+    anchor_type anchor_num kv_type dense_layer_num preselect_block preselect_block_count
+    head_select_mode layer_step token_step prefill_attention selector alpha sink_blocks
+    window_blocks subgroup_size attention_backend device gpu_memory_budget_gb temperature top_p
+    top_k""".split()
+    assert set(required) <= set(option_names())
+
+
+def test_first_run_writes_commented_copy_honouring_xdg(user_file):
+    config = load_config()
+    assert user_file.is_file()
+    assert yaml.safe_load(user_file.read_text()) is None  # every option commented out
+    assert "# block_size: 128" in user_file.read_text()
+    assert config.block_size == 128 and config.where("block_size") == "default"
+
+
+def test_merge_order_defaults_user_file_config_flags(user_file, tmp_path):
+    load_config()
+    user_file.write_text("block_size: 64\nchunk_size: 1024\nalpha: 0.3\n")
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("chunk_size: 2048\n")
+    config = load_config(str(extra), parse_set(["alpha=0.5"]))
+    assert (config.block_size, config.chunk_size, config.alpha) == (64, 2048, 0.5)
+    assert config.where("block_size") == f"{user_file}:1"
+    assert config.where("chunk_size") == f"{extra}:1"
+    assert config.where("alpha") == "--set alpha"
+    assert config.token_step == 1 and config.where("token_step") == "default"
+
+
+def test_old_user_file_gets_new_options(user_file):
+    user_file.parent.mkdir(parents=True)
+    user_file.write_text("block_size: 64\n")  # written by an older version: few keys
+    config = load_config()
+    assert config.block_size == 64 and config.subgroup_size == 4
+
+
+def test_unknown_key_names_closest_key_file_and_line(user_file):
+    user_file.parent.mkdir(parents=True)
+    user_file.write_text("block_size: 64\n\nsecond_selct_num: 8\n")
+    with pytest.raises(ConfigError) as e:
+        load_config()
+    assert f"{user_file}:3" in str(e.value) and "did you mean 'second_select_num'" in str(e.value)
+
+
+@pytest.mark.parametrize("setting,expected", [
+    ("block_size=100", "power of two"),
+    ("block_size=8", "at least 16"),
+    ("chunk_size=1000", "multiple of block_size"),
+    ("second_select_num=-1", "at least 0"),
+    ("anchor_type=BEST", "MAX, MEAN, QUEST, DYNAMIC, FIX"),
+    ("kv_type=int3", "bf16, fp16, q8_0, q4_0"),
+    ("alpha=1.5", "at most 1"),
+    ("top_p=0", "above 0"),
+    ("block_size=big", "must be an int"),
+    ("preselect_block=3", "must be a bool"),
+    ("device=tpu", "auto, cpu, cuda or cuda:N"),
+])
+def test_bad_values_name_the_allowed_values(user_file, setting, expected):
+    with pytest.raises(ConfigError, match=expected) as e:
+        load_config(overrides=parse_set([setting]))
+    assert f"--set {setting.split('=')[0]}" in str(e.value)
+
+
+def test_set_needs_key_value_and_a_known_key():
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_set(["block_size"])
+    with pytest.raises(ConfigError, match="did you mean 'token_step'"):
+        parse_set(["tokn_step=2"])
+
+
+def test_invalid_yaml_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("block_size: 64\nchunk_size: [1,\n")
+    with pytest.raises(ConfigError, match=f"{bad}:3"):
+        read_yaml_options(bad)
+
+
+def test_yaml_is_read_safely(tmp_path):
+    evil = tmp_path / "evil.yaml"
+    evil.write_text("model: !!python/object/apply:os.system ['echo hi']\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        read_yaml_options(evil)
+
+
+def test_model_checks_run_before_weights(user_file):
+    config = load_config(overrides=parse_set(["mode=long_context", "local_windows_len=8192",
+                                              "max_seq_len=4096"]))
+    with pytest.raises(ConfigError, match="local_windows_len .* longer than max_seq_len"):
+        config.check_against_model(num_layers=30, context_length=8192)
+    config = load_config(overrides=parse_set(["dense_layer_num=40"]))
+    with pytest.raises(ConfigError, match="at most 30"):
+        config.check_against_model(num_layers=30, context_length=8192)
+    assert load_config().check_against_model(30, 8192) == 8192  # 0 means the model's length
+
+
+def test_config_show_prints_value_and_source(user_file, capsys):
+    from ktlong.config import main
+
+    assert main(["show", "--set", "token_step=3"]) == 0
+    out = capsys.readouterr().out
+    row = next(l for l in out.splitlines() if l.startswith("token_step "))
+    assert "3" in row and "--set token_step" in row
+
+
+def test_local_chat_flags_map_to_options(user_file):
+    import local_chat
+
+    args = local_chat.build_parser().parse_args(
+        ["--gguf_path", "m.gguf", "--cpu_infer", "6", "--use_cuda_graph", "--mode", "long_context",
+         "--max_new_tokens", "7", "--set", "block_size=64"])
+    config = load_config(overrides=local_chat.overrides_from(args))
+    assert (config.model, config.threads_num, config.use_cuda_graph, config.mode,
+            config.max_new_tokens, config.block_size) == ("m.gguf", 6, True, "long_context", 7, 64)
+    assert config.where("threads_num") == "--cpu_infer"
+
+
+def test_help_shows_groups_and_defaults(capsys):
+    import local_chat
+
+    with pytest.raises(SystemExit):
+        local_chat.build_parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    for text in ("model:", "long context:", "generation:", "configuration:", "--cpu_infer",
+                 "--set KEY=VALUE", "default: 512"):
+        assert text in out
+
+
+def test_config_dataclass_rejects_wrong_types_directly():
+    values = {k: v for k, (v, _) in read_yaml_options(DEFAULT_FILE).items()}
+    values["layer_step"] = True
+    with pytest.raises(ConfigError, match="'layer_step' = True .* must be an int"):
+        Config(**values)

@@ -1,0 +1,81 @@
+"""The dense llama-family forward equals independent references built from the same weights."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from ktlong.gguf_file import GGUFFile
+from ktlong.kv_cache_dense import DenseKVCache
+from ktlong.model_config import ModelConfig
+from ktlong.models.llama import LlamaModel
+from ktlong.weights import load_weights
+from tests.reference_llama import reference_logits
+from tests.tiny_gguf import TinySpec, write_tiny_gguf
+
+
+def build(path):
+    gf = GGUFFile(path)
+    config = ModelConfig.from_gguf(gf)
+    return LlamaModel(config, load_weights(gf, config, torch.device("cpu"), torch.float32)), config
+
+
+def run(model, config, ids, chunks=None):
+    cache = DenseKVCache(config.num_layers, config.num_kv_heads, config.head_dim, len(ids),
+                         torch.device("cpu"), torch.float32)
+    chunks = chunks or [len(ids)]
+    out, start = [], 0
+    for size in chunks:
+        out.append(model.forward(torch.tensor(ids[start:start + size]), cache, start))
+        start += size
+    return torch.cat(out).numpy()
+
+
+def max_rel(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+SPECS = {
+    "llama-q8_0": TinySpec(),
+    "llama-tied-q4_0": TinySpec(tied=True, weight_type=T.Q4_0),
+    "qwen2-bias-f16": TinySpec(arch="qwen2", qkv_bias=True, weight_type=T.F16),
+    "llama-mha-q5_0": TinySpec(num_kv_heads=4, weight_type=T.Q5_0),
+}
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_tiny_model_logits_equal_float64_reference(tmp_path, name):
+    spec = SPECS[name]
+    path = tmp_path / "tiny.gguf"
+    tensors = write_tiny_gguf(path, spec, seed=1)
+    model, config = build(path)
+    assert config.has_qkv_bias == spec.qkv_bias and config.has_output_head == (not spec.tied)
+    ids = list(np.random.default_rng(2).integers(0, spec.vocab, size=23))
+    expected = reference_logits(tensors, spec, ids)
+    assert max_rel(run(model, config, ids), expected) < 1e-4
+
+
+def test_chunked_forward_with_cache_equals_one_pass(tmp_path):
+    spec = TinySpec()
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, spec, seed=3)
+    model, config = build(path)
+    ids = list(np.random.default_rng(4).integers(0, spec.vocab, size=19))
+    whole = run(model, config, ids)
+    pieces = run(model, config, ids, chunks=[7, 1, 5, 6])
+    assert max_rel(pieces, whole) < 1e-5
+
+
+@pytest.mark.slow
+def test_smollm2_logits_equal_transformers(smollm2_path, hf_model):
+    from ktlong.loader import load_model
+
+    lm = load_model(str(smollm2_path))
+    text = "The capital of France is Paris. In 1889 the Eiffel Tower opened; def f(x): return x"
+    ids = lm.tokenizer.encode(text)
+    c = lm.config
+    ours = run(lm.model, c, ids)
+    with torch.no_grad():
+        theirs = hf_model(smollm2_path)(torch.tensor([ids])).logits[0].double().numpy()
+    assert max_rel(ours, theirs) < 1e-4
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
