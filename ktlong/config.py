@@ -25,7 +25,7 @@ ENUMS = {
     "prefill_attention": ("dense", "compact"),
     "selector": ("flashprefill", "xattention"),
     "attention_backend": ("auto", "fa2", "fa3", "torch"),
-    "kv_type": ("bf16", "fp16", "q8_0", "q4_0"),
+    "kv_type": ("bf16", "fp16", "fp32", "q8_0", "q4_0"),
     "anchor_type": ("MAX", "MEAN", "QUEST", "DYNAMIC", "FIX"),
     "head_select_mode": ("SHARED", "SEPARATE"),
 }

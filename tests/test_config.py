@@ -72,7 +72,7 @@ def test_unknown_key_names_closest_key_file_and_line(user_file):
     ("chunk_size=1000", "multiple of block_size"),
     ("second_select_num=-1", "at least 0"),
     ("anchor_type=BEST", "MAX, MEAN, QUEST, DYNAMIC, FIX"),
-    ("kv_type=int3", "bf16, fp16, q8_0, q4_0"),
+    ("kv_type=int3", "bf16, fp16, fp32, q8_0, q4_0"),
     ("alpha=1.5", "at most 1"),
     ("top_p=0", "above 0"),
     ("block_size=big", "must be an int"),

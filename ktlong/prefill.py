@@ -1,0 +1,178 @@
+"""Layer-major chunked prefill over the head-major KV cache, offloading every layer to DRAM.
+
+For layer l, the prompt goes through in chunks: q/k/v, k/v into the layer's device pages,
+attention of the chunk over everything up to its end, the MLP. Each chunk's K/V and block
+side tables stream to DRAM on a copy stream while the next chunk computes; layer l+1 reuses
+the same pages. Host<->device traffic is O(prompt) per layer.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+from ktlong.errors import ConfigError
+from ktlong.kv_cache import DevicePages, HostKVCache, KVLayout
+from ktlong.models.llama import LlamaModel
+from operators.block_summary import block_summaries, token_importance
+from operators.chunk_attention import chunk_attention, flashinfer_available
+
+IMPORTANCE_QUERIES = 64  # last queries of each chunk that score its keys for DYNAMIC anchors
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    if device.type != "cuda" or requested == "torch":
+        return "torch"
+    if flashinfer_available():
+        return "fa2" if requested == "auto" else requested
+    if requested != "auto":
+        raise ConfigError(f"attention_backend '{requested}' needs FlashInfer; pip install "
+                          "flashinfer-python, or set attention_backend to auto or torch.")
+    return "torch"
+
+
+@dataclass
+class PrefillStats:
+    num_tokens: int = 0
+    seconds: float = 0.0
+    attention_seconds: float = 0.0
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
+    peak_device_bytes: int = 0
+    _events: list = field(default_factory=list, repr=False)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_tokens / self.seconds if self.seconds else 0.0
+
+
+class _Timer:
+    """Accumulates the time of a code region: CUDA events on the GPU, wall clock on the CPU."""
+
+    def __init__(self, stats: PrefillStats, device: torch.device):
+        self.stats, self.cuda = stats, device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.stats._events.append((self.start, end))
+        else:
+            self.stats.attention_seconds += time.perf_counter() - self.t0
+
+
+class LayerMajorPrefill:
+    def __init__(self, model: LlamaModel, layout: KVLayout, chunk_size: int, backend: str,
+                 hidden_on_device: bool):
+        assert chunk_size % layout.block_size == 0
+        self.model, self.layout, self.chunk_size = model, layout, chunk_size
+        self.device = model.device
+        self.backend = resolve_backend(backend, self.device)
+        self.hidden_on_device = hidden_on_device or self.device.type == "cpu"
+        self.pages = DevicePages(layout, self.device)
+        self.cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+
+    @torch.inference_mode()
+    def run(self, token_ids: list[int], host: HostKVCache, progress=None) -> tuple[torch.Tensor, PrefillStats]:
+        """Prefill the prompt into `host`; return the last token's logits [vocab] and stats."""
+        num_tokens = len(token_ids)
+        assert 0 < num_tokens <= self.layout.capacity
+        stats = PrefillStats(num_tokens=num_tokens)
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        hidden = self._embed(token_ids, stats)
+        positions = torch.arange(num_tokens, device=self.device)
+        chunks = [(s, min(s + self.chunk_size, num_tokens)) for s in range(0, num_tokens, self.chunk_size)]
+        for layer in range(self.model.config.num_layers):
+            if self.cuda:  # the pages are about to be overwritten: last layer's copies must be done
+                torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            for s, e in chunks:
+                x = hidden[s:e].to(self.device, non_blocking=True)
+                if not self.hidden_on_device:
+                    stats.bytes_to_device += x.numel() * x.element_size()
+                x = self._layer_chunk(layer, x, positions[s:e], s, e, host, stats)
+                self._store_hidden(hidden, x, s, e, stats)
+                if progress is not None:
+                    progress.update(e - s)
+        last = hidden[num_tokens - 1:].to(self.device)
+        logits = self.model.logits(last)[0]
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            stats.attention_seconds = sum(a.elapsed_time(b) for a, b in stats._events) / 1e3
+            stats.peak_device_bytes = torch.cuda.max_memory_allocated(self.device)
+        host.num_tokens = num_tokens
+        stats.seconds = time.perf_counter() - start
+        return logits, stats
+
+    def _embed(self, token_ids, stats) -> torch.Tensor:
+        ids = torch.tensor(token_ids, device=self.device)
+        if self.hidden_on_device:
+            return self.model.embed(ids)  # [T, hidden]
+        c = self.model.config
+        hidden = torch.empty((len(token_ids), c.hidden_size), dtype=self.model.dtype, pin_memory=True)
+        for s in range(0, len(token_ids), self.chunk_size):
+            x = self.model.embed(ids[s:s + self.chunk_size])
+            self._store_hidden(hidden, x, s, s + x.shape[0], stats)
+        return hidden
+
+    def _store_hidden(self, hidden, x, s, e, stats):
+        if self.hidden_on_device:
+            hidden[s:e] = x
+            return
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            hidden[s:e].copy_(x, non_blocking=True)
+            x.record_stream(self.copy_stream)
+        stats.bytes_to_host += x.numel() * x.element_size()
+
+    def _layer_chunk(self, layer, x, positions, s, e, host, stats) -> torch.Tensor:
+        model = self.model
+        q, k, v = model.qkv(layer, x, positions)
+        self.pages.write(s, k.to(self.layout.dtype), v.to(self.layout.dtype))
+        keys, values = self.pages.tokens(self.pages.k)[:, :e], self.pages.tokens(self.pages.v)[:, :e]
+        with _Timer(stats, self.device):
+            o = chunk_attention(q.to(self.layout.dtype), keys, values, model.scale, self.backend)
+        self._offload(layer, q, s, e, host, stats)
+        x = x + model.attention_output(layer, o.to(x.dtype))
+        return x + model.mlp(layer, x)
+
+    def _offload(self, layer, q, s, e, host: HostKVCache, stats):
+        """Summarise the chunk's blocks and copy its K/V and side tables to DRAM."""
+        B = self.layout.block_size
+        b0, b1 = s // B, -(-e // B)
+        k_blocks = self.pages.k[:, b0:b1]  # [KV, nb, B, D]
+        mean, kmax, kmin = block_summaries(k_blocks, e - s)
+        keys = self.pages.tokens(self.pages.k)[:, s:e]
+        importance = token_importance(q[-IMPORTANCE_QUERIES:], keys, self.model.scale)  # [KV, e-s]
+        ctx = torch.cuda.stream(self.copy_stream) if self.cuda else nullcontext()
+        with ctx:
+            if self.cuda:
+                self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            for h in range(self.layout.num_kv_heads):  # one contiguous range per head
+                host.k[layer][h].view(-1, self.layout.head_dim)[s:e].copy_(
+                    self.pages.tokens(self.pages.k)[h, s:e], non_blocking=True)
+                host.v[layer][h].view(-1, self.layout.head_dim)[s:e].copy_(
+                    self.pages.tokens(self.pages.v)[h, s:e], non_blocking=True)
+            host.key_mean[layer, :, b0:b1].copy_(mean, non_blocking=True)
+            host.key_max[layer, :, b0:b1].copy_(kmax, non_blocking=True)
+            host.key_min[layer, :, b0:b1].copy_(kmin, non_blocking=True)
+            host.importance[layer].view(self.layout.num_kv_heads, -1)[:, s:e].copy_(
+                importance, non_blocking=True)
+            if self.cuda:
+                for t in (mean, kmax, kmin, importance):
+                    t.record_stream(self.copy_stream)
+        kv_bytes = 2 * (e - s) * self.layout.num_kv_heads * self.layout.head_dim * self.layout.dtype.itemsize
+        side_bytes = sum(t.numel() * 4 for t in (mean, kmax, kmin, importance))
+        stats.bytes_to_host += kv_bytes + side_bytes

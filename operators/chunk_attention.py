@@ -1,0 +1,34 @@
+"""Dense attention of one prefill chunk over a head-major KV history: torch or FlashInfer."""
+
+from __future__ import annotations
+
+import torch
+
+from operators.dense_attention import dense_attention
+
+BACKENDS = ("auto", "fa2", "fa3", "torch")
+
+
+def flashinfer_available() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    backend: str) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [KV, N, D] head-major views (N >= T, the chunk is the last T keys).
+
+    Returns [T, H, D]; causal, bottom-right aligned.
+    """
+    assert q.dim() == 3 and k.dim() == 3 and k.shape == v.shape and k.shape[1] >= q.shape[0]
+    assert q.dtype == k.dtype == v.dtype and q.device == k.device
+    if backend == "torch":
+        return dense_attention(q, k, v, scale)
+    import flashinfer
+
+    # HND layout reads [KV, N, D]; the page tensor's head stride is honoured, so no copy.
+    return flashinfer.single_prefill_with_kv_cache(
+        q, k, v, causal=True, kv_layout="HND", sm_scale=scale, backend=backend)

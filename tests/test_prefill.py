@@ -1,0 +1,97 @@
+"""Layer-major chunked prefill equals the plain dense forward, and fills the DRAM cache right."""
+
+import numpy as np
+import pytest
+import torch
+
+from ktlong.kv_cache import HostKVCache, kv_layout
+from ktlong.kv_cache_dense import DenseKVCache
+from ktlong.loader import load_model
+from ktlong.prefill import LayerMajorPrefill
+from tests.tiny_gguf import TinySpec, write_tiny_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("m") / "tiny.gguf"
+    write_tiny_gguf(path, TinySpec(num_layers=3), seed=11)
+    return load_model(str(path))
+
+
+def dense(lm, ids):
+    c = lm.config
+    cache = DenseKVCache(c.num_layers, c.num_kv_heads, c.head_dim, len(ids), lm.model.device, torch.float32)
+    return lm.model.forward(torch.tensor(ids), cache, 0)[-1], cache
+
+
+def prefill(lm, ids, block_size, chunk_size, max_seq_len=None):
+    c = lm.config
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, max_seq_len or len(ids), "fp32")
+    host = HostKVCache(layout, pin=False)
+    engine = LayerMajorPrefill(lm.model, layout, chunk_size, "torch", hidden_on_device=True)
+    logits, stats = engine.run(ids, host)
+    return logits, host, stats
+
+
+@pytest.mark.parametrize("num_tokens,block_size,chunk_size", [
+    (1, 16, 16), (2, 16, 32), (37, 16, 16), (37, 16, 32), (64, 16, 64), (100, 32, 64),
+    (129, 16, 48), (200, 64, 128)])
+def test_last_logits_equal_dense_forward(tiny, num_tokens, block_size, chunk_size):
+    ids = list(np.random.default_rng(num_tokens).integers(0, 300, size=num_tokens))
+    expected, _ = dense(tiny, ids)
+    logits, host, stats = prefill(tiny, ids, block_size, chunk_size, max_seq_len=num_tokens + 5)
+    assert float((logits - expected).abs().max() / expected.abs().max()) < 1e-4
+    assert host.num_tokens == num_tokens and stats.num_tokens == num_tokens
+
+
+def test_host_cache_holds_every_layers_kv_head_major(tiny):
+    ids = list(np.random.default_rng(0).integers(0, 300, size=75))
+    _, cache = dense(tiny, ids)
+    _, host, _ = prefill(tiny, ids, 16, 32)
+    c = tiny.config
+    for layer in range(c.num_layers):
+        k = host.k[layer].view(c.num_kv_heads, -1, c.head_dim)[:, :75]
+        v = host.v[layer].view(c.num_kv_heads, -1, c.head_dim)[:, :75]
+        torch.testing.assert_close(k, cache.k[layer, :, :75], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, cache.v[layer, :, :75], rtol=1e-5, atol=1e-5)
+
+
+def test_side_tables_summarise_valid_tokens_of_each_block(tiny):
+    ids = list(np.random.default_rng(1).integers(0, 300, size=75))  # last block of 16 is partial
+    _, cache = dense(tiny, ids)
+    _, host, _ = prefill(tiny, ids, 16, 32)
+    k = cache.k.numpy()
+    for layer in range(tiny.config.num_layers):
+        for h in range(tiny.config.num_kv_heads):
+            for b in range(5):
+                keys = k[layer, h, b * 16:min((b + 1) * 16, 75)]
+                np.testing.assert_allclose(host.key_mean[layer, h, b], keys.mean(0), rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(host.key_max[layer, h, b], keys.max(0), rtol=1e-6)
+                np.testing.assert_allclose(host.key_min[layer, h, b], keys.min(0), rtol=1e-6)
+
+
+def test_importance_is_attention_from_the_chunks_last_queries():
+    from operators.block_summary import token_importance
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, 8, generator=g)  # last 3 queries of a 10-token chunk, 4 heads
+    k = torch.randn(2, 10, 8, generator=g)  # 2 kv heads
+    got = token_importance(q, k, 0.5)
+    expected = torch.zeros(2, 10)
+    for head in range(4):
+        kv = head // 2
+        for i in range(3):
+            pos = 7 + i
+            w = torch.softmax((k[kv, :pos + 1] @ q[i, head]) * 0.5, 0)
+            expected[kv, :pos + 1] = torch.maximum(expected[kv, :pos + 1], w)
+    torch.testing.assert_close(got, expected)
+
+
+def test_dram_traffic_is_linear_in_prompt_length(tiny):
+    c = tiny.config
+    per_token = 2 * c.num_kv_heads * c.head_dim * 4 * c.num_layers
+    for n in (64, 128):
+        ids = list(range(n))
+        _, _, stats = prefill(tiny, ids, 16, 32)
+        kv = stats.bytes_to_host
+        assert per_token * n <= kv <= 1.5 * per_token * n
