@@ -93,21 +93,49 @@ def run(args) -> int:
     from ktlong.loader import load_model, open_model
 
     config = load_config(args.config, overrides_from(args))
-    _, model_config = open_model(config.model)  # checks the file before any weight is read
+    gf, model_config = open_model(config.model)  # checks the file before any weight is read
     max_seq_len = config.check_against_model(model_config.num_layers, model_config.context_length)
-    if config.mode == "long_context":
-        raise ConfigError("mode long_context (offloaded KV, sparse attention) is not in this build "
-                          "yet; run with --mode normal.")
     if config.threads_num:
         torch.set_num_threads(config.threads_num)
     device = resolve_device(config.device)
-    lm = load_model(config.model, device, resolve_dtype(config.dtype, device))
+    dtype = resolve_dtype(config.dtype, device)
+    plan = None
+    if config.mode == "long_context":
+        plan = long_context_plan(config, gf, model_config, max_seq_len, device, dtype)
+    lm = load_model(config.model, device, dtype)
     c = lm.config
     print(f"[loaded {lm.path.name}: {c.arch}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} "
           f"heads, context {c.context_length}, on {device} in {lm.load_seconds:.1f}s; "
           f"max_seq_len {max_seq_len}]", file=sys.stderr)
-    ChatLoop(lm, config, max_seq_len, args.prompt_file).run(interactive=sys.stdin.isatty())
+    session = None
+    if plan is not None:
+        from ktlong.long_context_session import LongContextSession
+
+        session = LongContextSession(lm.model, plan[1], config.chunk_size, config.attention_backend,
+                                     plan[0].hidden_on_device)
+    ChatLoop(lm, config, max_seq_len, args.prompt_file, session=session).run(
+        interactive=sys.stdin.isatty())
     return 0
+
+
+def long_context_plan(config, gf, model_config, max_seq_len, device, dtype):
+    """Plan memory from the file's tensor shapes; refuse before any weight is read."""
+    import math
+
+    from ktlong.kv_cache import kv_layout
+    from ktlong.memory_plan import GIB, available_dram_bytes, check_plan, plan_memory
+
+    c = model_config
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size, max_seq_len,
+                       config.kv_type)
+    elements = sum(math.prod(t.shape) for t in gf.tensors.values())
+    budget = int(config.gpu_memory_budget_gb * GIB)
+    is_gpu = device.type == "cuda"
+    plan = plan_memory(c, elements, dtype.itemsize, layout, config.chunk_size, budget, is_gpu)
+    print(f"[memory plan for max_seq_len {max_seq_len:,}, kv_type {config.kv_type}]\n{plan.table()}",
+          file=sys.stderr)
+    check_plan(plan, budget, is_gpu, available_dram_bytes(), max_seq_len)
+    return plan, layout
 
 
 if __name__ == "__main__":

@@ -18,13 +18,13 @@ HELP = ('Type a message. Empty line: send the prompt file. A file path: send tha
 
 class ChatLoop:
     def __init__(self, lm: LoadedModel, config: Config, max_seq_len: int, prompt_file: str | None,
-                 out=None, err=None):
+                 out=None, err=None, session=None):
         self.lm, self.config, self.max_seq_len = lm, config, max_seq_len
         self.prompt_file = prompt_file
         self.out, self.err = out or sys.stdout, err or sys.stderr
         template = lm.chat_template if config.use_chat_template else None
         self.conversation = Conversation(lm.tokenizer, template, config.system_prompt)
-        self.session = DenseSession(lm.model, max_seq_len, config.chunk_size)
+        self.session = session or DenseSession(lm.model, max_seq_len, config.chunk_size)
         self.sampler = Sampler(config.temperature, config.top_p, config.top_k, config.seed)
 
     def notice(self, text: str):

@@ -52,3 +52,14 @@ def hf_tokenizer():
 @pytest.fixture(scope="session")
 def hf_model():
     return _hf_model
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,19 @@
+"""`python -m ktlong.bench NAME [options]`: run one benchmark and print its table."""
+
+import sys
+
+from ktlong.bench import prefill
+
+BENCHES = {"prefill": prefill.main}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in BENCHES:
+        print(f"usage: python -m ktlong.bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
+        return 2
+    return BENCHES[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

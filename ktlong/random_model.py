@@ -1,0 +1,52 @@
+"""Random-weight models of real shapes, built on the target device, for speed and memory runs."""
+
+from __future__ import annotations
+
+import torch
+
+from ktlong.model_config import ModelConfig, RopeConfig
+from ktlong.models.llama import LlamaModel
+from ktlong.weights import LayerWeights, ModelWeights
+
+SHAPES = {
+    "llama-3.1-8b": dict(num_layers=32, hidden_size=4096, intermediate_size=14336, num_heads=32,
+                         num_kv_heads=8, head_dim=128, vocab_size=128256, context_length=131072,
+                         rope=RopeConfig(base=500000.0, dim=128)),
+    "tiny": dict(num_layers=2, hidden_size=256, intermediate_size=512, num_heads=8,
+                 num_kv_heads=2, head_dim=32, vocab_size=1000, context_length=1 << 20,
+                 rope=RopeConfig(base=10000.0, dim=32)),
+}
+
+
+def random_config(name: str) -> ModelConfig:
+    return ModelConfig(arch="llama", rms_norm_eps=1e-5, **SHAPES[name])
+
+
+def num_weight_elements(c: ModelConfig) -> int:
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_layer = 2 * c.hidden_size + c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
+    head = c.vocab_size * c.hidden_size * (2 if c.has_output_head else 1)
+    return c.num_layers * per_layer + head + c.hidden_size
+
+
+def random_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> LlamaModel:
+    c = random_config(name)
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g, device=device, dtype=dtype) * shape[-1] ** -0.5)
+
+    def ones(n):
+        return torch.ones(n, device=device, dtype=dtype)
+
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    layers = [LayerWeights(attn_norm=ones(c.hidden_size), wq=w(q, c.hidden_size), wk=w(kv, c.hidden_size),
+                           wv=w(kv, c.hidden_size), wo=w(c.hidden_size, q), bq=None, bk=None, bv=None,
+                           ffn_norm=ones(c.hidden_size), w_gate=w(c.intermediate_size, c.hidden_size),
+                           w_up=w(c.intermediate_size, c.hidden_size),
+                           w_down=w(c.hidden_size, c.intermediate_size))
+              for _ in range(c.num_layers)]
+    weights = ModelWeights(embed=w(c.vocab_size, c.hidden_size), layers=layers,
+                           output_norm=ones(c.hidden_size), output=w(c.vocab_size, c.hidden_size),
+                           rope_freq_factors=None)
+    return LlamaModel(c, weights)

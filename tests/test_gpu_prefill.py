@@ -1,0 +1,63 @@
+"""On the GPU: FlashInfer chunk attention over head-major pages and the offloading prefill
+agree with the torch reference within bf16 noise."""
+
+import pytest
+import torch
+
+from ktlong.kv_cache import HostKVCache, kv_layout
+from ktlong.prefill import LayerMajorPrefill
+from ktlong.random_model import random_model
+from operators.chunk_attention import chunk_attention, flashinfer_available
+from operators.dense_attention import dense_attention
+
+pytestmark = pytest.mark.gpu
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.skipif(not flashinfer_available(), reason="FlashInfer is not installed")
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+@pytest.mark.parametrize("num_q,num_k", [(128, 128), (256, 1000), (1, 777)])
+def test_flashinfer_on_strided_head_major_view_equals_reference(backend, num_q, num_k):
+    if backend == "fa3" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("fa3 needs Hopper")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pages = torch.randn(8, 2048, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    values = torch.randn(8, 2048, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(num_q, 32, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    k, v = pages[:, :num_k], values[:, :num_k]  # strided: head stride is 2048 * 128
+    got = chunk_attention(q, k, v, 128 ** -0.5, backend)
+    expected = dense_attention(q.double(), k.double(), v.double(), 128 ** -0.5)
+    assert rel(got, expected) < 2e-2
+
+
+def run_prefill(model, ids, backend, hidden_on_device, chunk=512):
+    c = model.config
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 128, len(ids), "bf16")
+    host = HostKVCache(layout, pin=True)
+    logits, stats = LayerMajorPrefill(model, layout, chunk, backend, hidden_on_device).run(ids, host)
+    return logits, host, stats
+
+
+def test_gpu_prefill_matches_float32_cpu_reference():
+    ids = torch.randint(0, 1000, (1500,), generator=torch.Generator().manual_seed(1)).tolist()
+    gpu_model = random_model("tiny", torch.device("cuda"), torch.bfloat16)
+    cpu_model = random_model("tiny", torch.device("cuda"), torch.float32)
+    for name in ("embed", "output", "output_norm"):
+        setattr(cpu_model.weights, name, getattr(gpu_model.weights, name).float().cpu())
+    for lw_cpu, lw_gpu in zip(cpu_model.weights.layers, gpu_model.weights.layers):
+        for f in lw_cpu.__slots__:
+            t = getattr(lw_gpu, f)
+            setattr(lw_cpu, f, None if t is None else t.float().cpu())
+    cpu_model.device, cpu_model.inv_freq = torch.device("cpu"), cpu_model.inv_freq.cpu()
+    expected, _, _ = run_prefill(cpu_model, ids, "torch", True)
+    backends = ["torch"] + (["fa2"] if flashinfer_available() else [])
+    for backend in backends:
+        for on_device in (True, False):
+            logits, host, stats = run_prefill(gpu_model, ids, backend, on_device)
+            assert rel(logits.cpu(), expected) < 3e-2, (backend, on_device)
+            assert host.num_tokens == 1500 and stats.bytes_to_host > 0
+            if not on_device:
+                assert stats.bytes_to_device == 2 * 1500 * 256 * 2  # hidden in, per layer

@@ -1,0 +1,67 @@
+"""Long-context mode (layer-major prefill, DRAM cache, decode over it) generates what dense does."""
+
+import numpy as np
+import pytest
+
+from ktlong.dense_session import DenseSession
+from ktlong.generate import generate
+from ktlong.kv_cache import kv_layout
+from ktlong.loader import load_model
+from ktlong.long_context_session import LongContextSession
+from ktlong.sampling import Sampler
+from tests.tiny_gguf import TinySpec, write_tiny_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("m") / "tiny.gguf"
+    write_tiny_gguf(path, TinySpec(num_layers=2), seed=21)
+    return load_model(str(path))
+
+
+def session_for(lm, max_seq_len, block_size=16, chunk_size=32):
+    c = lm.config
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, max_seq_len, "fp32")
+    return LongContextSession(lm.model, layout, chunk_size, "torch", hidden_on_device=True)
+
+
+def test_generation_equals_dense_session(tiny):
+    prompt = list(np.random.default_rng(3).integers(0, 300, size=45))
+    dense = generate(DenseSession(tiny.model, 128, 32), prompt, 40, Sampler(), frozenset(), lambda i: "")
+    long = generate(session_for(tiny, 128), prompt, 40, Sampler(), frozenset(), lambda i: "")
+    assert long.token_ids == dense.token_ids and len(long.token_ids) == 40
+
+
+def test_follow_up_turn_extends_the_cache(tiny):
+    session = session_for(tiny, 128)
+    first = list(range(20))
+    session.prefill(first)
+    follow = first + [7, 8, 9]
+    stepped = session.prefill(follow)
+    fresh = session_for(tiny, 128).prefill(follow)
+    assert float((stepped - fresh).abs().max() / fresh.abs().max()) < 1e-5
+    assert session.host.num_tokens == len(follow)
+
+
+def test_blocks_filled_during_decode_get_side_tables(tiny):
+    session = session_for(tiny, 64, block_size=16)
+    session.prefill(list(range(10)))
+    for t in range(10):  # crosses into the second block: block 0 fills at position 15
+        session.step(t)
+    k = session.host.k[0][0, 0].numpy()  # layer 0, kv head 0, block 0: [16, D]
+    np.testing.assert_allclose(session.host.key_max[0, 0, 0].numpy(), k.max(0), rtol=1e-6)
+    np.testing.assert_allclose(session.host.key_mean[0, 0, 0].numpy(), k.mean(0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_local_chat_long_context_mode_answers(tmp_path, monkeypatch, capsys):
+    import io
+
+    import local_chat
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\n"))
+    assert local_chat.main(["--mode", "long_context", "--max_new_tokens", "24", "--set", "chunk_size=1024",
+                            "--set", "kv_type=fp32"]) == 0
+    captured = capsys.readouterr()
+    assert "Paris" in captured.out and "memory plan" in captured.err
