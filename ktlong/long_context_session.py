@@ -6,6 +6,8 @@ sparse CPU operator and the GPU local window replace that path in the hybrid dec
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from tqdm import tqdm
 
@@ -13,6 +15,7 @@ from ktlong.kv_cache import HostKVCache, KVLayout
 from ktlong.models.llama import LlamaModel
 from ktlong.prefill import LayerMajorPrefill
 from operators.block_summary import block_summaries
+from operators.compact_attention import CompactParams
 from operators.dense_attention import dense_attention
 
 MAX_STEPPED_SUFFIX = 512  # a follow-up this short is fed token by token instead of re-prefilled
@@ -20,10 +23,10 @@ MAX_STEPPED_SUFFIX = 512  # a follow-up this short is fed token by token instead
 
 class LongContextSession:
     def __init__(self, model: LlamaModel, layout: KVLayout, chunk_size: int, backend: str,
-                 hidden_on_device: bool):
+                 hidden_on_device: bool, compact: CompactParams | None = None):
         self.model, self.layout = model, layout
         self.max_seq_len = layout.capacity
-        self.engine = LayerMajorPrefill(model, layout, chunk_size, backend, hidden_on_device)
+        self.engine = LayerMajorPrefill(model, layout, chunk_size, backend, hidden_on_device, compact)
         self.host = HostKVCache(layout, pin=model.device.type == "cuda")
         self.ids: list[int] = []
         self.last_stats = None
@@ -45,6 +48,11 @@ class LongContextSession:
         progress = _ScaledProgress(bar, 1.0 / layers)
         logits, self.last_stats = self.engine.run(prompt_ids, self.host, progress)
         bar.close()
+        densities = self.last_stats.density_per_layer
+        if show_progress and densities:
+            shown = " ".join(f"{d:.2f}" for d in densities)
+            print(f"[CompactAttention kept {sum(densities) / len(densities):.1%} of history blocks; "
+                  f"per layer: {shown}]", file=sys.stderr)
         self.ids = list(prompt_ids)
         return logits
 

@@ -19,6 +19,7 @@ from ktlong.kv_cache import DevicePages, HostKVCache, KVLayout
 from ktlong.models.llama import LlamaModel
 from operators.block_summary import block_summaries, token_importance
 from operators.chunk_attention import chunk_attention, flashinfer_available
+from operators.compact_attention import CompactAttention, CompactParams
 
 IMPORTANCE_QUERIES = 64  # last queries of each chunk that score its keys for DYNAMIC anchors
 
@@ -42,6 +43,7 @@ class PrefillStats:
     bytes_to_host: int = 0
     bytes_to_device: int = 0
     peak_device_bytes: int = 0
+    density_per_layer: list[float] = field(default_factory=list)  # kept history fraction (compact)
     _events: list = field(default_factory=list, repr=False)
 
     @property
@@ -73,13 +75,22 @@ class _Timer:
 
 class LayerMajorPrefill:
     def __init__(self, model: LlamaModel, layout: KVLayout, chunk_size: int, backend: str,
-                 hidden_on_device: bool):
+                 hidden_on_device: bool, compact: CompactParams | None = None):
         assert chunk_size % layout.block_size == 0
         self.model, self.layout, self.chunk_size = model, layout, chunk_size
         self.device = model.device
         self.backend = resolve_backend(backend, self.device)
         self.hidden_on_device = hidden_on_device or self.device.type == "cpu"
         self.pages = DevicePages(layout, self.device)
+        self.compact = None
+        if compact is not None or self.backend == "fa3":  # fa3 runs dense as "every page kept"
+            c = model.config
+            self.compact = CompactAttention(compact or CompactParams(selector="all"), c.num_heads,
+                                            c.num_kv_heads, layout.block_size, model.scale, self.backend,
+                                            self.device)
+        # pooled (mean) key of every block of the current layer, for the block selector
+        self.pooled_keys = torch.zeros((layout.num_kv_heads, layout.num_blocks, layout.head_dim),
+                                       dtype=torch.float32, device=self.device)
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
 
@@ -98,6 +109,7 @@ class LayerMajorPrefill:
         for layer in range(self.model.config.num_layers):
             if self.cuda:  # the pages are about to be overwritten: last layer's copies must be done
                 torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            self._densities = []
             for s, e in chunks:
                 x = hidden[s:e].to(self.device, non_blocking=True)
                 if not self.hidden_on_device:
@@ -106,6 +118,9 @@ class LayerMajorPrefill:
                 self._store_hidden(hidden, x, s, e, stats)
                 if progress is not None:
                     progress.update(e - s)
+            if self.compact is not None:
+                d = self._densities
+                stats.density_per_layer.append(sum(d) / len(d) if d else 1.0)
         last = hidden[num_tokens - 1:].to(self.device)
         logits = self.model.logits(last)[0]
         if self.cuda:
@@ -141,12 +156,20 @@ class LayerMajorPrefill:
         model = self.model
         q, k, v = model.qkv(layer, x, positions)
         self.pages.write(s, k.to(self.layout.dtype), v.to(self.layout.dtype))
-        keys, values = self.pages.tokens(self.pages.k)[:, :e], self.pages.tokens(self.pages.v)[:, :e]
         with _Timer(stats, self.device):
-            o = chunk_attention(q.to(self.layout.dtype), keys, values, model.scale, self.backend)
+            o = self._attention(q.to(self.layout.dtype), s, e)
         self._offload(layer, q, s, e, host, stats)
         x = x + model.attention_output(layer, o.to(x.dtype))
         return x + model.mlp(layer, x)
+
+    def _attention(self, q, s, e) -> torch.Tensor:
+        if self.compact is None:
+            keys, values = self.pages.tokens(self.pages.k)[:, :e], self.pages.tokens(self.pages.v)[:, :e]
+            return chunk_attention(q, keys, values, self.model.scale, self.backend)
+        o, pages = self.compact(q, self.pages.k, self.pages.v, self.pooled_keys, s, e)
+        if pages.num_hist:
+            self._densities.append(pages.density)
+        return o
 
     def _offload(self, layer, q, s, e, host: HostKVCache, stats):
         """Summarise the chunk's blocks and copy its K/V and side tables to DRAM."""
@@ -154,6 +177,7 @@ class LayerMajorPrefill:
         b0, b1 = s // B, -(-e // B)
         k_blocks = self.pages.k[:, b0:b1]  # [KV, nb, B, D]
         mean, kmax, kmin = block_summaries(k_blocks, e - s)
+        self.pooled_keys[:, b0:b1] = mean
         keys = self.pages.tokens(self.pages.k)[:, s:e]
         importance = token_importance(q[-IMPORTANCE_QUERIES:], keys, self.model.scale)  # [KV, e-s]
         ctx = torch.cuda.stream(self.copy_stream) if self.cuda else nullcontext()

@@ -95,3 +95,31 @@ def test_dram_traffic_is_linear_in_prompt_length(tiny):
         _, _, stats = prefill(tiny, ids, 16, 32)
         kv = stats.bytes_to_host
         assert per_token * n <= kv <= 1.5 * per_token * n
+
+
+def test_compact_prefill_keeping_everything_equals_dense(tiny):
+    from operators.compact_attention import CompactParams
+
+    ids = list(np.random.default_rng(9).integers(0, 300, size=150))
+    expected, _ = dense(tiny, ids)
+    c = tiny.config
+    for params in (CompactParams(selector="flashprefill", alpha=0.0),
+                   CompactParams(selector="xattention", threshold=1.0, stride=4)):
+        layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 150, "fp32")
+        engine = LayerMajorPrefill(tiny.model, layout, 32, "torch", True, compact=params)
+        logits, stats = engine.run(ids, HostKVCache(layout, pin=False))
+        assert float((logits - expected).abs().max() / expected.abs().max()) < 1e-5
+        assert stats.density_per_layer == [1.0] * c.num_layers
+
+
+def test_compact_prefill_logs_density_per_layer(tiny):
+    from operators.compact_attention import CompactParams
+
+    ids = list(np.random.default_rng(10).integers(0, 300, size=256))
+    c = tiny.config
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 256, "fp32")
+    engine = LayerMajorPrefill(tiny.model, layout, 32, "torch", True,
+                               compact=CompactParams(alpha=0.9, sink_blocks=0, window_blocks=0))
+    logits, stats = engine.run(ids, HostKVCache(layout, pin=False))
+    assert len(stats.density_per_layer) == c.num_layers
+    assert all(0 < d <= 1 for d in stats.density_per_layer) and min(stats.density_per_layer) < 1

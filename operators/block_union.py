@@ -1,0 +1,66 @@
+"""Q-block union and intra-group union of selected blocks into per-group page lists.
+
+An execution group is the query heads of one kv head, or a subgroup of `subgroup_size` of
+them when the kv group is larger. Each group becomes one FlashInfer request with one kv
+head: its page list is every history block selected by any of its heads for any query block
+of the chunk (and nothing else), followed by the chunk's own blocks, in position order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def execution_groups(num_heads: int, num_kv_heads: int, subgroup_size: int) -> torch.Tensor:
+    """[G, group_size] query-head ids; group g reads kv head g // (groups per kv head)."""
+    group = num_heads // num_kv_heads
+    size = subgroup_size if subgroup_size < group and group % subgroup_size == 0 else group
+    return torch.arange(num_heads).view(-1, size)
+
+
+@dataclass
+class PageLists:
+    indptr: torch.Tensor  # [G + 1] int32 on the CPU (FlashInfer copies it at plan time)
+    indices: torch.Tensor  # [nnz] int32 on the compute device: page = kv_head * blocks_per_head + block
+    last_page_len: int  # valid tokens in each group's last page (the chunk's last block)
+    num_hist_kept: torch.Tensor  # [G] int64 on the CPU: selected history blocks per group
+    num_hist: int
+
+    @property
+    def density(self) -> float:
+        """Kept fraction of history blocks, averaged over groups (1.0 with no history)."""
+        if self.num_hist == 0:
+            return 1.0
+        return float(self.num_hist_kept.float().mean()) / self.num_hist
+
+
+def union_query_blocks(keep: torch.Tensor) -> torch.Tensor:
+    """keep: [H, num_query_blocks, num_hist] -> [H, num_hist]."""
+    return keep.any(dim=1)
+
+
+def union_groups(head_keep: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """head_keep: [H, num_hist]; groups: [G, size] -> [G, num_hist]."""
+    return head_keep[groups.to(head_keep.device)].any(dim=1)
+
+
+def build_page_lists(group_keep: torch.Tensor, groups: torch.Tensor, num_heads: int, num_kv_heads: int,
+                     blocks_per_head: int, chunk_first_block: int, chunk_tokens: int,
+                     block_size: int) -> PageLists:
+    """Page lists without a sort: nonzero() of [G, history + chunk blocks] is already ordered."""
+    device = group_keep.device
+    num_groups, num_hist = group_keep.shape
+    assert num_hist == chunk_first_block
+    chunk_blocks = -(-chunk_tokens // block_size)
+    full = torch.ones((num_groups, num_hist + chunk_blocks), dtype=torch.bool, device=device)
+    full[:, :num_hist] = group_keep
+    g, j = full.nonzero(as_tuple=True)
+    kv_of_group = torch.arange(num_groups, device=device) // (num_groups // num_kv_heads)
+    indices = (kv_of_group[g] * blocks_per_head + j).to(torch.int32)
+    counts = full.sum(1).cpu()  # the one host sync: FlashInfer plans on host-side lengths
+    indptr = torch.zeros(num_groups + 1, dtype=torch.int32)
+    indptr[1:] = counts.cumsum(0)
+    last = chunk_tokens - (chunk_blocks - 1) * block_size
+    return PageLists(indptr, indices, last, counts - chunk_blocks, num_hist)

@@ -1,0 +1,81 @@
+"""CompactAttention for one prefill chunk of one layer: select, union, execute in place.
+
+1. a selector marks (query block, history block) pairs per head;
+2. the Q-block union and the intra-group union reduce them to one page list per group;
+3. one paged-attention call (FlashInfer on the GPU, the torch reference elsewhere) runs
+   every group over its selected history pages followed by the chunk's own pages, causal.
+With nothing dropped (alpha = 0, threshold = 1) the result is dense attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from operators.block_selector import select_blocks_flashprefill
+from operators.block_union import (PageLists, build_page_lists, execution_groups, union_groups,
+                                   union_query_blocks)
+from operators.paged_attention_reference import paged_attention_reference
+from operators.xattention_selector import select_blocks_xattention
+
+SELECTORS = ("flashprefill", "xattention", "all")
+
+
+@dataclass(frozen=True)
+class CompactParams:
+    selector: str = "flashprefill"  # flashprefill | xattention | all (keep every block: dense)
+    alpha: float = 0.1
+    threshold: float = 0.9
+    stride: int = 8
+    sink_blocks: int = 1
+    window_blocks: int = 2
+    subgroup_size: int = 4
+
+    def __post_init__(self):
+        assert self.selector in SELECTORS, self.selector
+
+
+class CompactAttention:
+    def __init__(self, params: CompactParams, num_heads: int, num_kv_heads: int, block_size: int,
+                 scale: float, backend: str, device: torch.device):
+        self.params, self.block_size, self.scale, self.backend = params, block_size, scale, backend
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.groups = execution_groups(num_heads, num_kv_heads, params.subgroup_size)
+        self.executor = None
+        if backend != "torch":
+            from operators.flashinfer_paged import FlashInferPagedExecutor
+
+            self.executor = FlashInferPagedExecutor(device, backend)
+
+    def select(self, q: torch.Tensor, k_pages: torch.Tensor, pooled_keys: torch.Tensor,
+               start: int) -> torch.Tensor:
+        """q: [T, H, D]; pooled_keys: [KV, >= start/B, D] -> keep [H, nqb, start/B] bool."""
+        p, num_hist = self.params, start // self.block_size
+        if p.selector == "all" or num_hist == 0:
+            nqb = -(-q.shape[0] // self.block_size)
+            return torch.ones((self.num_heads, nqb, num_hist), dtype=torch.bool, device=q.device)
+        if p.selector == "flashprefill":
+            return select_blocks_flashprefill(q, pooled_keys[:, :num_hist], self.block_size, p.alpha,
+                                              self.scale, p.sink_blocks, p.window_blocks)
+        keys = k_pages.view(k_pages.shape[0], -1, k_pages.shape[-1])[:, :start]
+        return select_blocks_xattention(q, keys, self.block_size, p.stride, p.threshold, self.scale,
+                                        p.sink_blocks, p.window_blocks)
+
+    def page_lists(self, keep: torch.Tensor, start: int, end: int, blocks_per_head: int) -> PageLists:
+        group_keep = union_groups(union_query_blocks(keep), self.groups)
+        return build_page_lists(group_keep, self.groups, self.num_heads, self.num_kv_heads,
+                                blocks_per_head, start // self.block_size, end - start, self.block_size)
+
+    def execute(self, q, k_pages, v_pages, pages: PageLists) -> torch.Tensor:
+        if self.executor is None:
+            return paged_attention_reference(q, k_pages, v_pages, self.groups, pages, self.scale)
+        self.executor.plan(q.shape[0], self.groups, pages, q.shape[-1], self.block_size, self.scale, q.dtype)
+        return self.executor.run(q, k_pages, v_pages, self.groups)
+
+    def __call__(self, q, k_pages, v_pages, pooled_keys, start: int, end: int):
+        """Attention of the chunk's queries (positions start..end) -> (out [T, H, D], page lists)."""
+        assert start % self.block_size == 0 and q.shape[0] == end - start
+        keep = self.select(q, k_pages, pooled_keys, start)
+        pages = self.page_lists(keep, start, end, k_pages.shape[1])
+        return self.execute(q, k_pages, v_pages, pages), pages

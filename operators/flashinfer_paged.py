@@ -1,0 +1,48 @@
+"""Execute per-group page lists in place with FlashInfer's paged prefill (no KV copy).
+
+The head-major pages [KV, NB, B, D] are viewed as NB*KV pages of one head ([KV*NB, B, 1, D],
+NHD); each execution group is one request with num_kv_heads=1 whose queries are the chunk's
+tokens of the group's heads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from operators.block_union import PageLists
+
+WORKSPACE_BYTES = 128 << 20
+
+
+class FlashInferPagedExecutor:
+    def __init__(self, device: torch.device, backend: str):
+        import flashinfer
+
+        assert backend in ("fa2", "fa3", "auto")
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=backend)
+
+    def plan(self, num_tokens: int, groups: torch.Tensor, pages: PageLists, head_dim: int,
+             block_size: int, scale: float, dtype: torch.dtype):
+        num_groups, size = groups.shape
+        qo_indptr = torch.arange(num_groups + 1, dtype=torch.int32) * num_tokens
+        last = torch.full((num_groups,), pages.last_page_len, dtype=torch.int32)
+        self.wrapper.plan(qo_indptr, pages.indptr, pages.indices, last, num_qo_heads=size, num_kv_heads=1,
+                          head_dim_qk=head_dim, page_size=block_size, causal=True, sm_scale=scale,
+                          q_data_type=dtype, kv_data_type=dtype)
+
+    def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+            groups: torch.Tensor) -> torch.Tensor:
+        """q: [T, H, D] -> [T, H, D]; call plan() first for this chunk's page lists."""
+        assert q.dtype == k_pages.dtype == v_pages.dtype and k_pages.is_contiguous()
+        num_tokens, num_heads, dim = q.shape
+        num_groups, size = groups.shape
+        num_kv, blocks, block_size, _ = k_pages.shape
+        order = groups.reshape(-1).to(q.device)
+        q_grouped = q[:, order].view(num_tokens, num_groups, size, dim).transpose(0, 1)
+        q_grouped = q_grouped.reshape(num_groups * num_tokens, size, dim)
+        cache = (k_pages.view(num_kv * blocks, block_size, 1, dim), v_pages.view(num_kv * blocks, block_size, 1, dim))
+        o = self.wrapper.run(q_grouped, cache)  # [G*T, size, D]
+        out = torch.empty_like(q)
+        out[:, order] = o.view(num_groups, num_tokens, size, dim).transpose(0, 1).reshape(num_tokens, num_heads, dim)
+        return out

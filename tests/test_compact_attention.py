@@ -1,0 +1,148 @@
+"""CompactAttention: selection, unions and page lists keep exactly what was selected, and the
+executed result equals dense attention restricted to the kept blocks (dense when all kept)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from operators.block_selector import pool_query_blocks, select_blocks_flashprefill
+from operators.block_union import build_page_lists, execution_groups, union_groups, union_query_blocks
+from operators.compact_attention import CompactAttention, CompactParams
+from operators.dense_attention import dense_attention
+from operators.xattention_selector import select_blocks_xattention
+
+B = 16
+
+
+def setup(num_heads=8, num_kv=2, dim=16, start=10 * B, chunk=3 * B + 5, seed=0, capacity_blocks=20):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_kv, capacity_blocks, B, dim, generator=g)
+    v = torch.randn(num_kv, capacity_blocks, B, dim, generator=g)
+    q = torch.randn(chunk, num_heads, dim, generator=g) * 2
+    pooled = k.mean(2)
+    return q, k, v, pooled, start, start + chunk
+
+
+def masked_dense(q, k, v, start, end, group_keep_per_head, scale):
+    """Dense attention where head h sees history block j only if group_keep_per_head[h, j]."""
+    num_kv, _, _, dim = k.shape
+    keys = k.reshape(num_kv, -1, dim)[:, :end].double()
+    values = v.reshape(num_kv, -1, dim)[:, :end].double()
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // num_kv
+    for h in range(q.shape[1]):
+        kv = h // group
+        for i in range(q.shape[0]):
+            pos = start + i
+            visible = torch.zeros(end, dtype=torch.bool)
+            visible[start:pos + 1] = True
+            for j in range(start // B):
+                if group_keep_per_head[h, j]:
+                    visible[j * B:(j + 1) * B] = True
+            s = (keys[kv, visible] @ q[i, h].double()) * scale
+            out[i, h] = torch.softmax(s, 0) @ values[kv, visible]
+    return out
+
+
+@pytest.mark.parametrize("subgroup", [1, 2, 4, 8])
+@pytest.mark.parametrize("seed", range(4))
+def test_page_lists_cover_every_selected_block_and_nothing_else(subgroup, seed):
+    rng = np.random.default_rng(seed)
+    num_heads, num_kv, nqb, num_hist, nb = 8, 2, 3, 11, 20
+    keep = torch.from_numpy(rng.random((num_heads, nqb, num_hist)) < 0.2)
+    groups = execution_groups(num_heads, num_kv, subgroup)
+    pages = build_page_lists(union_groups(union_query_blocks(keep), groups), groups, num_heads, num_kv,
+                             nb, num_hist, 2 * B + 3, B)
+    indptr = pages.indptr.tolist()
+    for g, heads in enumerate(groups.tolist()):
+        kv = heads[0] // (num_heads // num_kv)
+        assert all(h // (num_heads // num_kv) == kv for h in heads)
+        listed = pages.indices[indptr[g]:indptr[g + 1]].tolist()
+        expected_hist = [j for j in range(num_hist) if keep[heads, :, j].any()]
+        chunk_pages = [kv * nb + num_hist + t for t in range(3)]  # the chunk is always all there
+        assert listed == [kv * nb + j for j in expected_hist] + chunk_pages
+    assert pages.last_page_len == 3
+
+
+def test_subgroups_split_large_groups():
+    assert execution_groups(32, 8, 4).shape == (8, 4)
+    assert execution_groups(32, 4, 4).shape == (8, 4)
+    assert execution_groups(14, 2, 4).shape == (2, 7)  # 7 heads do not split into 4s: whole group
+
+
+@pytest.mark.parametrize("selector", ["flashprefill", "xattention", "all"])
+def test_keeping_everything_equals_dense_attention(selector):
+    q, k, v, pooled, start, end = setup()
+    params = CompactParams(selector=selector, alpha=0.0, threshold=1.0, stride=4)
+    op = CompactAttention(params, 8, 2, B, 0.25, "torch", torch.device("cpu"))
+    out, pages = op(q, k, v, pooled, start, end)
+    keys = k.reshape(2, -1, 16)[:, :end]
+    values = v.reshape(2, -1, 16)[:, :end]
+    expected = dense_attention(q, keys, values, 0.25)
+    assert pages.density == 1.0
+    assert float((out - expected).abs().max() / expected.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("subgroup", [2, 4])
+def test_result_equals_dense_restricted_to_kept_blocks(subgroup):
+    q, k, v, pooled, start, end = setup(seed=3, chunk=B + 5)
+    strength = torch.linspace(0.2, 3.0, 20)[torch.randperm(20, generator=torch.Generator().manual_seed(9))]
+    k = k * strength[None, :, None, None]  # some history blocks matter far more than others
+    pooled = k.mean(2)
+    op = CompactAttention(CompactParams(alpha=0.9, sink_blocks=1, window_blocks=1, subgroup_size=subgroup),
+                          8, 2, B, 0.25, "torch", torch.device("cpu"))
+    out, pages = op(q, k, v, pooled, start, end)
+    assert 0 < pages.density < 1
+    keep_head = torch.zeros(8, start // B, dtype=torch.bool)
+    indptr = pages.indptr.tolist()
+    for g, heads in enumerate(op.groups.tolist()):
+        kv = heads[0] // 4
+        for page in pages.indices[indptr[g]:indptr[g + 1]].tolist():
+            j = page - kv * k.shape[1]
+            if j < start // B:
+                keep_head[heads, j] = True
+    expected = masked_dense(q, k, v, start, end, keep_head, 0.25)
+    assert float((out.double() - expected).abs().max() / expected.abs().max()) < 1e-5
+
+
+def test_flashprefill_keeps_blocks_within_alpha_of_the_best():
+    q, k, v, pooled, start, end = setup(seed=5)
+    alpha = 0.3
+    keep = select_blocks_flashprefill(q, pooled[:, :10], B, alpha, 0.25, 0, 0, tile_blocks=3)
+    qb = pool_query_blocks(q, B)  # [H, nqb, D]
+    for h in range(8):
+        s = qb[h] @ pooled[h // 4, :10].T * 0.25  # [nqb, 10]
+        expected = s >= s.max(-1, keepdim=True).values + math.log(alpha)
+        assert torch.equal(keep[h], expected)
+
+
+def test_flashprefill_always_keeps_sinks_and_window():
+    q, k, v, pooled, start, end = setup(seed=6)
+    keep = select_blocks_flashprefill(q, pooled[:, :10], B, 1.0, 0.25, 2, 3)
+    assert keep[:, :, :2].all() and keep[:, :, 7:].all()
+
+
+def test_xattention_mass_matches_direct_softmax_and_tiling():
+    q, k, v, pooled, start, end = setup(seed=7)
+    keys = k.reshape(2, -1, 16)[:, :start]
+    a = select_blocks_xattention(q, keys, B, 4, 0.8, 0.25, 0, 0, tile_tokens=B)  # many tiles
+    b = select_blocks_xattention(q, keys, B, 4, 0.8, 0.25, 0, 0, tile_tokens=1 << 20)  # one tile
+    assert torch.equal(a, b)
+    # reference: antidiagonal sums of each 4x4 tile, softmax over history, summed per block
+    h, i = 5, 1
+    rows = list(range(i * B, min((i + 1) * B, q.shape[0])))
+    qs, ks = q[:, h].double(), keys[h // 4].double()
+    anti = torch.zeros(math.ceil(q.shape[0] / 4), start // 4, dtype=torch.float64)
+    for r in range(anti.shape[0]):
+        for c in range(anti.shape[1]):
+            anti[r, c] = sum(float(qs[4 * r + 3 - t] @ ks[4 * c + t]) for t in range(4)
+                             if 4 * r + 3 - t < q.shape[0])
+    p = torch.softmax(anti * 0.25 / 4, -1)
+    mass = p[rows[0] // 4:rows[-1] // 4 + 1].sum(0).view(-1, B // 4).sum(-1)
+    ordered, order = mass.sort(descending=True)
+    before = ordered.cumsum(0) - ordered
+    expected = torch.zeros(10, dtype=torch.bool)
+    expected[order[before < 0.8 * ordered.sum()]] = True
+    assert torch.equal(a[h, i], expected)
