@@ -18,11 +18,9 @@ def rel(a, b):
 
 
 @pytest.mark.skipif(not flashinfer_available(), reason="FlashInfer is not installed")
-@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+@pytest.mark.parametrize("backend", ["fa2"])
 @pytest.mark.parametrize("num_q,num_k", [(128, 128), (256, 1000), (1, 777)])
 def test_flashinfer_on_strided_head_major_view_equals_reference(backend, num_q, num_k):
-    if backend == "fa3" and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("fa3 needs Hopper")
     g = torch.Generator(device="cuda").manual_seed(0)
     pages = torch.randn(8, 2048, 128, generator=g, device="cuda", dtype=torch.bfloat16)
     values = torch.randn(8, 2048, 128, generator=g, device="cuda", dtype=torch.bfloat16)
@@ -53,7 +51,7 @@ def test_gpu_prefill_matches_float32_cpu_reference():
             setattr(lw_cpu, f, None if t is None else t.float().cpu())
     cpu_model.device, cpu_model.inv_freq = torch.device("cpu"), cpu_model.inv_freq.cpu()
     expected, _, _ = run_prefill(cpu_model, ids, "torch", True)
-    backends = ["torch"] + (["fa2"] if flashinfer_available() else [])
+    backends = ["torch"] + (["fa2", "fa3"] if flashinfer_available() else [])
     for backend in backends:
         for on_device in (True, False):
             logits, host, stats = run_prefill(gpu_model, ids, backend, on_device)

@@ -2,9 +2,9 @@
 
 import sys
 
-from ktlong.bench import prefill
+from ktlong.bench import attention, capture, prefill
 
-BENCHES = {"prefill": prefill.main}
+BENCHES = {"prefill": prefill.main, "attention": attention.main, "capture": capture.main}
 
 
 def main(argv=None) -> int:

@@ -26,3 +26,20 @@ def print_table(headers: list[str], rows: list[list]):
         print("| " + " | ".join(c.rjust(w) for c, w in zip(row, widths)) + " |")
         if n == 0:
             print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+
+
+def time_cuda(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median seconds of fn() over reps, measured with CUDA events."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return median(times)

@@ -1,0 +1,139 @@
+"""Prefill attention of one chunk over a long history: FlashInfer dense vs CompactAttention.
+
+python -m ktlong.bench attention [--chunks 1024,4096] [--histories 32k,128k,512k]
+    [--densities 0.1,0.2,0.3] [--backends fa2,fa3] [--captured captured.npz]
+
+CompactAttention time is split into selection (FlashPrefill selector on pooled keys), union
+and page lists (one host sync), FlashInfer plan, and execution. Fixed densities keep a random
+set of history blocks per group (random data makes every selector keep almost everything);
+--captured runs the selectors on q/k/v captured from a real model's prefill (see
+`python -m ktlong.bench capture`) and reports the density they choose.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+
+from ktlong.bench.common import parse_lengths, print_table, time_cuda
+from operators.block_selector import select_blocks_flashprefill
+from operators.block_union import build_page_lists, union_groups, union_query_blocks
+from operators.compact_attention import CompactAttention, CompactParams
+from operators.chunk_attention import chunk_attention
+
+B = 128
+
+
+def fixed_density_keep(num_groups, num_hist, density, sink, window, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    scores = torch.rand(num_groups, num_hist, device=device, generator=g)
+    scores[:, :sink] = 2
+    scores[:, num_hist - window:] = 2
+    count = max(int(round(density * num_hist)), sink + window)
+    keep = torch.zeros(num_groups, num_hist, dtype=torch.bool, device=device)
+    keep.scatter_(1, scores.topk(count, dim=1).indices, True)
+    return keep
+
+
+def measure(q, k, v, start, backend, keep_groups, op: CompactAttention, pooled, params, dense_s):
+    end = start + q.shape[0]
+    num_hist = start // B
+    select_s = time_cuda(lambda: select_blocks_flashprefill(q, pooled[:, :num_hist], B, params.alpha, op.scale,
+                                                            params.sink_blocks, params.window_blocks))
+    head_keep = torch.ones(op.num_heads, num_hist, dtype=torch.bool, device=q.device)
+
+    def union_and_pages():
+        union_groups(union_query_blocks(head_keep[:, None]), op.groups)  # same work as the real union
+        return build_page_lists(keep_groups, op.groups, op.num_heads, op.num_kv_heads, k.shape[1],
+                                num_hist, end - start, B)
+
+    union_s = time_cuda(union_and_pages)
+    pages = union_and_pages()
+    plan = lambda: op.executor.plan(q.shape[0], op.groups, pages, q.shape[-1], B, op.scale, q.dtype)
+    plan_s = time_cuda(plan)
+    plan()
+    exec_s = time_cuda(lambda: op.executor.run(q, k, v, op.groups))
+    total = select_s + union_s + plan_s + exec_s
+    us = lambda s: f"{s * 1e6:,.0f}"
+    return [backend, q.shape[0], f"{start // 1024}K", us(dense_s), f"{pages.density:.0%}", us(select_s),
+            us(union_s), us(plan_s), us(exec_s), us(total), f"{dense_s / total:.2f}x",
+            f"{(select_s + union_s + plan_s) / dense_s:.1%}"]
+
+
+def dense_time(q, k, v, start, backend, op_all):
+    end = start + q.shape[0]
+    if backend == "fa2":
+        keys, values = k.view(k.shape[0], -1, k.shape[-1])[:, :end], v.view(v.shape[0], -1, v.shape[-1])[:, :end]
+        return time_cuda(lambda: chunk_attention(q, keys, values, op_all.scale, "fa2"))
+    keep = torch.ones(op_all.groups.shape[0], start // B, dtype=torch.bool, device=q.device)
+    pages = build_page_lists(keep, op_all.groups, op_all.num_heads, op_all.num_kv_heads, k.shape[1],
+                             start // B, end - start, B)
+    op_all.executor.plan(q.shape[0], op_all.groups, pages, q.shape[-1], B, op_all.scale, q.dtype)
+    return time_cuda(lambda: op_all.executor.run(q, k, v, op_all.groups))
+
+
+def synthetic_rows(args, device):
+    rows = []
+    params = CompactParams()
+    for backend in args.backends.split(","):
+        op = CompactAttention(params, 32, 8, B, 128 ** -0.5, backend, device)
+        for chunk in parse_lengths(args.chunks):
+            for start in parse_lengths(args.histories):
+                nb = (start + chunk) // B
+                g = torch.Generator(device=device).manual_seed(0)
+                k = torch.randn(8, nb, B, 128, device=device, dtype=torch.bfloat16, generator=g)
+                v = torch.randn(8, nb, B, 128, device=device, dtype=torch.bfloat16, generator=g)
+                q = torch.randn(chunk, 32, 128, device=device, dtype=torch.bfloat16, generator=g)
+                pooled = k.float().mean(2)
+                dense_s = dense_time(q, k, v, start, backend, op)
+                for density in [float(d) for d in args.densities.split(",")]:
+                    keep = fixed_density_keep(op.groups.shape[0], start // B, density, 1, 2, device)
+                    rows.append(measure(q, k, v, start, backend, keep, op, pooled, params, dense_s))
+                del k, v, q, pooled
+                torch.cuda.empty_cache()
+    return rows
+
+
+def captured_rows(path, device, backend):
+    data = np.load(path, allow_pickle=False)
+    rows = []
+    for name in sorted({n.split("_")[0] for n in data.files if n.startswith("layer")}):
+        q = torch.from_numpy(data[f"{name}_q"]).to(device, torch.bfloat16)  # [T, H, D]
+        k = torch.from_numpy(data[f"{name}_k"]).to(device, torch.bfloat16)  # [KV, NB, B, D]
+        v = torch.from_numpy(data[f"{name}_v"]).to(device, torch.bfloat16)
+        start = int(data[f"{name}_start"])
+        num_heads, num_kv, dim = q.shape[1], k.shape[0], q.shape[2]
+        pooled = k.float().mean(2)
+        for params in (CompactParams(), CompactParams(selector="xattention")):
+            op = CompactAttention(params, num_heads, num_kv, B, dim ** -0.5, backend, device)
+            dense_s = dense_time(q, k, v, start, backend, op)
+            out, pages = op(q, k, v, pooled, start, start + q.shape[0])
+            compact_s = time_cuda(lambda: op(q, k, v, pooled, start, start + q.shape[0]))
+            rows.append([name, params.selector, f"{start}", f"{dense_s * 1e6:,.0f}", f"{pages.density:.0%}",
+                         f"{compact_s * 1e6:,.0f}", f"{dense_s / compact_s:.2f}x"])
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ktlong.bench attention", description=__doc__.split("\n\n")[0])
+    p.add_argument("--chunks", default="1024,4096")
+    p.add_argument("--histories", default="32k,128k,512k")
+    p.add_argument("--densities", default="0.1,0.2,0.3")
+    p.add_argument("--backends", default="fa2,fa3")
+    p.add_argument("--captured", help="npz of q/k/v captured by `python -m ktlong.bench capture`")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("this benchmark needs a CUDA GPU and FlashInfer")
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device())
+    print(f"{torch.cuda.get_device_name(device)}, bf16, 32 q heads / 8 kv heads / d 128, block {B}; "
+          "times are medians of 20 runs in microseconds")
+    print_table(["backend", "chunk", "history", "dense", "density", "select", "union+pages", "plan",
+                 "execute", "compact total", "speedup", "overhead/dense"], synthetic_rows(args, device))
+    if args.captured:
+        print(f"\nselectors on q/k/v captured from a real prefill ({args.captured}), fa2, default settings")
+        print_table(["layer", "selector", "history", "dense", "density", "compact total", "speedup"],
+                    captured_rows(args.captured, device, "fa2"))
+    return 0
