@@ -12,9 +12,9 @@ SHAPES = {
     "llama-3.1-8b": dict(num_layers=32, hidden_size=4096, intermediate_size=14336, num_heads=32,
                          num_kv_heads=8, head_dim=128, vocab_size=128256, context_length=131072,
                          rope=RopeConfig(base=500000.0, dim=128)),
-    "tiny": dict(num_layers=2, hidden_size=256, intermediate_size=512, num_heads=8,
-                 num_kv_heads=2, head_dim=32, vocab_size=1000, context_length=1 << 20,
-                 rope=RopeConfig(base=10000.0, dim=32)),
+    "tiny": dict(num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4,
+                 num_kv_heads=2, head_dim=64, vocab_size=1000, context_length=1 << 20,
+                 rope=RopeConfig(base=10000.0, dim=64)),
 }
 
 
