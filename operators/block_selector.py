@@ -47,13 +47,17 @@ def select_blocks_flashprefill(q: torch.Tensor, pooled_keys: torch.Tensor, block
     def scores(j0, j1):  # [KV, G * nqb, tile] float32
         return torch.bmm(qb, pooled_keys[:, j0:j1].float().transpose(1, 2)) * scale
 
-    best = torch.full(qb.shape[:2], float("-inf"), device=q.device)
-    for j0 in range(0, num_hist, tile_blocks):
-        best = torch.maximum(best, scores(j0, min(j0 + tile_blocks, num_hist)).amax(-1))
-    keep = torch.empty((num_kv, qb.shape[1], num_hist), dtype=torch.bool, device=q.device)
     margin = math.log(alpha) if alpha > 0 else float("-inf")
-    for j0 in range(0, num_hist, tile_blocks):
-        j1 = min(j0 + tile_blocks, num_hist)
-        keep[:, :, j0:j1] = scores(j0, j1) >= best[..., None] + margin
+    if num_hist <= tile_blocks:  # one tile: score once (fewer launches matter at 128K)
+        s = scores(0, num_hist)
+        keep = s >= s.amax(-1, keepdim=True) + margin
+    else:
+        best = torch.full(qb.shape[:2], float("-inf"), device=q.device)
+        for j0 in range(0, num_hist, tile_blocks):
+            best = torch.maximum(best, scores(j0, min(j0 + tile_blocks, num_hist)).amax(-1))
+        keep = torch.empty((num_kv, qb.shape[1], num_hist), dtype=torch.bool, device=q.device)
+        for j0 in range(0, num_hist, tile_blocks):
+            j1 = min(j0 + tile_blocks, num_hist)
+            keep[:, :, j0:j1] = scores(j0, j1) >= best[..., None] + margin
     keep |= always_kept(num_hist, sink_blocks, window_blocks, q.device)
     return keep.view(num_heads, -1, num_hist)
