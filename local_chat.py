@@ -96,7 +96,10 @@ def run(args) -> int:
     gf, model_config = open_model(config.model)  # checks the file before any weight is read
     max_seq_len = config.check_against_model(model_config.num_layers, model_config.context_length)
     if config.threads_num:
+        import numba
+
         torch.set_num_threads(config.threads_num)
+        numba.set_num_threads(min(config.threads_num, numba.config.NUMBA_NUM_THREADS))
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     plan = None

@@ -2,9 +2,10 @@
 
 import sys
 
-from ktlong.bench import attention, capture, prefill
+from ktlong.bench import attention, capture, decode_op, prefill
 
-BENCHES = {"prefill": prefill.main, "attention": attention.main, "capture": capture.main}
+BENCHES = {"prefill": prefill.main, "attention": attention.main, "capture": capture.main,
+           "decode-op": decode_op.main}
 
 
 def main(argv=None) -> int:

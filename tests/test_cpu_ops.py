@@ -1,0 +1,181 @@
+"""Numba decode operators against plain numpy references."""
+
+import math
+
+import numba
+import numpy as np
+import pytest
+
+from cpu_ops.anchors import ANCHOR_TYPES, build_anchors, build_anchors_reference, fixed_positions
+from cpu_ops.block_select import QUEST, score_blocks, select_blocks, select_blocks_reference
+from cpu_ops.kv_storage import KV_TYPES, decode, encode
+from cpu_ops.sparse_attention import num_splits, sparse_attention, sparse_attention_reference
+
+KV, H, D, B = 2, 8, 64, 16
+
+
+def data(num_blocks=12, seed=0):
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((KV, num_blocks, B, D)).astype(np.float32)
+    v = rng.standard_normal((KV, num_blocks, B, D)).astype(np.float32)
+    q = rng.standard_normal((H, D)).astype(np.float32)
+    return q, k, v
+
+
+def as_arrays(lists):
+    width = max(len(x) for x in lists) or 1
+    blocks = np.zeros((len(lists), width), np.int32)
+    for h, lst in enumerate(lists):
+        blocks[h, :len(lst)] = lst
+    return blocks, np.array([len(x) for x in lists], np.int32)
+
+
+def dense_with_lse(q, k, v, num_tokens, scale):
+    """Dense float64 attention over the first num_tokens tokens of every block."""
+    keys = k.reshape(KV, -1, D)[:, :num_tokens].astype(np.float64)
+    vals = v.reshape(KV, -1, D)[:, :num_tokens].astype(np.float64)
+    out, lse = np.zeros((H, D)), np.zeros(H)
+    for h in range(H):
+        s = keys[h // (H // KV)] @ q[h] * scale
+        p = np.exp(s - s.max())
+        out[h] = p @ vals[h // (H // KV)] / p.sum()
+        lse[h] = s.max() + math.log(p.sum())
+    return out, lse
+
+
+def test_all_blocks_selected_equals_dense_attention_with_partial_last_block():
+    q, k, v = data()
+    num_tokens = 11 * B + 5  # block 11 holds 5 tokens; the rest of it is garbage and masked
+    blocks, counts = as_arrays([list(range(12))] * KV)
+    out, lse = sparse_attention(q, encode(k, "bf16"), encode(v, "bf16"), blocks, counts, num_tokens, B, 0.125)
+    ref_out, ref_lse = dense_with_lse(decode(encode(q[None, None], "bf16"))[0, 0] if False else q,
+                                      decode(encode(k, "bf16")), decode(encode(v, "bf16")), num_tokens, 0.125)
+    assert np.abs(out - ref_out).max() / np.abs(ref_out).max() < 1e-4
+    assert np.abs(lse - ref_lse).max() < 1e-4
+
+
+@pytest.mark.parametrize("kind", KV_TYPES)
+def test_given_selection_equals_dense_attention_restricted_to_it(kind):
+    q, k, v = data(seed=1)
+    lists = [[0, 4, 5, 11], [2, 3, 11]]
+    blocks, counts = as_arrays(lists)
+    ks, vs = encode(k, kind), encode(v, kind)
+    out, lse = sparse_attention(q, ks, vs, blocks, counts, 12 * B - 3, B, 0.125)
+    ref_out, ref_lse = sparse_attention_reference(q, ks, vs, lists, 12 * B - 3, B, 0.125)
+    assert np.abs(out - ref_out).max() / np.abs(ref_out).max() < 1e-4
+    assert np.abs(lse - ref_lse).max() < 1e-4
+
+
+def test_lse_merges_two_parts_into_the_full_result():
+    q, k, v = data(seed=2)
+    ks, vs = encode(k, "bf16"), encode(v, "bf16")
+    a, b = as_arrays([[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]), as_arrays([[5, 6, 7, 8, 9, 10, 11]] * KV)
+    oa, la = sparse_attention(q, ks, vs, *a, 12 * B, B, 0.125)
+    ob, lb = sparse_attention(q, ks, vs, *b, 12 * B, B, 0.125)
+    m = np.maximum(la, lb)
+    wa, wb = np.exp(la - m), np.exp(lb - m)
+    merged = (oa * wa[:, None] + ob * wb[:, None]) / (wa + wb)[:, None]
+    full, full_lse = sparse_attention(q, ks, vs, *as_arrays([list(range(12))] * KV), 12 * B, B, 0.125)
+    assert np.abs(merged - full).max() < 1e-5
+    assert np.abs(m + np.log(wa + wb) - full_lse).max() < 1e-5
+
+
+def test_quantised_kv_error_against_bf16_is_bounded():
+    q, k, v = data(num_blocks=16, seed=3)
+    exact, _ = dense_with_lse(q, k, v, 16 * B, 0.125)
+    blocks, counts = as_arrays([list(range(16))] * KV)
+    errors = {}
+    for kind in KV_TYPES:
+        out, _ = sparse_attention(q, encode(k, kind), encode(v, kind), blocks, counts, 16 * B, B, 0.125)
+        errors[kind] = float(np.abs(out - exact).max() / np.abs(exact).max())
+    # measured: fp16 2.8e-4, bf16 4.3e-3, q8_0 6.4e-3, q4_0 1.6e-1 of the largest output
+    assert errors["fp16"] < 1e-3 and errors["bf16"] < 1e-2
+    assert errors["q8_0"] < 3e-2 and errors["q4_0"] < 0.3
+    assert errors["fp16"] < errors["bf16"] < errors["q8_0"] < errors["q4_0"]
+
+
+def test_storage_round_trip_precision():
+    _, k, _ = data(seed=4)
+    for kind, tol in (("bf16", 2 ** -8), ("fp16", 2 ** -11)):
+        rel = np.abs(decode(encode(k, kind)) - k) / np.maximum(np.abs(k), 1e-3)
+        assert rel.max() <= tol * 1.01
+    # q8_0: half a step of amax/127; q4_0 (ggml's scheme, scale = extreme / -8): half a step,
+    # except one full step where +8 * scale clips to +7 on the side opposite the extreme
+    for kind, bound in (("q8_0", 1 / 127 / 2), ("q4_0", 1 / 8)):
+        err = np.abs(decode(encode(k, kind)) - k).reshape(KV, 12, B, -1, 32)
+        amax = np.abs(k).reshape(KV, 12, B, -1, 32).max(-1, keepdims=True)
+        assert (err <= amax * bound * 1.01 + 1e-7).all()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_splits_keep_threads_busy_and_do_not_change_results(threads):
+    assert num_splits(8, 16) == 4 and num_splits(2, 16) == 16
+    q, k, v = data(seed=5)
+    ks, vs = encode(k, "fp16"), encode(v, "fp16")
+    blocks, counts = as_arrays([list(range(12))] * KV)
+    numba.set_num_threads(threads)
+    try:
+        a = sparse_attention(q, ks, vs, blocks, counts, 12 * B, B, 0.125, threads=threads)
+        b = sparse_attention(q, ks, vs, blocks, counts, 12 * B, B, 0.125, threads=16)  # 16 splits
+    finally:
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    assert np.abs(a[0] - b[0]).max() < 1e-5
+
+
+@pytest.mark.parametrize("anchor_type", ANCHOR_TYPES)
+def test_anchors_equal_per_block_reference(anchor_type):
+    _, k, _ = data(seed=6)
+    importance = np.random.default_rng(7).random((KV, 12, B)).astype(np.float32)
+    num_tokens = 11 * B + 3
+    got = build_anchors(k, num_tokens, anchor_type, 3, importance)
+    last = k[:, 11, :3]
+    expected_last = {"MAX": last.max(1)[:, None], "MEAN": last.mean(1)[:, None],
+                     "QUEST": np.stack([last.min(1), last.max(1)], 1),
+                     "FIX": last[:, [2, 2, 2]], "DYNAMIC": None}[anchor_type]
+    if anchor_type == "DYNAMIC":
+        order = np.argsort(-importance[:, 11, :3], 1)
+        expected_last = np.stack([last[h, order[h, [0, 1, 2]]] for h in range(KV)])
+    np.testing.assert_allclose(got[:, 11], expected_last, rtol=1e-6)
+    np.testing.assert_allclose(got, build_anchors_reference(k, num_tokens, anchor_type, 3, importance), rtol=1e-6)
+    assert list(fixed_positions(16, 3)) == [2, 8, 13]
+
+
+def test_quest_score_bounds_every_key_of_the_block():
+    q, k, _ = data(seed=8)
+    anchors = build_anchors(k, 12 * B, "QUEST", 1)
+    scores = np.zeros((KV, 12), np.float32)
+    score_blocks(q, anchors, 12, QUEST, scores)
+    group = H // KV
+    for h in range(KV):
+        for b in range(12):
+            per_head_best = sum((k[h, b] @ q[h * group + g]).max() for g in range(group))
+            assert scores[h, b] >= per_head_best - 1e-4
+
+
+@pytest.mark.parametrize("anchor_type", ["MAX", "MEAN", "FIX", "DYNAMIC"])
+def test_block_scores_are_max_anchor_dot_summed_over_the_group(anchor_type):
+    q, k, _ = data(seed=9)
+    anchors = build_anchors(k, 12 * B, anchor_type, 2, np.random.default_rng(1).random((KV, 12, B)))
+    scores = np.zeros((KV, 12), np.float32)
+    score_blocks(q, anchors.astype(np.float32), 12, 0, scores)
+    group = H // KV
+    expected = np.array([[sum((anchors[h, b] @ q[h * group + g]).max() for g in range(group))
+                          for b in range(12)] for h in range(KV)])
+    np.testing.assert_allclose(scores, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("include_local", [False, True])
+def test_selection_equals_reference_keeps_sinks_local_and_position_order(shared, include_local):
+    rng = np.random.default_rng(10)
+    scores = rng.standard_normal((KV, 40)).astype(np.float32)
+    num_tokens = 37 * B + 7  # 38 blocks
+    out_blocks, out_counts = np.zeros((KV, 40), np.int32), np.zeros(KV, np.int32)
+    select_blocks(scores, num_tokens, B, 6, 2, 4 * B, shared, include_local, out_blocks, out_counts)
+    expected = select_blocks_reference(scores, num_tokens, B, 6, 2, 4 * B, shared, include_local)
+    for h in range(KV):
+        got = list(out_blocks[h, :out_counts[h]])
+        assert got == expected[h] and got == sorted(got)
+        assert got[:2] == [0, 1] and (not include_local or got[-5:] == [33, 34, 35, 36, 37])
+    if shared:
+        assert list(out_blocks[0, :out_counts[0]]) == list(out_blocks[1, :out_counts[1]])
