@@ -14,33 +14,38 @@ import numpy as np
 QUEST = 1  # score kind: 0 = max over anchors of q . a, 1 = Quest bound (anchors are min, max)
 
 
+SCORE_CHUNK = 256  # blocks per parallel work item: one item per block costs more to schedule than to run
+
+
 @nb.njit(parallel=True, cache=True, fastmath=True)
 def score_blocks(q, anchors, num_blocks, kind, out):
     """q: [H, D] f32; anchors: [KV, NB, A, D] f32 -> out [KV, num_blocks] f32 (first num_blocks)."""
     num_heads, dim = q.shape
     num_kv, _, num_anchors, _ = anchors.shape
     group = num_heads // num_kv
-    for w in nb.prange(num_kv * num_blocks):
-        h, b = w // num_blocks, w % num_blocks
-        total = 0.0
-        for g in range(group):
-            qh = q[h * group + g]
-            if kind == QUEST:
-                lo, hi = anchors[h, b, 0], anchors[h, b, 1]
-                s = 0.0
-                for c in range(dim):
-                    s += max(qh[c] * lo[c], qh[c] * hi[c])
-                total += s
-            else:
-                best = -np.inf
-                for a in range(num_anchors):
-                    an = anchors[h, b, a]
-                    s = 0.0
+    chunks = (num_blocks + SCORE_CHUNK - 1) // SCORE_CHUNK
+    for w in nb.prange(num_kv * chunks):
+        h, first = w // chunks, (w % chunks) * SCORE_CHUNK
+        for b in range(first, min(first + SCORE_CHUNK, num_blocks)):
+            total = np.float32(0.0)
+            for g in range(group):
+                qh = q[h * group + g]
+                if kind == QUEST:
+                    lo, hi = anchors[h, b, 0], anchors[h, b, 1]
+                    s = np.float32(0.0)
                     for c in range(dim):
-                        s += qh[c] * an[c]
-                    best = max(best, s)
-                total += best
-        out[h, b] = total
+                        s += max(qh[c] * lo[c], qh[c] * hi[c])
+                    total += s
+                else:
+                    best = np.float32(-np.inf)
+                    for a in range(num_anchors):
+                        an = anchors[h, b, a]
+                        s = np.float32(0.0)
+                        for c in range(dim):
+                            s += qh[c] * an[c]
+                        best = max(best, s)
+                    total += best
+            out[h, b] = total
 
 
 @nb.njit(cache=True)

@@ -16,6 +16,29 @@ import numpy as np
 from cpu_ops.kv_storage import KIND, StoredKV, decode, load_block
 
 
+LOG2E = np.float32(1.4426950408889634)
+
+
+@nb.njit(inline="always", cache=True, fastmath=True)
+def exp_inplace(x, n, bits_i32, bits_f32):
+    """x[:n] = exp(x[:n]) for x <= 0, by 2^(x log2 e) = 2^k * p(f): a loop LLVM vectorises
+    (math.exp stays scalar). Relative error below 1.1e-5 (measured); below -87 the result is 0.
+    bits_f32 aliases bits_i32."""
+    for i in range(n):
+        y = max(x[i] * LOG2E, np.float32(-126.0))
+        k = np.floor(y)
+        f = y - k  # [0, 1)
+        p = np.float32(1.5403530393381606e-4)
+        p = p * f + np.float32(1.3333558146428443e-3)
+        p = p * f + np.float32(9.6181291076284772e-3)
+        p = p * f + np.float32(5.5504108664821580e-2)
+        p = p * f + np.float32(2.4022650695910071e-1)
+        p = p * f + np.float32(6.9314718055994531e-1)
+        p = p * f + np.float32(1.0)
+        bits_i32[i] = (np.int32(k) + 127) << 23
+        x[i] = p * bits_f32[i] if x[i] > np.float32(-87.0) else np.float32(0.0)
+
+
 @nb.njit(parallel=True, cache=True, fastmath=True)
 def _partial_attention(kind, k_data, k_scales, v_data, v_scales, q, blocks, counts, num_tokens,
                        block_size, scale, splits, part_m, part_l, part_acc):
@@ -30,6 +53,8 @@ def _partial_attention(kind, k_data, k_scales, v_data, v_scales, q, blocks, coun
         block_u32 = np.empty((block_size, dim), np.uint32)
         block = block_u32.view(np.float32)  # one widened K or V block, reused
         logits = np.empty((group, block_size), np.float32)
+        pow_i32 = np.empty(block_size, np.int32)
+        pow_f32 = pow_i32.view(np.float32)
         m = np.full(group, -np.inf, np.float32)
         l = np.zeros(group, np.float32)
         acc = np.zeros((group, dim), np.float32)
@@ -54,10 +79,14 @@ def _partial_attention(kind, k_data, k_scales, v_data, v_scales, q, blocks, coun
                 for c in range(dim):
                     acc[g, c] *= correction
                 m[g] = new_m
+                row_p = logits[g]
                 for t in range(valid):
-                    p = math.exp(logits[g, t] - new_m)
-                    logits[g, t] = p
-                    l[g] += p
+                    row_p[t] -= new_m
+                exp_inplace(row_p, valid, pow_i32, pow_f32)
+                total = np.float32(0.0)
+                for t in range(valid):
+                    total += row_p[t]
+                l[g] += total
             load_block(kind, v_data, v_scales, h, b, valid, block_u32, block)
             for g in range(group):
                 for t in range(valid):

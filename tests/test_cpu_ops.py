@@ -179,3 +179,14 @@ def test_selection_equals_reference_keeps_sinks_local_and_position_order(shared,
         assert got[:2] == [0, 1] and (not include_local or got[-5:] == [33, 34, 35, 36, 37])
     if shared:
         assert list(out_blocks[0, :out_counts[0]]) == list(out_blocks[1, :out_counts[1]])
+
+
+def test_vectorised_exp_matches_numpy():
+    from cpu_ops.sparse_attention import exp_inplace
+
+    x = -np.linspace(0, 100, 20001).astype(np.float32)
+    y, scratch = x.copy(), np.empty(len(x), np.int32)
+    exp_inplace(y, len(x), scratch, scratch.view(np.float32))
+    ref = np.exp(x.astype(np.float64))
+    big = ref > 1e-30
+    assert (np.abs(y - ref)[big] / ref[big]).max() < 1.1e-5 and (y[x < -87] == 0).all()
