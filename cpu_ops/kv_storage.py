@@ -3,7 +3,8 @@
 A stored K or V block tensor is [KV, NB, B, D] of:
   bf16 / fp16: uint16 words (bf16 widens by a shift; fp16 by IEEE half decoding);
   q8_0: int8 values with a float32 scale per 32 values ([KV, NB, B, D/32]);
-  q4_0: packed nibbles [KV, NB, B, D/2] (value - 8) with a float32 scale per 32 values.
+  q4_0: packed nibbles [KV, NB, B, D/2] (value - 8) with a float32 scale per 32 values;
+  fp32: float32 as is (exact CPU reference runs).
 The reference encoders here are plain numpy; the kernels read rows with `load_row`.
 """
 
@@ -15,7 +16,7 @@ import numba as nb
 import numpy as np
 
 KV_TYPES = ("bf16", "fp16", "q8_0", "q4_0")
-KIND = {"bf16": 0, "fp16": 1, "q8_0": 2, "q4_0": 3}
+KIND = {"bf16": 0, "fp16": 1, "q8_0": 2, "q4_0": 3, "fp32": 4}
 QBLOCK = 32
 
 
@@ -67,6 +68,8 @@ def decode(s: StoredKV) -> np.ndarray:
         return (s.data.astype(np.uint32) << 16).view(np.float32)
     if s.kind == "fp16":
         return s.data.view(np.float16).astype(np.float32)
+    if s.kind == "fp32":
+        return s.data.astype(np.float32)
     if s.kind == "q8_0":
         g = s.data.astype(np.float32).reshape(*s.data.shape[:-1], -1, QBLOCK)
         return (g * s.scales[..., None]).reshape(s.data.shape)
@@ -106,6 +109,10 @@ def load_row(kind, data, scales, h, b, t, out_u32, out_f32):
         sc = scales[h, b, t]
         for c in range(d):
             out_f32[c] = row[c] * sc[c // 32]
+    elif kind == 4:
+        row = data[h, b, t]
+        for c in range(d):
+            out_f32[c] = row[c]
     else:
         row = data[h, b, t]
         sc = scales[h, b, t]

@@ -1,7 +1,7 @@
 """Long-context generation state: layer-major prefill into the DRAM KV cache, then decode.
 
-Decode attends over every cached token on the CPU side of the cache for now (exact); the
-sparse CPU operator and the GPU local window replace that path in the hybrid decoder.
+Decode is hybrid (ktlong/hybrid_decode.py): the device attends to sinks and the local
+window, the CPU to the blocks it selects from DRAM, merged by log-sum-exp.
 """
 
 from __future__ import annotations
@@ -14,16 +14,19 @@ from tqdm import tqdm
 from ktlong.kv_cache import HostKVCache, KVLayout
 from ktlong.models.llama import LlamaModel
 from ktlong.prefill import LayerMajorPrefill
-from operators.block_summary import block_summaries
+from ktlong.decode_selection import SelectionSettings
+from ktlong.hybrid_decode import HybridDecoder
 from operators.compact_attention import CompactParams
-from operators.dense_attention import dense_attention
 
 MAX_STEPPED_SUFFIX = 512  # a follow-up this short is fed token by token instead of re-prefilled
 
 
 class LongContextSession:
     def __init__(self, model: LlamaModel, layout: KVLayout, chunk_size: int, backend: str,
-                 hidden_on_device: bool, compact: CompactParams | None = None):
+                 hidden_on_device: bool, compact: CompactParams | None = None,
+                 selection: SelectionSettings = SelectionSettings(), local_windows_len: int = 4096):
+        self.selection, self.local_windows_len = selection, local_windows_len
+        self.decoder: HybridDecoder | None = None
         self.model, self.layout = model, layout
         self.max_seq_len = layout.capacity
         self.engine = LayerMajorPrefill(model, layout, chunk_size, backend, hidden_on_device, compact)
@@ -34,6 +37,7 @@ class LongContextSession:
     def reset(self):
         self.ids = []
         self.host.num_tokens = 0
+        self.decoder = None
 
     def prefill(self, prompt_ids: list[int], show_progress: bool = False) -> torch.Tensor:
         reuse = len(self.ids)
@@ -54,37 +58,14 @@ class LongContextSession:
             print(f"[CompactAttention kept {sum(densities) / len(densities):.1%} of history blocks; "
                   f"per layer: {shown}]", file=sys.stderr)
         self.ids = list(prompt_ids)
+        self.decoder = HybridDecoder(self.model, self.host, self.selection, self.local_windows_len,
+                                     self.engine.last_queries)
         return logits
 
-    @torch.inference_mode()
     def step(self, token_id: int) -> torch.Tensor:
-        model, layout, host = self.model, self.layout, self.host
-        pos = len(self.ids)
-        assert pos < layout.capacity
-        x = model.embed(torch.tensor([token_id], device=model.device))
-        positions = torch.tensor([pos], device=model.device)
-        for layer in range(model.config.num_layers):
-            q, k, v = model.qkv(layer, x, positions)
-            k_all = host.k[layer].view(layout.num_kv_heads, -1, layout.head_dim)
-            v_all = host.v[layer].view(layout.num_kv_heads, -1, layout.head_dim)
-            k_all[:, pos] = k[0].to("cpu", layout.dtype)
-            v_all[:, pos] = v[0].to("cpu", layout.dtype)
-            if (pos + 1) % layout.block_size == 0:
-                self._summarise_block(layer, pos // layout.block_size)
-            qc = q.to("cpu", layout.dtype)
-            o = dense_attention(qc, k_all[:, :pos + 1], v_all[:, :pos + 1], model.scale)
-            x = x + model.attention_output(layer, o.to(model.device, x.dtype))
-            x = x + model.mlp(layer, x)
+        logits = self.decoder.step(token_id)
         self.ids.append(token_id)
-        self.host.num_tokens = pos + 1
-        return model.logits(x)[0]
-
-    def _summarise_block(self, layer: int, block: int):
-        k = self.host.k[layer][:, block:block + 1]
-        mean, kmax, kmin = block_summaries(k, self.layout.block_size)
-        self.host.key_mean[layer, :, block] = mean[:, 0]
-        self.host.key_max[layer, :, block] = kmax[:, 0]
-        self.host.key_min[layer, :, block] = kmin[:, 0]
+        return logits
 
 
 class _ScaledProgress:

@@ -12,6 +12,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ktlong.errors import ConfigError
@@ -22,6 +23,7 @@ from operators.chunk_attention import chunk_attention, flashinfer_available
 from operators.compact_attention import CompactAttention, CompactParams
 
 IMPORTANCE_QUERIES = 64  # last queries of each chunk that score its keys for DYNAMIC anchors
+PRESELECT_QUERIES = 32  # last prompt queries kept per layer for decode-time preselection
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
@@ -93,11 +95,12 @@ class LayerMajorPrefill:
                                        dtype=torch.float32, device=self.device)
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.last_queries: dict[int, np.ndarray] = {}  # layer -> [Tq, H, D] float32
 
     @torch.inference_mode()
     def run(self, token_ids: list[int], host: HostKVCache, progress=None) -> tuple[torch.Tensor, PrefillStats]:
         """Prefill the prompt into `host`; return the last token's logits [vocab] and stats."""
-        num_tokens = len(token_ids)
+        num_tokens = self._num_tokens = len(token_ids)
         assert 0 < num_tokens <= self.layout.capacity
         stats = PrefillStats(num_tokens=num_tokens)
         if self.cuda:
@@ -155,6 +158,8 @@ class LayerMajorPrefill:
     def _layer_chunk(self, layer, x, positions, s, e, host, stats) -> torch.Tensor:
         model = self.model
         q, k, v = model.qkv(layer, x, positions)
+        if e == self._num_tokens:
+            self.last_queries[layer] = q[-PRESELECT_QUERIES:].float().cpu().numpy()
         self.pages.write(s, k.to(self.layout.dtype), v.to(self.layout.dtype))
         with _Timer(stats, self.device):
             o = self._attention(q.to(self.layout.dtype), s, e)

@@ -1,0 +1,143 @@
+"""Which DRAM blocks the CPU attends to at each decode step, for each layer.
+
+Anchors come from the prefill side tables (MAX, MEAN, QUEST) or from the keys (DYNAMIC, FIX)
+and are extended as blocks fill during generation. The first `dense_layer_num` layers read
+every context block; other layers select `second_select_num` blocks by anchor score, reselect
+every `layer_step` layers and `token_step` tokens (reusing the last selection in between), and,
+with `preselect_block`, only among the `preselect_block_count` blocks that the last prompt
+queries scored highest after prefill (blocks generated later are always candidates).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cpu_ops.anchors import anchors_per_block, build_anchors
+from cpu_ops.block_select import QUEST, score_blocks, select_blocks
+from cpu_ops.kv_storage import StoredKV
+from ktlong.kv_cache import HostKVCache
+
+
+@dataclass(frozen=True)
+class SelectionSettings:
+    second_select_num: int = 32
+    anchor_type: str = "DYNAMIC"
+    anchor_num: int = 1
+    head_select_mode: str = "SHARED"
+    dense_layer_num: int = 2
+    layer_step: int = 1
+    token_step: int = 1
+    preselect_block: bool = True
+    preselect_block_count: int = 32
+
+
+def stored_view(t: torch.Tensor) -> StoredKV:
+    """A zero-copy numpy view of one layer's host K or V ([KV, NB, B, D]) for the CPU kernels."""
+    empty = np.zeros((0,), np.float32)
+    if t.dtype == torch.float32:
+        return StoredKV("fp32", t.numpy(), empty)
+    kind = {torch.bfloat16: "bf16", torch.float16: "fp16"}[t.dtype]
+    return StoredKV(kind, t.view(torch.int16).numpy().view(np.uint16), empty)
+
+
+def float_keys(t: torch.Tensor) -> np.ndarray:
+    return t.float().numpy()
+
+
+class DecodeBlockSelector:
+    def __init__(self, settings: SelectionSettings, host: HostKVCache, num_heads: int):
+        self.s, self.host = settings, host
+        layout = host.layout
+        self.block_size, self.num_kv = layout.block_size, layout.num_kv_heads
+        self.num_anchors = anchors_per_block(settings.anchor_type, settings.anchor_num)
+        shape = (layout.num_kv_heads, layout.num_blocks, self.num_anchors, layout.head_dim)
+        self.anchors = [np.zeros(shape, np.float32) for _ in range(layout.num_layers)]
+        self.candidates: list[np.ndarray | None] = [None] * layout.num_layers  # [KV, NB] bool
+        self.prompt_blocks = 0
+        self.cache: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # layer -> blocks, counts, step
+        self.last_selected_layer = -1
+        self.scores = np.zeros((layout.num_kv_heads, layout.num_blocks), np.float32)
+        self._debug_q: dict[int, np.ndarray] = {}  # layer -> the last query scored (tests read it)
+
+    # ---- anchors -----------------------------------------------------------------------
+    def build_all(self, num_tokens: int):
+        num_blocks = -(-num_tokens // self.block_size)
+        self.prompt_blocks = num_tokens // self.block_size
+        for layer in range(len(self.anchors)):
+            self.update_blocks(layer, 0, num_blocks, num_tokens)
+
+    def update_blocks(self, layer: int, first: int, last: int, num_tokens: int):
+        """(Re)build the anchors of blocks first..last-1 of one layer."""
+        h, t = self.host, self.s.anchor_type
+        if t == "MAX":
+            self.anchors[layer][:, first:last, 0] = h.key_max[layer, :, first:last].numpy()
+        elif t == "MEAN":
+            self.anchors[layer][:, first:last, 0] = h.key_mean[layer, :, first:last].numpy()
+        elif t == "QUEST":
+            self.anchors[layer][:, first:last, 0] = h.key_min[layer, :, first:last].numpy()
+            self.anchors[layer][:, first:last, 1] = h.key_max[layer, :, first:last].numpy()
+        else:
+            keys = float_keys(h.k[layer][:, first:last])
+            importance = h.importance[layer, :, first:last].numpy()
+            self.anchors[layer][:, first:last] = build_anchors(
+                keys, num_tokens - first * self.block_size, t, self.s.anchor_num, importance)
+
+    # ---- preselection ------------------------------------------------------------------
+    def preselect(self, layer: int, queries: np.ndarray, num_tokens: int):
+        """queries: [Tq, H, D] float32, the last prompt queries of this layer."""
+        if not self.s.preselect_block:
+            return
+        num_blocks = num_tokens // self.block_size
+        total = np.zeros((self.num_kv, num_blocks), np.float32)
+        scores = np.zeros((self.num_kv, num_blocks), np.float32)
+        kind = QUEST if self.s.anchor_type == "QUEST" else 0
+        for q in queries:
+            score_blocks(np.ascontiguousarray(q), self.anchors[layer], num_blocks, kind, scores)
+            total += scores
+        if self.s.head_select_mode == "SHARED":
+            total[:] = total.sum(0, keepdims=True)
+        keep = np.zeros((self.num_kv, self.scores.shape[1]), bool)
+        count = min(self.s.preselect_block_count, num_blocks)
+        top = np.argpartition(-total, count - 1, axis=1)[:, :count] if count else np.zeros((self.num_kv, 0), int)
+        np.put_along_axis(keep, top, True, axis=1)
+        self.candidates[layer] = keep
+
+    # ---- selection ---------------------------------------------------------------------
+    def select(self, layer: int, step: int, q: np.ndarray, first: int, last: int):
+        """Blocks in [first, last) for the CPU to attend to -> (blocks [KV, S] int32, counts [KV])."""
+        s = self.s
+        if layer < s.dense_layer_num or last - first <= s.second_select_num:
+            blocks = np.tile(np.arange(first, last, dtype=np.int32), (self.num_kv, 1))
+            return blocks, np.full(self.num_kv, last - first, np.int32)
+        cached = self.cache.get(layer)
+        if cached is not None and step % s.token_step != 0:
+            return cached[0], cached[1]
+        if (layer - s.dense_layer_num) % s.layer_step != 0 and self.last_selected_layer in self.cache:
+            blocks, counts, _ = self.cache[self.last_selected_layer]
+        else:
+            blocks, counts = self._score_and_pick(layer, q, first, last)
+            self.last_selected_layer = layer
+        self.cache[layer] = (blocks, counts, step)
+        return blocks, counts
+
+    def _score_and_pick(self, layer, q, first, last):
+        self._debug_q[layer] = q
+        kind = QUEST if self.s.anchor_type == "QUEST" else 0
+        scores = self.scores
+        score_blocks(q, self.anchors[layer], last, kind, scores)
+        scores[:, :first] = -np.inf
+        candidates = self.candidates[layer]
+        k = self.s.second_select_num
+        if candidates is not None:
+            allowed = candidates[:, :last].copy()
+            allowed[:, self.prompt_blocks:] = True  # generated blocks always compete
+            scores[:, :last][~allowed] = -np.inf
+            k = min(k, int(allowed[:, first:last].sum(1).min()))
+        blocks = np.zeros((self.num_kv, max(k, 1)), np.int32)
+        counts = np.zeros(self.num_kv, np.int32)
+        select_blocks(scores, last * self.block_size, self.block_size, k, 0, 0,
+                      self.s.head_select_mode == "SHARED", False, blocks, counts)
+        return blocks, counts

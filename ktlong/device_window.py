@@ -1,0 +1,82 @@
+"""The decode-time KV kept on the compute device: sink blocks plus a sliding local window.
+
+Per layer: K/V of the first `sink_tokens` tokens and of positions window_start..end, where
+window_start is block-aligned and at most `local_tokens + block_size` tokens back. Tokens
+that slide out are already in DRAM (every new token is written through), and the CPU
+operator attends to them from there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ktlong.kv_cache import HostKVCache, KVLayout
+
+
+class DeviceWindow:
+    def __init__(self, layout: KVLayout, local_tokens: int, sink_tokens: int, device: torch.device):
+        assert sink_tokens % layout.block_size == 0
+        self.layout, self.device = layout, device
+        self.block_size = layout.block_size
+        self.local_tokens = local_tokens
+        self.sink_tokens = sink_tokens
+        self.capacity = local_tokens + 2 * layout.block_size
+        shape = (layout.num_layers, layout.num_kv_heads, self.capacity, layout.head_dim)
+        self.k = torch.zeros(shape, dtype=layout.dtype, device=device)
+        self.v = torch.zeros(shape, dtype=layout.dtype, device=device)
+        sink_shape = (layout.num_layers, layout.num_kv_heads, sink_tokens, layout.head_dim)
+        self.sink_k = torch.zeros(sink_shape, dtype=layout.dtype, device=device)
+        self.sink_v = torch.zeros(sink_shape, dtype=layout.dtype, device=device)
+        self.window_start = 0  # absolute position of self.k[:, :, 0]
+        self.end = 0  # tokens in the cache
+
+    def first_window_position(self, end: int) -> int:
+        """Block-aligned start that keeps at least local_tokens on the device."""
+        return max(end - self.local_tokens, 0) // self.block_size * self.block_size
+
+    def load_from_host(self, host: HostKVCache):
+        """After prefill: copy the sink tokens and the window of every layer to the device."""
+        end = host.num_tokens
+        self.end = end
+        self.window_start = self.first_window_position(end)
+        n, sinks = end - self.window_start, min(self.sink_tokens, end)
+        D = self.layout.head_dim
+        for layer in range(self.layout.num_layers):
+            hk = host.k[layer].view(self.layout.num_kv_heads, -1, D)
+            hv = host.v[layer].view(self.layout.num_kv_heads, -1, D)
+            self.k[layer, :, :n].copy_(hk[:, self.window_start:end], non_blocking=True)
+            self.v[layer, :, :n].copy_(hv[:, self.window_start:end], non_blocking=True)
+            self.sink_k[layer, :, :sinks].copy_(hk[:, :sinks], non_blocking=True)
+            self.sink_v[layer, :, :sinks].copy_(hv[:, :sinks], non_blocking=True)
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """k, v: [KV, D] of position self.end (call for every layer, then advance())."""
+        i = self.end - self.window_start
+        self.k[layer, :, i] = k
+        self.v[layer, :, i] = v
+        if self.end < self.sink_tokens:
+            self.sink_k[layer, :, self.end] = k
+            self.sink_v[layer, :, self.end] = v
+
+    def advance(self):
+        self.end += 1
+        if self.end - self.window_start >= self.capacity:  # slide by one block
+            B = self.block_size
+            n = self.end - self.window_start - B
+            self.k[:, :, :n] = self.k[:, :, B:B + n].clone()
+            self.v[:, :, :n] = self.v[:, :, B:B + n].clone()
+            self.window_start += B
+
+    def keys_values(self, layer: int, include_current: bool = True):
+        """Sink tokens then window tokens up to and including the current one: [KV, n, D] each."""
+        n = self.end - self.window_start + (1 if include_current else 0)
+        sinks = min(self.sink_tokens, self.window_start)
+        k = torch.cat([self.sink_k[layer, :, :sinks], self.k[layer, :, :n]], dim=1)
+        v = torch.cat([self.sink_v[layer, :, :sinks], self.v[layer, :, :n]], dim=1)
+        return k, v
+
+    @property
+    def context_blocks(self) -> tuple[int, int]:
+        """Blocks [first, last) that live only in DRAM: after the sinks, before the window."""
+        first = -(-min(self.sink_tokens, self.window_start) // self.block_size)
+        return first, self.window_start // self.block_size

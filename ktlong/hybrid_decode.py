@@ -1,0 +1,119 @@
+"""Hybrid decode: device attention over sinks + local window, CPU attention over selected
+DRAM blocks, merged by log-sum-exp.
+
+Per layer: q/k/v on the device; k/v go to the device window and through to DRAM; the
+device part is launched (asynchronous on a GPU) before the CPU operator runs, so the two
+overlap and the slower one sets the time; then the states merge. On a CPU-only machine
+both parts run on the CPU with the same code.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cpu_ops.sparse_attention import sparse_attention
+from ktlong.decode_selection import DecodeBlockSelector, SelectionSettings, stored_view
+from ktlong.device_window import DeviceWindow
+from ktlong.kv_cache import HostKVCache
+from ktlong.models.llama import LlamaModel
+from operators.block_summary import block_summaries
+from operators.merge_state import merge_states
+from operators.window_attention import attention_with_lse
+
+SINK_BLOCKS = 1
+
+
+@dataclass
+class DecodeTimes:
+    steps: int = 0
+    total: float = 0.0
+    cpu_attention: float = 0.0  # the Numba operator (selection excluded)
+    selection: float = 0.0
+    device_wait: float = 0.0  # waiting for q to reach the host (device work before it)
+
+
+class HybridDecoder:
+    def __init__(self, model: LlamaModel, host: HostKVCache, settings: SelectionSettings,
+                 local_tokens: int, prompt_queries: dict[int, np.ndarray] | None = None):
+        self.model, self.host, self.settings = model, host, settings
+        layout = host.layout
+        self.layout, self.block_size = layout, layout.block_size
+        self.window = DeviceWindow(layout, local_tokens, SINK_BLOCKS * layout.block_size, model.device)
+        self.window.load_from_host(host)
+        self.selector = DecodeBlockSelector(settings, host, model.config.num_heads)
+        self.selector.build_all(host.num_tokens)
+        for layer, queries in (prompt_queries or {}).items():
+            self.selector.preselect(layer, queries, host.num_tokens)
+        self.k_stored = [stored_view(t) for t in host.k]
+        self.v_stored = [stored_view(t) for t in host.v]
+        self.step_index = 0
+        self.times = DecodeTimes()
+        self.cuda = model.device.type == "cuda"
+
+    @torch.inference_mode()
+    def step(self, token_id: int) -> torch.Tensor:
+        """Run one token at position host.num_tokens; return its logits [vocab]."""
+        start = time.perf_counter()
+        model, window, layout = self.model, self.window, self.layout
+        pos = self.host.num_tokens
+        assert pos < layout.capacity, "the KV cache is full; raise max_seq_len"
+        x = model.embed(torch.tensor([token_id], device=model.device))
+        positions = torch.tensor([pos], device=model.device)
+        first, last = window.context_blocks
+        for layer in range(model.config.num_layers):
+            q, k, v = model.qkv(layer, x, positions)
+            k1, v1 = k[0].to(layout.dtype), v[0].to(layout.dtype)
+            window.append(layer, k1, v1)
+            self._write_through(layer, pos, k1, v1)
+            keys, values = window.keys_values(layer)
+            if last > first:
+                t0 = time.perf_counter()
+                q_host = q[0].float().cpu().numpy()  # the one sync per layer
+                t1 = time.perf_counter()
+                o_dev, lse_dev = attention_with_lse(q[0], keys, values, model.scale)  # async on GPU
+                blocks, counts = self.selector.select(layer, self.step_index, q_host, first, last)
+                t2 = time.perf_counter()
+                o_cpu, lse_cpu = sparse_attention(q_host, self.k_stored[layer], self.v_stored[layer], blocks,
+                                                  counts, last * self.block_size, self.block_size, model.scale)
+                t3 = time.perf_counter()
+                o, _ = merge_states(o_dev, lse_dev, torch.from_numpy(o_cpu).to(model.device),
+                                    torch.from_numpy(lse_cpu).to(model.device))
+                self.times.device_wait += t1 - t0
+                self.times.selection += t2 - t1
+                self.times.cpu_attention += t3 - t2
+            else:
+                o, _ = attention_with_lse(q[0], keys, values, model.scale)
+            x = x + model.attention_output(layer, o[None].to(x.dtype))
+            x = x + model.mlp(layer, x)
+        logits = model.logits(x)[0]
+        window.advance()
+        self.host.num_tokens = pos + 1
+        if (pos + 1) % self.block_size == 0:
+            self._block_filled(pos // self.block_size, pos + 1)
+        self.step_index += 1
+        self.times.steps += 1
+        self.times.total += time.perf_counter() - start
+        return logits
+
+    def _write_through(self, layer, pos, k, v):
+        b, t = divmod(pos, self.block_size)
+        self.host.k[layer][:, b, t].copy_(k, non_blocking=True)
+        self.host.v[layer][:, b, t].copy_(v, non_blocking=True)
+
+    def _block_filled(self, block: int, num_tokens: int):
+        """A block completed during generation: its side tables and anchors join selection."""
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()  # the write-through copies must have landed
+        h = self.host
+        for layer in range(self.layout.num_layers):
+            k = h.k[layer][:, block:block + 1]
+            mean, kmax, kmin = block_summaries(k, self.block_size)
+            h.key_mean[layer, :, block], h.key_max[layer, :, block] = mean[:, 0], kmax[:, 0]
+            h.key_min[layer, :, block] = kmin[:, 0]
+            # importance of generated keys: their norm (no prompt queries attend to them)
+            h.importance[layer, :, block] = k[:, 0].float().norm(dim=-1)
+            self.selector.update_blocks(layer, block, block + 1, num_tokens)
