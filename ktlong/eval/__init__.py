@@ -1,0 +1,1 @@
+"""Long-context evaluations: passkey, needle in a haystack, kvretrieval, multikey."""

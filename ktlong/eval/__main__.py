@@ -1,0 +1,81 @@
+"""python -m ktlong.eval TASK --model NAME_OR_GGUF --lengths 2k,4k,8k --samples N
+    --attention dense,sparse [--depths 0,0.25,0.5,0.75,1] [--seed S] [--out DIR] [--set key=value]
+
+Runs TASK (passkey, needle, kvretrieval, multikey) through the long-context path of
+local_chat.py --mode long_context: layer-major prefill (CompactAttention when sparse) and
+hybrid decode, with the model's chat template, dense and sparse on the same prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ktlong.bench.common import parse_lengths, print_table
+from ktlong.eval.tasks import TASKS
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ktlong.eval", description=__doc__.split("\n\n")[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("task", choices=sorted(TASKS))
+    p.add_argument("--model", default=None, help="packaged model name or GGUF path (default: smollm2-135m)")
+    p.add_argument("--lengths", default="2k,4k,8k", help="target prompt lengths in the model's tokens")
+    p.add_argument("--samples", type=int, default=10, help="samples per (length, depth)")
+    p.add_argument("--attention", default="dense,sparse", help="dense, sparse or both")
+    p.add_argument("--depths", default=None, help="needle depths in [0, 1]; default 0.5 (needle: 0,.25,.5,.75,1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results", help="folder for results.json (and heatmaps)")
+    p.add_argument("--device", default=None, help="auto, cpu, cuda")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config option")
+    args = p.parse_args(argv)
+
+    from ktlong.config import load_config, parse_set
+    from ktlong.device import resolve_device, resolve_dtype
+    from ktlong.errors import KtlongError
+    from ktlong.eval.report import needle_heatmap, summary_rows
+    from ktlong.eval.runner import as_dicts, run_task
+    from ktlong.loader import load_model
+
+    try:
+        overrides = parse_set(args.set)
+        if args.model:
+            overrides["model"] = (args.model, "--model")
+        if args.device:
+            overrides["device"] = (args.device, "--device")
+        config = load_config(overrides=overrides)
+        attentions = [a.strip() for a in args.attention.split(",")]
+        if not set(attentions) <= {"dense", "sparse"}:
+            raise KtlongError(f"--attention {args.attention!r}: use dense, sparse or dense,sparse.")
+        default_depths = "0,0.25,0.5,0.75,1" if args.task == "needle" else "0.5"
+        depths = [float(d) for d in (args.depths or default_depths).split(",")]
+        if not all(0 <= d <= 1 for d in depths):
+            raise KtlongError(f"--depths {args.depths!r}: every depth must lie in [0, 1].")
+        device = resolve_device(config.device)
+        lm = load_model(config.model, device, resolve_dtype(config.dtype, device))
+        lengths = parse_lengths(args.lengths)
+        if max(lengths) > lm.config.context_length:
+            raise KtlongError(f"--lengths up to {max(lengths)} exceed the model's context of "
+                              f"{lm.config.context_length} tokens; use shorter lengths.")
+        results = run_task(lm, config, args.task, lengths, depths, args.samples, attentions, args.seed)
+    except KtlongError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    headers, rows = summary_rows(results)
+    print(f"{args.task} on {lm.path.name} ({device}), {args.samples} samples per cell")
+    print_table(headers, rows)
+    (out / "results.json").write_text(json.dumps({"task": args.task, "model": lm.path.name, "device": str(device),
+                                                  "results": as_dicts(results)}, indent=1))
+    if args.task == "needle":
+        for attention in attentions:
+            needle_heatmap(results, attention, str(out / f"needle_{attention}.png"))
+    print(f"wrote {out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

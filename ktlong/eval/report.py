@@ -1,0 +1,66 @@
+"""Summaries of evaluation results: the terminal table and the needle heatmap."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from statistics import median
+
+
+def summary_rows(results) -> list[list]:
+    """One row per (length, depth): accuracy and speeds per attention mode, side by side."""
+    cells = defaultdict(list)
+    for r in results:
+        cells[(r.length, r.depth, r.attention)].append(r)
+    modes = sorted({r.attention for r in results}, key=lambda m: (m != "dense", m))
+    rows = []
+    for length, depth in sorted({(r.length, r.depth) for r in results}):
+        row = [length, f"{depth:.2f}"]
+        for mode in modes:
+            rs = cells.get((length, depth, mode), [])
+            if not rs:
+                row += ["-"] * 4
+                continue
+            correct = sum(r.correct for r in rs)
+            row += [f"{correct}/{len(rs)}", f"{median(r.prefill_tokens_per_second for r in rs):,.0f}",
+                    f"{median(r.decode_tokens_per_second for r in rs):.1f}",
+                    f"{median(r.density for r in rs):.0%}"]
+        rows.append(row)
+    headers = ["length", "depth"]
+    for mode in modes:
+        headers += [f"{mode} acc", f"{mode} prefill tok/s", f"{mode} decode tok/s", f"{mode} density"]
+    return headers, rows
+
+
+def needle_heatmap(results, attention: str, path: str):
+    """Depth (rows) x length (columns) accuracy, red (0) to green (1), one PNG per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rs = [r for r in results if r.attention == attention]
+    lengths = sorted({r.length for r in rs})
+    depths = sorted({r.depth for r in rs})
+    grid = np.full((len(depths), len(lengths)), np.nan)
+    for i, d in enumerate(depths):
+        for j, n in enumerate(lengths):
+            cell = [r.correct for r in rs if r.depth == d and r.length == n]
+            if cell:
+                grid[i, j] = sum(cell) / len(cell)
+    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(lengths), 1.2 + 0.6 * len(depths)))
+    im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    ax.set_title(f"needle, {attention} attention")
+    for i in range(len(depths)):
+        for j in range(len(lengths)):
+            if not np.isnan(grid[i, j]):
+                ax.text(j, i, f"{grid[i, j]:.0%}", ha="center", va="center", fontsize=8)
+    fig.colorbar(im, ax=ax, label="accuracy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return grid

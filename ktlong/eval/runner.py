@@ -1,0 +1,100 @@
+"""Run one evaluation through the long-context path, dense and sparse on the same prompts."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ktlong.config import Config
+from ktlong.conversation import Conversation
+from ktlong.decode_selection import SelectionSettings
+from ktlong.eval.tasks import make_sample, score
+from ktlong.generate import generate
+from ktlong.kv_cache import kv_layout
+from ktlong.loader import LoadedModel
+from ktlong.long_context_session import LongContextSession
+from ktlong.sampling import Sampler
+from operators.compact_attention import CompactParams
+
+MAX_NEW_TOKENS = {"passkey": 16, "needle": 32, "kvretrieval": 64, "multikey": 24}
+
+
+@dataclass
+class Result:
+    task: str
+    attention: str
+    length: int
+    depth: float
+    sample: int
+    prompt_tokens: int
+    answer: str
+    output: str
+    correct: bool
+    prefill_tokens_per_second: float
+    decode_tokens_per_second: float
+    density: float  # CompactAttention's kept history fraction, 1.0 when dense
+
+
+def selection_for(config: Config, attention: str, num_layers: int) -> SelectionSettings:
+    if attention == "dense":  # every block, every layer: exact attention through the same path
+        return SelectionSettings(second_select_num=1 << 30, dense_layer_num=num_layers, preselect_block=False)
+    return SelectionSettings(
+        second_select_num=config.second_select_num, anchor_type=config.anchor_type, anchor_num=config.anchor_num,
+        head_select_mode=config.head_select_mode, dense_layer_num=config.dense_layer_num,
+        layer_step=config.layer_step, token_step=config.token_step, preselect_block=config.preselect_block,
+        preselect_block_count=config.preselect_block_count)
+
+
+def compact_for(config: Config, attention: str) -> CompactParams | None:
+    if attention == "dense":
+        return None
+    return CompactParams(selector=config.selector, alpha=config.alpha, threshold=config.threshold,
+                         stride=config.stride, sink_blocks=config.sink_blocks,
+                         window_blocks=config.window_blocks, subgroup_size=config.subgroup_size)
+
+
+def make_session(lm: LoadedModel, config: Config, attention: str, max_seq_len: int, hidden_on_device=True):
+    c = lm.config
+    kv_type = "fp32" if lm.model.dtype == torch.float32 and config.kv_type == "bf16" else config.kv_type
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size, max_seq_len, kv_type)
+    return LongContextSession(lm.model, layout, config.chunk_size, config.attention_backend, hidden_on_device,
+                              compact_for(config, attention), selection_for(config, attention, c.num_layers),
+                              config.local_windows_len)
+
+
+def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], depths: list[float],
+             samples: int, attentions: list[str], seed: int, log=sys.stderr) -> list[Result]:
+    conversation = Conversation(lm.tokenizer, lm.chat_template if config.use_chat_template else None)
+    count = lambda text: len(conversation.render_ids([], text))
+    max_new = MAX_NEW_TOKENS[task]
+    results = []
+    for attention in attentions:
+        session = make_session(lm, config, attention, max(lengths) + max_new + 1)
+        for length in lengths:
+            for depth in depths:
+                for i in range(samples):
+                    sample = make_sample(task, length, depth, seed * 100003 + length * 7 + int(depth * 1000) * 13 + i,
+                                         count)
+                    ids = conversation.render_ids([], sample.prompt)
+                    session.reset()
+                    t0 = time.perf_counter()
+                    gen = generate(session, ids, max_new, Sampler(), lm.tokenizer.stop_ids, lm.tokenizer.decode)
+                    stats = session.last_stats
+                    densities = stats.density_per_layer if stats else []
+                    r = Result(task, attention, length, depth, i, len(ids), sample.answer, gen.text,
+                               score(task, sample.answer, gen.text), len(ids) / max(gen.prefill_seconds, 1e-9),
+                               gen.decode_tokens_per_second,
+                               sum(densities) / len(densities) if densities else 1.0)
+                    results.append(r)
+                    print(f"[{task} {attention} {length} depth {depth:.2f} #{i}] {'ok ' if r.correct else 'MISS'} "
+                          f"expected {r.answer!r} got {gen.text.strip()[:60]!r} ({time.perf_counter() - t0:.1f}s)",
+                          file=log, flush=True)
+    return results
+
+
+def as_dicts(results: list[Result]) -> list[dict]:
+    return [dataclasses.asdict(r) for r in results]
