@@ -27,7 +27,7 @@ class SelectionSettings:
     anchor_type: str = "DYNAMIC"
     anchor_num: int = 1
     head_select_mode: str = "SHARED"
-    dense_layer_num: int = 2
+    dense_layer_num: int = 0
     layer_step: int = 1
     token_step: int = 1
     preselect_block: bool = True

@@ -2,10 +2,10 @@
 
 import sys
 
-from ktlong.bench import attention, capture, decode_op, prefill
+from ktlong.bench import attention, capture, decode, decode_op, prefill
 
 BENCHES = {"prefill": prefill.main, "attention": attention.main, "capture": capture.main,
-           "decode-op": decode_op.main}
+           "decode-op": decode_op.main, "decode": decode.main}
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,106 @@
+"""Hybrid decode on random LLaMA-3.1-8B-shape weights, GPU capped at 24 GiB, DRAM cache filled
+with random KV of each context length (decode speed does not depend on the values).
+
+python -m ktlong.bench decode [--contexts 32k,128k,512k] [--tokens 32] [--set key=value]
+
+Rows: all blocks on the CPU (dense), sparse with every token on the CPU (no device window),
+and hybrid (device window + CPU sparse blocks). Times per token: total, CPU operator,
+selection, waiting for q from the device, and the rest (device work after the CPU part,
+merge, Python).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+from ktlong.bench.common import parse_lengths, print_table
+from ktlong.config import load_config, parse_set
+from ktlong.eval.runner import selection_for
+from ktlong.hybrid_decode import HybridDecoder
+from ktlong.kv_cache import HostKVCache, kv_layout
+from ktlong.memory_plan import GIB
+from ktlong.random_model import random_model
+
+
+def fill_random(host: HostKVCache, num_tokens: int, seed: int = 0):
+    """Random K/V and side tables for the first num_tokens tokens, by tiling one random slab."""
+    g = torch.Generator().manual_seed(seed)
+    layout = host.layout
+    slab = torch.randn(layout.num_kv_heads, 64, layout.block_size, layout.head_dim, generator=g).to(layout.dtype)
+    blocks = -(-num_tokens // layout.block_size)
+    for t in host.k + host.v:
+        for b0 in range(0, blocks, 64):
+            n = min(64, blocks - b0)
+            t[:, b0:b0 + n].copy_(slab[:, :n])
+    for table in (host.key_mean, host.key_max, host.key_min):
+        table.normal_(generator=g)
+    host.importance.uniform_(generator=g)
+    host.num_tokens = num_tokens
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ktlong.bench decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", default="32k,128k,512k")
+    p.add_argument("--tokens", type=int, default=32, help="decode steps timed per row (after 4 warm-up steps)")
+    p.add_argument("--gpu_cap_gb", type=float, default=24.0)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("this benchmark needs a CUDA GPU")
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap_gb * GIB / total), device)
+    config = load_config(overrides=parse_set(args.set), write_user_file=False)
+    model = random_model("llama-3.1-8b", device, torch.bfloat16)
+    c = model.config
+    import numba
+
+    print(f"{torch.cuda.get_device_name(device)} + {numba.get_num_threads()} CPU threads; llama-3.1-8b random "
+          f"bf16, GPU cap {args.gpu_cap_gb} GiB; kv {config.kv_type}, block {config.block_size}, top-k "
+          f"{config.second_select_num}, local {config.local_windows_len}, anchors {config.anchor_type}, "
+          f"{config.head_select_mode}, dense layers {config.dense_layer_num}; ms per token, medians over "
+          f"{args.tokens} tokens")
+    rows = []
+    sparse = selection_for(config, "sparse", c.num_layers)
+    modes = [("dense (all blocks on CPU)", selection_for(config, "dense", c.num_layers), config.local_windows_len),
+             ("sparse, CPU only", dataclasses.replace(sparse, preselect_block=False), 0),
+             ("hybrid", dataclasses.replace(sparse, preselect_block=False), config.local_windows_len)]
+    for context in parse_lengths(args.contexts):
+        layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size,
+                           context + 4 + args.tokens + 1, config.kv_type)
+        host = HostKVCache(layout, pin=True)
+        fill_random(host, context)
+        for name, settings, local in modes:
+            if name.startswith("dense") and context > 128 * 1024:
+                rows.append([f"{context // 1024}K", name, "-", "-", "-", "-", "-", "-", "skipped (minutes per token)"])
+                continue
+            host.num_tokens = context
+            decoder = HybridDecoder(model, host, settings, local)
+            for t in range(4):
+                decoder.step(t)
+            decoder.times = type(decoder.times)()
+            torch.cuda.synchronize()
+            per_token = []
+            import time
+
+            for t in range(args.tokens):
+                t0 = time.perf_counter()
+                decoder.step(100 + t)
+                torch.cuda.synchronize()
+                per_token.append(time.perf_counter() - t0)
+            per_token.sort()
+            med = per_token[len(per_token) // 2]
+            tm = decoder.times
+            n = tm.steps
+            cpu, sel, wait = tm.cpu_attention / n, tm.selection / n, tm.device_wait / n
+            rows.append([f"{context // 1024}K", name, f"{1 / med:.1f}", f"{med * 1e3:.1f}", f"{cpu * 1e3:.1f}",
+                         f"{sel * 1e3:.1f}", f"{wait * 1e3:.1f}", f"{(tm.total / n - cpu - sel - wait) * 1e3:.1f}",
+                         f"peak GPU {torch.cuda.max_memory_allocated(device) / GIB:.1f} GiB"])
+        del host
+    print_table(["context", "mode", "tok/s", "ms/token", "CPU attention", "selection", "wait for q",
+                 "rest (GPU, merge, Python)", "note"], rows)
+    return 0

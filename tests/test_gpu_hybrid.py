@@ -1,0 +1,46 @@
+"""On the GPU: FlashInfer's merge_state equals the torch merge, and hybrid decode with every
+block selected follows dense decode within bf16 noise."""
+
+import pytest
+import torch
+
+from ktlong.dense_session import DenseSession
+from ktlong.kv_cache import kv_layout
+from ktlong.long_context_session import LongContextSession
+from ktlong.decode_selection import SelectionSettings
+from ktlong.random_model import random_model
+from operators.chunk_attention import flashinfer_available
+from operators.merge_state import merge_states, merge_states_flashinfer
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.skipif(not flashinfer_available(), reason="needs FlashInfer")
+def test_flashinfer_merge_state_equals_torch_merge():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    o_a, o_b = (torch.randn(32, 128, generator=g, device="cuda") for _ in range(2))
+    lse_a, lse_b = (torch.randn(32, generator=g, device="cuda") * 3 for _ in range(2))
+    lse_b[:4] = float("-inf")  # an empty part
+    ref_o, ref_lse = merge_states(o_a, lse_a, o_b, lse_b)
+    o, lse = merge_states_flashinfer(o_a, lse_a, o_b, lse_b)
+    assert torch.allclose(o, ref_o, atol=2e-2, rtol=2e-2) and torch.allclose(lse, ref_lse, atol=1e-3)
+
+
+def test_hybrid_decode_on_gpu_follows_dense_decode():
+    model = random_model("tiny", torch.device("cuda"), torch.bfloat16)
+    c = model.config
+    ids = torch.randint(0, 1000, (700,), generator=torch.Generator().manual_seed(2)).tolist()
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 64, 800, "bf16")
+    hybrid = LongContextSession(model, layout, 256, "auto", True,
+                                selection=SelectionSettings(second_select_num=1000, preselect_block=False),
+                                local_windows_len=128)
+    dense = DenseSession(model, 800, 256)
+    a, b = hybrid.prefill(ids), dense.prefill(ids)
+    agree = 0
+    for _ in range(20):
+        rel = float((a - b).norm() / b.norm())
+        assert rel < 5e-2, rel
+        agree += int(a.argmax() == b.argmax())
+        token = int(b.argmax())
+        a, b = hybrid.step(token), dense.step(token)
+    assert agree >= 18 and hybrid.decoder.times.cpu_attention > 0
