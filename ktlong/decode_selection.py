@@ -86,8 +86,10 @@ class DecodeBlockSelector:
                 keys, num_tokens - first * self.block_size, t, self.s.anchor_num, importance)
 
     # ---- preselection ------------------------------------------------------------------
-    def preselect(self, layer: int, queries: np.ndarray, num_tokens: int):
-        """queries: [Tq, H, D] float32, the last prompt queries of this layer."""
+    def preselect(self, layer: int, queries: np.ndarray, num_tokens: int, first: int, last: int):
+        """queries: [Tq, H, D] float32, the last prompt queries of this layer. Only context
+        blocks [first, last) compete: sinks and the local window are attended on the device
+        anyway, and the recent window would otherwise win most places."""
         if not self.s.preselect_block:
             return
         num_blocks = num_tokens // self.block_size
@@ -97,10 +99,12 @@ class DecodeBlockSelector:
         for q in queries:
             score_blocks(np.ascontiguousarray(q), self.anchors[layer], num_blocks, kind, scores)
             total += scores
+        total[:, :first] = -np.inf
+        total[:, last:] = -np.inf
         if self.s.head_select_mode == "SHARED":
             total[:] = total.sum(0, keepdims=True)
         keep = np.zeros((self.num_kv, self.scores.shape[1]), bool)
-        count = min(self.s.preselect_block_count, num_blocks)
+        count = min(self.s.preselect_block_count, max(last - first, 0))
         top = np.argpartition(-total, count - 1, axis=1)[:, :count] if count else np.zeros((self.num_kv, 0), int)
         np.put_along_axis(keep, top, True, axis=1)
         self.candidates[layer] = keep

@@ -46,8 +46,9 @@ class HybridDecoder:
         self.window.load_from_host(host)
         self.selector = DecodeBlockSelector(settings, host, model.config.num_heads)
         self.selector.build_all(host.num_tokens)
+        first, last = self.window.context_blocks
         for layer, queries in (prompt_queries or {}).items():
-            self.selector.preselect(layer, queries, host.num_tokens)
+            self.selector.preselect(layer, queries, host.num_tokens, first, last)
         self.k_stored = [stored_view(t) for t in host.k]
         self.v_stored = [stored_view(t) for t in host.v]
         self.step_index = 0

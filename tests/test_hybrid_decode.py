@@ -138,7 +138,9 @@ def test_preselection_restricts_candidates_to_the_top_blocks_of_the_last_prompt_
     s = session(tiny, settings)
     s.prefill(prompt(200, seed=2))
     cand = s.decoder.selector.candidates
+    first, last = s.decoder.window.context_blocks
     assert all(c is not None and (c.sum(1) == 4).all() for c in cand)
+    assert all(not c[:, :first].any() and not c[:, last:].any() for c in cand)  # context blocks only
     calls = spy(s.decoder)
     s.step(7)
     for layer, _, _, _, lists, _ in calls:
