@@ -97,9 +97,10 @@ def main(argv=None) -> int:
             tm = decoder.times
             n = tm.steps
             cpu, sel, wait = tm.cpu_attention / n, tm.selection / n, tm.device_wait / n
-            rows.append([f"{context // 1024}K", name, f"{1 / med:.1f}", f"{med * 1e3:.1f}", f"{cpu * 1e3:.1f}",
+            rows.append(row := [f"{context // 1024}K", name, f"{1 / med:.1f}", f"{med * 1e3:.1f}", f"{cpu * 1e3:.1f}",
                          f"{sel * 1e3:.1f}", f"{wait * 1e3:.1f}", f"{(tm.total / n - cpu - sel - wait) * 1e3:.1f}",
                          f"peak GPU {torch.cuda.max_memory_allocated(device) / GIB:.1f} GiB"])
+            print("partial:", " | ".join(map(str, row)), flush=True)
         del host
     print_table(["context", "mode", "tok/s", "ms/token", "CPU attention", "selection", "wait for q",
                  "rest (GPU, merge, Python)", "note"], rows)
