@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mode", choices=["normal", "long_context"], help=f"default: {d['mode']}")
     run.add_argument("--max_seq_len", type=int, help="longest prompt plus answer in tokens "
                      "(default: the model's context length)")
-    run.add_argument("--cpu_infer", type=int, help=f"CPU threads (default: {d['threads_num']} = all cores)")
+    run.add_argument("--cpu_infer", type=int, help=f"CPU threads (default: {d['threads_num']} = every core but one)")
     run.add_argument("--use_cuda_graph", action="store_true", default=None,
                      help="replay the GPU decode step as a CUDA graph")
     gen = p.add_argument_group("generation")
@@ -95,11 +95,11 @@ def run(args) -> int:
     config = load_config(args.config, overrides_from(args))
     gf, model_config = open_model(config.model)  # checks the file before any weight is read
     max_seq_len = config.check_against_model(model_config.num_layers, model_config.context_length)
-    if config.threads_num:
-        import numba
+    from cpu_ops.threads import set_decode_threads
 
+    set_decode_threads(config.threads_num)
+    if config.threads_num:
         torch.set_num_threads(config.threads_num)
-        numba.set_num_threads(min(config.threads_num, numba.config.NUMBA_NUM_THREADS))
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     plan = None

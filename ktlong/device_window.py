@@ -3,7 +3,8 @@
 Per layer: K/V of the first `sink_tokens` tokens and of positions window_start..end, where
 window_start is block-aligned and at most `local_tokens + block_size` tokens back. Tokens
 that slide out are already in DRAM (every new token is written through), and the CPU
-operator attends to them from there.
+operator attends to them from there. The sink sits in front of the window in one buffer,
+so the device attends to one contiguous view.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ class DeviceWindow:
         self.local_tokens = local_tokens
         self.sink_tokens = sink_tokens
         self.capacity = local_tokens + 2 * layout.block_size
-        shape = (layout.num_layers, layout.num_kv_heads, self.capacity, layout.head_dim)
-        self.k = torch.zeros(shape, dtype=layout.dtype, device=device)
-        self.v = torch.zeros(shape, dtype=layout.dtype, device=device)
-        sink_shape = (layout.num_layers, layout.num_kv_heads, sink_tokens, layout.head_dim)
-        self.sink_k = torch.zeros(sink_shape, dtype=layout.dtype, device=device)
-        self.sink_v = torch.zeros(sink_shape, dtype=layout.dtype, device=device)
+        # [:, :, :sink_tokens] is the sink, [:, :, sink_tokens:] the window
+        shape = (layout.num_layers, layout.num_kv_heads, sink_tokens + self.capacity, layout.head_dim)
+        self.buf_k = torch.zeros(shape, dtype=layout.dtype, device=device)
+        self.buf_v = torch.zeros(shape, dtype=layout.dtype, device=device)
+        self.sink_k, self.sink_v = self.buf_k[:, :, :sink_tokens], self.buf_v[:, :, :sink_tokens]
+        self.k, self.v = self.buf_k[:, :, sink_tokens:], self.buf_v[:, :, sink_tokens:]
         self.window_start = 0  # absolute position of self.k[:, :, 0]
         self.end = 0  # tokens in the cache
 
@@ -65,15 +66,17 @@ class DeviceWindow:
             n = self.end - self.window_start - B
             self.k[:, :, :n] = self.k[:, :, B:B + n].clone()
             self.v[:, :, :n] = self.v[:, :, B:B + n].clone()
+
             self.window_start += B
 
     def keys_values(self, layer: int, include_current: bool = True):
-        """Sink tokens then window tokens up to and including the current one: [KV, n, D] each."""
+        """Sink tokens then window tokens up to and including the current one: [KV, n, D]
+        views, no copy (the sink is either whole or, while window_start is 0, not used)."""
+        assert self.window_start == 0 or self.window_start >= self.sink_tokens
         n = self.end - self.window_start + (1 if include_current else 0)
-        sinks = min(self.sink_tokens, self.window_start)
-        k = torch.cat([self.sink_k[layer, :, :sinks], self.k[layer, :, :n]], dim=1)
-        v = torch.cat([self.sink_v[layer, :, :sinks], self.v[layer, :, :n]], dim=1)
-        return k, v
+        first = 0 if self.window_start else self.sink_tokens
+        return (self.buf_k[layer, :, first:self.sink_tokens + n],
+                self.buf_v[layer, :, first:self.sink_tokens + n])
 
     @property
     def context_blocks(self) -> tuple[int, int]:

@@ -13,9 +13,10 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
         return (torch.zeros(num_heads, dim, device=q.device),
                 torch.full((num_heads,), float("-inf"), device=q.device))
     group = num_heads // num_kv
-    qg = q.float().view(num_kv, group, dim)
-    scores = torch.einsum("kgd,knd->kgn", qg, k.float()) * scale  # [KV, G, N]
+    qg = q.to(k.dtype).view(num_kv, group, dim)
+    # matmuls in the cache dtype (float32 accumulation), softmax in float32: no upcast copy of K/V
+    scores = torch.bmm(qg, k.transpose(1, 2)).float() * scale  # [KV, G, N]
     lse = torch.logsumexp(scores, dim=-1)
     p = torch.exp(scores - lse[..., None])
-    out = torch.einsum("kgn,knd->kgd", p, v.float())
+    out = torch.bmm(p.to(v.dtype), v).float()
     return out.reshape(num_heads, dim), lse.reshape(num_heads)

@@ -57,9 +57,9 @@ def main(argv=None) -> int:
     config = load_config(overrides=parse_set(args.set), write_user_file=False)
     model = random_model("llama-3.1-8b", device, torch.bfloat16)
     c = model.config
-    import numba
+    from cpu_ops.threads import set_decode_threads
 
-    print(f"{torch.cuda.get_device_name(device)} + {numba.get_num_threads()} CPU threads; llama-3.1-8b random "
+    print(f"{torch.cuda.get_device_name(device)} + {set_decode_threads(config.threads_num)} CPU threads; llama-3.1-8b random "
           f"bf16, GPU cap {args.gpu_cap_gb} GiB; kv {config.kv_type}, block {config.block_size}, top-k "
           f"{config.second_select_num}, local {config.local_windows_len}, anchors {config.anchor_type}, "
           f"{config.head_select_mode}, dense layers {config.dense_layer_num}; ms per token, medians over "
@@ -101,7 +101,8 @@ def main(argv=None) -> int:
                          f"{sel * 1e3:.1f}", f"{wait * 1e3:.1f}", f"{(tm.total / n - cpu - sel - wait) * 1e3:.1f}",
                          f"peak GPU {torch.cuda.max_memory_allocated(device) / GIB:.1f} GiB"])
             print("partial:", " | ".join(map(str, row)), flush=True)
-        del host
+        del host, decoder
+        torch.cuda.empty_cache()
     print_table(["context", "mode", "tok/s", "ms/token", "CPU attention", "selection", "wait for q",
                  "rest (GPU, merge, Python)", "note"], rows)
     return 0

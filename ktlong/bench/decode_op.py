@@ -20,6 +20,7 @@ import numpy as np
 from cpu_ops.block_select import score_blocks, select_blocks
 from cpu_ops.kv_storage import StoredKV, encode
 from cpu_ops.sparse_attention import sparse_attention
+from cpu_ops.threads import set_decode_threads
 from ktlong.bench.common import median, parse_lengths, print_table
 
 KV, H, D, B = 8, 32, 128, 128
@@ -72,12 +73,10 @@ def main(argv=None) -> int:
     p.add_argument("--top_k", type=int, default=96)
     p.add_argument("--local", type=int, default=4096)
     p.add_argument("--kv_type", default="bf16", choices=["bf16", "fp16", "q8_0", "q4_0"])
-    p.add_argument("--threads", type=int, default=0, help="Numba threads (0 = every core)")
+    p.add_argument("--threads", type=int, default=0, help="Numba threads (0 = every core but one)")
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args(argv)
-    if args.threads:
-        nb.set_num_threads(args.threads)
-    threads = nb.get_num_threads()
+    threads = set_decode_threads(args.threads)
     rng = np.random.default_rng(0)
     bandwidth = stream_read_gbps(1 << 30)
     print(f"{threads} threads; Numba streaming read {bandwidth:.1f} GB/s; {KV} kv heads, {H} q heads, d {D}, "
