@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default: the model's context length)")
     run.add_argument("--cpu_infer", type=int, help=f"CPU threads (default: {d['threads_num']} = every core but one)")
     run.add_argument("--use_cuda_graph", action="store_true", default=None,
-                     help="replay the GPU decode step as a CUDA graph")
+                     help="accepted for KTransformers compatibility; graph replay is not built yet")
     gen = p.add_argument_group("generation")
     gen.add_argument("--prompt_file", help="text file sent as the first message; an empty line resends it")
     gen.add_argument("--max_new_tokens", type=int, help=f"default: {d['max_new_tokens']}")
@@ -93,6 +93,9 @@ def run(args) -> int:
     from ktlong.loader import load_model, open_model
 
     config = load_config(args.config, overrides_from(args))
+    if config.use_cuda_graph:
+        print("[use_cuda_graph: CUDA-graph replay of the decode step is not built yet; decoding "
+              "without graphs]", file=sys.stderr)
     gf, model_config = open_model(config.model)  # checks the file before any weight is read
     max_seq_len = config.check_against_model(model_config.num_layers, model_config.context_length)
     from cpu_ops.threads import set_decode_threads

@@ -34,8 +34,9 @@ class TinySpec:
 
 
 def write_tiny_gguf(path: Path, spec: TinySpec, seed: int = 0,
-                    tensor_types: dict[str, T] | None = None) -> dict[str, np.ndarray]:
-    """Write the model; return the float32 arrays as stored (after quantisation round trip)."""
+                    tensor_types: dict[str, T] | None = None, metadata=None) -> dict[str, np.ndarray]:
+    """Write the model; return the float32 arrays as stored (after quantisation round trip).
+    metadata: optional callable that adds more keys to the GGUFWriter."""
     rng = np.random.default_rng(seed)
     s = spec
     w = GGUFWriter(str(path), s.arch)
@@ -56,6 +57,8 @@ def write_tiny_gguf(path: Path, spec: TinySpec, seed: int = 0,
     w.add_token_merges([])
     w.add_bos_token_id(s.vocab - 2)
     w.add_eos_token_id(s.vocab - 1)
+    if metadata is not None:
+        metadata(w)
 
     stored: dict[str, np.ndarray] = {}
 
