@@ -25,6 +25,11 @@ class LongContextSession:
     def __init__(self, model: LlamaModel, layout: KVLayout, chunk_size: int, backend: str,
                  hidden_on_device: bool, compact: CompactParams | None = None,
                  selection: SelectionSettings = SelectionSettings(), local_windows_len: int = 4096):
+        if model.config.sliding_window:
+            from ktlong.errors import ConfigError
+
+            raise ConfigError(f"{model.config.arch} has sliding-window layers, which the long-context "
+                              "path does not handle yet; run it with --mode normal.")
         self.selection, self.local_windows_len = selection, local_windows_len
         self.decoder: HybridDecoder | None = None
         self.model, self.layout = model, layout

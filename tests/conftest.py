@@ -28,6 +28,11 @@ def qwen_path():
     return _model_path("qwen2.5-coder-0.5b")
 
 
+@pytest.fixture(scope="session")
+def gemma_path():
+    return _model_path("gemma3-270m")
+
+
 @cache
 def _hf_tokenizer(path):
     from transformers import AutoTokenizer

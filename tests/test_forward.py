@@ -40,6 +40,9 @@ SPECS = {
     "llama-tied-q4_0": TinySpec(tied=True, weight_type=T.Q4_0),
     "qwen2-bias-f16": TinySpec(arch="qwen2", qkv_bias=True, weight_type=T.F16),
     "llama-mha-q5_0": TinySpec(num_kv_heads=4, weight_type=T.Q5_0),
+    # 7 layers: layer 5 is global, the rest slide over 8 tokens of the 23
+    "gemma3-sliding": TinySpec(arch="gemma3", num_layers=7, num_kv_heads=1, tied=True, sliding_window=8,
+                               rope_base=1e6),
 }
 
 
@@ -79,3 +82,19 @@ def test_smollm2_logits_equal_transformers(smollm2_path, hf_model):
         theirs = hf_model(smollm2_path)(torch.tensor([ids])).logits[0].double().numpy()
     assert max_rel(ours, theirs) < 1e-4
     assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+
+
+@pytest.mark.slow
+def test_gemma3_270m_logits_equal_transformers_past_the_sliding_window(hf_model):
+    from ktlong.loader import load_model
+    from ktlong.model_registry import resolve_model_path
+
+    path = resolve_model_path("gemma3-270m")
+    lm = load_model(str(path))
+    c = lm.config
+    assert c.sliding_window == 512 and c.sliding_layers[:6] == (True,) * 5 + (False,)
+    ids = [lm.tokenizer.bos_id] + list(range(1000, 1700))  # 701 tokens: past the 512 window
+    ours = run(lm.model, c, ids)
+    with torch.no_grad():
+        theirs = hf_model(path)(torch.tensor([ids])).logits[0].double().numpy()
+    assert max_rel(ours, theirs) < 1e-4 and (ours.argmax(-1) == theirs.argmax(-1)).all()

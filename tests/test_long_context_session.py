@@ -65,3 +65,13 @@ def test_local_chat_long_context_mode_answers(tmp_path, monkeypatch, capsys):
                             "--set", "kv_type=fp32"]) == 0
     captured = capsys.readouterr()
     assert "Paris" in captured.out and "memory plan" in captured.err
+
+
+def test_sliding_window_models_are_refused_in_long_context_mode(tmp_path):
+    from ktlong.errors import ConfigError
+
+    path = tmp_path / "g.gguf"
+    write_tiny_gguf(path, TinySpec(arch="gemma3", num_layers=6, num_kv_heads=1, tied=True, sliding_window=8))
+    lm = load_model(str(path))
+    with pytest.raises(ConfigError, match="sliding-window layers.*--mode normal"):
+        session_for(lm, 64)

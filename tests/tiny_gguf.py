@@ -31,6 +31,7 @@ class TinySpec:
     qkv_bias: bool = False
     tied: bool = False
     weight_type: T = T.Q8_0
+    sliding_window: int = 0  # gemma3 only
 
 
 def write_tiny_gguf(path: Path, spec: TinySpec, seed: int = 0,
@@ -49,6 +50,10 @@ def write_tiny_gguf(path: Path, spec: TinySpec, seed: int = 0,
     w.add_rope_freq_base(s.rope_base)
     w.add_rope_dimension_count(s.head_dim)
     w.add_layer_norm_rms_eps(s.eps)
+    if s.arch == "gemma3":
+        w.add_key_length(s.head_dim)
+        w.add_value_length(s.head_dim)
+        w.add_sliding_window(s.sliding_window)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     tokens = _BYTE_SYMBOLS + [f"<t{i}>" for i in range(s.vocab - 258)] + ["<|im_start|>", "<|im_end|>"]
@@ -92,6 +97,11 @@ def write_tiny_gguf(path: Path, spec: TinySpec, seed: int = 0,
             add(p + "attn_k.bias", (kv_dim,))
             add(p + "attn_v.bias", (kv_dim,))
         add(p + "attn_output.weight", (s.hidden, q_dim))
+        if s.arch == "gemma3":
+            add(p + "attn_q_norm.weight", (s.head_dim,))
+            add(p + "attn_k_norm.weight", (s.head_dim,))
+            add(p + "post_attention_norm.weight", (s.hidden,))
+            add(p + "post_ffw_norm.weight", (s.hidden,))
         add(p + "ffn_norm.weight", (s.hidden,))
         add(p + "ffn_gate.weight", (s.intermediate, s.hidden))
         add(p + "ffn_up.weight", (s.intermediate, s.hidden))

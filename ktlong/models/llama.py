@@ -1,4 +1,7 @@
-"""The llama family (llama, mistral, qwen2, internlm2-as-llama): the dense forward in torch.
+"""The llama family (llama, mistral, qwen2, internlm2-as-llama) and gemma3: the dense forward.
+
+Gemma 3 adds q/k RMS norms, norms after attention and after the MLP, a GELU-tanh MLP,
+embeddings scaled by sqrt(hidden), and sliding-window layers with their own RoPE base.
 
 Engines (dense generation, layer-major prefill, hybrid decode) call the per-layer pieces
 `qkv`, `attention_output` and `mlp`; `forward` is the plain dense path built from them.
@@ -6,6 +9,7 @@ Engines (dense generation, layer-major prefill, hybrid decode) call the per-laye
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -32,11 +36,18 @@ class LlamaModel:
         self.dtype = weights.embed.dtype
         self.inv_freq, self.rope_mscale = inv_freq(config.rope, weights.rope_freq_factors)
         self.inv_freq = self.inv_freq.to(self.device)
+        self.inv_freq_local = self.inv_freq
+        if config.rope_local_base:
+            local = dataclasses.replace(config.rope, base=config.rope_local_base, scaling_type="none")
+            self.inv_freq_local = inv_freq(local)[0].to(self.device)
         self.scale = 1.0 / math.sqrt(config.head_dim)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         # token_ids: [T] -> [T, hidden]
-        return self.weights.embed[token_ids]
+        x = self.weights.embed[token_ids]
+        if self.config.embed_scale != 1.0:  # gemma rounds the scale to the model dtype first
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        return x
 
     def qkv(self, i: int, x: torch.Tensor, positions: torch.Tensor):
         """x: [T, hidden] -> q [T, H, D], k [T, KV, D], v [T, KV, D], RoPE applied."""
@@ -45,17 +56,26 @@ class LlamaModel:
         q = F.linear(h, w.wq, w.bq).view(-1, c.num_heads, c.head_dim)
         k = F.linear(h, w.wk, w.bk).view(-1, c.num_kv_heads, c.head_dim)
         v = F.linear(h, w.wv, w.bv).view(-1, c.num_kv_heads, c.head_dim)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.rope_mscale)
+        if c.has_qk_norm:
+            q, k = rms_norm(q, w.q_norm, c.rms_norm_eps), rms_norm(k, w.k_norm, c.rms_norm_eps)
+        sliding = c.is_sliding(i)
+        freqs = self.inv_freq_local if sliding else self.inv_freq
+        cos, sin = rope_cos_sin(freqs, positions, 1.0 if sliding else self.rope_mscale)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attention_output(self, i: int, o: torch.Tensor) -> torch.Tensor:
         # o: [T, H, D] -> [T, hidden]
-        return F.linear(o.reshape(o.shape[0], -1), self.weights.layers[i].wo)
+        w = self.weights.layers[i]
+        out = F.linear(o.reshape(o.shape[0], -1), w.wo)
+        return rms_norm(out, w.post_attn_norm, self.config.rms_norm_eps) if w.post_attn_norm is not None else out
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         w = self.weights.layers[i]
         h = rms_norm(x, w.ffn_norm, self.config.rms_norm_eps)
-        return F.linear(F.silu(F.linear(h, w.w_gate)) * F.linear(h, w.w_up), w.w_down)
+        gate = F.linear(h, w.w_gate)
+        gate = F.gelu(gate, approximate="tanh") if self.config.mlp_act == "gelu_tanh" else F.silu(gate)
+        out = F.linear(gate * F.linear(h, w.w_up), w.w_down)
+        return rms_norm(out, w.post_ffn_norm, self.config.rms_norm_eps) if w.post_ffn_norm is not None else out
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, vocab] float32
@@ -75,7 +95,8 @@ class LlamaModel:
         for i in range(self.config.num_layers):
             q, k, v = self.qkv(i, x, positions)
             keys, values = cache.append(i, start, k, v)
-            x = x + self.attention_output(i, dense_attention(q, keys, values, self.scale))
+            window = self.config.sliding_window if self.config.is_sliding(i) else 0
+            x = x + self.attention_output(i, dense_attention(q, keys, values, self.scale, window))
             x = x + self.mlp(i, x)
         if last_only:
             x = x[-1:]
