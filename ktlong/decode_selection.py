@@ -63,10 +63,10 @@ class DecodeBlockSelector:
         self._debug_q: dict[int, np.ndarray] = {}  # layer -> the last query scored (tests read it)
 
     # ---- anchors -----------------------------------------------------------------------
-    def build_all(self, num_tokens: int):
+    def build_all(self, num_tokens: int, layers: list[int] | None = None):
         num_blocks = -(-num_tokens // self.block_size)
         self.prompt_blocks = num_tokens // self.block_size
-        for layer in range(len(self.anchors)):
+        for layer in range(len(self.anchors)) if layers is None else layers:
             self.update_blocks(layer, 0, num_blocks, num_tokens)
 
     def update_blocks(self, layer: int, first: int, last: int, num_tokens: int):

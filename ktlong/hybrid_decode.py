@@ -44,11 +44,15 @@ class HybridDecoder:
         self.layout, self.block_size = layout, layout.block_size
         self.window = DeviceWindow(layout, local_tokens, SINK_BLOCKS * layout.block_size, model.device)
         self.window.load_from_host(host)
-        self.selector = DecodeBlockSelector(settings, host, model.config.num_heads)
-        self.selector.build_all(host.num_tokens)
+        c = model.config
+        assert not c.sliding_window or local_tokens >= c.sliding_window, "the window must cover sliding layers"
+        self.global_layers = [i for i in range(c.num_layers) if not c.is_sliding(i)]
+        self.selector = DecodeBlockSelector(settings, host, c.num_heads)
+        self.selector.build_all(host.num_tokens, self.global_layers)
         first, last = self.window.context_blocks
         for layer, queries in (prompt_queries or {}).items():
-            self.selector.preselect(layer, queries, host.num_tokens, first, last)
+            if layer in self.global_layers:
+                self.selector.preselect(layer, queries, host.num_tokens, first, last)
         self.k_stored = [stored_view(t) for t in host.k]
         self.v_stored = [stored_view(t) for t in host.v]
         self.step_index = 0
@@ -71,7 +75,10 @@ class HybridDecoder:
             window.append(layer, k1, v1)
             self._write_through(layer, pos, k1, v1)
             keys, values = window.keys_values(layer)
-            if last > first:
+            if model.config.is_sliding(layer):  # the device window is all a sliding layer reads
+                w = model.config.sliding_window
+                o, _ = attention_with_lse(q[0], keys[:, -w:], values[:, -w:], model.scale)
+            elif last > first:
                 t0 = time.perf_counter()
                 q_host = q[0].float().cpu().numpy()  # the one sync per layer
                 t1 = time.perf_counter()
@@ -110,7 +117,7 @@ class HybridDecoder:
         if self.cuda:
             torch.cuda.current_stream().synchronize()  # the write-through copies must have landed
         h = self.host
-        for layer in range(self.layout.num_layers):
+        for layer in self.global_layers:
             k = h.k[layer][:, block:block + 1]
             mean, kmax, kmin = block_summaries(k, self.block_size)
             h.key_mean[layer, :, block], h.key_max[layer, :, block] = mean[:, 0], kmax[:, 0]

@@ -25,16 +25,18 @@ class LongContextSession:
     def __init__(self, model: LlamaModel, layout: KVLayout, chunk_size: int, backend: str,
                  hidden_on_device: bool, compact: CompactParams | None = None,
                  selection: SelectionSettings = SelectionSettings(), local_windows_len: int = 4096):
-        if model.config.sliding_window:
+        window = model.config.sliding_window
+        if window and local_windows_len < window:
             from ktlong.errors import ConfigError
 
-            raise ConfigError(f"{model.config.arch} has sliding-window layers, which the long-context "
-                              "path does not handle yet; run it with --mode normal.")
+            raise ConfigError(f"local_windows_len ({local_windows_len}) is shorter than the model's sliding "
+                              f"window ({window}); set local_windows_len to at least {window}.")
         self.selection, self.local_windows_len = selection, local_windows_len
         self.decoder: HybridDecoder | None = None
         self.model, self.layout = model, layout
         self.max_seq_len = layout.capacity
         self.engine = LayerMajorPrefill(model, layout, chunk_size, backend, hidden_on_device, compact)
+        self.engine.keep_tail_tokens = local_windows_len + 2 * layout.block_size  # sliding layers
         self.host = HostKVCache(layout, pin=model.device.type == "cuda")
         self.ids: list[int] = []
         self.last_stats = None

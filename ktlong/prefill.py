@@ -96,6 +96,9 @@ class LayerMajorPrefill:
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.last_queries: dict[int, np.ndarray] = {}  # layer -> [Tq, H, D] float32
+        # sliding-window layers keep only this many last tokens (what decode loads to the device)
+        self.keep_tail_tokens = layout.capacity
+        self._layer = 0
 
     @torch.inference_mode()
     def run(self, token_ids: list[int], host: HostKVCache, progress=None) -> tuple[torch.Tensor, PrefillStats]:
@@ -156,6 +159,7 @@ class LayerMajorPrefill:
         stats.bytes_to_host += x.numel() * x.element_size()
 
     def _layer_chunk(self, layer, x, positions, s, e, host, stats) -> torch.Tensor:
+        self._layer = layer
         model = self.model
         q, k, v = model.qkv(layer, x, positions)
         if e == self._num_tokens:
@@ -168,6 +172,11 @@ class LayerMajorPrefill:
         return x + model.mlp(layer, x)
 
     def _attention(self, q, s, e) -> torch.Tensor:
+        window = self.model.config.sliding_window if self.model.config.is_sliding(self._layer) else 0
+        if window:  # sliding layers: dense over their window, never selected
+            lo = max(0, s - window)
+            keys, values = self.pages.tokens(self.pages.k)[:, lo:e], self.pages.tokens(self.pages.v)[:, lo:e]
+            return chunk_attention(q, keys, values, self.model.scale, self.backend, window)
         if self.compact is None:
             keys, values = self.pages.tokens(self.pages.k)[:, :e], self.pages.tokens(self.pages.v)[:, :e]
             return chunk_attention(q, keys, values, self.model.scale, self.backend)
@@ -177,7 +186,14 @@ class LayerMajorPrefill:
         return o
 
     def _offload(self, layer, q, s, e, host: HostKVCache, stats):
-        """Summarise the chunk's blocks and copy its K/V and side tables to DRAM."""
+        """Summarise the chunk's blocks and copy its K/V and side tables to DRAM. Sliding-window
+        layers copy only the tokens the decoder's device window will load (no side tables)."""
+        if self.model.config.is_sliding(layer):
+            s = max(s, self._num_tokens - self.keep_tail_tokens)
+            if s >= e:
+                return
+            self._copy_kv(layer, s, e, host, stats)
+            return
         B = self.layout.block_size
         b0, b1 = s // B, -(-e // B)
         k_blocks = self.pages.k[:, b0:b1]  # [KV, nb, B, D]
@@ -185,6 +201,22 @@ class LayerMajorPrefill:
         self.pooled_keys[:, b0:b1] = mean
         keys = self.pages.tokens(self.pages.k)[:, s:e]
         importance = token_importance(q[-IMPORTANCE_QUERIES:], keys, self.model.scale)  # [KV, e-s]
+        self._copy_kv(layer, s, e, host, stats)
+        ctx = torch.cuda.stream(self.copy_stream) if self.cuda else nullcontext()
+        with ctx:
+            if self.cuda:
+                self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            host.key_mean[layer, :, b0:b1].copy_(mean, non_blocking=True)
+            host.key_max[layer, :, b0:b1].copy_(kmax, non_blocking=True)
+            host.key_min[layer, :, b0:b1].copy_(kmin, non_blocking=True)
+            host.importance[layer].view(self.layout.num_kv_heads, -1)[:, s:e].copy_(
+                importance, non_blocking=True)
+            if self.cuda:
+                for t in (mean, kmax, kmin, importance):
+                    t.record_stream(self.copy_stream)
+        stats.bytes_to_host += sum(t.numel() * 4 for t in (mean, kmax, kmin, importance))
+
+    def _copy_kv(self, layer, s, e, host: HostKVCache, stats):
         ctx = torch.cuda.stream(self.copy_stream) if self.cuda else nullcontext()
         with ctx:
             if self.cuda:
@@ -194,14 +226,4 @@ class LayerMajorPrefill:
                     self.pages.tokens(self.pages.k)[h, s:e], non_blocking=True)
                 host.v[layer][h].view(-1, self.layout.head_dim)[s:e].copy_(
                     self.pages.tokens(self.pages.v)[h, s:e], non_blocking=True)
-            host.key_mean[layer, :, b0:b1].copy_(mean, non_blocking=True)
-            host.key_max[layer, :, b0:b1].copy_(kmax, non_blocking=True)
-            host.key_min[layer, :, b0:b1].copy_(kmin, non_blocking=True)
-            host.importance[layer].view(self.layout.num_kv_heads, -1)[:, s:e].copy_(
-                importance, non_blocking=True)
-            if self.cuda:
-                for t in (mean, kmax, kmin, importance):
-                    t.record_stream(self.copy_stream)
-        kv_bytes = 2 * (e - s) * self.layout.num_kv_heads * self.layout.head_dim * self.layout.dtype.itemsize
-        side_bytes = sum(t.numel() * 4 for t in (mean, kmax, kmin, importance))
-        stats.bytes_to_host += kv_bytes + side_bytes
+        stats.bytes_to_host += 2 * (e - s) * self.layout.num_kv_heads * self.layout.head_dim * self.layout.dtype.itemsize

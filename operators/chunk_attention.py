@@ -18,15 +18,16 @@ def flashinfer_available() -> bool:
 
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    backend: str) -> torch.Tensor:
+                    backend: str, window: int = 0) -> torch.Tensor:
     """q: [T, H, D]; k, v: [KV, N, D] head-major views (N >= T, the chunk is the last T keys).
 
-    Returns [T, H, D]; causal, bottom-right aligned.
+    Returns [T, H, D]; causal, bottom-right aligned; with window > 0 each query sees only the
+    last `window` keys up to itself.
     """
     assert q.dim() == 3 and k.dim() == 3 and k.shape == v.shape and k.shape[1] >= q.shape[0]
     assert q.dtype == k.dtype == v.dtype and q.device == k.device
     if backend == "torch":
-        return dense_attention(q, k, v, scale)
+        return dense_attention(q, k, v, scale, window)
     # fa3's single-request kernel dies (SIGFPE) on this strided HND view in FlashInfer 0.6.9;
     # fa3 runs through the paged path (operators/flashinfer_paged.py) instead.
     assert backend == "fa2", backend
@@ -34,4 +35,5 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
     # HND layout reads [KV, N, D]; the page tensor's head stride is honoured, so no copy.
     return flashinfer.single_prefill_with_kv_cache(
-        q, k, v, causal=True, kv_layout="HND", sm_scale=scale, backend=backend)
+        q, k, v, causal=True, kv_layout="HND", sm_scale=scale, backend=backend,
+        window_left=window - 1 if window else -1)

@@ -67,11 +67,35 @@ def test_local_chat_long_context_mode_answers(tmp_path, monkeypatch, capsys):
     assert "Paris" in captured.out and "memory plan" in captured.err
 
 
-def test_sliding_window_models_are_refused_in_long_context_mode(tmp_path):
+def test_gemma3_sliding_layers_generate_like_dense_and_skip_offload(tmp_path):
+    """Sliding layers: windowed prefill, only the device window's tail offloaded, decode on the
+    device window only; global layers: the DRAM path. Everything kept -> equals dense."""
+    from ktlong.decode_selection import SelectionSettings
+
+    path = tmp_path / "g.gguf"
+    write_tiny_gguf(path, TinySpec(arch="gemma3", num_layers=6, num_kv_heads=1, tied=True, sliding_window=24),
+                    seed=4)
+    lm = load_model(str(path))
+    prompt = list(np.random.default_rng(5).integers(0, 298, size=150))
+    c = lm.config
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 256, "fp32")
+    session = LongContextSession(lm.model, layout, 32, "torch", True,
+                                 selection=SelectionSettings(second_select_num=1000, preselect_block=False),
+                                 local_windows_len=32)
+    dense = generate(DenseSession(lm.model, 256, 32), prompt, 30, Sampler(), frozenset(), lambda i: "")
+    long = generate(session, prompt, 30, Sampler(), frozenset(), lambda i: "")
+    assert long.token_ids == dense.token_ids
+    assert session.host.k[0][:, 0].abs().sum() == 0  # sliding layer 0: the prompt's start never offloaded
+    assert session.host.k[5][:, 0].abs().sum() > 0  # global layer 5: offloaded
+
+
+def test_local_window_must_cover_the_sliding_window(tmp_path):
     from ktlong.errors import ConfigError
 
     path = tmp_path / "g.gguf"
-    write_tiny_gguf(path, TinySpec(arch="gemma3", num_layers=6, num_kv_heads=1, tied=True, sliding_window=8))
+    write_tiny_gguf(path, TinySpec(arch="gemma3", num_layers=6, num_kv_heads=1, tied=True, sliding_window=64))
     lm = load_model(str(path))
-    with pytest.raises(ConfigError, match="sliding-window layers.*--mode normal"):
-        session_for(lm, 64)
+    c = lm.config
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 256, "fp32")
+    with pytest.raises(ConfigError, match="at least 64"):
+        LongContextSession(lm.model, layout, 32, "torch", True, local_windows_len=32)
