@@ -89,7 +89,6 @@ def run(args) -> int:
     from ktlong.chat_loop import ChatLoop
     from ktlong.config import load_config
     from ktlong.device import resolve_device, resolve_dtype
-    from ktlong.errors import ConfigError
     from ktlong.loader import load_model, open_model
 
     config = load_config(args.config, overrides_from(args))

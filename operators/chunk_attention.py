@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from operators.dense_attention import dense_attention
 
-BACKENDS = ("auto", "fa2", "fa3", "torch")
-
 
 def flashinfer_available() -> bool:
-    try:
-        import flashinfer  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("flashinfer") is not None
 
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

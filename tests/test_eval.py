@@ -1,8 +1,6 @@
 """Evaluation generators are seeded, sized in model tokens and place the needle where asked;
 a fast real subset retrieves the passkey with dense and with sparse attention."""
 
-import random
-
 import pytest
 
 from ktlong.eval.haystack import sentences

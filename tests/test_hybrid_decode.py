@@ -5,7 +5,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
 
 from cpu_ops.anchors import build_anchors_reference
 from ktlong.decode_selection import SelectionSettings

@@ -1,7 +1,5 @@
 """RoPE frequencies with scaling equal transformers' implementations; GGUF metadata reaches them."""
 
-import numpy as np
-import pytest
 import torch
 
 from ktlong.model_config import RopeConfig
