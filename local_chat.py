@@ -115,23 +115,14 @@ def run(args) -> int:
     session = None
     if plan is not None:
         from ktlong.long_context_session import LongContextSession
+        from ktlong.long_context_settings import compact_params, selection_settings
 
         session = LongContextSession(lm.model, plan[1], config.chunk_size, config.attention_backend,
-                                     plan[0].hidden_on_device, compact_params(config))
+                                     plan[0].hidden_on_device, compact_params(config),
+                                     selection_settings(config, lm.config.num_layers), config.local_windows_len)
     ChatLoop(lm, config, max_seq_len, args.prompt_file, session=session).run(
         interactive=sys.stdin.isatty())
     return 0
-
-
-def compact_params(config):
-    """CompactAttention settings when prefill_attention is compact, else None (dense)."""
-    from operators.compact_attention import CompactParams
-
-    if config.prefill_attention != "compact":
-        return None
-    return CompactParams(selector=config.selector, alpha=config.alpha, threshold=config.threshold,
-                         stride=config.stride, sink_blocks=config.sink_blocks,
-                         window_blocks=config.window_blocks, subgroup_size=config.subgroup_size)
 
 
 def long_context_plan(config, gf, model_config, max_seq_len, device, dtype):

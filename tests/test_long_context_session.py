@@ -99,3 +99,40 @@ def test_local_window_must_cover_the_sliding_window(tmp_path):
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 256, "fp32")
     with pytest.raises(ConfigError, match="at least 64"):
         LongContextSession(lm.model, layout, 32, "torch", True, local_windows_len=32)
+
+
+def test_config_options_reach_prefill_and_decode_settings(tmp_path, monkeypatch):
+    from ktlong.config import load_config, parse_set
+    from ktlong.long_context_settings import compact_params, selection_settings
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    config = load_config(overrides=parse_set(["prefill_attention=compact", "alpha=0.3", "second_select_num=7",
+                                              "anchor_type=QUEST", "token_step=3", "head_select_mode=SEPARATE"]))
+    p, s = compact_params(config), selection_settings(config, 12)
+    assert (p.alpha, s.second_select_num, s.anchor_type, s.token_step, s.head_select_mode) == \
+        (0.3, 7, "QUEST", 3, "SEPARATE")
+    assert compact_params(config, "dense") is None
+    assert selection_settings(config, 12, "dense").dense_layer_num == 12
+
+
+@pytest.mark.slow
+def test_local_chat_builds_its_session_from_the_config(tmp_path, monkeypatch):
+    import io
+
+    import local_chat
+    from ktlong import long_context_session
+
+    seen = {}
+    original = long_context_session.LongContextSession.__init__
+
+    def record(self, *args, **kwargs):
+        seen["args"] = args
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(long_context_session.LongContextSession, "__init__", record)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert local_chat.main(["--mode", "long_context", "--set", "second_select_num=5", "--set",
+                            "local_windows_len=2048", "--set", "prefill_attention=compact"]) == 0
+    model, layout, chunk, backend, on_device, compact, selection, local = seen["args"]
+    assert selection.second_select_num == 5 and local == 2048 and compact is not None

@@ -18,7 +18,7 @@ import torch
 
 from ktlong.bench.common import parse_lengths, print_table
 from ktlong.config import load_config, parse_set
-from ktlong.eval.runner import selection_for
+from ktlong.long_context_settings import selection_settings
 from ktlong.hybrid_decode import HybridDecoder
 from ktlong.kv_cache import HostKVCache, kv_layout
 from ktlong.memory_plan import GIB
@@ -65,8 +65,8 @@ def main(argv=None) -> int:
           f"{config.head_select_mode}, dense layers {config.dense_layer_num}; ms per token, medians over "
           f"{args.tokens} tokens")
     rows = []
-    sparse = selection_for(config, "sparse", c.num_layers)
-    modes = [("dense (all blocks on CPU)", selection_for(config, "dense", c.num_layers), config.local_windows_len),
+    sparse = selection_settings(config, c.num_layers)
+    modes = [("dense (all blocks on CPU)", selection_settings(config, c.num_layers, "dense"), config.local_windows_len),
              ("sparse, CPU only", dataclasses.replace(sparse, preselect_block=False), 0),
              ("hybrid", dataclasses.replace(sparse, preselect_block=False), config.local_windows_len)]
     for context in parse_lengths(args.contexts):

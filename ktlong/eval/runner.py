@@ -11,14 +11,13 @@ import torch
 
 from ktlong.config import Config
 from ktlong.conversation import Conversation
-from ktlong.decode_selection import SelectionSettings
 from ktlong.eval.tasks import make_sample, score
 from ktlong.generate import generate
 from ktlong.kv_cache import kv_layout
 from ktlong.loader import LoadedModel
 from ktlong.long_context_session import LongContextSession
+from ktlong.long_context_settings import compact_params, selection_settings
 from ktlong.sampling import Sampler
-from operators.compact_attention import CompactParams
 
 MAX_NEW_TOKENS = {"passkey": 16, "needle": 32, "kvretrieval": 64, "multikey": 24}
 
@@ -39,30 +38,12 @@ class Result:
     density: float  # CompactAttention's kept history fraction, 1.0 when dense
 
 
-def selection_for(config: Config, attention: str, num_layers: int) -> SelectionSettings:
-    if attention == "dense":  # every block, every layer: exact attention through the same path
-        return SelectionSettings(second_select_num=1 << 30, dense_layer_num=num_layers, preselect_block=False)
-    return SelectionSettings(
-        second_select_num=config.second_select_num, anchor_type=config.anchor_type, anchor_num=config.anchor_num,
-        head_select_mode=config.head_select_mode, dense_layer_num=config.dense_layer_num,
-        layer_step=config.layer_step, token_step=config.token_step, preselect_block=config.preselect_block,
-        preselect_block_count=config.preselect_block_count)
-
-
-def compact_for(config: Config, attention: str) -> CompactParams | None:
-    if attention == "dense":
-        return None
-    return CompactParams(selector=config.selector, alpha=config.alpha, threshold=config.threshold,
-                         stride=config.stride, sink_blocks=config.sink_blocks,
-                         window_blocks=config.window_blocks, subgroup_size=config.subgroup_size)
-
-
 def make_session(lm: LoadedModel, config: Config, attention: str, max_seq_len: int, hidden_on_device=True):
     c = lm.config
     kv_type = "fp32" if lm.model.dtype == torch.float32 and config.kv_type == "bf16" else config.kv_type
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size, max_seq_len, kv_type)
     return LongContextSession(lm.model, layout, config.chunk_size, config.attention_backend, hidden_on_device,
-                              compact_for(config, attention), selection_for(config, attention, c.num_layers),
+                              compact_params(config, attention), selection_settings(config, c.num_layers, attention),
                               config.local_windows_len)
 
 

@@ -1,0 +1,30 @@
+"""The long-context settings of a Config: CompactAttention for prefill, block selection for decode.
+
+One place builds them, so local_chat, the evaluation and the benchmarks all honour the same
+options. "dense" asks for exact attention through the same path.
+"""
+
+from __future__ import annotations
+
+from ktlong.config import Config
+from ktlong.decode_selection import SelectionSettings
+from operators.compact_attention import CompactParams
+
+
+def compact_params(config: Config, attention: str = "sparse") -> CompactParams | None:
+    """None (dense prefill) unless sparse attention with prefill_attention: compact."""
+    if attention == "dense" or config.prefill_attention != "compact":
+        return None
+    return CompactParams(selector=config.selector, alpha=config.alpha, threshold=config.threshold,
+                         stride=config.stride, sink_blocks=config.sink_blocks,
+                         window_blocks=config.window_blocks, subgroup_size=config.subgroup_size)
+
+
+def selection_settings(config: Config, num_layers: int, attention: str = "sparse") -> SelectionSettings:
+    if attention == "dense":  # every block, every layer
+        return SelectionSettings(second_select_num=1 << 30, dense_layer_num=num_layers, preselect_block=False)
+    return SelectionSettings(
+        second_select_num=config.second_select_num, anchor_type=config.anchor_type, anchor_num=config.anchor_num,
+        head_select_mode=config.head_select_mode, dense_layer_num=config.dense_layer_num,
+        layer_step=config.layer_step, token_step=config.token_step, preselect_block=config.preselect_block,
+        preselect_block_count=config.preselect_block_count)
