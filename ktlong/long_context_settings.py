@@ -11,9 +11,10 @@ from ktlong.decode_selection import SelectionSettings
 from operators.compact_attention import CompactParams
 
 
-def compact_params(config: Config, attention: str = "sparse") -> CompactParams | None:
-    """None (dense prefill) unless sparse attention with prefill_attention: compact."""
-    if attention == "dense" or config.prefill_attention != "compact":
+def compact_params(config: Config, attention: str | None = None) -> CompactParams | None:
+    """CompactAttention settings, or None for dense prefill. attention: "dense" or "sparse"
+    forces the choice (the evaluation compares the two); None follows prefill_attention."""
+    if attention == "dense" or (attention is None and config.prefill_attention != "compact"):
         return None
     return CompactParams(selector=config.selector, alpha=config.alpha, threshold=config.threshold,
                          stride=config.stride, sink_blocks=config.sink_blocks,

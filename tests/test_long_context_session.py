@@ -113,6 +113,9 @@ def test_config_options_reach_prefill_and_decode_settings(tmp_path, monkeypatch)
         (0.3, 7, "QUEST", 3, "SEPARATE")
     assert compact_params(config, "dense") is None
     assert selection_settings(config, 12, "dense").dense_layer_num == 12
+    dense_prefill = load_config(overrides=parse_set(["prefill_attention=dense"]))
+    assert compact_params(dense_prefill) is None  # local_chat follows the config
+    assert compact_params(dense_prefill, "sparse") is not None  # the evaluation's sparse arm is compact
 
 
 @pytest.mark.slow
