@@ -53,14 +53,14 @@ class DecodeBlockSelector:
         layout = host.layout
         self.block_size, self.num_kv = layout.block_size, layout.num_kv_heads
         self.num_anchors = anchors_per_block(settings.anchor_type, settings.anchor_num)
-        shape = (layout.num_kv_heads, layout.num_blocks, self.num_anchors, layout.head_dim)
-        self.anchors = [np.zeros(shape, np.float32) for _ in range(layout.num_layers)]
+        self.anchors = [np.zeros((layout.num_kv_heads, 0 if layout.is_sliding(i) else layout.num_blocks,
+                                  self.num_anchors, layout.head_dim), np.float32)
+                        for i in range(layout.num_layers)]
         self.candidates: list[np.ndarray | None] = [None] * layout.num_layers  # [KV, NB] bool
         self.prompt_blocks = 0
         self.cache: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # layer -> blocks, counts, step
         self.last_selected_layer = -1
         self.scores = np.zeros((layout.num_kv_heads, layout.num_blocks), np.float32)
-        self._debug_q: dict[int, np.ndarray] = {}  # layer -> the last query scored (tests read it)
 
     # ---- anchors -----------------------------------------------------------------------
     def build_all(self, num_tokens: int, layers: list[int] | None = None):
@@ -73,15 +73,15 @@ class DecodeBlockSelector:
         """(Re)build the anchors of blocks first..last-1 of one layer."""
         h, t = self.host, self.s.anchor_type
         if t == "MAX":
-            self.anchors[layer][:, first:last, 0] = h.key_max[layer, :, first:last].numpy()
+            self.anchors[layer][:, first:last, 0] = h.key_max[layer][:, first:last].numpy()
         elif t == "MEAN":
-            self.anchors[layer][:, first:last, 0] = h.key_mean[layer, :, first:last].numpy()
+            self.anchors[layer][:, first:last, 0] = h.key_mean[layer][:, first:last].numpy()
         elif t == "QUEST":
-            self.anchors[layer][:, first:last, 0] = h.key_min[layer, :, first:last].numpy()
-            self.anchors[layer][:, first:last, 1] = h.key_max[layer, :, first:last].numpy()
+            self.anchors[layer][:, first:last, 0] = h.key_min[layer][:, first:last].numpy()
+            self.anchors[layer][:, first:last, 1] = h.key_max[layer][:, first:last].numpy()
         else:
             keys = float_keys(h.k[layer][:, first:last])
-            importance = h.importance[layer, :, first:last].numpy()
+            importance = h.importance[layer][:, first:last].numpy()
             self.anchors[layer][:, first:last] = build_anchors(
                 keys, num_tokens - first * self.block_size, t, self.s.anchor_num, importance)
 
@@ -128,7 +128,6 @@ class DecodeBlockSelector:
         return blocks, counts
 
     def _score_and_pick(self, layer, q, first, last):
-        self._debug_q[layer] = q
         kind = QUEST if self.s.anchor_type == "QUEST" else 0
         scores = self.scores
         score_blocks(q, self.anchors[layer], last, kind, scores)

@@ -41,14 +41,12 @@ class DeviceWindow:
         self.end = end
         self.window_start = self.first_window_position(end)
         n, sinks = end - self.window_start, min(self.sink_tokens, end)
-        D = self.layout.head_dim
         for layer in range(self.layout.num_layers):
-            hk = host.k[layer].view(self.layout.num_kv_heads, -1, D)
-            hv = host.v[layer].view(self.layout.num_kv_heads, -1, D)
-            self.k[layer, :, :n].copy_(hk[:, self.window_start:end], non_blocking=True)
-            self.v[layer, :, :n].copy_(hv[:, self.window_start:end], non_blocking=True)
-            self.sink_k[layer, :, :sinks].copy_(hk[:, :sinks], non_blocking=True)
-            self.sink_v[layer, :, :sinks].copy_(hv[:, :sinks], non_blocking=True)
+            self.k[layer, :, :n].copy_(host.tokens(layer, "k", self.window_start, end), non_blocking=True)
+            self.v[layer, :, :n].copy_(host.tokens(layer, "v", self.window_start, end), non_blocking=True)
+            if not self.layout.is_sliding(layer):  # sliding layers never read the sink
+                self.sink_k[layer, :, :sinks].copy_(host.tokens(layer, "k", 0, sinks), non_blocking=True)
+                self.sink_v[layer, :, :sinks].copy_(host.tokens(layer, "v", 0, sinks), non_blocking=True)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """k, v: [KV, D] of position self.end (call for every layer, then advance())."""

@@ -46,7 +46,7 @@ class HybridDecoder:
         self.window.load_from_host(host)
         c = model.config
         assert not c.sliding_window or local_tokens >= c.sliding_window, "the window must cover sliding layers"
-        self.global_layers = [i for i in range(c.num_layers) if not c.is_sliding(i)]
+        self.global_layers = layout.global_layers
         self.selector = DecodeBlockSelector(settings, host, c.num_heads)
         self.selector.build_all(host.num_tokens, self.global_layers)
         first, last = self.window.context_blocks
@@ -73,9 +73,8 @@ class HybridDecoder:
             q, k, v = model.qkv(layer, x, positions)
             k1, v1 = k[0].to(layout.dtype), v[0].to(layout.dtype)
             window.append(layer, k1, v1)
-            self._write_through(layer, pos, k1, v1)
             keys, values = window.keys_values(layer)
-            if model.config.is_sliding(layer):  # the device window is all a sliding layer reads
+            if layout.is_sliding(layer):  # the device window is all a sliding layer reads
                 w = model.config.sliding_window
                 o, _ = attention_with_lse(q[0], keys[:, -w:], values[:, -w:], model.scale)
             elif last > first:
@@ -95,6 +94,8 @@ class HybridDecoder:
                 self.times.cpu_attention += t3 - t2
             else:
                 o, _ = attention_with_lse(q[0], keys, values, model.scale)
+            if not layout.is_sliding(layer):
+                self._write_through(layer, pos, k1, v1)
             x = x + model.attention_output(layer, o[None].to(x.dtype))
             x = x + model.mlp(layer, x)
         logits = model.logits(x)[0]
@@ -120,8 +121,8 @@ class HybridDecoder:
         for layer in self.global_layers:
             k = h.k[layer][:, block:block + 1]
             mean, kmax, kmin = block_summaries(k, self.block_size)
-            h.key_mean[layer, :, block], h.key_max[layer, :, block] = mean[:, 0], kmax[:, 0]
-            h.key_min[layer, :, block] = kmin[:, 0]
+            h.key_mean[layer][:, block], h.key_max[layer][:, block] = mean[:, 0], kmax[:, 0]
+            h.key_min[layer][:, block] = kmin[:, 0]
             # importance of generated keys: their norm (no prompt queries attend to them)
-            h.importance[layer, :, block] = k[:, 0].float().norm(dim=-1)
+            h.importance[layer][:, block] = k[:, 0].float().norm(dim=-1)
             self.selector.update_blocks(layer, block, block + 1, num_tokens)

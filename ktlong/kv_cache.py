@@ -4,6 +4,10 @@ Per layer, K and V are [num_kv_heads, num_blocks, block_size, head_dim] on both 
 (kv head, block) pair is one contiguous page and a chunk of one head is one contiguous range.
 DRAM holds per-block side tables next to the blocks: mean, max and min keys (Quest) and the
 per-token prefill importance that DYNAMIC anchors use.
+
+Sliding-window layers (gemma3) never read past their window, so DRAM keeps only the tail
+that the decoder's device window loads after prefill: `sliding_blocks` blocks, placed at the
+end of the prompt, and no side tables.
 """
 
 from __future__ import annotations
@@ -23,29 +27,63 @@ class KVLayout:
     block_size: int
     num_blocks: int
     dtype: torch.dtype
+    sliding: tuple[bool, ...] = ()  # per layer: a sliding-window layer (DRAM keeps a tail only)
+    sliding_blocks: int = 0  # DRAM blocks of a sliding layer
 
     @property
     def capacity(self) -> int:
         return self.num_blocks * self.block_size
 
-    def layer_bytes(self) -> int:
-        """K and V of one layer."""
-        return 2 * self.num_kv_heads * self.capacity * self.head_dim * self.dtype.itemsize
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.sliding) and self.sliding[layer]
+
+    @property
+    def global_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if not self.is_sliding(i)]
+
+    def blocks_in_dram(self, layer: int) -> int:
+        return self.sliding_blocks if self.is_sliding(layer) else self.num_blocks
+
+    def layer_bytes(self, blocks: int | None = None) -> int:
+        """K and V of one layer of `blocks` blocks (default: the whole capacity)."""
+        blocks = self.num_blocks if blocks is None else blocks
+        return 2 * self.num_kv_heads * blocks * self.block_size * self.head_dim * self.dtype.itemsize
 
     def side_table_bytes(self) -> int:
-        """Side tables of one layer: mean, max, min keys (float32) and token importance (float32)."""
+        """Side tables of one global layer: mean, max, min keys and token importance (float32)."""
         per_block = 3 * self.head_dim * 4 + self.block_size * 4
         return self.num_kv_heads * self.num_blocks * per_block
 
+    def dram_kv_bytes(self, sliding: bool) -> int:
+        """K/V bytes in DRAM of the sliding (True) or the global (False) layers."""
+        return sum(self.layer_bytes(self.blocks_in_dram(i)) for i in range(self.num_layers)
+                   if self.is_sliding(i) == sliding)
 
-def kv_layout(num_layers, num_kv_heads, head_dim, block_size, max_seq_len, kv_type) -> KVLayout:
+    def dram_side_table_bytes(self) -> int:
+        return len(self.global_layers) * self.side_table_bytes()
+
+
+def kv_layout(num_layers, num_kv_heads, head_dim, block_size, max_seq_len, kv_type,
+              sliding: tuple[bool, ...] = (), local_tokens: int = 0) -> KVLayout:
+    """sliding, local_tokens: the model's sliding-window layers keep in DRAM only what a device
+    window of local_tokens loads after prefill."""
     if kv_type not in KV_DTYPES:
         from ktlong.errors import ConfigError
 
         raise ConfigError(f"kv_type '{kv_type}' is stored by the decode operator, not by prefill yet; "
                           "use --set kv_type=bf16 or fp16.")
     num_blocks = -(-max_seq_len // block_size)
-    return KVLayout(num_layers, num_kv_heads, head_dim, block_size, num_blocks, KV_DTYPES[kv_type])
+    # the window starts block-aligned at most local_tokens + block_size back; one more block
+    # because the prompt's end need not be block-aligned
+    sliding_blocks = min(num_blocks, -(-local_tokens // block_size) + 2) if any(sliding) else 0
+    return KVLayout(num_layers, num_kv_heads, head_dim, block_size, num_blocks, KV_DTYPES[kv_type],
+                    tuple(sliding) if any(sliding) else (), sliding_blocks)
+
+
+def model_kv_layout(c, block_size: int, max_seq_len: int, kv_type: str, local_tokens: int) -> KVLayout:
+    """The layout for a model config: its sliding layers keep only the device window's tail."""
+    return kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, max_seq_len, kv_type,
+                     c.sliding_layers, local_tokens)
 
 
 class DevicePages:
@@ -69,20 +107,44 @@ class DevicePages:
 
 
 class HostKVCache:
-    """Every layer's K/V and side tables in DRAM (pinned when a GPU will copy into it)."""
+    """Every layer's K/V and side tables in DRAM (pinned when a GPU will copy into it).
+
+    k[layer], v[layer]: [KV, blocks, B, D]; block 0 is absolute block first_block[layer]
+    (0 for global layers; the start of the kept tail for sliding layers). Side tables are
+    per layer, [KV, NB, D] and [KV, NB, B]; empty for sliding layers.
+    """
 
     def __init__(self, layout: KVLayout, pin: bool):
-        L, H, N, B, D = (layout.num_layers, layout.num_kv_heads, layout.num_blocks,
-                         layout.block_size, layout.head_dim)
+        H, B, D = layout.num_kv_heads, layout.block_size, layout.head_dim
 
         def alloc(shape, dtype):
             return torch.zeros(shape, dtype=dtype, pin_memory=pin)
 
         self.layout = layout
-        self.k = [alloc((H, N, B, D), layout.dtype) for _ in range(L)]
-        self.v = [alloc((H, N, B, D), layout.dtype) for _ in range(L)]
-        self.key_mean = alloc((L, H, N, D), torch.float32)
-        self.key_max = alloc((L, H, N, D), torch.float32)
-        self.key_min = alloc((L, H, N, D), torch.float32)
-        self.importance = alloc((L, H, N, B), torch.float32)
+        blocks = [layout.blocks_in_dram(i) for i in range(layout.num_layers)]
+        tables = [0 if layout.is_sliding(i) else layout.num_blocks for i in range(layout.num_layers)]
+        self.k = [alloc((H, n, B, D), layout.dtype) for n in blocks]
+        self.v = [alloc((H, n, B, D), layout.dtype) for n in blocks]
+        self.key_mean = [alloc((H, n, D), torch.float32) for n in tables]
+        self.key_max = [alloc((H, n, D), torch.float32) for n in tables]
+        self.key_min = [alloc((H, n, D), torch.float32) for n in tables]
+        self.importance = [alloc((H, n, B), torch.float32) for n in tables]
+        self.first_block = [0] * layout.num_layers
         self.num_tokens = 0
+
+    def place_tails(self, num_tokens: int):
+        """Before a prefill of num_tokens: sliding layers keep the blocks that end the prompt."""
+        end_block = -(-num_tokens // self.layout.block_size)
+        for layer in range(self.layout.num_layers):
+            if self.layout.is_sliding(layer):
+                self.first_block[layer] = max(0, end_block - self.layout.sliding_blocks)
+
+    def first_token(self, layer: int) -> int:
+        return self.first_block[layer] * self.layout.block_size
+
+    def tokens(self, layer: int, which: str, start: int, end: int) -> torch.Tensor:
+        """K ("k") or V ("v") of absolute positions start..end: a [KV, end-start, D] view."""
+        t = self.k[layer] if which == "k" else self.v[layer]
+        base = self.first_token(layer)
+        assert base <= start <= end <= base + t.shape[1] * t.shape[2], (layer, start, end, base)
+        return t.view(t.shape[0], -1, t.shape[-1])[:, start - base:end - base]

@@ -31,12 +31,14 @@ class LongContextSession:
 
             raise ConfigError(f"local_windows_len ({local_windows_len}) is shorter than the model's sliding "
                               f"window ({window}); set local_windows_len to at least {window}.")
+        assert tuple(layout.sliding) == tuple(model.config.sliding_layers), "use model_kv_layout"
+        assert not layout.sliding or layout.sliding_blocks * layout.block_size >= min(
+            layout.capacity, local_windows_len + layout.block_size), "the DRAM tail must cover the device window"
         self.selection, self.local_windows_len = selection, local_windows_len
         self.decoder: HybridDecoder | None = None
         self.model, self.layout = model, layout
         self.max_seq_len = layout.capacity
         self.engine = LayerMajorPrefill(model, layout, chunk_size, backend, hidden_on_device, compact)
-        self.engine.keep_tail_tokens = local_windows_len + 2 * layout.block_size  # sliding layers
         self.host = HostKVCache(layout, pin=model.device.type == "cuda")
         self.ids: list[int] = []
         self.last_stats = None
@@ -53,6 +55,7 @@ class LongContextSession:
             for token in prompt_ids[reuse:]:
                 logits = self.step(token)
             return logits
+        self.decoder = None  # frees the device window before prefill needs the memory
         layers = self.model.config.num_layers
         bar = tqdm(total=len(prompt_ids), unit="tok", desc="prefill", leave=False,
                    disable=not show_progress or len(prompt_ids) <= self.engine.chunk_size)

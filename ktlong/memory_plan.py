@@ -19,26 +19,39 @@ class MemoryPlan:
     kv_pages: int  # one layer of K/V pages on the GPU
     hidden: int  # all hidden states on the GPU, or two staging chunks when they live in DRAM
     workspace: int  # one chunk's activations, attention workspace, logits
+    decode_window: int  # decode: sinks + local window of every layer (prefill's hidden states are gone)
     hidden_on_device: bool
-    dram_kv: int
-    dram_side_tables: int
+    dram_kv: int  # global layers: every block
+    dram_kv_sliding: int  # sliding-window layers: the tail the decode window loads
+    dram_side_tables: int  # global layers only
     dram_hidden: int
+    global_layers: int = 0
+    sliding_layers: int = 0
 
     @property
-    def device_total(self) -> int:
+    def prefill_device(self) -> int:
         return self.weights + self.kv_pages + self.hidden + self.workspace
 
     @property
+    def device_total(self) -> int:
+        """The peak: prefill (hidden states, one chunk's workspace) or decode (the window)."""
+        return max(self.prefill_device, self.weights + self.kv_pages + self.decode_window)
+
+    @property
     def dram_total(self) -> int:
-        return self.dram_kv + self.dram_side_tables + self.dram_hidden
+        return self.dram_kv + self.dram_kv_sliding + self.dram_side_tables + self.dram_hidden
 
     def table(self) -> str:
         rows = [("device weights", self.weights), ("device KV pages (one layer)", self.kv_pages),
                 ("device hidden states" if self.hidden_on_device else "device hidden staging", self.hidden),
-                ("device workspace (one chunk)", self.workspace), ("device total", self.device_total),
-                ("DRAM KV (all layers)", self.dram_kv), ("DRAM side tables", self.dram_side_tables),
-                ("DRAM hidden states", self.dram_hidden), ("DRAM total", self.dram_total)]
-        return "\n".join(f"  {name:<28}{size / GIB:>9.2f} GiB" for name, size in rows)
+                ("device workspace (one chunk)", self.workspace),
+                ("device decode window", self.decode_window), ("device peak", self.device_total),
+                (f"DRAM KV ({self.global_layers} global layers)", self.dram_kv)]
+        if self.sliding_layers:
+            rows.append((f"DRAM KV ({self.sliding_layers} sliding, tail)", self.dram_kv_sliding))
+        rows += [("DRAM side tables", self.dram_side_tables), ("DRAM hidden states", self.dram_hidden),
+                 ("DRAM total", self.dram_total)]
+        return "\n".join(f"  {name:<32}{size / GIB:>9.2f} GiB" for name, size in rows)
 
 
 def workspace_bytes(c: ModelConfig, chunk: int, layout: KVLayout, act_bytes: int) -> int:
@@ -50,21 +63,29 @@ def workspace_bytes(c: ModelConfig, chunk: int, layout: KVLayout, act_bytes: int
     return chunk * per_token + importance + ATTENTION_WORKSPACE + c.vocab_size * 4 * 2
 
 
+def decode_window_bytes(layout: KVLayout, local_tokens: int, sink_tokens: int) -> int:
+    """ktlong/device_window.py: K and V of sinks + local window + two blocks, every layer."""
+    tokens = sink_tokens + local_tokens + 2 * layout.block_size
+    return 2 * layout.num_layers * layout.num_kv_heads * tokens * layout.head_dim * layout.dtype.itemsize
+
+
 def plan_memory(c: ModelConfig, num_weight_elements: int, act_bytes: int, layout: KVLayout,
-                chunk_size: int, budget_bytes: int, device_is_gpu: bool) -> MemoryPlan:
+                chunk_size: int, budget_bytes: int, device_is_gpu: bool, local_tokens: int = 4096) -> MemoryPlan:
     weights = num_weight_elements * act_bytes
     kv_pages = layout.layer_bytes()
     chunk = min(chunk_size, layout.capacity)
     workspace = workspace_bytes(c, chunk, layout, act_bytes)
+    window = decode_window_bytes(layout, local_tokens, layout.block_size)
     full_hidden = layout.capacity * c.hidden_size * act_bytes
     staging = 2 * chunk * c.hidden_size * act_bytes
     hidden_on_device = not device_is_gpu or weights + kv_pages + full_hidden + workspace <= budget_bytes
     return MemoryPlan(
         weights=weights, kv_pages=kv_pages, hidden=full_hidden if hidden_on_device else staging,
-        workspace=workspace, hidden_on_device=hidden_on_device,
-        dram_kv=layout.num_layers * layout.layer_bytes(),
-        dram_side_tables=layout.num_layers * layout.side_table_bytes(),
-        dram_hidden=0 if hidden_on_device else full_hidden)
+        workspace=workspace, decode_window=window, hidden_on_device=hidden_on_device,
+        dram_kv=layout.dram_kv_bytes(sliding=False), dram_kv_sliding=layout.dram_kv_bytes(sliding=True),
+        dram_side_tables=layout.dram_side_table_bytes(),
+        dram_hidden=0 if hidden_on_device else full_hidden,
+        global_layers=len(layout.global_layers), sliding_layers=layout.num_layers - len(layout.global_layers))
 
 
 def available_dram_bytes() -> int:

@@ -96,8 +96,6 @@ class LayerMajorPrefill:
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.last_queries: dict[int, np.ndarray] = {}  # layer -> [Tq, H, D] float32
-        # sliding-window layers keep only this many last tokens (what decode loads to the device)
-        self.keep_tail_tokens = layout.capacity
         self._layer = 0
 
     @torch.inference_mode()
@@ -106,6 +104,7 @@ class LayerMajorPrefill:
         num_tokens = self._num_tokens = len(token_ids)
         assert 0 < num_tokens <= self.layout.capacity
         stats = PrefillStats(num_tokens=num_tokens)
+        host.place_tails(num_tokens)
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
@@ -187,9 +186,9 @@ class LayerMajorPrefill:
 
     def _offload(self, layer, q, s, e, host: HostKVCache, stats):
         """Summarise the chunk's blocks and copy its K/V and side tables to DRAM. Sliding-window
-        layers copy only the tokens the decoder's device window will load (no side tables)."""
-        if self.model.config.is_sliding(layer):
-            s = max(s, self._num_tokens - self.keep_tail_tokens)
+        layers copy only their DRAM tail, what the decoder's device window loads (no side tables)."""
+        if self.layout.is_sliding(layer):
+            s = max(s, host.first_token(layer))
             if s >= e:
                 return
             self._copy_kv(layer, s, e, host, stats)
@@ -206,9 +205,9 @@ class LayerMajorPrefill:
         with ctx:
             if self.cuda:
                 self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            host.key_mean[layer, :, b0:b1].copy_(mean, non_blocking=True)
-            host.key_max[layer, :, b0:b1].copy_(kmax, non_blocking=True)
-            host.key_min[layer, :, b0:b1].copy_(kmin, non_blocking=True)
+            host.key_mean[layer][:, b0:b1].copy_(mean, non_blocking=True)
+            host.key_max[layer][:, b0:b1].copy_(kmax, non_blocking=True)
+            host.key_min[layer][:, b0:b1].copy_(kmin, non_blocking=True)
             host.importance[layer].view(self.layout.num_kv_heads, -1)[:, s:e].copy_(
                 importance, non_blocking=True)
             if self.cuda:
@@ -221,9 +220,8 @@ class LayerMajorPrefill:
         with ctx:
             if self.cuda:
                 self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            for h in range(self.layout.num_kv_heads):  # one contiguous range per head
-                host.k[layer][h].view(-1, self.layout.head_dim)[s:e].copy_(
-                    self.pages.tokens(self.pages.k)[h, s:e], non_blocking=True)
-                host.v[layer][h].view(-1, self.layout.head_dim)[s:e].copy_(
-                    self.pages.tokens(self.pages.v)[h, s:e], non_blocking=True)
+            for which, pages in (("k", self.pages.k), ("v", self.pages.v)):
+                dst, src = host.tokens(layer, which, s, e), self.pages.tokens(pages)[:, s:e]
+                for h in range(self.layout.num_kv_heads):  # one contiguous range per head
+                    dst[h].copy_(src[h], non_blocking=True)
         stats.bytes_to_host += 2 * (e - s) * self.layout.num_kv_heads * self.layout.head_dim * self.layout.dtype.itemsize

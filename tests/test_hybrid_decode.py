@@ -47,12 +47,22 @@ def test_selecting_every_block_equals_dense_decode_for_50_tokens(tiny):
     assert hybrid.decoder.times.cpu_attention > 0
 
 
+class Calls(list):
+    """(layer, step, first, last, per-head block lists, blocks array) per select call, and the
+    query each layer was last selected with."""
+
+    def __init__(self):
+        super().__init__()
+        self.queries = {}
+
+
 def spy(decoder):
-    calls = []
+    calls = Calls()
     original = decoder.selector.select
 
     def record(layer, step, q, first, last):
         blocks, counts = original(layer, step, q, first, last)
+        calls.queries[layer] = q.copy()
         calls.append((layer, step, first, last, [list(blocks[h, :counts[h]]) for h in range(len(counts))], blocks))
         return blocks, counts
 
@@ -113,12 +123,11 @@ def test_selection_is_top_k_by_reference_anchor_scores(tiny, anchor_type):
     layer, _, first, last, lists, _ = calls[2]
     keys = s.host.k[layer].numpy()
     anchors = build_anchors_reference(keys, 200, anchor_type, 2, s.host.importance[layer].numpy())
-    dec = s.decoder
     assert len(lists) == layout.num_kv_heads
     for h in range(layout.num_kv_heads):
         assert len(lists[h]) == 3 and all(first <= b < last for b in lists[h])
     # every chosen block scores at least as high as every unchosen context block
-    qh = dec.selector._debug_q[layer]
+    qh = calls.queries[layer]
     group = qh.shape[0] // layout.num_kv_heads
     for h in range(layout.num_kv_heads):
         def score(b):
@@ -157,7 +166,7 @@ def test_blocks_filled_while_generating_become_selectable(tiny):
     h = s.host
     block = 6  # filled during generation
     k = h.k[0][:, block].numpy()
-    np.testing.assert_allclose(h.key_max[0, :, block].numpy(), k.max(1), rtol=1e-6)
+    np.testing.assert_allclose(h.key_max[0][:, block].numpy(), k.max(1), rtol=1e-6)
     np.testing.assert_allclose(s.decoder.selector.anchors[0][:, block, 0], k.max(1), rtol=1e-6)
     first, last = s.decoder.window.context_blocks
     assert last > 5

@@ -5,7 +5,7 @@ import pytest
 
 from ktlong.dense_session import DenseSession
 from ktlong.generate import generate
-from ktlong.kv_cache import kv_layout
+from ktlong.kv_cache import kv_layout, model_kv_layout
 from ktlong.loader import load_model
 from ktlong.long_context_session import LongContextSession
 from ktlong.sampling import Sampler
@@ -49,8 +49,8 @@ def test_blocks_filled_during_decode_get_side_tables(tiny):
     for t in range(10):  # crosses into the second block: block 0 fills at position 15
         session.step(t)
     k = session.host.k[0][0, 0].numpy()  # layer 0, kv head 0, block 0: [16, D]
-    np.testing.assert_allclose(session.host.key_max[0, 0, 0].numpy(), k.max(0), rtol=1e-6)
-    np.testing.assert_allclose(session.host.key_mean[0, 0, 0].numpy(), k.mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(session.host.key_max[0][0, 0].numpy(), k.max(0), rtol=1e-6)
+    np.testing.assert_allclose(session.host.key_mean[0][0, 0].numpy(), k.mean(0), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -78,15 +78,27 @@ def test_gemma3_sliding_layers_generate_like_dense_and_skip_offload(tmp_path):
     lm = load_model(str(path))
     prompt = list(np.random.default_rng(5).integers(0, 298, size=150))
     c = lm.config
-    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 256, "fp32")
+    layout = model_kv_layout(c, 16, 256, "fp32", local_tokens=32)
     session = LongContextSession(lm.model, layout, 32, "torch", True,
                                  selection=SelectionSettings(second_select_num=1000, preselect_block=False),
                                  local_windows_len=32)
-    dense = generate(DenseSession(lm.model, 256, 32), prompt, 30, Sampler(), frozenset(), lambda i: "")
+    dense_session = DenseSession(lm.model, 256, 32)
+    dense = generate(dense_session, prompt, 30, Sampler(), frozenset(), lambda i: "")
     long = generate(session, prompt, 30, Sampler(), frozenset(), lambda i: "")
     assert long.token_ids == dense.token_ids
-    assert session.host.k[0][:, 0].abs().sum() == 0  # sliding layer 0: the prompt's start never offloaded
-    assert session.host.k[5][:, 0].abs().sum() > 0  # global layer 5: offloaded
+    # DRAM: sliding layers hold a 4-block tail (32 local tokens / 16 + 2) and no side tables;
+    # the global layer holds every block
+    host = session.host
+    assert layout.sliding == (True,) * 5 + (False,) and layout.sliding_blocks == 4
+    assert [t.shape[1] for t in host.k] == [4] * 5 + [16]
+    assert [t.shape[1] for t in host.key_max] == [0] * 5 + [16]
+    assert host.first_block[0] == -(-150 // 16) - 4  # the tail ends with the prompt's last block
+    # the tail holds the prompt's K exactly (the dense session's cache after the prompt)
+    session.prefill(prompt)
+    dense_session.prefill(prompt)
+    start = host.first_token(0)
+    expected = dense_session.cache.k[0][:, start:150].numpy()
+    np.testing.assert_allclose(host.tokens(0, "k", start, 150).numpy(), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_local_window_must_cover_the_sliding_window(tmp_path):
@@ -95,8 +107,7 @@ def test_local_window_must_cover_the_sliding_window(tmp_path):
     path = tmp_path / "g.gguf"
     write_tiny_gguf(path, TinySpec(arch="gemma3", num_layers=6, num_kv_heads=1, tied=True, sliding_window=64))
     lm = load_model(str(path))
-    c = lm.config
-    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 256, "fp32")
+    layout = model_kv_layout(lm.config, 16, 256, "fp32", local_tokens=32)
     with pytest.raises(ConfigError, match="at least 64"):
         LongContextSession(lm.model, layout, 32, "torch", True, local_windows_len=32)
 

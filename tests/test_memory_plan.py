@@ -50,3 +50,32 @@ def test_refusals_say_how_much_and_which_option():
     with pytest.raises(ConfigError, match=r"GiB of GPU memory .* gpu_memory_budget_gb allows 16.0 GiB"):
         check_plan(plan_for(128 << 10, budget_gb=16), 16 * GIB, True, free_dram=1 << 50, max_seq_len=128 << 10)
     check_plan(plan_for(128 << 10), 24 * GIB, True, free_dram=1 << 50, max_seq_len=128 << 10)
+
+
+def test_sliding_and_global_layers_are_counted_apart_and_match_the_allocation():
+    import torch
+
+    from ktlong.device_window import DeviceWindow
+    from ktlong.kv_cache import HostKVCache
+    from ktlong.memory_plan import decode_window_bytes
+
+    c = random_config("llama-3.1-8b")
+    sliding = tuple((i + 1) % 6 != 0 for i in range(32))  # gemma3's pattern: every sixth layer global
+    layout = kv_layout(32, 8, 128, 128, 128 << 10, "bf16", sliding, local_tokens=4096)
+    plan = plan_memory(c, num_weight_elements(c), 2, layout, 8192, 24 * GIB, True, local_tokens=4096)
+    per_block = 2 * 8 * 128 * 128 * 2  # K and V of one block, all kv heads, bf16
+    assert plan.global_layers == 5 and plan.sliding_layers == 27
+    assert plan.dram_kv == 5 * 1024 * per_block
+    assert plan.dram_kv_sliding == 27 * (4096 // 128 + 2) * per_block
+    assert plan.dram_side_tables == 5 * layout.side_table_bytes()
+    assert "27 sliding" in plan.table() and "5 global" in plan.table()
+
+    # what HostKVCache and DeviceWindow allocate is what the plan counts
+    small = kv_layout(6, 2, 16, 16, 1000, "fp32", sliding[:6], local_tokens=64)
+    small_plan = plan_memory(c, 0, 4, small, 64, 24 * GIB, False, local_tokens=64)
+    host = HostKVCache(small, pin=False)
+    tensors = host.k + host.v + host.key_mean + host.key_max + host.key_min + host.importance
+    assert sum(t.numel() * t.element_size() for t in tensors) == small_plan.dram_total
+    window = DeviceWindow(small, 64, 16, torch.device("cpu"))
+    assert sum(t.numel() * t.element_size() for t in (window.buf_k, window.buf_v)) == \
+        decode_window_bytes(small, 64, 16) == small_plan.decode_window

@@ -65,9 +65,9 @@ def test_side_tables_summarise_valid_tokens_of_each_block(tiny):
         for h in range(tiny.config.num_kv_heads):
             for b in range(5):
                 keys = k[layer, h, b * 16:min((b + 1) * 16, 75)]
-                np.testing.assert_allclose(host.key_mean[layer, h, b], keys.mean(0), rtol=1e-5, atol=1e-6)
-                np.testing.assert_allclose(host.key_max[layer, h, b], keys.max(0), rtol=1e-6)
-                np.testing.assert_allclose(host.key_min[layer, h, b], keys.min(0), rtol=1e-6)
+                np.testing.assert_allclose(host.key_mean[layer][h, b], keys.mean(0), rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(host.key_max[layer][h, b], keys.max(0), rtol=1e-6)
+                np.testing.assert_allclose(host.key_min[layer][h, b], keys.min(0), rtol=1e-6)
 
 
 def test_importance_is_attention_from_the_chunks_last_queries():

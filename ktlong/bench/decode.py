@@ -35,9 +35,10 @@ def fill_random(host: HostKVCache, num_tokens: int, seed: int = 0):
         for b0 in range(0, blocks, 64):
             n = min(64, blocks - b0)
             t[:, b0:b0 + n].copy_(slab[:, :n])
-    for table in (host.key_mean, host.key_max, host.key_min):
-        table.normal_(generator=g)
-    host.importance.uniform_(generator=g)
+    for layer in layout.global_layers:
+        for table in (host.key_mean, host.key_max, host.key_min):
+            table[layer].normal_(generator=g)
+        host.importance[layer].uniform_(generator=g)
     host.num_tokens = num_tokens
 
 

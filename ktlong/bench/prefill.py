@@ -53,7 +53,7 @@ def main(argv=None) -> int:
                      f"{stats.attention_seconds:.1f}", f"{stats.seconds - stats.attention_seconds:.1f}",
                      f"{stats.bytes_to_host / 1e9:.1f}", f"{stats.bytes_to_device / 1e9:.1f}",
                      "GPU" if plan.hidden_on_device else "DRAM", f"{peak / GIB:.2f}",
-                     f"{plan.device_total / GIB:.2f}", f"{peak / plan.device_total:.3f}" if peak else "-",
+                     f"{plan.prefill_device / GIB:.2f}", f"{peak / plan.prefill_device:.3f}" if peak else "-",
                      engine.backend])
         del engine, host
         if device.type == "cuda":

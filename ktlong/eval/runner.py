@@ -13,7 +13,7 @@ from ktlong.config import Config
 from ktlong.conversation import Conversation
 from ktlong.eval.tasks import make_sample, score
 from ktlong.generate import generate
-from ktlong.kv_cache import kv_layout
+from ktlong.kv_cache import model_kv_layout
 from ktlong.loader import LoadedModel
 from ktlong.long_context_session import LongContextSession
 from ktlong.long_context_settings import compact_params, selection_settings
@@ -41,7 +41,7 @@ class Result:
 def make_session(lm: LoadedModel, config: Config, attention: str, max_seq_len: int, hidden_on_device=True):
     c = lm.config
     kv_type = "fp32" if lm.model.dtype == torch.float32 and config.kv_type == "bf16" else config.kv_type
-    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size, max_seq_len, kv_type)
+    layout = model_kv_layout(c, config.block_size, max_seq_len, kv_type, config.local_windows_len)
     return LongContextSession(lm.model, layout, config.chunk_size, config.attention_backend, hidden_on_device,
                               compact_params(config, attention), selection_settings(config, c.num_layers, attention),
                               config.local_windows_len)
