@@ -4,8 +4,9 @@ Anchors come from the prefill side tables (MAX, MEAN, QUEST) or from the keys (D
 and are extended as blocks fill during generation. The first `dense_layer_num` layers read
 every context block; other layers select `second_select_num` blocks by anchor score, reselect
 every `layer_step` layers and `token_step` tokens (reusing the last selection in between), and,
-with `preselect_block`, only among the `preselect_block_count` blocks that the last prompt
-queries scored highest after prefill (blocks generated later are always candidates).
+with `preselect_block`, only among the `preselect_block_count` blocks on which the last prompt
+queries put the most attention in prefill (SnapKV's observation window; blocks generated
+later are always candidates).
 """
 
 from __future__ import annotations
@@ -86,23 +87,16 @@ class DecodeBlockSelector:
                 keys, num_tokens - first * self.block_size, t, self.s.anchor_num, importance)
 
     # ---- preselection ------------------------------------------------------------------
-    def preselect(self, layer: int, queries: np.ndarray, num_tokens: int, first: int, last: int):
-        """queries: [Tq, H, D] float32, the last prompt queries of this layer. Only context
-        blocks [first, last) compete: sinks and the local window are attended on the device
-        anyway, and the recent window would otherwise win most places."""
+    def preselect(self, layer: int, block_mass: np.ndarray, num_tokens: int, first: int, last: int):
+        """block_mass: [KV, blocks], the attention mass the last prompt queries put on each block
+        (ktlong/prefill.py). Only context blocks [first, last) compete: sinks and the local
+        window are attended on the device anyway, and would otherwise win most places."""
         if not self.s.preselect_block:
             return
-        num_blocks = num_tokens // self.block_size
-        total = np.zeros((self.num_kv, num_blocks), np.float32)
-        scores = np.zeros((self.num_kv, num_blocks), np.float32)
-        kind = QUEST if self.s.anchor_type == "QUEST" else 0
-        for q in queries:
-            score_blocks(np.ascontiguousarray(q), self.anchors[layer], num_blocks, kind, scores)
-            total += scores
-        total[:, :first] = -np.inf
-        total[:, last:] = -np.inf
+        total = np.full((self.num_kv, self.scores.shape[1]), -np.inf, np.float32)
+        total[:, first:last] = block_mass[:, first:last]
         if self.s.head_select_mode == "SHARED":
-            total[:] = total.sum(0, keepdims=True)
+            total[:, first:last] = total[:, first:last].sum(0, keepdims=True)
         keep = np.zeros((self.num_kv, self.scores.shape[1]), bool)
         count = min(self.s.preselect_block_count, max(last - first, 0))
         top = np.argpartition(-total, count - 1, axis=1)[:, :count] if count else np.zeros((self.num_kv, 0), int)

@@ -38,7 +38,7 @@ class DecodeTimes:
 
 class HybridDecoder:
     def __init__(self, model: LlamaModel, host: HostKVCache, settings: SelectionSettings,
-                 local_tokens: int, prompt_queries: dict[int, np.ndarray] | None = None):
+                 local_tokens: int, prompt_block_mass: dict[int, np.ndarray] | None = None):
         self.model, self.host, self.settings = model, host, settings
         layout = host.layout
         self.layout, self.block_size = layout, layout.block_size
@@ -50,9 +50,9 @@ class HybridDecoder:
         self.selector = DecodeBlockSelector(settings, host, c.num_heads)
         self.selector.build_all(host.num_tokens, self.global_layers)
         first, last = self.window.context_blocks
-        for layer, queries in (prompt_queries or {}).items():
+        for layer, mass in (prompt_block_mass or {}).items():
             if layer in self.global_layers:
-                self.selector.preselect(layer, queries, host.num_tokens, first, last)
+                self.selector.preselect(layer, mass, host.num_tokens, first, last)
         self.k_stored = [stored_view(t) for t in host.k]
         self.v_stored = [stored_view(t) for t in host.v]
         self.step_index = 0

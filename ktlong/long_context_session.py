@@ -69,7 +69,7 @@ class LongContextSession:
                   f"per layer: {shown}]", file=sys.stderr)
         self.ids = list(prompt_ids)
         self.decoder = HybridDecoder(self.model, self.host, self.selection, self.local_windows_len,
-                                     self.engine.last_queries)
+                                     self.engine.prompt_block_mass)
         return logits
 
     def step(self, token_id: int) -> torch.Tensor:

@@ -21,9 +21,10 @@ from ktlong.models.llama import LlamaModel
 from operators.block_summary import block_summaries, token_importance
 from operators.chunk_attention import chunk_attention, flashinfer_available
 from operators.compact_attention import CompactAttention, CompactParams
+from operators.observation_scores import observation_block_mass
 
 IMPORTANCE_QUERIES = 64  # last queries of each chunk that score its keys for DYNAMIC anchors
-PRESELECT_QUERIES = 32  # last prompt queries kept per layer for decode-time preselection
+OBSERVATION_QUERIES = 32  # last prompt queries that score blocks for decode-time preselection
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
@@ -95,7 +96,8 @@ class LayerMajorPrefill:
                                        dtype=torch.float32, device=self.device)
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.last_queries: dict[int, np.ndarray] = {}  # layer -> [Tq, H, D] float32
+        # global layer -> [KV, blocks] float32: attention mass of the last prompt queries per block
+        self.prompt_block_mass: dict[int, np.ndarray] = {}
         self._layer = 0
 
     @torch.inference_mode()
@@ -161,9 +163,10 @@ class LayerMajorPrefill:
         self._layer = layer
         model = self.model
         q, k, v = model.qkv(layer, x, positions)
-        if e == self._num_tokens:
-            self.last_queries[layer] = q[-PRESELECT_QUERIES:].float().cpu().numpy()
         self.pages.write(s, k.to(self.layout.dtype), v.to(self.layout.dtype))
+        if e == self._num_tokens and not self.layout.is_sliding(layer):  # every key of the layer is in pages
+            mass = observation_block_mass(q[-OBSERVATION_QUERIES:], self.pages.k, e, model.scale)
+            self.prompt_block_mass[layer] = mass.cpu().numpy()
         with _Timer(stats, self.device):
             o = self._attention(q.to(self.layout.dtype), s, e)
         self._offload(layer, q, s, e, host, stats)
