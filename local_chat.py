@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default: the model's context length)")
     run.add_argument("--cpu_infer", type=int, help=f"CPU threads (default: {d['threads_num']} = every core but one)")
     run.add_argument("--use_cuda_graph", action="store_true", default=None,
-                     help="accepted for KTransformers compatibility; graph replay is not built yet")
+                     help="long-context decode on a GPU: replay its device part from CUDA graphs")
     gen = p.add_argument_group("generation")
     gen.add_argument("--prompt_file", help="text file sent as the first message; an empty line resends it")
     gen.add_argument("--max_new_tokens", type=int, help=f"default: {d['max_new_tokens']}")
@@ -92,9 +92,6 @@ def run(args) -> int:
     from ktlong.loader import load_model, open_model
 
     config = load_config(args.config, overrides_from(args))
-    if config.use_cuda_graph:
-        print("[use_cuda_graph: CUDA-graph replay of the decode step is not built yet; decoding "
-              "without graphs]", file=sys.stderr)
     gf, model_config = open_model(config.model)  # checks the file before any weight is read
     max_seq_len = config.check_against_model(model_config.num_layers, model_config.context_length)
     from cpu_ops.threads import set_decode_threads
@@ -104,6 +101,9 @@ def run(args) -> int:
         torch.set_num_threads(config.threads_num)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    if config.use_cuda_graph and (device.type != "cuda" or config.mode != "long_context"):
+        print("[use_cuda_graph: graphs replay the long-context decode step on a GPU; ignored here]",
+              file=sys.stderr)
     plan = None
     if config.mode == "long_context":
         plan = long_context_plan(config, gf, model_config, max_seq_len, device, dtype)
@@ -119,7 +119,8 @@ def run(args) -> int:
 
         session = LongContextSession(lm.model, plan[1], config.chunk_size, config.attention_backend,
                                      plan[0].hidden_on_device, compact_params(config),
-                                     selection_settings(config, lm.config.num_layers), config.local_windows_len)
+                                     selection_settings(config, lm.config.num_layers), config.local_windows_len,
+                                     config.use_cuda_graph and device.type == "cuda")
     ChatLoop(lm, config, max_seq_len, args.prompt_file, session=session).run(
         interactive=sys.stdin.isatty())
     return 0

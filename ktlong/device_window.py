@@ -67,6 +67,18 @@ class DeviceWindow:
 
             self.window_start += B
 
+    def layer_buffers(self, layer: int):
+        """The whole sink + window buffer of one layer: [KV, sink + capacity, D] views."""
+        return self.buf_k[layer], self.buf_v[layer]
+
+    def copy_to_sink(self, position: int):
+        """After a step whose token was written to the window only (graph replay): a position
+        inside the sink joins the sink as well, every layer."""
+        if position < self.sink_tokens:
+            i = self.sink_tokens + position - self.window_start
+            self.buf_k[:, :, position] = self.buf_k[:, :, i]
+            self.buf_v[:, :, position] = self.buf_v[:, :, i]
+
     def keys_values(self, layer: int, include_current: bool = True):
         """Sink tokens then window tokens up to and including the current one: [KV, n, D]
         views, no copy (the sink is either whole or, while window_start is 0, not used)."""

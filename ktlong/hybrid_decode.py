@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from cpu_ops.sparse_attention import sparse_attention
+from ktlong.decode_graph import DecodeGraphs
 from ktlong.decode_selection import DecodeBlockSelector, SelectionSettings, stored_view
 from ktlong.device_window import DeviceWindow
 from ktlong.kv_cache import HostKVCache
@@ -38,7 +39,8 @@ class DecodeTimes:
 
 class HybridDecoder:
     def __init__(self, model: LlamaModel, host: HostKVCache, settings: SelectionSettings,
-                 local_tokens: int, prompt_block_mass: dict[int, np.ndarray] | None = None):
+                 local_tokens: int, prompt_block_mass: dict[int, np.ndarray] | None = None,
+                 use_cuda_graph: bool = False):
         self.model, self.host, self.settings = model, host, settings
         layout = host.layout
         self.layout, self.block_size = layout, layout.block_size
@@ -58,6 +60,9 @@ class HybridDecoder:
         self.step_index = 0
         self.times = DecodeTimes()
         self.cuda = model.device.type == "cuda"
+        # the device part replayed from CUDA graphs (ktlong/decode_graph.py); on the CPU the
+        # same segments run eagerly
+        self.graphs = DecodeGraphs(model, self.window, self.global_layers, self.cuda) if use_cuda_graph else None
 
     @torch.inference_mode()
     def step(self, token_id: int) -> torch.Tensor:
@@ -66,6 +71,10 @@ class HybridDecoder:
         model, window, layout = self.model, self.window, self.layout
         pos = self.host.num_tokens
         assert pos < layout.capacity, "the KV cache is full; raise max_seq_len"
+        if self.graphs is not None:
+            logits = self._replayed_step(token_id, pos)
+            self._end_step(pos, start)
+            return logits
         x = model.embed(torch.tensor([token_id], device=model.device))
         positions = torch.tensor([pos], device=model.device)
         first, last = window.context_blocks
@@ -80,18 +89,11 @@ class HybridDecoder:
             elif last > first:
                 t0 = time.perf_counter()
                 q_host = q[0].float().cpu().numpy()  # the one sync per layer
-                t1 = time.perf_counter()
+                self.times.device_wait += time.perf_counter() - t0
                 o_dev, lse_dev = attention_with_lse(q[0], keys, values, model.scale)  # async on GPU
-                blocks, counts = self.selector.select(layer, self.step_index, q_host, first, last)
-                t2 = time.perf_counter()
-                o_cpu, lse_cpu = sparse_attention(q_host, self.k_stored[layer], self.v_stored[layer], blocks,
-                                                  counts, last * self.block_size, self.block_size, model.scale)
-                t3 = time.perf_counter()
+                o_cpu, lse_cpu = self._cpu_part(layer, q_host, first, last)
                 o, _ = merge_states(o_dev, lse_dev, torch.from_numpy(o_cpu).to(model.device),
                                     torch.from_numpy(lse_cpu).to(model.device))
-                self.times.device_wait += t1 - t0
-                self.times.selection += t2 - t1
-                self.times.cpu_attention += t3 - t2
             else:
                 o, _ = attention_with_lse(q[0], keys, values, model.scale)
             if not layout.is_sliding(layer):
@@ -99,14 +101,51 @@ class HybridDecoder:
             x = x + model.attention_output(layer, o[None].to(x.dtype))
             x = x + model.mlp(layer, x)
         logits = model.logits(x)[0]
-        window.advance()
+        self._end_step(pos, start)
+        return logits
+
+    def _cpu_part(self, layer: int, q_host: np.ndarray, first: int, last: int):
+        t1 = time.perf_counter()
+        blocks, counts = self.selector.select(layer, self.step_index, q_host, first, last)
+        t2 = time.perf_counter()
+        out = sparse_attention(q_host, self.k_stored[layer], self.v_stored[layer], blocks, counts,
+                               last * self.block_size, self.block_size, self.model.scale)
+        self.times.selection += t2 - t1
+        self.times.cpu_attention += time.perf_counter() - t2
+        return out
+
+    def _replayed_step(self, token_id: int, pos: int) -> torch.Tensor:
+        """The same step with the device part replayed from CUDA graphs, segment by segment,
+        the CPU part between segments."""
+        graphs, window = self.graphs, self.window
+        graphs.set_step(token_id, pos)
+        if not graphs.ready:
+            graphs.capture()
+        first, last = window.context_blocks
+        graphs.replay(0)
+        for j, layer in enumerate(self.global_layers):
+            self._write_through(layer, pos, graphs.k_new[j], graphs.v_new[j])
+            if last > first:
+                t0 = time.perf_counter()
+                q_host = graphs.q[j].float().cpu().numpy()  # waits for segment j
+                self.times.device_wait += time.perf_counter() - t0
+                o_cpu, lse_cpu = self._cpu_part(layer, q_host, first, last)
+                graphs.o_cpu[j].copy_(torch.from_numpy(o_cpu))
+                graphs.lse_cpu[j].copy_(torch.from_numpy(lse_cpu))
+            else:  # nothing in DRAM beyond the window yet
+                graphs.lse_cpu[j].fill_(float("-inf"))
+            graphs.replay(j + 1)
+        window.copy_to_sink(pos)
+        return graphs.logits.clone()
+
+    def _end_step(self, pos: int, start: float):
+        self.window.advance()
         self.host.num_tokens = pos + 1
         if (pos + 1) % self.block_size == 0:
             self._block_filled(pos // self.block_size, pos + 1)
         self.step_index += 1
         self.times.steps += 1
         self.times.total += time.perf_counter() - start
-        return logits
 
     def _write_through(self, layer, pos, k, v):
         b, t = divmod(pos, self.block_size)

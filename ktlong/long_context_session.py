@@ -24,7 +24,8 @@ MAX_STEPPED_SUFFIX = 512  # a follow-up this short is fed token by token instead
 class LongContextSession:
     def __init__(self, model: LlamaModel, layout: KVLayout, chunk_size: int, backend: str,
                  hidden_on_device: bool, compact: CompactParams | None = None,
-                 selection: SelectionSettings = SelectionSettings(), local_windows_len: int = 4096):
+                 selection: SelectionSettings = SelectionSettings(), local_windows_len: int = 4096,
+                 use_cuda_graph: bool = False):
         window = model.config.sliding_window
         if window and local_windows_len < window:
             from ktlong.errors import ConfigError
@@ -35,6 +36,7 @@ class LongContextSession:
         assert not layout.sliding or layout.sliding_blocks * layout.block_size >= min(
             layout.capacity, local_windows_len + layout.block_size), "the DRAM tail must cover the device window"
         self.selection, self.local_windows_len = selection, local_windows_len
+        self.use_cuda_graph = use_cuda_graph
         self.decoder: HybridDecoder | None = None
         self.model, self.layout = model, layout
         self.max_seq_len = layout.capacity
@@ -69,7 +71,7 @@ class LongContextSession:
                   f"per layer: {shown}]", file=sys.stderr)
         self.ids = list(prompt_ids)
         self.decoder = HybridDecoder(self.model, self.host, self.selection, self.local_windows_len,
-                                     self.engine.prompt_block_mass)
+                                     self.engine.prompt_block_mass, self.use_cuda_graph)
         return logits
 
     def step(self, token_id: int) -> torch.Tensor:

@@ -17,8 +17,9 @@ from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not flashinfer_available(), reason="needs FlashInfer")]
 
+# Gemma-3-270M's attention shapes: 4 query heads on 1 kv head of dim 256
 SPEC = TinySpec(arch="gemma3", num_layers=6, hidden=256, intermediate=256, num_heads=4, num_kv_heads=1,
-                head_dim=64, vocab=300, context=2048, tied=True, sliding_window=96)
+                head_dim=256, vocab=300, context=2048, tied=True, sliding_window=96)
 
 
 def test_flashinfer_window_left_equals_the_torch_window():
@@ -28,6 +29,28 @@ def test_flashinfer_window_left_equals_the_torch_window():
     ref = chunk_attention(q.float(), k.float(), v.float(), 0.1, "torch", 96)
     out = chunk_attention(q, k, v, 0.1, "fa2", 96)
     assert float((out.float() - ref).abs().max()) < 2e-2
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+@pytest.mark.parametrize("start,chunk", [(0, 8192), (4096, 1000)])
+def test_paged_execution_at_gemma_shapes_equals_dense(backend, start, chunk):
+    """Every page kept: FlashInfer's paged path equals dense attention at head_dim 256, one chunk
+    of a long prompt and a chunk with history."""
+    from operators.compact_attention import CompactAttention
+    from operators.dense_attention import dense_attention
+
+    if backend == "fa3" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("fa3 needs Hopper")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    blocks = -(-(start + chunk) // 128)
+    k, v = (torch.randn(1, blocks, 128, 256, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(chunk, 4, 256, generator=g, device="cuda", dtype=torch.bfloat16)
+    op = CompactAttention(CompactParams(selector="all"), 4, 1, 128, 256 ** -0.5, backend, torch.device("cuda"))
+    pooled = torch.zeros(1, blocks, 256, device="cuda")
+    out, _ = op(q, k, v, pooled, start, start + chunk)
+    keys, values = k.view(1, -1, 256)[:, :start + chunk], v.view(1, -1, 256)[:, :start + chunk]
+    ref = dense_attention(q.float(), keys.float(), values.float(), 256 ** -0.5)
+    assert float((out.float() - ref).norm() / ref.norm()) < 2e-2
 
 
 @pytest.mark.parametrize("prefill_attention", ["dense", "compact"])

@@ -67,20 +67,22 @@ def main(argv=None) -> int:
           f"{args.tokens} tokens")
     rows = []
     sparse = selection_settings(config, c.num_layers)
-    modes = [("dense (all blocks on CPU)", selection_settings(config, c.num_layers, "dense"), config.local_windows_len),
-             ("sparse, CPU only", dataclasses.replace(sparse, preselect_block=False), 0),
-             ("hybrid", dataclasses.replace(sparse, preselect_block=False), config.local_windows_len)]
+    sparse = dataclasses.replace(sparse, preselect_block=False)
+    modes = [("dense (all blocks on CPU)", selection_settings(config, c.num_layers, "dense"), config.local_windows_len, False),
+             ("sparse, CPU only", sparse, 0, False),
+             ("hybrid", sparse, config.local_windows_len, False),
+             ("hybrid + CUDA graphs", sparse, config.local_windows_len, True)]
     for context in parse_lengths(args.contexts):
         layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size,
                            context + 4 + args.tokens + 1, config.kv_type)
         host = HostKVCache(layout, pin=True)
         fill_random(host, context)
-        for name, settings, local in modes:
+        for name, settings, local, graphs in modes:
             if name.startswith("dense") and context > 128 * 1024:
                 rows.append([f"{context // 1024}K", name, "-", "-", "-", "-", "-", "-", "skipped (minutes per token)"])
                 continue
             host.num_tokens = context
-            decoder = HybridDecoder(model, host, settings, local)
+            decoder = HybridDecoder(model, host, settings, local, use_cuda_graph=graphs)
             for t in range(4):
                 decoder.step(t)
             decoder.times = type(decoder.times)()

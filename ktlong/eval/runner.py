@@ -44,7 +44,7 @@ def make_session(lm: LoadedModel, config: Config, attention: str, max_seq_len: i
     layout = model_kv_layout(c, config.block_size, max_seq_len, kv_type, config.local_windows_len)
     return LongContextSession(lm.model, layout, config.chunk_size, config.attention_backend, hidden_on_device,
                               compact_params(config, attention), selection_settings(config, c.num_layers, attention),
-                              config.local_windows_len)
+                              config.local_windows_len, config.use_cuda_graph and lm.model.device.type == "cuda")
 
 
 def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], depths: list[float],

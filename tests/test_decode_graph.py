@@ -1,0 +1,60 @@
+"""The segmented decode step that CUDA graphs replay equals the eager hybrid step. On the CPU
+the segments run eagerly; tests/test_gpu_decode_graph.py replays them from captured graphs."""
+
+import numpy as np
+import pytest
+import torch
+
+from ktlong.decode_graph import masked_window_attention
+from ktlong.decode_selection import SelectionSettings
+from ktlong.kv_cache import model_kv_layout
+from ktlong.loader import load_model
+from ktlong.long_context_session import LongContextSession
+from operators.window_attention import attention_with_lse
+from tests.tiny_gguf import TinySpec, write_tiny_gguf
+
+
+def test_masked_window_attention_equals_attention_over_the_valid_range():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(8, 16, generator=g), torch.randn(2, 50, 16, generator=g), torch.randn(2, 50, 16, generator=g)
+    out, lse = masked_window_attention(q, k, v, torch.tensor(7), torch.tensor(31), 0.25)
+    ref_out, ref_lse = attention_with_lse(q, k[:, 7:31], v[:, 7:31], 0.25)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-6)
+
+
+def sessions(lm, use_graph, **settings):
+    layout = model_kv_layout(lm.config, 16, 512, "fp32", local_tokens=48)
+    selection = SelectionSettings(preselect_block=False, dense_layer_num=0, **settings)
+    return LongContextSession(lm.model, layout, 64, "torch", True, selection=selection, local_windows_len=48,
+                              use_cuda_graph=use_graph)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_segmented_step_equals_the_eager_step_through_window_slides(tmp_path, arch):
+    spec = TinySpec(arch=arch, num_layers=6 if arch == "gemma3" else 3, num_kv_heads=1 if arch == "gemma3" else 2,
+                    tied=True, sliding_window=24 if arch == "gemma3" else 0)
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, spec, seed=9)
+    lm = load_model(str(path))
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, 298, size=120)]
+    eager, graphed = sessions(lm, False, second_select_num=3), sessions(lm, True, second_select_num=3)
+    a, b = eager.prefill(prompt), graphed.prefill(prompt)
+    for i in range(60):  # 60 tokens: the 48-token window slides several blocks
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+        token = int(a.argmax())
+        a, b = eager.step(token), graphed.step(token)
+    layers = len(graphed.decoder.global_layers)
+    assert graphed.decoder.graphs.replays == 60 * (layers + 1)
+
+
+def test_segmented_step_from_a_short_prompt_fills_the_sink(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, TinySpec(num_layers=2), seed=3)
+    lm = load_model(str(path))
+    eager, graphed = sessions(lm, False, second_select_num=2), sessions(lm, True, second_select_num=2)
+    a, b = eager.prefill([5, 6, 7]), graphed.prefill([5, 6, 7])
+    for _ in range(90):  # positions 3..92 pass through the sink block and out of the window
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+        token = int(a.argmax())
+        a, b = eager.step(token), graphed.step(token)

@@ -1,0 +1,58 @@
+"""On the GPU: the decode step replayed from CUDA graphs, captured once, follows the eager
+step, and every counter advances under replay (a frozen counter is KTransformers' bug)."""
+
+import pytest
+import torch
+
+from ktlong.decode_selection import SelectionSettings
+from ktlong.kv_cache import kv_layout
+from ktlong.long_context_session import LongContextSession
+from ktlong.random_model import random_model
+
+pytestmark = pytest.mark.gpu
+
+
+def session(model, use_graph, **settings):
+    c = model.config
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 64, 1200, "bf16")
+    selection = SelectionSettings(preselect_block=False, **settings)
+    return LongContextSession(model, layout, 256, "auto", True, selection=selection, local_windows_len=128,
+                              use_cuda_graph=use_graph)
+
+
+def spy_steps(decoder):
+    steps = []
+    original = decoder.selector.select
+
+    def record(layer, step, q, first, last):
+        blocks, counts = original(layer, step, q, first, last)
+        steps.append((layer, step, blocks.tobytes()))
+        return blocks, counts
+
+    decoder.selector.select = record
+    return steps
+
+
+def test_replayed_decode_follows_eager_decode_and_counters_advance():
+    model = random_model("tiny", torch.device("cuda"), torch.bfloat16)
+    ids = torch.randint(0, 1000, (700,), generator=torch.Generator().manual_seed(4)).tolist()
+    eager = session(model, False, second_select_num=3, token_step=2, layer_step=2)
+    graphed = session(model, True, second_select_num=3, token_step=2, layer_step=2)
+    a, b = eager.prefill(ids), graphed.prefill(ids)
+    eager_steps, graph_steps = spy_steps(eager.decoder), spy_steps(graphed.decoder)
+    agree = 0
+    for i in range(150):  # past two window slides (block 64, window 128)
+        rel = float((b - a).norm() / a.norm())
+        assert rel < 3e-2, (i, rel)
+        agree += int(a.argmax() == b.argmax())
+        token = int(a.argmax())
+        a, b = eager.step(token), graphed.step(token)
+    graphs = graphed.decoder.graphs
+    assert len(graphs.graphs) == len(graphed.decoder.global_layers) + 1  # captured once
+    assert graphs.replays == 150 * len(graphs.graphs)
+    # the position read at replay advanced with every token: RoPE and the window slot moved
+    assert int(graphs.position) == 700 + 149 and graphed.decoder.window.window_start > 0
+    # the host-side token_step / layer_step counters drove the same selection schedule
+    assert [s[:2] for s in graph_steps] == [s[:2] for s in eager_steps]
+    assert sorted({s[1] for s in graph_steps}) == list(range(150))
+    assert agree >= 140
