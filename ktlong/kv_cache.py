@@ -106,6 +106,18 @@ class DevicePages:
         self.tokens(self.v)[:, start:end] = v.transpose(0, 1)
 
 
+def pin_in_place(t: torch.Tensor):
+    """Page-lock a tensor's own memory for asynchronous copies. torch's pinned allocator rounds
+    every allocation up to a power of two, so a layer of 1 GiB + one block would take 2 GiB;
+    registering the exact allocation costs exactly its size."""
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    if int(err) != 0:
+        from ktlong.errors import KtlongError
+
+        raise KtlongError(f"could not page-lock {t.numel() * t.element_size() / 2**30:.1f} GiB of DRAM for the KV "
+                          f"cache (CUDA error {int(err)}); lower max_seq_len.")
+
+
 class HostKVCache:
     """Every layer's K/V and side tables in DRAM (pinned when a GPU will copy into it).
 
@@ -116,9 +128,14 @@ class HostKVCache:
 
     def __init__(self, layout: KVLayout, pin: bool):
         H, B, D = layout.num_kv_heads, layout.block_size, layout.head_dim
+        self._registered: list[torch.Tensor] = []
 
         def alloc(shape, dtype):
-            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+            t = torch.zeros(shape, dtype=dtype)
+            if pin and t.numel():
+                pin_in_place(t)
+                self._registered.append(t)
+            return t
 
         self.layout = layout
         blocks = [layout.blocks_in_dram(i) for i in range(layout.num_layers)]
@@ -131,6 +148,10 @@ class HostKVCache:
         self.importance = [alloc((H, n, B), torch.float32) for n in tables]
         self.first_block = [0] * layout.num_layers
         self.num_tokens = 0
+
+    def __del__(self):
+        for t in getattr(self, "_registered", ()):
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
     def place_tails(self, num_tokens: int):
         """Before a prefill of num_tokens: sliding layers keep the blocks that end the prompt."""
