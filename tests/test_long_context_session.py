@@ -148,5 +148,5 @@ def test_local_chat_builds_its_session_from_the_config(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     assert local_chat.main(["--mode", "long_context", "--set", "second_select_num=5", "--set",
                             "local_windows_len=2048", "--set", "prefill_attention=compact"]) == 0
-    model, layout, chunk, backend, on_device, compact, selection, local = seen["args"]
-    assert selection.second_select_num == 5 and local == 2048 and compact is not None
+    model, layout, chunk, backend, on_device, compact, selection, local, graphs = seen["args"]
+    assert selection.second_select_num == 5 and local == 2048 and compact is not None and not graphs
