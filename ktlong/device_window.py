@@ -13,6 +13,8 @@ import torch
 
 from ktlong.kv_cache import HostKVCache, KVLayout
 
+SINK_BLOCKS = 1  # blocks at the start of the context the device always attends to
+
 
 class DeviceWindow:
     def __init__(self, layout: KVLayout, local_tokens: int, sink_tokens: int, device: torch.device):

@@ -18,14 +18,12 @@ import torch
 from cpu_ops.sparse_attention import sparse_attention
 from ktlong.decode_graph import DecodeGraphs
 from ktlong.decode_selection import DecodeBlockSelector, SelectionSettings, stored_view
-from ktlong.device_window import DeviceWindow
+from ktlong.device_window import SINK_BLOCKS, DeviceWindow
 from ktlong.kv_cache import HostKVCache
 from ktlong.models.llama import LlamaModel
 from operators.block_summary import block_summaries
 from operators.merge_state import merge_states
 from operators.window_attention import attention_with_lse
-
-SINK_BLOCKS = 1
 
 
 @dataclass

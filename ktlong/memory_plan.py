@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ktlong.device_window import SINK_BLOCKS
 from ktlong.errors import ConfigError
 from ktlong.kv_cache import KVLayout
 from ktlong.model_config import ModelConfig
@@ -75,7 +76,7 @@ def plan_memory(c: ModelConfig, num_weight_elements: int, act_bytes: int, layout
     kv_pages = layout.layer_bytes()
     chunk = min(chunk_size, layout.capacity)
     workspace = workspace_bytes(c, chunk, layout, act_bytes)
-    window = decode_window_bytes(layout, local_tokens, layout.block_size)
+    window = decode_window_bytes(layout, local_tokens, SINK_BLOCKS * layout.block_size)
     full_hidden = layout.capacity * c.hidden_size * act_bytes
     staging = 2 * chunk * c.hidden_size * act_bytes
     hidden_on_device = not device_is_gpu or weights + kv_pages + full_hidden + workspace <= budget_bytes

@@ -98,7 +98,6 @@ class LayerMajorPrefill:
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         # global layer -> [KV, blocks] float32: attention mass of the last prompt queries per block
         self.prompt_block_mass: dict[int, np.ndarray] = {}
-        self._layer = 0
 
     @torch.inference_mode()
     def run(self, token_ids: list[int], host: HostKVCache, progress=None) -> tuple[torch.Tensor, PrefillStats]:
@@ -160,7 +159,6 @@ class LayerMajorPrefill:
         stats.bytes_to_host += x.numel() * x.element_size()
 
     def _layer_chunk(self, layer, x, positions, s, e, host, stats) -> torch.Tensor:
-        self._layer = layer
         model = self.model
         q, k, v = model.qkv(layer, x, positions)
         self.pages.write(s, k.to(self.layout.dtype), v.to(self.layout.dtype))
@@ -168,13 +166,13 @@ class LayerMajorPrefill:
             mass = observation_block_mass(q[-OBSERVATION_QUERIES:], self.pages.k, e, model.scale)
             self.prompt_block_mass[layer] = mass.cpu().numpy()
         with _Timer(stats, self.device):
-            o = self._attention(q.to(self.layout.dtype), s, e)
+            o = self._attention(layer, q.to(self.layout.dtype), s, e)
         self._offload(layer, q, s, e, host, stats)
         x = x + model.attention_output(layer, o.to(x.dtype))
         return x + model.mlp(layer, x)
 
-    def _attention(self, q, s, e) -> torch.Tensor:
-        window = self.model.config.sliding_window if self.model.config.is_sliding(self._layer) else 0
+    def _attention(self, layer, q, s, e) -> torch.Tensor:
+        window = self.model.config.sliding_window if self.layout.is_sliding(layer) else 0
         if window:  # sliding layers: dense over their window, never selected
             lo = max(0, s - window)
             keys, values = self.pages.tokens(self.pages.k)[:, lo:e], self.pages.tokens(self.pages.v)[:, lo:e]
