@@ -8,10 +8,9 @@ import torch
 from ktlong.decode_graph import masked_window_attention
 from ktlong.decode_selection import SelectionSettings
 from ktlong.kv_cache import model_kv_layout
-from ktlong.loader import load_model
 from ktlong.long_context_session import LongContextSession
 from operators.window_attention import attention_with_lse
-from tests.tiny_gguf import TinySpec, write_tiny_gguf
+from tests.tiny_gguf import TinySpec, tiny_model
 
 
 def test_masked_window_attention_equals_attention_over_the_valid_range():
@@ -34,9 +33,7 @@ def sessions(lm, use_graph, **settings):
 def test_segmented_step_equals_the_eager_step_through_window_slides(tmp_path, arch):
     spec = TinySpec(arch=arch, num_layers=6 if arch == "gemma3" else 3, num_kv_heads=1 if arch == "gemma3" else 2,
                     tied=True, sliding_window=24 if arch == "gemma3" else 0)
-    path = tmp_path / "m.gguf"
-    write_tiny_gguf(path, spec, seed=9)
-    lm = load_model(str(path))
+    lm = tiny_model(tmp_path, spec, seed=9)
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, 298, size=120)]
     eager, graphed = sessions(lm, False, second_select_num=3), sessions(lm, True, second_select_num=3)
     a, b = eager.prefill(prompt), graphed.prefill(prompt)
@@ -49,9 +46,7 @@ def test_segmented_step_equals_the_eager_step_through_window_slides(tmp_path, ar
 
 
 def test_segmented_step_from_a_short_prompt_fills_the_sink(tmp_path):
-    path = tmp_path / "m.gguf"
-    write_tiny_gguf(path, TinySpec(num_layers=2), seed=3)
-    lm = load_model(str(path))
+    lm = tiny_model(tmp_path, TinySpec(num_layers=2), seed=3)
     eager, graphed = sessions(lm, False, second_select_num=2), sessions(lm, True, second_select_num=2)
     a, b = eager.prefill([5, 6, 7]), graphed.prefill([5, 6, 7])
     for _ in range(90):  # positions 3..92 pass through the sink block and out of the window

@@ -10,18 +10,15 @@ from cpu_ops.anchors import build_anchors_reference
 from ktlong.decode_selection import SelectionSettings
 from ktlong.dense_session import DenseSession
 from ktlong.kv_cache import kv_layout
-from ktlong.loader import load_model
 from ktlong.long_context_session import LongContextSession
-from tests.tiny_gguf import TinySpec, write_tiny_gguf
+from tests.tiny_gguf import TinySpec, tiny_model
 
 B = 16
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("m") / "tiny.gguf"
-    write_tiny_gguf(path, TinySpec(num_layers=4), seed=31)
-    return load_model(str(path))
+    return tiny_model(tmp_path_factory.mktemp("m"), TinySpec(num_layers=4), seed=31)
 
 
 def session(lm, settings, local=32, max_seq_len=512):

@@ -6,17 +6,14 @@ import pytest
 from ktlong.dense_session import DenseSession
 from ktlong.generate import generate
 from ktlong.kv_cache import kv_layout, model_kv_layout
-from ktlong.loader import load_model
 from ktlong.long_context_session import LongContextSession
 from ktlong.sampling import Sampler
-from tests.tiny_gguf import TinySpec, write_tiny_gguf
+from tests.tiny_gguf import TinySpec, tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("m") / "tiny.gguf"
-    write_tiny_gguf(path, TinySpec(num_layers=2), seed=21)
-    return load_model(str(path))
+    return tiny_model(tmp_path_factory.mktemp("m"), TinySpec(num_layers=2), seed=21)
 
 
 def session_for(lm, max_seq_len, block_size=16, chunk_size=32):
@@ -72,10 +69,8 @@ def test_gemma3_sliding_layers_generate_like_dense_and_skip_offload(tmp_path):
     device window only; global layers: the DRAM path. Everything kept -> equals dense."""
     from ktlong.decode_selection import SelectionSettings
 
-    path = tmp_path / "g.gguf"
-    write_tiny_gguf(path, TinySpec(arch="gemma3", num_layers=6, num_kv_heads=1, tied=True, sliding_window=24),
+    lm = tiny_model(tmp_path, TinySpec(arch="gemma3", num_layers=6, num_kv_heads=1, tied=True, sliding_window=24),
                     seed=4)
-    lm = load_model(str(path))
     prompt = list(np.random.default_rng(5).integers(0, 298, size=150))
     c = lm.config
     layout = model_kv_layout(c, 16, 256, "fp32", local_tokens=32)
@@ -104,9 +99,7 @@ def test_gemma3_sliding_layers_generate_like_dense_and_skip_offload(tmp_path):
 def test_local_window_must_cover_the_sliding_window(tmp_path):
     from ktlong.errors import ConfigError
 
-    path = tmp_path / "g.gguf"
-    write_tiny_gguf(path, TinySpec(arch="gemma3", num_layers=6, num_kv_heads=1, tied=True, sliding_window=64))
-    lm = load_model(str(path))
+    lm = tiny_model(tmp_path, TinySpec(arch="gemma3", num_layers=6, num_kv_heads=1, tied=True, sliding_window=64))
     layout = model_kv_layout(lm.config, 16, 256, "fp32", local_tokens=32)
     with pytest.raises(ConfigError, match="at least 64"):
         LongContextSession(lm.model, layout, 32, "torch", True, local_windows_len=32)

@@ -6,16 +6,13 @@ import torch
 
 from ktlong.kv_cache import HostKVCache, kv_layout
 from ktlong.kv_cache_dense import DenseKVCache
-from ktlong.loader import load_model
 from ktlong.prefill import LayerMajorPrefill
-from tests.tiny_gguf import TinySpec, write_tiny_gguf
+from tests.tiny_gguf import TinySpec, tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("m") / "tiny.gguf"
-    write_tiny_gguf(path, TinySpec(num_layers=3), seed=11)
-    return load_model(str(path))
+    return tiny_model(tmp_path_factory.mktemp("m"), TinySpec(num_layers=3), seed=11)
 
 
 def dense(lm, ids):
