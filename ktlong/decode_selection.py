@@ -87,7 +87,7 @@ class DecodeBlockSelector:
                 keys, num_tokens - first * self.block_size, t, self.s.anchor_num, importance)
 
     # ---- preselection ------------------------------------------------------------------
-    def preselect(self, layer: int, block_mass: np.ndarray, num_tokens: int, first: int, last: int):
+    def preselect(self, layer: int, block_mass: np.ndarray, first: int, last: int):
         """block_mass: [KV, blocks], the attention mass the last prompt queries put on each block
         (ktlong/prefill.py). Only context blocks [first, last) compete: sinks and the local
         window are attended on the device anyway, and would otherwise win most places."""

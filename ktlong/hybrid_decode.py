@@ -52,7 +52,7 @@ class HybridDecoder:
         first, last = self.window.context_blocks
         for layer, mass in (prompt_block_mass or {}).items():
             if layer in self.global_layers:
-                self.selector.preselect(layer, mass, host.num_tokens, first, last)
+                self.selector.preselect(layer, mass, first, last)
         self.k_stored = [stored_view(t) for t in host.k]
         self.v_stored = [stored_view(t) for t in host.v]
         self.step_index = 0
