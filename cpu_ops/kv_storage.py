@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numba as nb
 import numpy as np
 
+from cpu_ops.bf16 import from_bf16, to_bf16
+
 KV_TYPES = ("bf16", "fp16", "q8_0", "q4_0")
 KIND = {"bf16": 0, "fp16": 1, "q8_0": 2, "q4_0": 3, "fp32": 4}
 QBLOCK = 32
@@ -39,9 +41,7 @@ def encode(x: np.ndarray, kind: str) -> StoredKV:
     x = np.ascontiguousarray(x, dtype=np.float32)
     empty = np.zeros((0,), np.float32)
     if kind == "bf16":
-        bits = x.view(np.uint32)
-        rounded = bits + 0x7FFF + ((bits >> 16) & 1)  # round half to even
-        return StoredKV(kind, (rounded >> 16).astype(np.uint16), empty)
+        return StoredKV(kind, to_bf16(x), empty)
     if kind == "fp16":
         return StoredKV(kind, x.astype(np.float16).view(np.uint16), empty)
     groups = x.reshape(*x.shape[:-1], -1, QBLOCK)
@@ -65,7 +65,7 @@ def encode(x: np.ndarray, kind: str) -> StoredKV:
 def decode(s: StoredKV) -> np.ndarray:
     """Reference widening of a StoredKV to float32 [KV, NB, B, D]."""
     if s.kind == "bf16":
-        return (s.data.astype(np.uint32) << 16).view(np.float32)
+        return from_bf16(s.data)
     if s.kind == "fp16":
         return s.data.view(np.float16).astype(np.float32)
     if s.kind == "fp32":

@@ -1,8 +1,8 @@
 """Decode attention of G query heads per kv head over selected blocks, on the CPU.
 
-Work is split over (kv head, range of selected blocks) so that every thread is busy even
-with 8 kv heads; each split keeps an online softmax (running max, sum, weighted values)
-per query head, block by block, and the splits merge at the end. The result is the output
+The (kv head, selected block) pairs are cut into one equal share per thread, whatever the
+number of kv heads, so every thread is busy; each share keeps an online softmax (running max,
+sum, weighted values) per query head, block by block, and the shares merge at the end. The result is the output
 [H, D] and the natural-log log-sum-exp [H], so it can merge with another attention part.
 """
 
@@ -14,6 +14,7 @@ import numba as nb
 import numpy as np
 
 from cpu_ops.kv_storage import KIND, StoredKV, decode, load_block
+from cpu_ops.prefetch import prefetch
 
 
 LOG2E = np.float32(1.4426950408889634)
@@ -39,94 +40,156 @@ def exp_inplace(x, n, bits_i32, bits_f32):
         x[i] = p * bits_f32[i] if x[i] > np.float32(-87.0) else np.float32(0.0)
 
 
+@nb.njit(inline="always", cache=True, fastmath=True)
+def _block_logits(q, first_head, group, block, valid, scale, logits):
+    """logits[g, t] = scale * q[first_head + g] . block[t]. Four query heads share one pass over
+    each key row (four vector accumulators), so a widened key is loaded once per four heads."""
+    dim = q.shape[1]
+    g = 0
+    while g + 4 <= group:
+        q0, q1, q2, q3 = q[first_head + g], q[first_head + g + 1], q[first_head + g + 2], q[first_head + g + 3]
+        for t in range(valid):
+            row = block[t]
+            s0 = s1 = s2 = s3 = np.float32(0.0)
+            for c in range(dim):
+                x = row[c]
+                s0 += q0[c] * x
+                s1 += q1[c] * x
+                s2 += q2[c] * x
+                s3 += q3[c] * x
+            logits[g, t], logits[g + 1, t] = s0 * scale, s1 * scale
+            logits[g + 2, t], logits[g + 3, t] = s2 * scale, s3 * scale
+        g += 4
+    while g < group:
+        qg = q[first_head + g]
+        for t in range(valid):
+            row = block[t]
+            s0 = np.float32(0.0)
+            for c in range(dim):
+                s0 += qg[c] * row[c]
+            logits[g, t] = s0 * scale
+        g += 1
+
+
+@nb.njit(inline="always", cache=True, fastmath=True)
+def _accumulate_values(acc, p, group, block, valid):
+    """acc[g] += sum_t p[g, t] block[t], four value rows per pass so that each accumulator row is
+    loaded and stored once per four tokens rather than once per token."""
+    dim = acc.shape[1]
+    for g in range(group):
+        a, pg = acc[g], p[g]
+        t = 0
+        while t + 4 <= valid:
+            p0, p1, p2, p3 = pg[t], pg[t + 1], pg[t + 2], pg[t + 3]
+            r0, r1, r2, r3 = block[t], block[t + 1], block[t + 2], block[t + 3]
+            for c in range(dim):
+                a[c] += p0 * r0[c] + p1 * r1[c] + p2 * r2[c] + p3 * r3[c]
+            t += 4
+        while t < valid:
+            p0, r0 = pg[t], block[t]
+            for c in range(dim):
+                a[c] += p0 * r0[c]
+            t += 1
+
+
 @nb.njit(parallel=True, cache=True, fastmath=True)
 def _partial_attention(kind, k_data, k_scales, v_data, v_scales, q, blocks, counts, num_tokens,
-                       block_size, scale, splits, part_m, part_l, part_acc):
+                       block_size, scale, items, part_m, part_l, part_acc):
+    """Work item i takes an equal share of all (kv head, selected block) pairs, in order, so the
+    items cost the same whatever the head count; a share that spans heads leaves one partial
+    state per head it touched in part_*[h, i] (the others stay empty: m = -inf, l = 0)."""
     num_heads, dim = q.shape
     num_kv = blocks.shape[0]
     group = num_heads // num_kv
-    for w in nb.prange(num_kv * splits):
-        h, s = w // splits, w % splits
-        n = counts[h]
-        per = (n + splits - 1) // splits
-        lo, hi = s * per, min(n, (s + 1) * per)
+    total = 0
+    for h in range(num_kv):
+        total += counts[h]
+    per = (total + items - 1) // items
+    for i in nb.prange(items):
+        start, stop = i * per, min(total, (i + 1) * per)
         block_u32 = np.empty((block_size, dim), np.uint32)
         block = block_u32.view(np.float32)  # one widened K or V block, reused
         logits = np.empty((group, block_size), np.float32)
         pow_i32 = np.empty(block_size, np.int32)
         pow_f32 = pow_i32.view(np.float32)
-        m = np.full(group, -np.inf, np.float32)
-        l = np.zeros(group, np.float32)
-        acc = np.zeros((group, dim), np.float32)
-        for idx in range(lo, hi):
-            b = blocks[h, idx]
-            valid = min(block_size, num_tokens - b * block_size)
-            load_block(kind, k_data, k_scales, h, b, valid, block_u32, block)
+        m = np.empty(group, np.float32)
+        l = np.empty(group, np.float32)
+        acc = np.empty((group, dim), np.float32)
+        head_start = 0
+        for h in range(num_kv):
+            lo, hi = max(start - head_start, 0), min(stop - head_start, counts[h])
+            head_start += counts[h]
             for g in range(group):
-                qg = q[h * group + g]
-                for t in range(valid):
-                    d = np.float32(0.0)
+                part_m[h, i, g], part_l[h, i, g] = -np.inf, 0.0
+            if lo >= hi:
+                continue
+            m[:] = -np.inf
+            l[:] = 0.0
+            acc[:] = 0.0
+            for idx in range(lo, hi):
+                b = blocks[h, idx]
+                valid = min(block_size, num_tokens - b * block_size)
+                if idx + 1 < hi:  # the next block streams in while this one is computed
+                    prefetch(k_data[h, blocks[h, idx + 1]])
+                    prefetch(v_data[h, blocks[h, idx + 1]])
+                load_block(kind, k_data, k_scales, h, b, valid, block_u32, block)
+                _block_logits(q, h * group, group, block, valid, scale, logits)
+                for g in range(group):  # online softmax: rescale what came before to the new max
+                    row_p = logits[g]
+                    block_max = -np.inf
+                    for t in range(valid):
+                        block_max = max(block_max, row_p[t])
+                    new_m = max(m[g], block_max)
+                    correction = math.exp(m[g] - new_m)
+                    l[g] *= correction
                     for c in range(dim):
-                        d += qg[c] * block[t, c]
-                    logits[g, t] = d * scale
+                        acc[g, c] *= correction
+                    m[g] = new_m
+                    for t in range(valid):
+                        row_p[t] -= new_m
+                    exp_inplace(row_p, valid, pow_i32, pow_f32)
+                    s = np.float32(0.0)
+                    for t in range(valid):
+                        s += row_p[t]
+                    l[g] += s
+                load_block(kind, v_data, v_scales, h, b, valid, block_u32, block)
+                _accumulate_values(acc, logits, group, block, valid)
             for g in range(group):
-                block_max = -np.inf
-                for t in range(valid):
-                    block_max = max(block_max, logits[g, t])
-                new_m = max(m[g], block_max)
-                correction = math.exp(m[g] - new_m)
-                l[g] *= correction
+                part_m[h, i, g] = m[g]
+                part_l[h, i, g] = l[g]
                 for c in range(dim):
-                    acc[g, c] *= correction
-                m[g] = new_m
-                row_p = logits[g]
-                for t in range(valid):
-                    row_p[t] -= new_m
-                exp_inplace(row_p, valid, pow_i32, pow_f32)
-                total = np.float32(0.0)
-                for t in range(valid):
-                    total += row_p[t]
-                l[g] += total
-            load_block(kind, v_data, v_scales, h, b, valid, block_u32, block)
-            for g in range(group):
-                for t in range(valid):
-                    p = logits[g, t]
-                    for c in range(dim):
-                        acc[g, c] += p * block[t, c]
-        for g in range(group):
-            part_m[h, s, g] = m[g]
-            part_l[h, s, g] = l[g]
-            for c in range(dim):
-                part_acc[h, s, g, c] = acc[g, c]
+                    part_acc[h, i, g, c] = acc[g, c]
 
 
 @nb.njit(parallel=True, cache=True)
-def _merge_splits(part_m, part_l, part_acc, out, lse):
-    num_kv, splits, group, dim = part_acc.shape
+def _merge_items(part_m, part_l, part_acc, out, lse):
+    num_kv, items, group, dim = part_acc.shape
     for w in nb.prange(num_kv * group):
         h, g = w // group, w % group
         m = -np.inf
-        for s in range(splits):
-            m = max(m, part_m[h, s, g])
+        for i in range(items):
+            m = max(m, part_m[h, i, g])
         total = 0.0
         for c in range(dim):
             out[h * group + g, c] = 0.0
         if m == -np.inf:
             lse[h * group + g] = -np.inf
             continue
-        for s in range(splits):
-            wgt = math.exp(part_m[h, s, g] - m)
-            total += part_l[h, s, g] * wgt
+        for i in range(items):
+            if part_m[h, i, g] == -np.inf:  # an item that did not touch this head
+                continue
+            wgt = math.exp(part_m[h, i, g] - m)
+            total += part_l[h, i, g] * wgt
             for c in range(dim):
-                out[h * group + g, c] += part_acc[h, s, g, c] * wgt
+                out[h * group + g, c] += part_acc[h, i, g, c] * wgt
         for c in range(dim):
             out[h * group + g, c] /= total
         lse[h * group + g] = m + math.log(total)
 
 
-def num_splits(num_kv_heads: int, threads: int) -> int:
-    """Enough splits that (kv head, split) work items give every thread two of them."""
-    return max(1, -(-2 * threads // num_kv_heads))
+def num_items(threads: int) -> int:
+    """Work items per call: one per thread (each an equal share of the blocks)."""
+    return max(1, threads)
 
 
 def sparse_attention(q: np.ndarray, k: StoredKV, v: StoredKV, blocks: np.ndarray, counts: np.ndarray,
@@ -137,18 +200,18 @@ def sparse_attention(q: np.ndarray, k: StoredKV, v: StoredKV, blocks: np.ndarray
     num_kv = blocks.shape[0]
     assert k.kind == v.kind and k.head_dim == dim and num_heads % num_kv == 0
     assert counts.shape == (num_kv,) and (counts <= blocks.shape[1]).all()
-    splits = num_splits(num_kv, threads or nb.get_num_threads())
+    items = num_items(threads or nb.get_num_threads())
     group = num_heads // num_kv
-    part_m = np.empty((num_kv, splits, group), np.float32)
-    part_l = np.empty((num_kv, splits, group), np.float32)
-    part_acc = np.empty((num_kv, splits, group, dim), np.float32)
+    part_m = np.empty((num_kv, items, group), np.float32)
+    part_l = np.empty((num_kv, items, group), np.float32)
+    part_acc = np.empty((num_kv, items, group, dim), np.float32)
     _partial_attention(KIND[k.kind], k.data, k.scales if k.scales.ndim == 4 else _NO_SCALES, v.data,
                        v.scales if v.scales.ndim == 4 else _NO_SCALES, np.ascontiguousarray(q, np.float32),
-                       blocks, counts, num_tokens, block_size, np.float32(scale), splits, part_m, part_l,
+                       blocks, counts, num_tokens, block_size, np.float32(scale), items, part_m, part_l,
                        part_acc)
     out = np.empty((num_heads, dim), np.float32)
     lse = np.empty(num_heads, np.float32)
-    _merge_splits(part_m, part_l, part_acc, out, lse)
+    _merge_items(part_m, part_l, part_acc, out, lse)
     return out, lse
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from cpu_ops.anchors import anchors_per_block, build_anchors
+from cpu_ops.bf16 import to_bf16
 from cpu_ops.block_select import QUEST, score_blocks, select_blocks
 from cpu_ops.kv_storage import StoredKV
 from ktlong.kv_cache import HostKVCache
@@ -55,13 +56,13 @@ class DecodeBlockSelector:
         self.block_size, self.num_kv = layout.block_size, layout.num_kv_heads
         self.num_anchors = anchors_per_block(settings.anchor_type, settings.anchor_num)
         self.anchors = [np.zeros((layout.num_kv_heads, 0 if layout.is_sliding(i) else layout.num_blocks,
-                                  self.num_anchors, layout.head_dim), np.float32)
+                                  self.num_anchors, layout.head_dim), np.uint16)  # bfloat16 words
                         for i in range(layout.num_layers)]
         self.candidates: list[np.ndarray | None] = [None] * layout.num_layers  # [KV, NB] bool
         self.prompt_blocks = 0
         self.cache: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # layer -> blocks, counts, step
         self.last_selected_layer = -1
-        self.scores = np.zeros((layout.num_kv_heads, layout.num_blocks), np.float32)
+        self.block_ids = np.arange(layout.num_blocks, dtype=np.int32)
 
     # ---- anchors -----------------------------------------------------------------------
     def build_all(self, num_tokens: int, layers: list[int] | None = None):
@@ -73,18 +74,19 @@ class DecodeBlockSelector:
     def update_blocks(self, layer: int, first: int, last: int, num_tokens: int):
         """(Re)build the anchors of blocks first..last-1 of one layer."""
         h, t = self.host, self.s.anchor_type
+        out = self.anchors[layer][:, first:last]
         if t == "MAX":
-            self.anchors[layer][:, first:last, 0] = h.key_max[layer][:, first:last].numpy()
+            out[:, :, 0] = to_bf16(h.key_max[layer][:, first:last].numpy())
         elif t == "MEAN":
-            self.anchors[layer][:, first:last, 0] = h.key_mean[layer][:, first:last].numpy()
-        elif t == "QUEST":
-            self.anchors[layer][:, first:last, 0] = h.key_min[layer][:, first:last].numpy()
-            self.anchors[layer][:, first:last, 1] = h.key_max[layer][:, first:last].numpy()
+            out[:, :, 0] = to_bf16(h.key_mean[layer][:, first:last].numpy())
+        elif t == "QUEST":  # rounded outwards, so the score stays an upper bound of q . k
+            out[:, :, 0] = to_bf16(h.key_min[layer][:, first:last].numpy(), "down")
+            out[:, :, 1] = to_bf16(h.key_max[layer][:, first:last].numpy(), "up")
         else:
             keys = float_keys(h.k[layer][:, first:last])
             importance = h.importance[layer][:, first:last].numpy()
-            self.anchors[layer][:, first:last] = build_anchors(
-                keys, num_tokens - first * self.block_size, t, self.s.anchor_num, importance)
+            out[:] = to_bf16(build_anchors(keys, num_tokens - first * self.block_size, t, self.s.anchor_num,
+                                           importance))
 
     # ---- preselection ------------------------------------------------------------------
     def preselect(self, layer: int, block_mass: np.ndarray, first: int, last: int):
@@ -93,11 +95,11 @@ class DecodeBlockSelector:
         window are attended on the device anyway, and would otherwise win most places."""
         if not self.s.preselect_block:
             return
-        total = np.full((self.num_kv, self.scores.shape[1]), -np.inf, np.float32)
+        total = np.full((self.num_kv, len(self.block_ids)), -np.inf, np.float32)
         total[:, first:last] = block_mass[:, first:last]
         if self.s.head_select_mode == "SHARED":
             total[:, first:last] = total[:, first:last].sum(0, keepdims=True)
-        keep = np.zeros((self.num_kv, self.scores.shape[1]), bool)
+        keep = np.zeros((self.num_kv, len(self.block_ids)), bool)
         count = min(self.s.preselect_block_count, max(last - first, 0))
         top = np.argpartition(-total, count - 1, axis=1)[:, :count] if count else np.zeros((self.num_kv, 0), int)
         np.put_along_axis(keep, top, True, axis=1)
@@ -122,19 +124,21 @@ class DecodeBlockSelector:
         return blocks, counts
 
     def _score_and_pick(self, layer, q, first, last):
-        kind = QUEST if self.s.anchor_type == "QUEST" else 0
-        scores = self.scores
-        score_blocks(q, self.anchors[layer], last, kind, scores)
-        scores[:, :first] = -np.inf
+        """Score the candidate blocks in [first, last) (all of them, or with preselection the
+        preselected ones and those generated since the prompt) and keep the best k."""
+        shared = self.s.head_select_mode == "SHARED"
         candidates = self.candidates[layer]
-        k = self.s.second_select_num
+        ids = self.block_ids[first:last]
         if candidates is not None:
-            allowed = candidates[:, :last].copy()
-            allowed[:, self.prompt_blocks:] = True  # generated blocks always compete
-            scores[:, :last][~allowed] = -np.inf
-            k = min(k, int(allowed[:, first:last].sum(1).min()))
+            allowed = candidates[:, first:last].any(0)
+            allowed[max(self.prompt_blocks - first, 0):] = True  # generated blocks always compete
+            ids = ids[allowed]
+        scores = np.empty((1 if shared else self.num_kv, len(ids)), np.float32)
+        score_blocks(q, self.anchors[layer], ids, QUEST if self.s.anchor_type == "QUEST" else 0, shared, scores)
+        if candidates is not None and not shared:  # SEPARATE: each head among its own candidates
+            scores[~candidates[:, ids] & (ids < self.prompt_blocks)] = -np.inf
+        k = self.s.second_select_num
         blocks = np.zeros((self.num_kv, max(k, 1)), np.int32)
         counts = np.zeros(self.num_kv, np.int32)
-        select_blocks(scores, last * self.block_size, self.block_size, k, 0, 0,
-                      self.s.head_select_mode == "SHARED", False, blocks, counts)
+        select_blocks(scores, ids, k, blocks, counts)
         return blocks, counts

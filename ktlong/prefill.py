@@ -152,8 +152,8 @@ class LayerMajorPrefill:
         if self.hidden_on_device:
             hidden[s:e] = x
             return
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # x is written
         with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             hidden[s:e].copy_(x, non_blocking=True)
             x.record_stream(self.copy_stream)
         stats.bytes_to_host += x.numel() * x.element_size()
@@ -202,10 +202,9 @@ class LayerMajorPrefill:
         keys = self.pages.tokens(self.pages.k)[:, s:e]
         importance = token_importance(q[-IMPORTANCE_QUERIES:], keys, self.model.scale)  # [KV, e-s]
         self._copy_kv(layer, s, e, host, stats)
-        ctx = torch.cuda.stream(self.copy_stream) if self.cuda else nullcontext()
-        with ctx:
-            if self.cuda:
-                self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self.cuda:  # the copies wait for the compute stream, captured outside the copy stream's context
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream) if self.cuda else nullcontext():
             host.key_mean[layer][:, b0:b1].copy_(mean, non_blocking=True)
             host.key_max[layer][:, b0:b1].copy_(kmax, non_blocking=True)
             host.key_min[layer][:, b0:b1].copy_(kmin, non_blocking=True)
@@ -217,10 +216,9 @@ class LayerMajorPrefill:
         stats.bytes_to_host += sum(t.numel() * 4 for t in (mean, kmax, kmin, importance))
 
     def _copy_kv(self, layer, s, e, host: HostKVCache, stats):
-        ctx = torch.cuda.stream(self.copy_stream) if self.cuda else nullcontext()
-        with ctx:
-            if self.cuda:
-                self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self.cuda:  # inside the copy stream's context current_stream() would be the copy stream itself
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream) if self.cuda else nullcontext():
             for which, pages in (("k", self.pages.k), ("v", self.pages.v)):
                 dst, src = host.tokens(layer, which, s, e), self.pages.tokens(pages)[:, s:e]
                 for h in range(self.layout.num_kv_heads):  # one contiguous range per head

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from cpu_ops.anchors import ANCHOR_TYPES, build_anchors, build_anchors_reference, fixed_positions
+from cpu_ops.bf16 import from_bf16, to_bf16
 from cpu_ops.block_select import QUEST, score_blocks, select_blocks, select_blocks_reference
 from cpu_ops.kv_storage import KV_TYPES, decode, encode
-from cpu_ops.sparse_attention import num_splits, sparse_attention, sparse_attention_reference
+from cpu_ops.sparse_attention import sparse_attention, sparse_attention_reference
 
 KV, H, D, B = 2, 8, 64, 16
 
@@ -65,6 +66,21 @@ def test_given_selection_equals_dense_attention_restricted_to_it(kind):
     assert np.abs(lse - ref_lse).max() < 1e-4
 
 
+@pytest.mark.parametrize("num_kv, num_heads, dim", [(1, 4, 256), (2, 14, 64), (3, 9, 32), (1, 1, 64)])
+def test_head_groups_of_any_size_equal_the_reference(num_kv, num_heads, dim):
+    """The kernel scores four query heads per pass and the rest one by one: groups of 4 (Gemma 3),
+    7 (Qwen2.5-0.5B), 3 (SmolLM2) and 1."""
+    rng = np.random.default_rng(11)
+    k, v = (rng.standard_normal((num_kv, 6, B, dim)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((num_heads, dim)).astype(np.float32)
+    ks, vs = encode(k, "bf16"), encode(v, "bf16")
+    lists = [[0, 2, 5], [1, 3, 4, 5], [5]][:num_kv]
+    out, lse = sparse_attention(q, ks, vs, *as_arrays(lists), 6 * B - 7, B, dim ** -0.5)
+    ref_out, ref_lse = sparse_attention_reference(q, ks, vs, lists, 6 * B - 7, B, dim ** -0.5)
+    assert np.abs(out - ref_out).max() / np.abs(ref_out).max() < 1e-4
+    assert np.abs(lse - ref_lse).max() < 1e-4
+
+
 def test_lse_merges_two_parts_into_the_full_result():
     q, k, v = data(seed=2)
     ks, vs = encode(k, "bf16"), encode(v, "bf16")
@@ -107,18 +123,23 @@ def test_storage_round_trip_precision():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_splits_keep_threads_busy_and_do_not_change_results(threads):
-    assert num_splits(8, 16) == 4 and num_splits(2, 16) == 16
+def test_work_shares_do_not_change_results(threads):
+    """Shares that start and end inside a head, span heads, or are empty (16 shares of 3+5+12+1
+    blocks) all give the single-share result."""
     q, k, v = data(seed=5)
     ks, vs = encode(k, "fp16"), encode(v, "fp16")
-    blocks, counts = as_arrays([list(range(12))] * KV)
+    blocks, counts = as_arrays([[0, 4, 7], [1, 2, 3, 9, 11], list(range(12)), [6]][:KV])
     numba.set_num_threads(threads)
     try:
         a = sparse_attention(q, ks, vs, blocks, counts, 12 * B, B, 0.125, threads=threads)
-        b = sparse_attention(q, ks, vs, blocks, counts, 12 * B, B, 0.125, threads=16)  # 16 splits
+        b = sparse_attention(q, ks, vs, blocks, counts, 12 * B, B, 0.125, threads=16)  # 16 shares
+        one = sparse_attention(q, ks, vs, blocks, counts, 12 * B, B, 0.125, threads=1)
     finally:
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
-    assert np.abs(a[0] - b[0]).max() < 1e-5
+    ref, ref_lse = sparse_attention_reference(q, ks, vs, [list(r[:n]) for r, n in zip(blocks, counts)], 12 * B, B,
+                                              0.125)
+    for out, lse in (a, b, one):
+        assert np.abs(out - ref).max() < 1e-5 and np.abs(lse - ref_lse).max() < 1e-5
 
 
 @pytest.mark.parametrize("anchor_type", ANCHOR_TYPES)
@@ -139,45 +160,68 @@ def test_anchors_equal_per_block_reference(anchor_type):
     assert list(fixed_positions(16, 3)) == [2, 8, 13]
 
 
-def test_quest_score_bounds_every_key_of_the_block():
-    q, k, _ = data(seed=8)
-    anchors = build_anchors(k, 12 * B, "QUEST", 1)
-    scores = np.zeros((KV, 12), np.float32)
-    score_blocks(q, anchors, 12, QUEST, scores)
-    group = H // KV
-    for h in range(KV):
-        for b in range(12):
-            per_head_best = sum((k[h, b] @ q[h * group + g]).max() for g in range(group))
-            assert scores[h, b] >= per_head_best - 1e-4
-
-
-@pytest.mark.parametrize("anchor_type", ["MAX", "MEAN", "FIX", "DYNAMIC"])
-def test_block_scores_are_max_anchor_dot_summed_over_the_group(anchor_type):
-    q, k, _ = data(seed=9)
-    anchors = build_anchors(k, 12 * B, anchor_type, 2, np.random.default_rng(1).random((KV, 12, B)))
-    scores = np.zeros((KV, 12), np.float32)
-    score_blocks(q, anchors.astype(np.float32), 12, 0, scores)
-    group = H // KV
-    expected = np.array([[sum((anchors[h, b] @ q[h * group + g]).max() for g in range(group))
-                          for b in range(12)] for h in range(KV)])
-    np.testing.assert_allclose(scores, expected, rtol=1e-4, atol=1e-4)
+def bf16_anchors(anchors, anchor_type):
+    if anchor_type == "QUEST":
+        return np.stack([to_bf16(anchors[:, :, 0], "down"), to_bf16(anchors[:, :, 1], "up")], 2)
+    return to_bf16(anchors)
 
 
 @pytest.mark.parametrize("shared", [False, True])
-@pytest.mark.parametrize("include_local", [False, True])
-def test_selection_equals_reference_keeps_sinks_local_and_position_order(shared, include_local):
+def test_quest_score_bounds_every_key_of_the_block(shared):
+    """Min and max are stored as bfloat16 rounded outwards, so the bound survives the rounding."""
+    q, k, _ = data(seed=8)
+    anchors = bf16_anchors(build_anchors(k, 12 * B, "QUEST", 1), "QUEST")
+    ids = np.arange(12, dtype=np.int32)
+    scores = np.zeros((1 if shared else KV, 12), np.float32)
+    score_blocks(q, anchors, ids, QUEST, shared, scores)
+    group = H // KV
+    best = np.array([[sum((k[h, b] @ q[h * group + g]).max() for g in range(group)) for b in range(12)]
+                     for h in range(KV)])
+    assert (scores >= (best.sum(0, keepdims=True) if shared else best) - 1e-4).all()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("anchor_type, anchor_num", [("MAX", 1), ("MEAN", 1), ("FIX", 2), ("DYNAMIC", 2), ("DYNAMIC", 1)])
+def test_block_scores_are_max_anchor_dot_summed_over_the_group(anchor_type, anchor_num, shared):
+    """Against float64 on the stored (bfloat16) anchors, for a subset of blocks out of order."""
+    q, k, _ = data(seed=9)
+    stored = bf16_anchors(build_anchors(k, 12 * B, anchor_type, anchor_num,
+                                        np.random.default_rng(1).random((KV, 12, B))), anchor_type)
+    anchors = from_bf16(stored).astype(np.float64)
+    ids = np.array([7, 0, 3, 11, 5], np.int32)
+    scores = np.zeros((1 if shared else KV, len(ids)), np.float32)
+    score_blocks(q, stored, ids, 0, shared, scores)
+    group = H // KV
+    expected = np.array([[sum((anchors[h, b] @ q[h * group + g]).max() for g in range(group)) for b in ids]
+                         for h in range(KV)])
+    np.testing.assert_allclose(scores, expected.sum(0, keepdims=True) if shared else expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, KV])
+def test_selection_equals_reference_in_position_order_without_minus_inf(rows):
     rng = np.random.default_rng(10)
-    scores = rng.standard_normal((KV, 40)).astype(np.float32)
-    num_tokens = 37 * B + 7  # 38 blocks
-    out_blocks, out_counts = np.zeros((KV, 40), np.int32), np.zeros(KV, np.int32)
-    select_blocks(scores, num_tokens, B, 6, 2, 4 * B, shared, include_local, out_blocks, out_counts)
-    expected = select_blocks_reference(scores, num_tokens, B, 6, 2, 4 * B, shared, include_local)
-    for h in range(KV):
-        got = list(out_blocks[h, :out_counts[h]])
-        assert got == expected[h] and got == sorted(got)
-        assert got[:2] == [0, 1] and (not include_local or got[-5:] == [33, 34, 35, 36, 37])
-    if shared:
-        assert list(out_blocks[0, :out_counts[0]]) == list(out_blocks[1, :out_counts[1]])
+    ids = np.sort(rng.choice(100, 30, replace=False)).astype(np.int32)
+    scores = rng.standard_normal((rows, 30)).astype(np.float32)
+    scores[:, ::7] = -np.inf  # masked candidates never win, even when fewer than k remain
+    scores[:, 5] = scores[:, 6]  # a tie: the earlier block wins
+    for k in (6, 26, 40):
+        out_blocks, out_counts = np.zeros((KV, 40), np.int32), np.zeros(KV, np.int32)
+        select_blocks(scores, ids, k, out_blocks, out_counts)
+        expected = select_blocks_reference(scores if rows == KV else np.repeat(scores, KV, 0), ids, k)
+        for h in range(KV):
+            got = list(out_blocks[h, :out_counts[h]])
+            assert got == expected[h] and got == sorted(got) and len(got) == min(k, 25)
+
+
+def test_bf16_rounding_directions():
+    x = np.random.default_rng(3).standard_normal(10000).astype(np.float32) * 10
+    for rounding in ("nearest", "up", "down"):
+        y = from_bf16(to_bf16(x, rounding)).astype(np.float64)
+        assert (np.abs(y - x) <= np.abs(x) * 2.0 ** (-8 if rounding == "nearest" else -7)).all()
+    assert (from_bf16(to_bf16(x, "up")) >= x).all() and (from_bf16(to_bf16(x, "down")) <= x).all()
+    import torch
+
+    np.testing.assert_array_equal(to_bf16(x), torch.from_numpy(x).bfloat16().view(torch.int16).numpy().view(np.uint16))
 
 
 def test_vectorised_exp_matches_numpy():

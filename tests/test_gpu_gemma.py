@@ -75,3 +75,36 @@ def test_gemma3_long_context_on_gpu_follows_dense(tmp_path, prefill_attention):
         token = int(b.argmax())
         a, b = session.step(token), dense.step(token)
     assert agree >= 18 and session.decoder.times.cpu_attention > 0
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+def test_dram_copies_wait_for_the_compute_stream(tmp_path, arch, monkeypatch):
+    """Every layer's K/V in DRAM equals the dense cache after a GPU prefill even when the compute
+    stream runs far behind the host (a sleep kernel before each layer's q/k/v): the copies to DRAM
+    are on their own stream and must wait for the values they copy. They once waited on the copy
+    stream itself, so Gemma-3-270M's sliding layers 2-4 held other layers' keys."""
+    spec = SPEC if arch == "gemma3" else TinySpec(num_layers=4, hidden=128, num_heads=4, num_kv_heads=2, head_dim=32,
+                                                  context=2048)
+    write_tiny_gguf(tmp_path / "m.gguf", spec, seed=5)
+    lm = load_model(str(tmp_path / "m.gguf"), "cuda", torch.bfloat16)
+    model = lm.model
+    qkv = model.qkv
+
+    def slow_qkv(*args, **kwargs):
+        torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time queued ahead of this layer's work
+        return qkv(*args, **kwargs)
+
+    ids = list(np.random.default_rng(0).integers(0, 300, 700))
+    dense = DenseSession(model, 800, 2048)
+    dense.prefill(ids)
+    layout = model_kv_layout(model.config, 64, 800, "bf16", 256)
+    session = LongContextSession(model, layout, 256, "fa2", True, None, SelectionSettings(), 256)
+    monkeypatch.setattr(model, "qkv", slow_qkv)
+    session.prefill(ids)
+    host = session.host
+    for layer in range(model.config.num_layers):
+        start = host.first_token(layer)
+        for which, cache in (("k", dense.cache.k), ("v", dense.cache.v)):
+            got = host.tokens(layer, which, start, len(ids)).float()
+            ref = cache[layer, :, start:len(ids)].float().cpu()
+            assert float((got - ref).norm() / ref.norm()) < 0.1, (layer, which)  # garbage is >= 1

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from cpu_ops.anchors import build_anchors_reference
+from cpu_ops.bf16 import from_bf16, to_bf16
 from ktlong.decode_selection import SelectionSettings
 from ktlong.dense_session import DenseSession
 from ktlong.kv_cache import kv_layout
@@ -120,6 +121,10 @@ def test_selection_is_top_k_by_reference_anchor_scores(tiny, anchor_type):
     layer, _, first, last, lists, _ = calls[2]
     keys = s.host.k[layer].numpy()
     anchors = build_anchors_reference(keys, 200, anchor_type, 2, s.host.importance[layer].numpy())
+    if anchor_type == "QUEST":  # stored as bfloat16, min rounded down and max up
+        anchors = np.stack([from_bf16(to_bf16(anchors[:, :, 0], "down")), from_bf16(to_bf16(anchors[:, :, 1], "up"))], 2)
+    else:
+        anchors = from_bf16(to_bf16(anchors))
     assert len(lists) == layout.num_kv_heads
     for h in range(layout.num_kv_heads):
         assert len(lists[h]) == 3 and all(first <= b < last for b in lists[h])
@@ -167,7 +172,7 @@ def test_blocks_filled_while_generating_become_selectable(tiny):
     block = 6  # filled during generation
     k = h.k[0][:, block].numpy()
     np.testing.assert_allclose(h.key_max[0][:, block].numpy(), k.max(1), rtol=1e-6)
-    np.testing.assert_allclose(s.decoder.selector.anchors[0][:, block, 0], k.max(1), rtol=1e-6)
+    np.testing.assert_allclose(from_bf16(s.decoder.selector.anchors[0][:, block, 0]), k.max(1), rtol=2 ** -8)
     first, last = s.decoder.window.context_blocks
     assert last > 5
     blocks, counts = s.decoder.selector.select(0, 999, np.ones((4, 16), np.float32), first, last)

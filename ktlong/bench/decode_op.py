@@ -17,6 +17,7 @@ import time
 import numba as nb
 import numpy as np
 
+from cpu_ops.bf16 import to_bf16
 from cpu_ops.block_select import score_blocks, select_blocks
 from cpu_ops.kv_storage import StoredKV, encode
 from cpu_ops.sparse_attention import sparse_attention
@@ -86,14 +87,21 @@ def main(argv=None) -> int:
     for context in parse_lengths(args.contexts):
         num_blocks = context // B
         k, v = random_storage(num_blocks, args.kv_type, rng), random_storage(num_blocks, args.kv_type, rng)
-        anchors = rng.standard_normal((KV, num_blocks, 1, D), dtype=np.float32)
-        scores = np.zeros((KV, num_blocks), np.float32)
+        anchors = to_bf16(rng.standard_normal((KV, num_blocks, 1, D), dtype=np.float32))
+        local_first = max(context - args.local, 0) // B
+        ids = np.arange(1, local_first, dtype=np.int32)  # block 0 is the sink
+        scores = np.zeros((1, len(ids)), np.float32)
+        top = np.zeros((KV, max(args.top_k, 1)), np.int32)
         blocks = np.zeros((KV, num_blocks), np.int32)
         counts = np.zeros(KV, np.int32)
 
-        def select():
-            score_blocks(q, anchors, num_blocks, 0, scores)
-            select_blocks(scores, context, B, args.top_k, 1, args.local, True, True, blocks, counts)
+        def select():  # as the decoder does (SHARED), then the sink and the local window join
+            score_blocks(q, anchors, ids, 0, True, scores)
+            select_blocks(scores, ids, args.top_k, top, counts)
+            n = counts[0]
+            blocks[:, 0], blocks[:, 1:n + 1] = 0, top[:, :n]
+            blocks[:, n + 1:n + 1 + num_blocks - local_first] = np.arange(local_first, num_blocks)
+            counts[:] = n + 1 + num_blocks - local_first
 
         select_s = timed(select, args.reps)
         select()

@@ -1,0 +1,49 @@
+"""bfloat16 as 16-bit words: numpy encoders and decoders, and the Numba scalar widening.
+
+A bfloat16 is the top half of a float32, so widening is a shift and a bit cast, which LLVM
+vectorises inside any loop that reads the words.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
+
+
+def to_bf16(x: np.ndarray, rounding: str = "nearest") -> np.ndarray:
+    """float32 -> uint16 words. "nearest" rounds half to even; "up" / "down" round toward
+    +inf / -inf (bounds stay bounds)."""
+    x = np.ascontiguousarray(x, np.float32)
+    u = x.view(np.uint32)
+    if rounding == "nearest":
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    truncated = (u >> 16).astype(np.uint16)  # toward zero
+    inexact = from_bf16(truncated) != x
+    away = inexact & ((x > 0) == (rounding == "up"))
+    return truncated + away.astype(np.uint16)
+
+
+def from_bf16(words: np.ndarray) -> np.ndarray:
+    return (words.astype(np.uint32) << 16).view(np.float32)
+
+
+@intrinsic
+def _bits_as_float32(typingctx, bits):
+    """The low 32 bits of an integer, reinterpreted as a float32."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        low = builder.trunc(args[0], ir.IntType(32)) if bits.bitwidth > 32 else args[0]
+        return builder.bitcast(low, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@nb.njit(inline="always", cache=True)
+def bf16_value(word):
+    """One uint16 bfloat16 word -> float32."""
+    return _bits_as_float32(np.uint32(word) << 16)
