@@ -23,7 +23,10 @@ SCORE_CHUNK = 256  # blocks per parallel work item: one item per block costs mor
 @nb.njit(parallel=True, cache=True, fastmath=True)
 def score_blocks(q, anchors, ids, kind, shared, out):
     """q: [H, D] f32; anchors: [KV, NB, A, D] bf16 words; ids: int32 [n] blocks to score ->
-    out[r, j], the score of block ids[j] (r = kv head, or row 0 summed over heads if shared)."""
+    out[r, j], the score of block ids[j] (r = kv head, or row 0 summed over heads if shared).
+
+    A work item is (kv head, run of SCORE_CHUNK ids): it reads one head's anchors in order,
+    one memory stream, as the hardware prefetcher likes."""
     num_heads, dim = q.shape
     num_kv, _, num_anchors, _ = anchors.shape
     group = num_heads // num_kv
@@ -34,41 +37,44 @@ def score_blocks(q, anchors, ids, kind, shared, out):
         for g in range(group):
             for c in range(dim):
                 q_sum[h, c] += q[h * group + g, c]
+    per_head = np.empty((num_kv, n), np.float32) if shared else out
     chunks = (n + SCORE_CHUNK - 1) // SCORE_CHUNK
-    for w in nb.prange(chunks):
-        for j in range(w * SCORE_CHUNK, min((w + 1) * SCORE_CHUNK, n)):
+    for w in nb.prange(num_kv * chunks):
+        h, first = w // chunks, (w % chunks) * SCORE_CHUNK
+        qs = q_sum[h]
+        for j in range(first, min(first + SCORE_CHUNK, n)):
             b = ids[j]
-            if shared:
-                out[0, j] = 0.0
-            for h in range(num_kv):
-                total = np.float32(0.0)
-                if linear:
-                    an = anchors[h, b, 0]
+            total = np.float32(0.0)
+            if linear:
+                an = anchors[h, b, 0]
+                for c in range(dim):
+                    total += qs[c] * bf16_value(an[c])
+            elif kind == QUEST:
+                lo, hi = anchors[h, b, 0], anchors[h, b, 1]
+                for g in range(group):
+                    qh = q[h * group + g]
+                    s = np.float32(0.0)
                     for c in range(dim):
-                        total += q_sum[h, c] * bf16_value(an[c])
-                elif kind == QUEST:
-                    lo, hi = anchors[h, b, 0], anchors[h, b, 1]
-                    for g in range(group):
-                        qh = q[h * group + g]
+                        s += max(qh[c] * bf16_value(lo[c]), qh[c] * bf16_value(hi[c]))
+                    total += s
+            else:
+                for g in range(group):
+                    qh = q[h * group + g]
+                    best = np.float32(-np.inf)
+                    for a in range(num_anchors):
+                        an = anchors[h, b, a]
                         s = np.float32(0.0)
                         for c in range(dim):
-                            s += max(qh[c] * bf16_value(lo[c]), qh[c] * bf16_value(hi[c]))
-                        total += s
-                else:
-                    for g in range(group):
-                        qh = q[h * group + g]
-                        best = np.float32(-np.inf)
-                        for a in range(num_anchors):
-                            an = anchors[h, b, a]
-                            s = np.float32(0.0)
-                            for c in range(dim):
-                                s += qh[c] * bf16_value(an[c])
-                            best = max(best, s)
-                        total += best
-                if shared:
-                    out[0, j] += total
-                else:
-                    out[h, j] = total
+                            s += qh[c] * bf16_value(an[c])
+                        best = max(best, s)
+                    total += best
+            per_head[h, j] = total
+    if shared:
+        for j in range(n):
+            total = np.float32(0.0)
+            for h in range(num_kv):
+                total += per_head[h, j]
+            out[0, j] = total
 
 
 @nb.njit(cache=True)
@@ -106,15 +112,16 @@ def select_blocks(scores, ids, k, out_blocks, out_counts):
     -inf never win a place."""
     num_kv = out_blocks.shape[0]
     picks = np.empty(scores.shape[1], np.int64)
-    for h in range(num_kv):
-        row = scores[0 if scores.shape[0] == 1 else h]
+    for r in range(scores.shape[0]):
+        row = scores[r]
         finite = 0
         for j in range(row.shape[0]):
             finite += row[j] > -np.inf
         count = _top_k_in_order(row, min(k, finite), picks)
-        for i in range(count):
-            out_blocks[h, i] = ids[picks[i]]
-        out_counts[h] = count
+        for h in range(num_kv) if scores.shape[0] == 1 else range(r, r + 1):  # one shared row: every head
+            for i in range(count):
+                out_blocks[h, i] = ids[picks[i]]
+            out_counts[h] = count
 
 
 def select_blocks_reference(scores, ids, k):

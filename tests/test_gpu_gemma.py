@@ -83,7 +83,7 @@ def test_dram_copies_wait_for_the_compute_stream(tmp_path, arch, monkeypatch):
     stream runs far behind the host (a sleep kernel before each layer's q/k/v): the copies to DRAM
     are on their own stream and must wait for the values they copy. They once waited on the copy
     stream itself, so Gemma-3-270M's sliding layers 2-4 held other layers' keys."""
-    spec = SPEC if arch == "gemma3" else TinySpec(num_layers=4, hidden=128, num_heads=4, num_kv_heads=2, head_dim=32,
+    spec = SPEC if arch == "gemma3" else TinySpec(num_layers=4, hidden=256, num_heads=4, num_kv_heads=2, head_dim=64,
                                                   context=2048)
     write_tiny_gguf(tmp_path / "m.gguf", spec, seed=5)
     lm = load_model(str(tmp_path / "m.gguf"), "cuda", torch.bfloat16)
