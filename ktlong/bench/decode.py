@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 
 import torch
 
@@ -88,8 +89,6 @@ def main(argv=None) -> int:
             decoder.times = type(decoder.times)()
             torch.cuda.synchronize()
             per_token = []
-            import time
-
             for t in range(args.tokens):
                 t0 = time.perf_counter()
                 decoder.step(100 + t)
