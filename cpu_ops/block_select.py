@@ -77,6 +77,17 @@ def score_blocks(q, anchors, ids, kind, shared, out):
             out[0, j] = total
 
 
+def block_scores(q: np.ndarray, anchors: np.ndarray, ids: np.ndarray, kind: int, shared: bool) -> np.ndarray:
+    """Checked launcher of score_blocks -> scores float32 [1 if shared else KV, len(ids)]."""
+    num_kv, num_blocks, _, dim = anchors.shape
+    assert q.dtype == np.float32 and q.ndim == 2 and q.shape[1] == dim and q.shape[0] % num_kv == 0
+    assert anchors.dtype == np.uint16 and ids.dtype == np.int32 and ids.ndim == 1
+    assert len(ids) == 0 or (0 <= ids.min() and ids.max() < num_blocks), "block ids out of range"
+    out = np.empty((1 if shared else num_kv, len(ids)), np.float32)
+    score_blocks(np.ascontiguousarray(q), anchors, ids, kind, shared, out)
+    return out
+
+
 @nb.njit(cache=True)
 def _top_k_in_order(scores, k, out):
     """Write into out the indices of the k largest scores, ascending (ties: the earliest win);

@@ -18,7 +18,7 @@ import torch
 
 from cpu_ops.anchors import anchors_per_block, build_anchors
 from cpu_ops.bf16 import to_bf16
-from cpu_ops.block_select import QUEST, score_blocks, select_blocks
+from cpu_ops.block_select import QUEST, block_scores, select_blocks
 from cpu_ops.kv_storage import StoredKV
 from ktlong.kv_cache import HostKVCache
 
@@ -133,8 +133,7 @@ class DecodeBlockSelector:
             allowed = candidates[:, first:last].any(0)
             allowed[max(self.prompt_blocks - first, 0):] = True  # generated blocks always compete
             ids = ids[allowed]
-        scores = np.empty((1 if shared else self.num_kv, len(ids)), np.float32)
-        score_blocks(q, self.anchors[layer], ids, QUEST if self.s.anchor_type == "QUEST" else 0, shared, scores)
+        scores = block_scores(q, self.anchors[layer], ids, QUEST if self.s.anchor_type == "QUEST" else 0, shared)
         if candidates is not None and not shared:  # SEPARATE: each head among its own candidates
             scores[~candidates[:, ids] & (ids < self.prompt_blocks)] = -np.inf
         k = self.s.second_select_num

@@ -8,7 +8,7 @@ import pytest
 
 from cpu_ops.anchors import ANCHOR_TYPES, build_anchors, build_anchors_reference, fixed_positions
 from cpu_ops.bf16 import from_bf16, to_bf16
-from cpu_ops.block_select import QUEST, score_blocks, select_blocks, select_blocks_reference
+from cpu_ops.block_select import QUEST, block_scores, score_blocks, select_blocks, select_blocks_reference
 from cpu_ops.kv_storage import KV_TYPES, decode, encode
 from cpu_ops.sparse_attention import sparse_attention, sparse_attention_reference
 
@@ -195,6 +195,9 @@ def test_block_scores_are_max_anchor_dot_summed_over_the_group(anchor_type, anch
     expected = np.array([[sum((anchors[h, b] @ q[h * group + g]).max() for g in range(group)) for b in ids]
                          for h in range(KV)])
     np.testing.assert_allclose(scores, expected.sum(0, keepdims=True) if shared else expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(block_scores(q, stored, ids, 0, shared), scores)  # the checked launcher
+    with pytest.raises(AssertionError, match="out of range"):
+        block_scores(q, stored, np.array([3, 12], np.int32), 0, shared)
 
 
 @pytest.mark.parametrize("rows", [1, KV])

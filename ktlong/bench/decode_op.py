@@ -18,7 +18,7 @@ import numba as nb
 import numpy as np
 
 from cpu_ops.bf16 import to_bf16
-from cpu_ops.block_select import score_blocks, select_blocks
+from cpu_ops.block_select import block_scores, select_blocks
 from cpu_ops.kv_storage import StoredKV, encode
 from cpu_ops.sparse_attention import sparse_attention
 from cpu_ops.threads import set_decode_threads
@@ -90,14 +90,12 @@ def main(argv=None) -> int:
         anchors = to_bf16(rng.standard_normal((KV, num_blocks, 1, D), dtype=np.float32))
         local_first = max(context - args.local, 0) // B
         ids = np.arange(1, local_first, dtype=np.int32)  # block 0 is the sink
-        scores = np.zeros((1, len(ids)), np.float32)
         top = np.zeros((KV, max(args.top_k, 1)), np.int32)
         blocks = np.zeros((KV, num_blocks), np.int32)
         counts = np.zeros(KV, np.int32)
 
         def select():  # as the decoder does (SHARED), then the sink and the local window join
-            score_blocks(q, anchors, ids, 0, True, scores)
-            select_blocks(scores, ids, args.top_k, top, counts)
+            select_blocks(block_scores(q, anchors, ids, 0, True), ids, args.top_k, top, counts)
             n = counts[0]
             blocks[:, 0], blocks[:, 1:n + 1] = 0, top[:, :n]
             blocks[:, n + 1:n + 1 + num_blocks - local_first] = np.arange(local_first, num_blocks)
