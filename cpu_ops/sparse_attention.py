@@ -187,11 +187,6 @@ def _merge_items(part_m, part_l, part_acc, out, lse):
         lse[h * group + g] = m + math.log(total)
 
 
-def num_items(threads: int) -> int:
-    """Work items per call: one per thread (each an equal share of the blocks)."""
-    return max(1, threads)
-
-
 def sparse_attention(q: np.ndarray, k: StoredKV, v: StoredKV, blocks: np.ndarray, counts: np.ndarray,
                      num_tokens: int, block_size: int, scale: float, threads: int | None = None):
     """q: float32 [H, D]; blocks: int32 [KV, S] (first counts[h] used, any order) ->
@@ -200,7 +195,7 @@ def sparse_attention(q: np.ndarray, k: StoredKV, v: StoredKV, blocks: np.ndarray
     num_kv = blocks.shape[0]
     assert k.kind == v.kind and k.head_dim == dim and num_heads % num_kv == 0
     assert counts.shape == (num_kv,) and (counts <= blocks.shape[1]).all()
-    items = num_items(threads or nb.get_num_threads())
+    items = max(1, threads or nb.get_num_threads())  # one equal share of the blocks per thread
     group = num_heads // num_kv
     part_m = np.empty((num_kv, items, group), np.float32)
     part_l = np.empty((num_kv, items, group), np.float32)
