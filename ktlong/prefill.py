@@ -152,8 +152,7 @@ class LayerMajorPrefill:
         if self.hidden_on_device:
             hidden[s:e] = x
             return
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # x is written
-        with torch.cuda.stream(self.copy_stream):
+        with self._after_compute():
             hidden[s:e].copy_(x, non_blocking=True)
             x.record_stream(self.copy_stream)
         stats.bytes_to_host += x.numel() * x.element_size()
@@ -202,9 +201,7 @@ class LayerMajorPrefill:
         keys = self.pages.tokens(self.pages.k)[:, s:e]
         importance = token_importance(q[-IMPORTANCE_QUERIES:], keys, self.model.scale)  # [KV, e-s]
         self._copy_kv(layer, s, e, host, stats)
-        if self.cuda:  # the copies wait for the compute stream, captured outside the copy stream's context
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream) if self.cuda else nullcontext():
+        with self._after_compute():
             host.key_mean[layer][:, b0:b1].copy_(mean, non_blocking=True)
             host.key_max[layer][:, b0:b1].copy_(kmax, non_blocking=True)
             host.key_min[layer][:, b0:b1].copy_(kmin, non_blocking=True)
@@ -215,10 +212,18 @@ class LayerMajorPrefill:
                     t.record_stream(self.copy_stream)
         stats.bytes_to_host += sum(t.numel() * 4 for t in (mean, kmax, kmin, importance))
 
+    def _after_compute(self):
+        """Where copies to the host run: on a GPU the copy stream, after everything the compute
+        stream has queued so far. The wait is taken here, outside the copy stream's context,
+        where torch.cuda.current_stream() is still the compute stream (inside, it is the copy
+        stream itself and the wait would order nothing)."""
+        if not self.cuda:
+            return nullcontext()
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self.copy_stream)
+
     def _copy_kv(self, layer, s, e, host: HostKVCache, stats):
-        if self.cuda:  # inside the copy stream's context current_stream() would be the copy stream itself
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream) if self.cuda else nullcontext():
+        with self._after_compute():
             for which, pages in (("k", self.pages.k), ("v", self.pages.v)):
                 dst, src = host.tokens(layer, which, s, e), self.pages.tokens(pages)[:, s:e]
                 for h in range(self.layout.num_kv_heads):  # one contiguous range per head
