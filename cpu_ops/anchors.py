@@ -13,11 +13,22 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from cpu_ops.bf16 import to_bf16
+
 ANCHOR_TYPES = ("MAX", "MEAN", "QUEST", "DYNAMIC", "FIX")
 
 
 def anchors_per_block(anchor_type: str, anchor_num: int) -> int:
     return {"MAX": 1, "MEAN": 1, "QUEST": 2}.get(anchor_type, anchor_num)
+
+
+def stored_anchors(anchors: np.ndarray, anchor_type: str) -> np.ndarray:
+    """float32 anchors [..., A, D] -> the bfloat16 words decode scores with. QUEST's min and max
+    round outwards (down, up), so its score stays an upper bound of q . k; the rest round to
+    nearest."""
+    if anchor_type == "QUEST":
+        return np.stack([to_bf16(anchors[..., 0, :], "down"), to_bf16(anchors[..., 1, :], "up")], -2)
+    return to_bf16(anchors)
 
 
 def fixed_positions(block_size: int, anchor_num: int) -> np.ndarray:

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cpu_ops.anchors import anchors_per_block, build_anchors
-from cpu_ops.bf16 import to_bf16
+from cpu_ops.anchors import anchors_per_block, build_anchors, stored_anchors
 from cpu_ops.block_select import QUEST, block_scores, select_blocks
 from cpu_ops.kv_storage import StoredKV
 from ktlong.kv_cache import HostKVCache
@@ -74,19 +73,15 @@ class DecodeBlockSelector:
     def update_blocks(self, layer: int, first: int, last: int, num_tokens: int):
         """(Re)build the anchors of blocks first..last-1 of one layer."""
         h, t = self.host, self.s.anchor_type
-        out = self.anchors[layer][:, first:last]
-        if t == "MAX":
-            out[:, :, 0] = to_bf16(h.key_max[layer][:, first:last].numpy())
-        elif t == "MEAN":
-            out[:, :, 0] = to_bf16(h.key_mean[layer][:, first:last].numpy())
-        elif t == "QUEST":  # rounded outwards, so the score stays an upper bound of q . k
-            out[:, :, 0] = to_bf16(h.key_min[layer][:, first:last].numpy(), "down")
-            out[:, :, 1] = to_bf16(h.key_max[layer][:, first:last].numpy(), "up")
+        if t in ("MAX", "MEAN"):
+            anchors = (h.key_max if t == "MAX" else h.key_mean)[layer][:, first:last, None].numpy()
+        elif t == "QUEST":
+            anchors = np.stack([h.key_min[layer][:, first:last].numpy(), h.key_max[layer][:, first:last].numpy()], 2)
         else:
             keys = float_keys(h.k[layer][:, first:last])
             importance = h.importance[layer][:, first:last].numpy()
-            out[:] = to_bf16(build_anchors(keys, num_tokens - first * self.block_size, t, self.s.anchor_num,
-                                           importance))
+            anchors = build_anchors(keys, num_tokens - first * self.block_size, t, self.s.anchor_num, importance)
+        self.anchors[layer][:, first:last] = stored_anchors(anchors, t)
 
     # ---- preselection ------------------------------------------------------------------
     def preselect(self, layer: int, block_mass: np.ndarray, first: int, last: int):

@@ -6,7 +6,7 @@ import numba
 import numpy as np
 import pytest
 
-from cpu_ops.anchors import ANCHOR_TYPES, build_anchors, build_anchors_reference, fixed_positions
+from cpu_ops.anchors import ANCHOR_TYPES, build_anchors, build_anchors_reference, fixed_positions, stored_anchors
 from cpu_ops.bf16 import from_bf16, to_bf16
 from cpu_ops.block_select import QUEST, block_scores, score_blocks, select_blocks, select_blocks_reference
 from cpu_ops.kv_storage import KV_TYPES, decode, encode
@@ -160,17 +160,11 @@ def test_anchors_equal_per_block_reference(anchor_type):
     assert list(fixed_positions(16, 3)) == [2, 8, 13]
 
 
-def bf16_anchors(anchors, anchor_type):
-    if anchor_type == "QUEST":
-        return np.stack([to_bf16(anchors[:, :, 0], "down"), to_bf16(anchors[:, :, 1], "up")], 2)
-    return to_bf16(anchors)
-
-
 @pytest.mark.parametrize("shared", [False, True])
 def test_quest_score_bounds_every_key_of_the_block(shared):
     """Min and max are stored as bfloat16 rounded outwards, so the bound survives the rounding."""
     q, k, _ = data(seed=8)
-    anchors = bf16_anchors(build_anchors(k, 12 * B, "QUEST", 1), "QUEST")
+    anchors = stored_anchors(build_anchors(k, 12 * B, "QUEST", 1), "QUEST")
     ids = np.arange(12, dtype=np.int32)
     scores = np.zeros((1 if shared else KV, 12), np.float32)
     score_blocks(q, anchors, ids, QUEST, shared, scores)
@@ -185,7 +179,7 @@ def test_quest_score_bounds_every_key_of_the_block(shared):
 def test_block_scores_are_max_anchor_dot_summed_over_the_group(anchor_type, anchor_num, shared):
     """Against float64 on the stored (bfloat16) anchors, for a subset of blocks out of order."""
     q, k, _ = data(seed=9)
-    stored = bf16_anchors(build_anchors(k, 12 * B, anchor_type, anchor_num,
+    stored = stored_anchors(build_anchors(k, 12 * B, anchor_type, anchor_num,
                                         np.random.default_rng(1).random((KV, 12, B))), anchor_type)
     anchors = from_bf16(stored).astype(np.float64)
     ids = np.array([7, 0, 3, 11, 5], np.int32)

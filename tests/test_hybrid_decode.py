@@ -6,8 +6,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cpu_ops.anchors import build_anchors_reference
-from cpu_ops.bf16 import from_bf16, to_bf16
+from cpu_ops.anchors import build_anchors_reference, stored_anchors
+from cpu_ops.bf16 import from_bf16
 from ktlong.decode_selection import SelectionSettings
 from ktlong.dense_session import DenseSession
 from ktlong.kv_cache import kv_layout
@@ -121,10 +121,7 @@ def test_selection_is_top_k_by_reference_anchor_scores(tiny, anchor_type):
     layer, _, first, last, lists, _ = calls[2]
     keys = s.host.k[layer].numpy()
     anchors = build_anchors_reference(keys, 200, anchor_type, 2, s.host.importance[layer].numpy())
-    if anchor_type == "QUEST":  # stored as bfloat16, min rounded down and max up
-        anchors = np.stack([from_bf16(to_bf16(anchors[:, :, 0], "down")), from_bf16(to_bf16(anchors[:, :, 1], "up"))], 2)
-    else:
-        anchors = from_bf16(to_bf16(anchors))
+    anchors = from_bf16(stored_anchors(anchors, anchor_type))  # the bfloat16 values decode scores with
     assert len(lists) == layout.num_kv_heads
     for h in range(layout.num_kv_heads):
         assert len(lists[h]) == 3 and all(first <= b < last for b in lists[h])
