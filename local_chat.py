@@ -130,15 +130,20 @@ def long_context_plan(config, gf, model_config, max_seq_len, device, dtype):
     """Plan memory from the file's tensor shapes; refuse before any weight is read."""
     import math
 
+    from cpu_ops.anchors import anchors_per_block
+    from ktlong.device_anchors import scores_on_device
     from ktlong.kv_cache import model_kv_layout
+    from ktlong.long_context_settings import selection_settings
     from ktlong.memory_plan import GIB, available_dram_bytes, check_plan, plan_memory
 
     layout = model_kv_layout(model_config, config.block_size, max_seq_len, config.kv_type, config.local_windows_len)
     elements = sum(math.prod(t.shape) for t in gf.tensors.values())
     budget = int(config.gpu_memory_budget_gb * GIB)
     is_gpu = device.type == "cuda"
+    scoring = selection_settings(config, model_config.num_layers)
+    anchors = anchors_per_block(config.anchor_type, config.anchor_num) if scores_on_device(scoring, device) else 0
     plan = plan_memory(model_config, elements, dtype.itemsize, layout, config.chunk_size, budget, is_gpu,
-                       config.local_windows_len)
+                       config.local_windows_len, anchors)
     print(f"[memory plan for max_seq_len {max_seq_len:,}, kv_type {config.kv_type}]\n{plan.table()}",
           file=sys.stderr)
     check_plan(plan, budget, is_gpu, available_dram_bytes(), max_seq_len)

@@ -28,6 +28,7 @@ ENUMS = {
     "kv_type": ("bf16", "fp16", "fp32", "q8_0", "q4_0"),
     "anchor_type": ("MAX", "MEAN", "QUEST", "DYNAMIC", "FIX"),
     "head_select_mode": ("SHARED", "SEPARATE"),
+    "block_scoring": ("auto", "device", "cpu"),
 }
 # key -> (lowest allowed, highest allowed, lowest is exclusive)
 RANGES = {
@@ -75,6 +76,7 @@ class Config:
     preselect_block_count: int
     layer_step: int
     token_step: int
+    block_scoring: str
     threads_num: int
     max_new_tokens: int
     temperature: float

@@ -11,13 +11,15 @@ Everything that changes from step to step is read from device memory at replay: 
 its position, its slot in the window buffer and the valid key range there. Nothing is baked
 into the graph as a Python number, so replay cannot freeze a counter (KTransformers' bug with
 its step counters). Block selection, and the token_step / layer_step counters that drive it,
-run on the host between segments and are never captured.
+run on the host between segments and are never captured; with device block scoring the
+segment that ends at a global layer also scores that layer's blocks (ktlong/device_anchors.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ktlong.device_anchors import DeviceAnchors
 from ktlong.device_window import DeviceWindow
 from ktlong.models.llama import LlamaModel
 from operators.merge_state import merge_states
@@ -39,9 +41,11 @@ def masked_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaModel, window: DeviceWindow, global_layers: list[int], capture: bool = True):
-        """capture=False runs the same segments eagerly (the CPU tests check the segmentation)."""
-        self.model, self.window, self.capturing = model, window, capture
+    def __init__(self, model: LlamaModel, window: DeviceWindow, global_layers: list[int], capture: bool = True,
+                 anchors: DeviceAnchors | None = None):
+        """capture=False runs the same segments eagerly (the CPU tests check the segmentation).
+        anchors: score every block of each global layer right after its q (`block_scoring`)."""
+        self.model, self.window, self.capturing, self.anchors = model, window, capture, anchors
         self.global_layers = global_layers
         c, layout, dev = model.config, window.layout, model.device
         self.num_layers = c.num_layers
@@ -62,6 +66,8 @@ class DecodeGraphs:
         self.o_dev = torch.zeros((n, c.num_heads, c.head_dim), device=dev)
         self.lse_dev = torch.zeros((n, c.num_heads), device=dev)
         self.logits = torch.zeros(c.vocab_size, device=dev)
+        self.scores = (torch.zeros((n, anchors.num_rows, anchors.num_blocks), device=dev)
+                       if anchors is not None else None)
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.replays = 0
 
@@ -87,6 +93,8 @@ class DecodeGraphs:
             self._finish(layer, o)
         if j < len(g):
             q = self._append(g[j], j)
+            if self.anchors is not None:
+                self.scores[j].copy_(self.anchors.scores(g[j], q))
             o, lse = masked_window_attention(q, *self.window.layer_buffers(g[j]), self.lo, self.hi, model.scale)
             self.o_dev[j].copy_(o)
             self.lse_dev[j].copy_(lse)

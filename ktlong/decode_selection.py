@@ -33,6 +33,7 @@ class SelectionSettings:
     token_step: int = 1
     preselect_block: bool = True
     preselect_block_count: int = 32
+    block_scoring: str = "auto"  # auto | device | cpu (ktlong/device_anchors.py)
 
 
 def stored_view(t: torch.Tensor) -> StoredKV:
@@ -101,8 +102,10 @@ class DecodeBlockSelector:
         self.candidates[layer] = keep
 
     # ---- selection ---------------------------------------------------------------------
-    def select(self, layer: int, step: int, q: np.ndarray, first: int, last: int):
-        """Blocks in [first, last) for the CPU to attend to -> (blocks [KV, S] int32, counts [KV])."""
+    def select(self, layer: int, step: int, q: np.ndarray, first: int, last: int, device_scores=None):
+        """Blocks in [first, last) for the CPU to attend to -> (blocks [KV, S] int32, counts [KV]).
+        device_scores: None, or a function returning this layer's scores of every block [R, NB]
+        computed on the device (ktlong/device_anchors.py), called only if this step scores."""
         s = self.s
         if layer < s.dense_layer_num or last - first <= s.second_select_num:
             blocks = np.tile(np.arange(first, last, dtype=np.int32), (self.num_kv, 1))
@@ -113,12 +116,12 @@ class DecodeBlockSelector:
         if (layer - s.dense_layer_num) % s.layer_step != 0 and self.last_selected_layer in self.cache:
             blocks, counts, _ = self.cache[self.last_selected_layer]
         else:
-            blocks, counts = self._score_and_pick(layer, q, first, last)
+            blocks, counts = self._score_and_pick(layer, q, first, last, device_scores)
             self.last_selected_layer = layer
         self.cache[layer] = (blocks, counts, step)
         return blocks, counts
 
-    def _score_and_pick(self, layer, q, first, last):
+    def _score_and_pick(self, layer, q, first, last, device_scores=None):
         """Score the candidate blocks in [first, last) (all of them, or with preselection the
         preselected ones and those generated since the prompt) and keep the best k."""
         shared = self.s.head_select_mode == "SHARED"
@@ -128,7 +131,10 @@ class DecodeBlockSelector:
             allowed = candidates[:, first:last].any(0)
             allowed[max(self.prompt_blocks - first, 0):] = True  # generated blocks always compete
             ids = ids[allowed]
-        scores = block_scores(q, self.anchors[layer], ids, QUEST if self.s.anchor_type == "QUEST" else 0, shared)
+        if device_scores is not None:
+            scores = device_scores()[:, ids]
+        else:
+            scores = block_scores(q, self.anchors[layer], ids, QUEST if self.s.anchor_type == "QUEST" else 0, shared)
         if candidates is not None and not shared:  # SEPARATE: each head among its own candidates
             scores[~candidates[:, ids] & (ids < self.prompt_blocks)] = -np.inf
         k = self.s.second_select_num

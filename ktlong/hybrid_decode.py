@@ -17,6 +17,7 @@ import torch
 
 from cpu_ops.sparse_attention import sparse_attention
 from ktlong.decode_graph import DecodeGraphs
+from ktlong.device_anchors import DeviceAnchors, scores_on_device
 from ktlong.decode_selection import DecodeBlockSelector, SelectionSettings, stored_view
 from ktlong.device_window import SINK_BLOCKS, DeviceWindow
 from ktlong.kv_cache import HostKVCache
@@ -53,6 +54,9 @@ class HybridDecoder:
         for layer, mass in (prompt_block_mass or {}).items():
             if layer in self.global_layers:
                 self.selector.preselect(layer, mass, first, last)
+        # block scores computed on the device from a copy of the anchors (`block_scoring`)
+        self.device_anchors = (DeviceAnchors(self.selector, self.global_layers, model.device)
+                               if scores_on_device(settings, model.device) else None)
         self.k_stored = [stored_view(t) for t in host.k]
         self.v_stored = [stored_view(t) for t in host.v]
         self.step_index = 0
@@ -60,7 +64,8 @@ class HybridDecoder:
         self.cuda = model.device.type == "cuda"
         # the device part replayed from CUDA graphs (ktlong/decode_graph.py); on the CPU the
         # same segments run eagerly
-        self.graphs = DecodeGraphs(model, self.window, self.global_layers, self.cuda) if use_cuda_graph else None
+        self.graphs = (DecodeGraphs(model, self.window, self.global_layers, self.cuda, self.device_anchors)
+                       if use_cuda_graph else None)
 
     @torch.inference_mode()
     def step(self, token_id: int) -> torch.Tensor:
@@ -85,11 +90,13 @@ class HybridDecoder:
                 w = model.config.sliding_window
                 o, _ = attention_with_lse(q[0], keys[:, -w:], values[:, -w:], model.scale)
             elif last > first:
+                scores = None if self.device_anchors is None else self.device_anchors.scores(layer, q[0])
                 t0 = time.perf_counter()
                 q_host = q[0].float().cpu().numpy()  # the one sync per layer
                 self.times.device_wait += time.perf_counter() - t0
                 o_dev, lse_dev = attention_with_lse(q[0], keys, values, model.scale)  # async on GPU
-                o_cpu, lse_cpu = self._cpu_part(layer, q_host, first, last)
+                o_cpu, lse_cpu = self._cpu_part(layer, q_host, first, last,
+                                                None if scores is None else lambda s=scores: s.cpu().numpy())
                 o, _ = merge_states(o_dev, lse_dev, torch.from_numpy(o_cpu).to(model.device),
                                     torch.from_numpy(lse_cpu).to(model.device))
             else:
@@ -102,9 +109,9 @@ class HybridDecoder:
         self._end_step(pos, start)
         return logits
 
-    def _cpu_part(self, layer: int, q_host: np.ndarray, first: int, last: int):
+    def _cpu_part(self, layer: int, q_host: np.ndarray, first: int, last: int, device_scores=None):
         t1 = time.perf_counter()
-        blocks, counts = self.selector.select(layer, self.step_index, q_host, first, last)
+        blocks, counts = self.selector.select(layer, self.step_index, q_host, first, last, device_scores)
         t2 = time.perf_counter()
         out = sparse_attention(q_host, self.k_stored[layer], self.v_stored[layer], blocks, counts,
                                last * self.block_size, self.block_size, self.model.scale)
@@ -127,7 +134,8 @@ class HybridDecoder:
                 t0 = time.perf_counter()
                 q_host = graphs.q[j].float().cpu().numpy()  # waits for segment j
                 self.times.device_wait += time.perf_counter() - t0
-                o_cpu, lse_cpu = self._cpu_part(layer, q_host, first, last)
+                scores = None if self.device_anchors is None else lambda s=graphs.scores[j]: s.cpu().numpy()
+                o_cpu, lse_cpu = self._cpu_part(layer, q_host, first, last, scores)
                 graphs.o_cpu[j].copy_(torch.from_numpy(o_cpu))
                 graphs.lse_cpu[j].copy_(torch.from_numpy(lse_cpu))
             else:  # nothing in DRAM beyond the window yet
@@ -163,3 +171,5 @@ class HybridDecoder:
             # importance of generated keys: their norm (no prompt queries attend to them)
             h.importance[layer][:, block] = k[:, 0].float().norm(dim=-1)
             self.selector.update_blocks(layer, block, block + 1, num_tokens)
+            if self.device_anchors is not None:
+                self.device_anchors.update(layer, block, block + 1)

@@ -21,6 +21,7 @@ class MemoryPlan:
     hidden: int  # all hidden states on the GPU, or two staging chunks when they live in DRAM
     workspace: int  # one chunk's activations, attention workspace, logits
     decode_window: int  # decode: sinks + local window of every layer (prefill's hidden states are gone)
+    decode_anchors: int  # decode: the device copy of the anchors that blocks are scored with, if any
     hidden_on_device: bool
     dram_kv: int  # global layers: every block
     dram_kv_sliding: int  # sliding-window layers: the tail the decode window loads
@@ -34,9 +35,13 @@ class MemoryPlan:
         return self.weights + self.kv_pages + self.hidden + self.workspace
 
     @property
+    def decode_device(self) -> int:
+        return self.weights + self.kv_pages + self.decode_window + self.decode_anchors
+
+    @property
     def device_total(self) -> int:
-        """The peak: prefill (hidden states, one chunk's workspace) or decode (the window)."""
-        return max(self.prefill_device, self.weights + self.kv_pages + self.decode_window)
+        """The peak: prefill (hidden states, one chunk's workspace) or decode (window, anchors)."""
+        return max(self.prefill_device, self.decode_device)
 
     @property
     def dram_total(self) -> int:
@@ -46,7 +51,10 @@ class MemoryPlan:
         rows = [("device weights", self.weights), ("device KV pages (one layer)", self.kv_pages),
                 ("device hidden states" if self.hidden_on_device else "device hidden staging", self.hidden),
                 ("device workspace (one chunk)", self.workspace),
-                ("device decode window", self.decode_window), ("device peak", self.device_total),
+                ("device decode window", self.decode_window)]
+        if self.decode_anchors:
+            rows.append(("device decode anchors", self.decode_anchors))
+        rows += [("device peak", self.device_total),
                 (f"DRAM KV ({self.global_layers} global layers)", self.dram_kv)]
         if self.sliding_layers:
             rows.append((f"DRAM KV ({self.sliding_layers} sliding, tail)", self.dram_kv_sliding))
@@ -70,8 +78,18 @@ def decode_window_bytes(layout: KVLayout, local_tokens: int, sink_tokens: int) -
     return 2 * layout.num_layers * layout.num_kv_heads * tokens * layout.head_dim * layout.dtype.itemsize
 
 
+def decode_anchor_bytes(layout: KVLayout, anchors_per_block: int) -> int:
+    """ktlong/device_anchors.py: bfloat16 anchors of every block of every global layer, plus
+    scoring's float32 copy of one layer's and the scores."""
+    per_layer = layout.num_kv_heads * layout.num_blocks * anchors_per_block * layout.head_dim * 2
+    scores = len(layout.global_layers) * layout.num_kv_heads * layout.num_blocks * 4
+    return per_layer * (len(layout.global_layers) + 2) + scores if anchors_per_block else 0
+
+
 def plan_memory(c: ModelConfig, num_weight_elements: int, act_bytes: int, layout: KVLayout,
-                chunk_size: int, budget_bytes: int, device_is_gpu: bool, local_tokens: int = 4096) -> MemoryPlan:
+                chunk_size: int, budget_bytes: int, device_is_gpu: bool, local_tokens: int = 4096,
+                device_anchors_per_block: int = 0) -> MemoryPlan:
+    """device_anchors_per_block: anchors per block when decode scores blocks on the GPU, else 0."""
     weights = num_weight_elements * act_bytes
     kv_pages = layout.layer_bytes()
     chunk = min(chunk_size, layout.capacity)
@@ -82,7 +100,9 @@ def plan_memory(c: ModelConfig, num_weight_elements: int, act_bytes: int, layout
     hidden_on_device = not device_is_gpu or weights + kv_pages + full_hidden + workspace <= budget_bytes
     return MemoryPlan(
         weights=weights, kv_pages=kv_pages, hidden=full_hidden if hidden_on_device else staging,
-        workspace=workspace, decode_window=window, hidden_on_device=hidden_on_device,
+        workspace=workspace, decode_window=window,
+        decode_anchors=decode_anchor_bytes(layout, device_anchors_per_block) if device_is_gpu else 0,
+        hidden_on_device=hidden_on_device,
         dram_kv=layout.dram_kv_bytes(sliding=False), dram_kv_sliding=layout.dram_kv_bytes(sliding=True),
         dram_side_tables=layout.dram_side_table_bytes(),
         dram_hidden=0 if hidden_on_device else full_hidden,
@@ -106,6 +126,9 @@ def check_plan(plan: MemoryPlan, budget_bytes: int, device_is_gpu: bool, free_dr
         fixed = plan.weights + plan.workspace
         hint = ("lower max_seq_len" if fixed < budget_bytes else
                 "the weights alone do not fit: use a smaller or more quantised model")
+        if plan.decode_anchors and fixed < budget_bytes and plan.decode_device > budget_bytes:
+            hint += f", set block_scoring: cpu (saves {plan.decode_anchors / GIB:.2f} GiB of device anchors)"
+
         raise ConfigError(f"The plan needs {plan.device_total / GIB:.1f} GiB of GPU memory but "
                           f"gpu_memory_budget_gb allows {budget_bytes / GIB:.1f} GiB; {hint}, lower "
                           "chunk_size, or raise gpu_memory_budget_gb if the GPU has more.")

@@ -24,8 +24,8 @@ def spy_steps(decoder):
     steps = []
     original = decoder.selector.select
 
-    def record(layer, step, q, first, last):
-        blocks, counts = original(layer, step, q, first, last)
+    def record(layer, step, q, first, last, device_scores=None):
+        blocks, counts = original(layer, step, q, first, last, device_scores)
         steps.append((layer, step, blocks.tobytes()))
         return blocks, counts
 
@@ -56,3 +56,40 @@ def test_replayed_decode_follows_eager_decode_and_counters_advance():
     assert [s[:2] for s in graph_steps] == [s[:2] for s in eager_steps]
     assert sorted({s[1] for s in graph_steps}) == list(range(150))
     assert agree >= 140
+
+
+@pytest.mark.parametrize("anchor_type, anchor_num", [("MAX", 1), ("QUEST", 1), ("DYNAMIC", 3)])
+def test_device_scores_on_the_gpu_equal_the_cpu_kernel(anchor_type, anchor_num):
+    import numpy as np
+
+    from cpu_ops.bf16 import to_bf16
+    from cpu_ops.block_select import QUEST, block_scores
+    from operators.block_scores import device_block_scores
+
+    rng = np.random.default_rng(3)
+    num_anchors = 2 if anchor_type == "QUEST" else anchor_num
+    values = rng.standard_normal((8, 2000, num_anchors, 128), dtype=np.float32)
+    words = to_bf16(np.sort(values, axis=2))  # QUEST: min before max
+    q = torch.randn(32, 128, generator=torch.Generator().manual_seed(1)).bfloat16().float()
+    anchors = torch.from_numpy(words.view(np.int16)).view(torch.bfloat16)
+    quest = anchor_type == "QUEST"
+    for shared in (False, True):
+        got = device_block_scores(q.cuda(), anchors.cuda(), quest, shared).cpu().numpy()
+        cpu = block_scores(q.numpy(), words, np.arange(2000, dtype=np.int32), QUEST if quest else 0, shared)
+        np.testing.assert_allclose(got, cpu, rtol=1e-4, atol=1e-3)
+
+
+def test_graphs_with_device_scores_select_the_blocks_cpu_scores_select():
+    model = random_model("tiny", torch.device("cuda"), torch.bfloat16)
+    ids = torch.randint(0, 1000, (700,), generator=torch.Generator().manual_seed(5)).tolist()
+    device = session(model, True, second_select_num=3, block_scoring="device")
+    cpu = session(model, True, second_select_num=3, block_scoring="cpu")
+    a, b = device.prefill(ids), cpu.prefill(ids)
+    assert device.decoder.device_anchors is not None and cpu.decoder.device_anchors is None
+    device_steps, cpu_steps = spy_steps(device.decoder), spy_steps(cpu.decoder)
+    for i in range(100):  # past a window slide: blocks fill, the device anchors follow
+        assert float((b - a).norm() / a.norm()) < 3e-2, i
+        token = int(b.argmax())
+        a, b = device.step(token), cpu.step(token)
+    same = sum(x == y for x, y in zip(device_steps, cpu_steps))
+    assert len(device_steps) == len(cpu_steps) > 0 and same >= 0.98 * len(cpu_steps)

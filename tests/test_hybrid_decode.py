@@ -58,8 +58,8 @@ def spy(decoder):
     calls = Calls()
     original = decoder.selector.select
 
-    def record(layer, step, q, first, last):
-        blocks, counts = original(layer, step, q, first, last)
+    def record(layer, step, q, first, last, device_scores=None):
+        blocks, counts = original(layer, step, q, first, last, device_scores)
         calls.queries[layer] = q.copy()
         calls.append((layer, step, first, last, [list(blocks[h, :counts[h]]) for h in range(len(counts))], blocks))
         return blocks, counts

@@ -64,7 +64,8 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name(device)} + {set_decode_threads(config.threads_num)} CPU threads; llama-3.1-8b random "
           f"bf16, GPU cap {args.gpu_cap_gb} GiB; kv {config.kv_type}, block {config.block_size}, top-k "
           f"{config.second_select_num}, local {config.local_windows_len}, anchors {config.anchor_type}, "
-          f"{config.head_select_mode}, dense layers {config.dense_layer_num}; ms per token, medians over "
+          f"{config.head_select_mode}, dense layers {config.dense_layer_num}, block scoring {config.block_scoring}; "
+          f"ms per token, medians over "
           f"{args.tokens} tokens")
     rows = []
     sparse = selection_settings(config, c.num_layers)
@@ -72,7 +73,9 @@ def main(argv=None) -> int:
     modes = [("dense (all blocks on CPU)", selection_settings(config, c.num_layers, "dense"), config.local_windows_len, False),
              ("sparse, CPU only", sparse, 0, False),
              ("hybrid", sparse, config.local_windows_len, False),
-             ("hybrid + CUDA graphs", sparse, config.local_windows_len, True)]
+             ("hybrid + CUDA graphs", sparse, config.local_windows_len, True),
+             ("hybrid + CUDA graphs, CPU scoring", dataclasses.replace(sparse, block_scoring="cpu"),
+              config.local_windows_len, True)]
     for context in parse_lengths(args.contexts):
         layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size,
                            context + 4 + args.tokens + 1, config.kv_type)

@@ -1,0 +1,55 @@
+"""A device copy of the decode anchors, so blocks are scored where memory is fast
+(`block_scoring`).
+
+Scoring reads every anchor of every block each token (cpu_ops/block_select.py); that read
+grows with the context and, on the CPU, is the part of decode that does. With a copy of the
+anchors on the GPU, each global layer's scores are computed right after its q (inside the
+CUDA graph when there is one) and only the scores cross to the host, where top-k and the
+selection rules (candidates, token_step, layer_step, dense layers) stay. The copy follows the
+host anchors: built after prefill, and updated as blocks fill during generation.
+
+Bytes: global layers x kv heads x blocks (max_seq_len / block_size) x anchors per block x
+head_dim x 2, e.g. 268 MB for LLaMA-3.1-8B at 512K with one anchor (memory_plan counts it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ktlong.decode_selection import DecodeBlockSelector, SelectionSettings
+from operators.block_scores import device_block_scores
+
+
+def scores_on_device(settings: SelectionSettings, device: torch.device) -> bool:
+    """auto: on a GPU; device: with torch on the model's device, whatever it is; cpu: never."""
+    return settings.block_scoring == "device" or (settings.block_scoring == "auto" and device.type == "cuda")
+
+
+def _as_bf16(words: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(words).view(np.int16)).view(torch.bfloat16)
+
+
+class DeviceAnchors:
+    def __init__(self, selector: DecodeBlockSelector, layers: list[int], device: torch.device):
+        self.selector = selector
+        self.quest = selector.s.anchor_type == "QUEST"
+        self.shared = selector.s.head_select_mode == "SHARED"
+        self.anchors = {layer: _as_bf16(selector.anchors[layer]).to(device) for layer in layers}
+
+    @property
+    def num_rows(self) -> int:
+        return 1 if self.shared else self.selector.num_kv
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.selector.block_ids)
+
+    def update(self, layer: int, first: int, last: int):
+        """Blocks first..last-1 of the host anchors changed: copy them over."""
+        self.anchors[layer][:, first:last].copy_(_as_bf16(self.selector.anchors[layer][:, first:last]))
+
+    def scores(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q: [H, D] on the device -> float32 [1 or KV, NB], every block of the cache
+        (fixed shape; blocks past the context score against zero anchors and are never asked for)."""
+        return device_block_scores(q, self.anchors[layer], self.quest, self.shared)

@@ -1,0 +1,108 @@
+"""Block scores computed with torch from a device copy of the anchors (`block_scoring: device`)
+equal the CPU kernel's, and decode selects the same blocks either way."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from cpu_ops.anchors import build_anchors, stored_anchors
+from cpu_ops.bf16 import from_bf16
+from cpu_ops.block_select import QUEST, block_scores
+from ktlong.decode_selection import SelectionSettings
+from ktlong.device_anchors import scores_on_device
+from ktlong.kv_cache import kv_layout
+from ktlong.long_context_session import LongContextSession
+from operators.block_scores import device_block_scores
+from tests.tiny_gguf import TinySpec, tiny_model
+
+KV, H, D, B, NB = 2, 8, 32, 16, 40
+
+
+def reference_scores(q, anchors, quest):
+    """float64, straight from the definitions in cpu_ops/anchors.py -> [KV, NB]."""
+    group = H // KV
+    out = np.zeros((KV, anchors.shape[1]))
+    for h in range(KV):
+        for b in range(anchors.shape[1]):
+            for g in range(group):
+                qh = q[h * group + g].astype(np.float64)
+                a = anchors[h, b].astype(np.float64)
+                out[h, b] += np.maximum(qh * a[0], qh * a[1]).sum() if quest else (a @ qh).max()
+    return out
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("anchor_type, anchor_num", [("MAX", 1), ("MEAN", 1), ("QUEST", 1), ("FIX", 3),
+                                                     ("DYNAMIC", 2), ("DYNAMIC", 1)])
+def test_device_scores_equal_the_definition_and_the_cpu_kernel(anchor_type, anchor_num, shared):
+    rng = np.random.default_rng(5)
+    keys = rng.standard_normal((KV, NB, B, D)).astype(np.float32)
+    q = rng.standard_normal((H, D)).astype(np.float32)
+    stored = stored_anchors(build_anchors(keys, NB * B, anchor_type, anchor_num, rng.random((KV, NB, B))),
+                            anchor_type)
+    quest = anchor_type == "QUEST"
+    words = torch.from_numpy(stored.view(np.int16)).view(torch.bfloat16)
+    got = device_block_scores(torch.from_numpy(q).bfloat16().float(), words, quest, shared).numpy()
+    qb = torch.from_numpy(q).bfloat16().float().numpy()  # decode's q is the model's bf16 q
+    expected = reference_scores(qb, from_bf16(stored), quest)
+    expected = expected.sum(0, keepdims=True) if shared else expected
+    assert got.shape == expected.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
+    cpu = block_scores(qb, stored, np.arange(NB, dtype=np.int32), QUEST if quest else 0, shared)
+    np.testing.assert_allclose(got, cpu, rtol=1e-5, atol=1e-4)
+
+
+def test_auto_scores_on_a_gpu_only():
+    s = SelectionSettings()
+    assert scores_on_device(s, torch.device("cuda")) and not scores_on_device(s, torch.device("cpu"))
+    assert scores_on_device(dataclasses.replace(s, block_scoring="device"), torch.device("cpu"))
+    assert not scores_on_device(dataclasses.replace(s, block_scoring="cpu"), torch.device("cuda"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("m"), TinySpec(num_layers=3), seed=17)
+
+
+def selections(lm, scoring, graphs, **kw):
+    """Blocks selected per (step, layer) and the logits of 60 steps after a 200-token prompt."""
+    c = lm.config
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, B, 512, "fp32")
+    settings = SelectionSettings(dense_layer_num=0, second_select_num=3, block_scoring=scoring, **kw)
+    s = LongContextSession(lm.model, layout, 64, "torch", True, selection=settings, local_windows_len=32,
+                           use_cuda_graph=graphs)  # on the CPU, graph segments run eagerly
+    s.prefill([int(t) for t in np.random.default_rng(2).integers(0, 298, size=200)])
+    picked, logits = [], []
+    original = s.decoder.selector.select
+
+    def record(layer, step, q, first, last, device_scores=None):
+        blocks, counts = original(layer, step, q, first, last, device_scores)
+        picked.append([sorted(blocks[h, :counts[h]]) for h in range(len(counts))])
+        return blocks, counts
+
+    s.decoder.selector.select = record
+    token = 3
+    for _ in range(60):  # 3+ blocks fill while generating; the device copy must follow
+        logits.append(s.step(token))
+        token = int(logits[-1].argmax())
+    return s.decoder, picked, torch.stack(logits)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("mode, preselect", [("SHARED", False), ("SEPARATE", True)])
+def test_decode_selects_the_same_blocks_with_device_scores(tiny, graphs, mode, preselect, monkeypatch):
+    kw = dict(head_select_mode=mode, preselect_block=preselect, preselect_block_count=5, anchor_type="QUEST")
+    with monkeypatch.context() as m:  # the CPU kernel must not be asked
+        m.setattr("ktlong.decode_selection.block_scores", None)
+        device, picked, logits = selections(tiny, "device", graphs, **kw)
+    cpu, cpu_picked, cpu_logits = selections(tiny, "cpu", graphs, **kw)
+    assert device.device_anchors is not None and cpu.device_anchors is None
+    assert len(picked) == 60 * len(device.global_layers) and picked == cpu_picked
+    torch.testing.assert_close(logits, cpu_logits, rtol=1e-5, atol=1e-5)
+    # the device copy followed the host anchors as blocks filled
+    for layer in device.global_layers:
+        words = device.device_anchors.anchors[layer].view(torch.int16).numpy().view(np.uint16)
+        np.testing.assert_array_equal(words, device.selector.anchors[layer])
+    assert device.host.num_tokens // B > 200 // B + 2
