@@ -21,6 +21,7 @@ import torch
 
 from ktlong.device_anchors import DeviceAnchors
 from ktlong.device_window import DeviceWindow
+from ktlong.kv_cache import pin_in_place
 from ktlong.models.llama import LlamaModel
 from operators.merge_state import merge_states
 
@@ -56,20 +57,34 @@ class DecodeGraphs:
         self.lo = torch.zeros((), dtype=torch.long, device=dev)  # valid keys: lo..hi-1
         self.hi = torch.zeros((), dtype=torch.long, device=dev)
         n = len(global_layers)
+        # the exchange with the CPU part of each global layer, in host memory that the captured
+        # copies read and write at replay (pinned), so a layer costs one sync and no copy calls
+        self._registered: list[torch.Tensor] = []
+        self.q_host = self._host((n, c.num_heads, c.head_dim), torch.float32)
+        self.kv_host = self._host((n, 2, c.num_kv_heads, c.head_dim), layout.dtype)  # k, v of the new token
+        self.o_host = self._host((n, c.num_heads, c.head_dim), torch.float32)
+        self.lse_host = self._host((n, c.num_heads), torch.float32)
+        self.scores_host = self._host((n, anchors.num_rows, anchors.num_blocks), torch.float32) if anchors else None
+        # device state between segments
         self.o_cpu = torch.zeros((n, c.num_heads, c.head_dim), device=dev)
         self.lse_cpu = torch.full((n, c.num_heads), float("-inf"), device=dev)
-        # outputs and state between segments
         self.x = torch.zeros((1, c.hidden_size), dtype=model.dtype, device=dev)
-        self.q = torch.zeros((n, c.num_heads, c.head_dim), dtype=model.dtype, device=dev)
-        self.k_new = torch.zeros((n, c.num_kv_heads, c.head_dim), dtype=layout.dtype, device=dev)
-        self.v_new = torch.zeros_like(self.k_new)
         self.o_dev = torch.zeros((n, c.num_heads, c.head_dim), device=dev)
         self.lse_dev = torch.zeros((n, c.num_heads), device=dev)
         self.logits = torch.zeros(c.vocab_size, device=dev)
-        self.scores = (torch.zeros((n, anchors.num_rows, anchors.num_blocks), device=dev)
-                       if anchors is not None else None)
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.replays = 0
+
+    def _host(self, shape, dtype) -> torch.Tensor:
+        t = torch.zeros(shape, dtype=dtype)
+        if self.capturing:
+            pin_in_place(t)
+            self._registered.append(t)
+        return t
+
+    def __del__(self):
+        for t in getattr(self, "_registered", ()):
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
     # ---- the device work, as captured ----------------------------------------------------
     def _segment(self, j: int):
@@ -81,6 +96,8 @@ class DecodeGraphs:
             start = 0
         else:
             layer = g[j - 1]
+            self.o_cpu[j - 1].copy_(self.o_host[j - 1], non_blocking=True)  # written by the host before replay
+            self.lse_cpu[j - 1].copy_(self.lse_host[j - 1], non_blocking=True)
             o, _ = merge_states(self.o_dev[j - 1], self.lse_dev[j - 1], self.o_cpu[j - 1], self.lse_cpu[j - 1])
             self._finish(layer, o)
             start = layer + 1
@@ -94,7 +111,7 @@ class DecodeGraphs:
         if j < len(g):
             q = self._append(g[j], j)
             if self.anchors is not None:
-                self.scores[j].copy_(self.anchors.scores(g[j], q))
+                self.scores_host[j].copy_(self.anchors.scores(g[j], q), non_blocking=True)
             o, lse = masked_window_attention(q, *self.window.layer_buffers(g[j]), self.lo, self.hi, model.scale)
             self.o_dev[j].copy_(o)
             self.lse_dev[j].copy_(lse)
@@ -108,9 +125,9 @@ class DecodeGraphs:
         keys.index_copy_(1, self.slot, k[0].to(dtype)[:, None])
         values.index_copy_(1, self.slot, v[0].to(dtype)[:, None])
         if j is not None:  # a global layer: q goes to the CPU, k/v through to DRAM
-            self.q[j].copy_(q[0])
-            self.k_new[j].copy_(k[0])
-            self.v_new[j].copy_(v[0])
+            self.q_host[j].copy_(q[0].float(), non_blocking=True)
+            self.kv_host[j, 0].copy_(k[0].to(dtype), non_blocking=True)
+            self.kv_host[j, 1].copy_(v[0].to(dtype), non_blocking=True)
         return q[0]
 
     def _finish(self, layer: int, o: torch.Tensor):
@@ -148,6 +165,11 @@ class DecodeGraphs:
     @property
     def ready(self) -> bool:
         return bool(self.graphs) or not self.capturing
+
+    def wait(self):
+        """Until the last replayed segment, and its copies to host memory, are done."""
+        if self.capturing:
+            torch.cuda.current_stream(self.model.device).synchronize()
 
     def replay(self, j: int):
         if self.capturing:

@@ -129,17 +129,19 @@ class HybridDecoder:
         first, last = window.context_blocks
         graphs.replay(0)
         for j, layer in enumerate(self.global_layers):
-            self._write_through(layer, pos, graphs.k_new[j], graphs.v_new[j])
+            t0 = time.perf_counter()
+            graphs.wait()  # segment j and its copies of q, k/v (and scores) to host memory
+            self.times.device_wait += time.perf_counter() - t0
+            b, t = divmod(pos, self.block_size)
+            self.host.k[layer][:, b, t].copy_(graphs.kv_host[j, 0])
+            self.host.v[layer][:, b, t].copy_(graphs.kv_host[j, 1])
             if last > first:
-                t0 = time.perf_counter()
-                q_host = graphs.q[j].float().cpu().numpy()  # waits for segment j
-                self.times.device_wait += time.perf_counter() - t0
-                scores = None if self.device_anchors is None else lambda s=graphs.scores[j]: s.cpu().numpy()
-                o_cpu, lse_cpu = self._cpu_part(layer, q_host, first, last, scores)
-                graphs.o_cpu[j].copy_(torch.from_numpy(o_cpu))
-                graphs.lse_cpu[j].copy_(torch.from_numpy(lse_cpu))
+                scores = None if self.device_anchors is None else graphs.scores_host[j].numpy
+                o_cpu, lse_cpu = self._cpu_part(layer, graphs.q_host[j].numpy(), first, last, scores)
+                graphs.o_host[j].numpy()[:] = o_cpu
+                graphs.lse_host[j].numpy()[:] = lse_cpu
             else:  # nothing in DRAM beyond the window yet
-                graphs.lse_cpu[j].fill_(float("-inf"))
+                graphs.lse_host[j].fill_(float("-inf"))
             graphs.replay(j + 1)
         window.copy_to_sink(pos)
         return graphs.logits.clone()

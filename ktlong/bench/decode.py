@@ -1,7 +1,7 @@
 """Hybrid decode on random LLaMA-3.1-8B-shape weights, GPU capped at 24 GiB, DRAM cache filled
 with random KV of each context length (decode speed does not depend on the values).
 
-python -m ktlong.bench decode [--contexts 32k,128k,512k] [--tokens 32] [--set key=value]
+python -m ktlong.bench decode [--contexts 32k,128k,512k] [--tokens 32] [--set key=value] [--modes ...]
 
 Rows: all blocks on the CPU (dense), sparse with every token on the CPU (no device window),
 and hybrid (device window + CPU sparse blocks). Times per token: total, CPU operator,
@@ -43,13 +43,22 @@ def fill_random(host: HostKVCache, num_tokens: int, seed: int = 0):
     host.num_tokens = num_tokens
 
 
+MODES = {"dense": "dense (all blocks on CPU)", "cpu": "sparse, CPU only", "hybrid": "hybrid",
+         "graphs": "hybrid + CUDA graphs", "graphs-cpu-scoring": "hybrid + CUDA graphs, CPU scoring"}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ktlong.bench decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="32k,128k,512k")
     p.add_argument("--tokens", type=int, default=32, help="decode steps timed per row (after 4 warm-up steps)")
     p.add_argument("--gpu_cap_gb", type=float, default=24.0)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--modes", default="dense,cpu,hybrid,graphs,graphs-cpu-scoring",
+                   help="rows to run, comma-separated, of: " + ", ".join(MODES))
     args = p.parse_args(argv)
+    unknown = set(args.modes.split(",")) - set(MODES)
+    if unknown:
+        p.error(f"unknown mode {', '.join(sorted(unknown))}; choose from {', '.join(MODES)}")
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA GPU")
         return 2
@@ -70,12 +79,11 @@ def main(argv=None) -> int:
     rows = []
     sparse = selection_settings(config, c.num_layers)
     sparse = dataclasses.replace(sparse, preselect_block=False)
-    modes = [("dense (all blocks on CPU)", selection_settings(config, c.num_layers, "dense"), config.local_windows_len, False),
-             ("sparse, CPU only", sparse, 0, False),
-             ("hybrid", sparse, config.local_windows_len, False),
-             ("hybrid + CUDA graphs", sparse, config.local_windows_len, True),
-             ("hybrid + CUDA graphs, CPU scoring", dataclasses.replace(sparse, block_scoring="cpu"),
-              config.local_windows_len, True)]
+    local = config.local_windows_len
+    settings = {"dense": (selection_settings(config, c.num_layers, "dense"), local, False),
+                "cpu": (sparse, 0, False), "hybrid": (sparse, local, False), "graphs": (sparse, local, True),
+                "graphs-cpu-scoring": (dataclasses.replace(sparse, block_scoring="cpu"), local, True)}
+    modes = [(MODES[m], *settings[m]) for m in args.modes.split(",")]
     for context in parse_lengths(args.contexts):
         layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size,
                            context + 4 + args.tokens + 1, config.kv_type)
