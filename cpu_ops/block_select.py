@@ -88,32 +88,54 @@ def block_scores(q: np.ndarray, anchors: np.ndarray, ids: np.ndarray, kind: int,
     return out
 
 
+@nb.njit(inline="always", cache=True)
+def _weaker(score_a, index_a, score_b, index_b):
+    """Ranking: the higher score wins; of equal scores the earlier block."""
+    return score_a < score_b or (score_a == score_b and index_a > index_b)
+
+
 @nb.njit(cache=True)
 def _top_k_in_order(scores, k, out):
-    """Write into out the indices of the k largest scores, ascending (ties: the earliest win);
-    return how many."""
-    n = scores.shape[0]
-    if k >= n:
-        for i in range(n):
-            out[i] = i
-        return n
+    """Write into out the indices of the k largest scores (-inf and NaN never win), ascending;
+    return how many. One pass with a min-heap of the k best so far: an element that does not
+    beat the weakest kept one costs one comparison, so the pass runs at memory speed."""
     if k <= 0:
         return 0
-    threshold = np.partition(scores.copy(), n - k)[n - k]
-    above = 0
-    for i in range(n):
-        if scores[i] > threshold:
-            above += 1
-    ties_left = k - above
-    count = 0
-    for i in range(n):
+    heap_s = np.empty(k, np.float32)
+    heap_i = np.empty(k, np.int64)
+    size = 0
+    for i in range(scores.shape[0]):
         s = scores[i]
-        if s > threshold or (s == threshold and ties_left > 0):
-            if s == threshold:
-                ties_left -= 1
-            out[count] = i
-            count += 1
-    return count
+        if not s > -np.inf:
+            continue
+        if size < k:  # push, sift up
+            j = size
+            size += 1
+            while j > 0:
+                parent = (j - 1) >> 1
+                if not _weaker(s, i, heap_s[parent], heap_i[parent]):
+                    break
+                heap_s[j], heap_i[j] = heap_s[parent], heap_i[parent]
+                j = parent
+        elif s > heap_s[0]:  # beats the weakest kept (a tie loses: it comes later); sift down
+            j = 0
+            while True:
+                child = 2 * j + 1
+                if child >= size:
+                    break
+                if child + 1 < size and _weaker(heap_s[child + 1], heap_i[child + 1], heap_s[child], heap_i[child]):
+                    child += 1
+                if not _weaker(heap_s[child], heap_i[child], s, i):
+                    break
+                heap_s[j], heap_i[j] = heap_s[child], heap_i[child]
+                j = child
+        else:
+            continue
+        heap_s[j], heap_i[j] = s, i
+    kept = np.sort(heap_i[:size])
+    for j in range(size):
+        out[j] = kept[j]
+    return size
 
 
 @nb.njit(cache=True)
@@ -122,13 +144,9 @@ def select_blocks(scores, ids, k, out_blocks, out_counts):
     the k best block ids of each kv head in position order, and out_counts [KV]. Scores of
     -inf never win a place."""
     num_kv = out_blocks.shape[0]
-    picks = np.empty(scores.shape[1], np.int64)
+    picks = np.empty(max(min(k, scores.shape[1]), 1), np.int64)
     for r in range(scores.shape[0]):
-        row = scores[r]
-        finite = 0
-        for j in range(row.shape[0]):
-            finite += row[j] > -np.inf
-        count = _top_k_in_order(row, min(k, finite), picks)
+        count = _top_k_in_order(scores[r], min(k, scores.shape[1]), picks)
         for h in range(num_kv) if scores.shape[0] == 1 else range(r, r + 1):  # one shared row: every head
             for i in range(count):
                 out_blocks[h, i] = ids[picks[i]]

@@ -132,7 +132,8 @@ class DecodeBlockSelector:
             allowed[max(self.prompt_blocks - first, 0):] = True  # generated blocks always compete
             ids = ids[allowed]
         if device_scores is not None:
-            scores = device_scores()[:, ids]
+            scores = device_scores()
+            scores = scores[:, first:last] if candidates is None else scores[:, ids]
         else:
             scores = block_scores(q, self.anchors[layer], ids, QUEST if self.s.anchor_type == "QUEST" else 0, shared)
         if candidates is not None and not shared:  # SEPARATE: each head among its own candidates

@@ -210,6 +210,18 @@ def test_selection_equals_reference_in_position_order_without_minus_inf(rows):
             assert got == expected[h] and got == sorted(got) and len(got) == min(k, 25)
 
 
+def test_selection_with_many_ties_keeps_the_earliest_blocks():
+    rng = np.random.default_rng(11)
+    for n, k in [(1, 1), (50, 7), (300, 32), (4000, 96)]:
+        ids = np.arange(n, dtype=np.int32) * 2
+        scores = rng.integers(-2, 3, (1, n)).astype(np.float32)  # five values: ties everywhere
+        scores[0, rng.random(n) < 0.1] = -np.inf
+        out_blocks, out_counts = np.zeros((2, max(k, 1)), np.int32), np.zeros(2, np.int32)
+        select_blocks(scores, ids, k, out_blocks, out_counts)
+        expected = select_blocks_reference(scores, ids, k)[0]
+        assert list(out_blocks[0, :out_counts[0]]) == expected == list(out_blocks[1, :out_counts[1]])
+
+
 def test_bf16_rounding_directions():
     x = np.random.default_rng(3).standard_normal(10000).astype(np.float32) * 10
     for rounding in ("nearest", "up", "down"):
