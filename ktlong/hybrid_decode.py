@@ -17,8 +17,8 @@ import torch
 
 from cpu_ops.sparse_attention import sparse_attention
 from ktlong.decode_graph import DecodeGraphs
-from ktlong.device_anchors import DeviceAnchors, scores_on_device
 from ktlong.decode_selection import DecodeBlockSelector, SelectionSettings, stored_view
+from ktlong.device_anchors import DeviceAnchors, scores_on_device
 from ktlong.device_window import SINK_BLOCKS, DeviceWindow
 from ktlong.kv_cache import HostKVCache
 from ktlong.models.llama import LlamaModel
