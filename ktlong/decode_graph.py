@@ -21,7 +21,7 @@ import torch
 
 from ktlong.device_anchors import DeviceAnchors
 from ktlong.device_window import DeviceWindow
-from ktlong.kv_cache import pin_in_place
+from ktlong.kv_cache import PinnedTensors
 from ktlong.models.llama import LlamaModel
 from operators.merge_state import merge_states
 
@@ -59,7 +59,7 @@ class DecodeGraphs:
         n = len(global_layers)
         # the exchange with the CPU part of each global layer, in host memory that the captured
         # copies read and write at replay (pinned), so a layer costs one sync and no copy calls
-        self._registered: list[torch.Tensor] = []
+        self._pinned = PinnedTensors()
         self.q_host = self._host((n, c.num_heads, c.head_dim), torch.float32)
         self.kv_host = self._host((n, 2, c.num_kv_heads, c.head_dim), layout.dtype)  # k, v of the new token
         self.o_host = self._host((n, c.num_heads, c.head_dim), torch.float32)
@@ -77,14 +77,7 @@ class DecodeGraphs:
 
     def _host(self, shape, dtype) -> torch.Tensor:
         t = torch.zeros(shape, dtype=dtype)
-        if self.capturing:
-            pin_in_place(t)
-            self._registered.append(t)
-        return t
-
-    def __del__(self):
-        for t in getattr(self, "_registered", ()):
-            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        return self._pinned.pin(t) if self.capturing else t
 
     # ---- the device work, as captured ----------------------------------------------------
     def _segment(self, j: int):

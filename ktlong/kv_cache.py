@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import sys
-
 from dataclasses import dataclass
 
 import torch
@@ -138,6 +137,24 @@ def pin_in_place(t: torch.Tensor):
                           f"cache (CUDA error {int(err)}); lower max_seq_len.")
 
 
+class PinnedTensors:
+    """Tensors page-locked in place (pin_in_place), unlocked when this object goes: the owner
+    of host buffers that the GPU copies to and from keeps one."""
+
+    def __init__(self):
+        self._tensors: list[torch.Tensor] = []
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        if t.numel():
+            pin_in_place(t)
+            self._tensors.append(t)
+        return t
+
+    def __del__(self):
+        for t in self._tensors:
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
 class HostKVCache:
     """Every layer's K/V and side tables in DRAM (pinned when a GPU will copy into it).
 
@@ -148,16 +165,13 @@ class HostKVCache:
 
     def __init__(self, layout: KVLayout, pin: bool):
         H, B, D = layout.num_kv_heads, layout.block_size, layout.head_dim
-        self._registered: list[torch.Tensor] = []
+        self._pinned = PinnedTensors()
 
         def alloc(shape, dtype):
             t = torch.empty(shape, dtype=dtype)
             advise_huge_pages(t)  # before the first touch, which zero_ is
             t.zero_()
-            if pin and t.numel():
-                pin_in_place(t)
-                self._registered.append(t)
-            return t
+            return self._pinned.pin(t) if pin else t
 
         self.layout = layout
         blocks = [layout.blocks_in_dram(i) for i in range(layout.num_layers)]
@@ -170,10 +184,6 @@ class HostKVCache:
         self.importance = [alloc((H, n, B), torch.float32) for n in tables]
         self.first_block = [0] * layout.num_layers
         self.num_tokens = 0
-
-    def __del__(self):
-        for t in getattr(self, "_registered", ()):
-            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
     def place_tails(self, num_tokens: int):
         """Before a prefill of num_tokens: sliding layers keep the blocks that end the prompt."""

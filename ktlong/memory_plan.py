@@ -128,7 +128,6 @@ def check_plan(plan: MemoryPlan, budget_bytes: int, device_is_gpu: bool, free_dr
                 "the weights alone do not fit: use a smaller or more quantised model")
         if plan.decode_anchors and fixed < budget_bytes and plan.decode_device > budget_bytes:
             hint += f", set block_scoring: cpu (saves {plan.decode_anchors / GIB:.2f} GiB of device anchors)"
-
         raise ConfigError(f"The plan needs {plan.device_total / GIB:.1f} GiB of GPU memory but "
                           f"gpu_memory_budget_gb allows {budget_bytes / GIB:.1f} GiB; {hint}, lower "
                           "chunk_size, or raise gpu_memory_budget_gb if the GPU has more.")
