@@ -86,10 +86,10 @@ def main(argv=None) -> int:
 def run(args) -> int:
     import torch
 
-    from ktlong.chat_loop import ChatLoop
+    from ktlong.chat.loop import ChatLoop
     from ktlong.config import load_config
     from ktlong.device import resolve_device, resolve_dtype
-    from ktlong.loader import load_model, open_model
+    from ktlong.gguf.loader import load_model, open_model
 
     config = load_config(args.config, overrides_from(args))
     gf, model_config = open_model(config.model)  # checks the file before any weight is read
@@ -114,8 +114,8 @@ def run(args) -> int:
           f"max_seq_len {max_seq_len}]", file=sys.stderr)
     session = None
     if plan is not None:
-        from ktlong.long_context_session import LongContextSession
-        from ktlong.long_context_settings import compact_params, selection_settings
+        from ktlong.session.long_context import LongContextSession
+        from ktlong.session.settings import compact_params, selection_settings
 
         session = LongContextSession(lm.model, plan[1], config.chunk_size, config.attention_backend,
                                      plan[0].hidden_on_device, compact_params(config),
@@ -131,10 +131,10 @@ def long_context_plan(config, gf, model_config, max_seq_len, device, dtype):
     import math
 
     from cpu_ops.anchors import anchors_per_block
-    from ktlong.device_anchors import scores_on_device
-    from ktlong.kv_cache import model_kv_layout
-    from ktlong.long_context_settings import selection_settings
-    from ktlong.memory_plan import GIB, available_dram_bytes, check_plan, plan_memory
+    from ktlong.decode.device_anchors import scores_on_device
+    from ktlong.kv.layout import model_kv_layout
+    from ktlong.session.settings import selection_settings
+    from ktlong.kv.memory_plan import GIB, available_dram_bytes, check_plan, plan_memory
 
     layout = model_kv_layout(model_config, config.block_size, max_seq_len, config.kv_type, config.local_windows_len)
     elements = sum(math.prod(t.shape) for t in gf.tensors.values())

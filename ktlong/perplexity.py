@@ -16,8 +16,8 @@ import torch
 
 from ktlong.device import resolve_device, resolve_dtype
 from ktlong.errors import KtlongError
-from ktlong.kv_cache_dense import DenseKVCache
-from ktlong.loader import LoadedModel, load_model
+from ktlong.kv.dense_cache import DenseKVCache
+from ktlong.gguf.loader import LoadedModel, load_model
 
 
 @torch.inference_mode()

@@ -16,7 +16,9 @@ import numpy as np
 import torch
 
 from ktlong.errors import ConfigError
-from ktlong.kv_cache import DevicePages, HostKVCache, KVLayout
+from ktlong.kv.device_pages import DevicePages
+from ktlong.kv.host_cache import HostKVCache
+from ktlong.kv.layout import KVLayout
 from ktlong.models.llama import LlamaModel
 from operators.block_summary import block_summaries, token_importance
 from operators.chunk_attention import chunk_attention, flashinfer_available

@@ -10,7 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def _model_path(name):
     from ktlong.errors import ModelNotFoundError
-    from ktlong.model_registry import resolve_model_path
+    from ktlong.gguf.registry import resolve_model_path
 
     try:
         return resolve_model_path(name)

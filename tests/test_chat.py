@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from ktlong.config import load_config, parse_set
-from ktlong.conversation import Conversation, PromptTooLongError
-from ktlong.dense_session import DenseSession
-from ktlong.generate import generate
-from ktlong.loader import load_model
-from ktlong.sampling import Sampler
+from ktlong.chat.conversation import Conversation, PromptTooLongError
+from ktlong.session.dense import DenseSession
+from ktlong.chat.generate import generate
+from ktlong.gguf.loader import load_model
+from ktlong.chat.sampling import Sampler
 from tests.reference_llama import reference_logits
 from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
@@ -66,7 +66,7 @@ def test_old_turns_dropped_to_fit_and_too_long_prompt_refused(tiny):
 
 
 def test_loop_commands_files_and_multiline(tiny, config, tmp_path):
-    from ktlong.chat_loop import ChatLoop
+    from ktlong.chat.loop import ChatLoop
 
     lm, _, _ = tiny
     prompt_file = tmp_path / "prompt.txt"
@@ -86,7 +86,7 @@ def test_loop_commands_files_and_multiline(tiny, config, tmp_path):
 
 
 def test_ctrl_c_stops_the_answer_but_not_the_session(tiny, config):
-    from ktlong.chat_loop import ChatLoop
+    from ktlong.chat.loop import ChatLoop
 
     lm, _, _ = tiny
     out = io.StringIO()

@@ -155,8 +155,10 @@ def test_anchors_equal_per_block_reference(anchor_type):
     if anchor_type == "DYNAMIC":
         order = np.argsort(-importance[:, 11, :3], 1)
         expected_last = np.stack([last[h, order[h, [0, 1, 2]]] for h in range(KV)])
-    np.testing.assert_allclose(got[:, 11], expected_last, rtol=1e-6)
-    np.testing.assert_allclose(got, build_anchors_reference(k, num_tokens, anchor_type, 3, importance), rtol=1e-6)
+    # anchors that pick stored keys are exact; a mean's summation order may differ from numpy's
+    tol = dict(rtol=1e-5, atol=1e-6) if anchor_type == "MEAN" else dict(rtol=0, atol=0)
+    np.testing.assert_allclose(got[:, 11], expected_last, **tol)
+    np.testing.assert_allclose(got, build_anchors_reference(k, num_tokens, anchor_type, 3, importance), **tol)
     assert list(fixed_positions(16, 3)) == [2, 8, 13]
 
 

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from ktlong.decode_graph import masked_window_attention
-from ktlong.decode_selection import SelectionSettings
-from ktlong.kv_cache import model_kv_layout
-from ktlong.long_context_session import LongContextSession
+from ktlong.decode.graphs import masked_window_attention
+from ktlong.decode.selection import SelectionSettings
+from ktlong.kv.layout import model_kv_layout
+from ktlong.session.long_context import LongContextSession
 from operators.window_attention import attention_with_lse
 from tests.tiny_gguf import TinySpec, tiny_model
 

@@ -6,7 +6,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
-from ktlong.dequant import SUPPORTED_TYPES, dequantize
+from ktlong.gguf.dequant import SUPPORTED_TYPES, dequantize
 
 # byte ranges of the f16 scale fields in each block, set to finite values so random
 # blocks do not produce inf * 0
@@ -64,8 +64,8 @@ def test_every_required_type_is_supported():
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["smollm2-135m", "qwen2.5-coder-0.5b"])
 def test_real_tensors_match_gguf_numpy(model):
-    from ktlong.gguf_file import GGUFFile
-    from ktlong.model_registry import resolve_model_path
+    from ktlong.gguf.reader import GGUFFile
+    from ktlong.gguf.registry import resolve_model_path
 
     gf = GGUFFile(resolve_model_path(model))
     seen = set()

@@ -10,10 +10,10 @@ import torch
 from cpu_ops.anchors import build_anchors, stored_anchors
 from cpu_ops.bf16 import from_bf16
 from cpu_ops.block_select import QUEST, block_scores
-from ktlong.decode_selection import SelectionSettings
-from ktlong.device_anchors import scores_on_device
-from ktlong.kv_cache import kv_layout
-from ktlong.long_context_session import LongContextSession
+from ktlong.decode.selection import SelectionSettings
+from ktlong.decode.device_anchors import scores_on_device
+from ktlong.kv.layout import kv_layout
+from ktlong.session.long_context import LongContextSession
 from operators.block_scores import device_block_scores
 from tests.tiny_gguf import TinySpec, tiny_model
 
@@ -95,7 +95,7 @@ def selections(lm, scoring, graphs, **kw):
 def test_decode_selects_the_same_blocks_with_device_scores(tiny, graphs, mode, preselect, monkeypatch):
     kw = dict(head_select_mode=mode, preselect_block=preselect, preselect_block_count=5, anchor_type="QUEST")
     with monkeypatch.context() as m:  # the CPU kernel must not be asked
-        m.setattr("ktlong.decode_selection.block_scores", None)
+        m.setattr("ktlong.decode.selection.block_scores", None)
         device, picked, logits = selections(tiny, "device", graphs, **kw)
     cpu, cpu_picked, cpu_logits = selections(tiny, "cpu", graphs, **kw)
     assert device.device_anchors is not None and cpu.device_anchors is None

@@ -69,7 +69,7 @@ SPARSE = ["chunk_size=256", "local_windows_len=256", "block_size=64", "second_se
 def test_fast_subset_dense_and_sparse_retrieve_the_passkey(tmp_path, monkeypatch):
     from ktlong.config import load_config, parse_set
     from ktlong.eval.runner import run_task
-    from ktlong.loader import load_model
+    from ktlong.gguf.loader import load_model
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     lm = load_model("smollm2-135m")
@@ -86,7 +86,7 @@ def test_sparse_decode_answers_like_dense_on_a_passkey_at_8k(tmp_path, monkeypat
     equals the dense one."""
     from ktlong.config import load_config, parse_set
     from ktlong.eval.runner import run_task
-    from ktlong.loader import load_model
+    from ktlong.gguf.loader import load_model
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     lm = load_model("smollm2-135m")

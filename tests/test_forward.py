@@ -5,11 +5,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from ktlong.gguf_file import GGUFFile
-from ktlong.kv_cache_dense import DenseKVCache
-from ktlong.model_config import ModelConfig
+from ktlong.gguf.reader import GGUFFile
+from ktlong.kv.dense_cache import DenseKVCache
+from ktlong.gguf.model_config import ModelConfig
 from ktlong.models.llama import LlamaModel
-from ktlong.weights import load_weights
+from ktlong.gguf.weights import load_weights
 from tests.reference_llama import reference_logits
 from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
@@ -71,7 +71,7 @@ def test_chunked_forward_with_cache_equals_one_pass(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_logits_equal_transformers(smollm2_path, hf_model):
-    from ktlong.loader import load_model
+    from ktlong.gguf.loader import load_model
 
     lm = load_model(str(smollm2_path))
     text = "The capital of France is Paris. In 1889 the Eiffel Tower opened; def f(x): return x"
@@ -86,8 +86,8 @@ def test_smollm2_logits_equal_transformers(smollm2_path, hf_model):
 
 @pytest.mark.slow
 def test_gemma3_270m_logits_equal_transformers_past_the_sliding_window(hf_model):
-    from ktlong.loader import load_model
-    from ktlong.model_registry import resolve_model_path
+    from ktlong.gguf.loader import load_model
+    from ktlong.gguf.registry import resolve_model_path
 
     path = resolve_model_path("gemma3-270m")
     lm = load_model(str(path))

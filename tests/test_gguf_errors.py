@@ -5,9 +5,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from ktlong.errors import GGUFError, ModelNotFoundError
-from ktlong.gguf_file import GGUFFile
-from ktlong.loader import load_model
-from ktlong.model_registry import resolve_model_path
+from ktlong.gguf.reader import GGUFFile
+from ktlong.gguf.loader import load_model
+from ktlong.gguf.registry import resolve_model_path
 from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
 

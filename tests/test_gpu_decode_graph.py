@@ -4,10 +4,10 @@ step, and every counter advances under replay (a frozen counter is KTransformers
 import pytest
 import torch
 
-from ktlong.decode_selection import SelectionSettings
-from ktlong.kv_cache import kv_layout
-from ktlong.long_context_session import LongContextSession
-from ktlong.random_model import random_model
+from ktlong.decode.selection import SelectionSettings
+from ktlong.kv.layout import kv_layout
+from ktlong.session.long_context import LongContextSession
+from ktlong.models.random_model import random_model
 
 pytestmark = pytest.mark.gpu
 

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from ktlong.decode_selection import SelectionSettings
-from ktlong.dense_session import DenseSession
-from ktlong.kv_cache import model_kv_layout
-from ktlong.loader import load_model
-from ktlong.long_context_session import LongContextSession
+from ktlong.decode.selection import SelectionSettings
+from ktlong.session.dense import DenseSession
+from ktlong.kv.layout import model_kv_layout
+from ktlong.gguf.loader import load_model
+from ktlong.session.long_context import LongContextSession
 from operators.chunk_attention import chunk_attention, flashinfer_available
 from operators.compact_attention import CompactParams
 from tests.tiny_gguf import TinySpec, write_tiny_gguf

@@ -4,11 +4,11 @@ block selected follows dense decode within bf16 noise."""
 import pytest
 import torch
 
-from ktlong.dense_session import DenseSession
-from ktlong.kv_cache import kv_layout
-from ktlong.long_context_session import LongContextSession
-from ktlong.decode_selection import SelectionSettings
-from ktlong.random_model import random_model
+from ktlong.session.dense import DenseSession
+from ktlong.kv.layout import kv_layout
+from ktlong.session.long_context import LongContextSession
+from ktlong.decode.selection import SelectionSettings
+from ktlong.models.random_model import random_model
 from operators.chunk_attention import flashinfer_available
 from operators.merge_state import merge_states, merge_states_flashinfer
 

@@ -4,9 +4,10 @@ agree with the torch reference within bf16 noise."""
 import pytest
 import torch
 
-from ktlong.kv_cache import HostKVCache, kv_layout
+from ktlong.kv.host_cache import HostKVCache
+from ktlong.kv.layout import kv_layout
 from ktlong.prefill import LayerMajorPrefill
-from ktlong.random_model import random_model
+from ktlong.models.random_model import random_model
 from operators.chunk_attention import chunk_attention, flashinfer_available
 from operators.dense_attention import dense_attention
 

@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
-from ktlong.dense_session import DenseSession
-from ktlong.generate import generate
-from ktlong.kv_cache import kv_layout, model_kv_layout
-from ktlong.long_context_session import LongContextSession
-from ktlong.sampling import Sampler
+from ktlong.session.dense import DenseSession
+from ktlong.chat.generate import generate
+from ktlong.kv.layout import kv_layout, model_kv_layout
+from ktlong.session.long_context import LongContextSession
+from ktlong.chat.sampling import Sampler
 from tests.tiny_gguf import TinySpec, tiny_model
 
 
@@ -46,7 +46,7 @@ def test_blocks_filled_during_decode_get_side_tables(tiny):
     for t in range(10):  # crosses into the second block: block 0 fills at position 15
         session.step(t)
     k = session.host.k[0][0, 0].numpy()  # layer 0, kv head 0, block 0: [16, D]
-    np.testing.assert_allclose(session.host.key_max[0][0, 0].numpy(), k.max(0), rtol=1e-6)
+    np.testing.assert_array_equal(session.host.key_max[0][0, 0].numpy(), k.max(0))
     np.testing.assert_allclose(session.host.key_mean[0][0, 0].numpy(), k.mean(0), rtol=1e-5, atol=1e-6)
 
 
@@ -67,7 +67,7 @@ def test_local_chat_long_context_mode_answers(tmp_path, monkeypatch, capsys):
 def test_gemma3_sliding_layers_generate_like_dense_and_skip_offload(tmp_path):
     """Sliding layers: windowed prefill, only the device window's tail offloaded, decode on the
     device window only; global layers: the DRAM path. Everything kept -> equals dense."""
-    from ktlong.decode_selection import SelectionSettings
+    from ktlong.decode.selection import SelectionSettings
 
     lm = tiny_model(tmp_path, TinySpec(arch="gemma3", num_layers=6, num_kv_heads=1, tied=True, sliding_window=24),
                     seed=4)
@@ -107,7 +107,7 @@ def test_local_window_must_cover_the_sliding_window(tmp_path):
 
 def test_config_options_reach_prefill_and_decode_settings(tmp_path, monkeypatch):
     from ktlong.config import load_config, parse_set
-    from ktlong.long_context_settings import compact_params, selection_settings
+    from ktlong.session.settings import compact_params, selection_settings
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     config = load_config(overrides=parse_set(["prefill_attention=compact", "alpha=0.3", "second_select_num=7",

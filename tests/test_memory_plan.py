@@ -3,9 +3,9 @@
 import pytest
 
 from ktlong.errors import ConfigError
-from ktlong.kv_cache import kv_layout
-from ktlong.memory_plan import GIB, check_plan, plan_memory
-from ktlong.random_model import num_weight_elements, random_config
+from ktlong.kv.layout import kv_layout
+from ktlong.kv.memory_plan import GIB, check_plan, plan_memory
+from ktlong.models.random_model import num_weight_elements, random_config
 
 INTERNLM_7B = dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=128)
 
@@ -55,9 +55,9 @@ def test_refusals_say_how_much_and_which_option():
 def test_sliding_and_global_layers_are_counted_apart_and_match_the_allocation():
     import torch
 
-    from ktlong.device_window import DeviceWindow
-    from ktlong.kv_cache import HostKVCache
-    from ktlong.memory_plan import decode_window_bytes
+    from ktlong.decode.window import DeviceWindow
+    from ktlong.kv.host_cache import HostKVCache
+    from ktlong.kv.memory_plan import decode_window_bytes
 
     c = random_config("llama-3.1-8b")
     sliding = tuple((i + 1) % 6 != 0 for i in range(32))  # gemma3's pattern: every sixth layer global
@@ -85,10 +85,10 @@ def test_device_anchors_are_counted_as_allocated_and_named_in_the_refusal():
     import numpy as np
     import torch
 
-    from ktlong.decode_selection import DecodeBlockSelector, SelectionSettings
-    from ktlong.device_anchors import DeviceAnchors
-    from ktlong.kv_cache import HostKVCache
-    from ktlong.memory_plan import decode_anchor_bytes
+    from ktlong.decode.selection import DecodeBlockSelector, SelectionSettings
+    from ktlong.decode.device_anchors import DeviceAnchors
+    from ktlong.kv.host_cache import HostKVCache
+    from ktlong.kv.memory_plan import decode_anchor_bytes
 
     c = random_config("llama-3.1-8b")
     layout = kv_layout(32, 8, 128, 128, 512 << 10, "bf16")

@@ -2,8 +2,8 @@
 
 import torch
 
-from ktlong.model_config import RopeConfig
-from ktlong.rope import apply_rope, inv_freq, rope_cos_sin
+from ktlong.gguf.model_config import RopeConfig
+from ktlong.models.rope import apply_rope, inv_freq, rope_cos_sin
 
 
 def hf_config(**rope):
@@ -65,8 +65,8 @@ def test_rotation_preserves_norm_and_relative_position():
 def test_gguf_rope_scaling_metadata_is_read(tmp_path):
     from gguf import RopeScalingType
 
-    from ktlong.gguf_file import GGUFFile
-    from ktlong.model_config import ModelConfig
+    from ktlong.gguf.reader import GGUFFile
+    from ktlong.gguf.model_config import ModelConfig
     from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
     def yarn(w):

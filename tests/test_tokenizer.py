@@ -2,8 +2,8 @@
 
 import pytest
 
-from ktlong.gguf_file import GGUFFile
-from ktlong.tokenizer import GGUFTokenizer
+from ktlong.gguf.reader import GGUFFile
+from ktlong.gguf.tokenizer import GGUFTokenizer
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. It's 3:45pm, isn't it? I'll see; we'd go.",
@@ -56,7 +56,7 @@ def test_special_tokens_parse_whole_or_stay_text(smollm2_path):
 
 @pytest.mark.slow
 def test_chat_template_renders_chatml(qwen_path):
-    from ktlong.loader import load_model
+    from ktlong.gguf.loader import load_model
 
     lm = load_model(str(qwen_path))
     text = lm.chat_template.render([{"role": "user", "content": "Hi"}])

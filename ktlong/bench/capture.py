@@ -11,8 +11,9 @@ import argparse
 import numpy as np
 import torch
 
-from ktlong.kv_cache import HostKVCache, kv_layout
-from ktlong.loader import load_model
+from ktlong.kv.host_cache import HostKVCache
+from ktlong.kv.layout import kv_layout
+from ktlong.gguf.loader import load_model
 from ktlong.prefill import LayerMajorPrefill
 
 

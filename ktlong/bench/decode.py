@@ -19,11 +19,12 @@ import torch
 
 from ktlong.bench.common import parse_lengths, print_table
 from ktlong.config import load_config, parse_set
-from ktlong.long_context_settings import selection_settings
-from ktlong.hybrid_decode import HybridDecoder
-from ktlong.kv_cache import HostKVCache, kv_layout
-from ktlong.memory_plan import GIB
-from ktlong.random_model import random_model
+from ktlong.session.settings import selection_settings
+from ktlong.decode.hybrid import HybridDecoder
+from ktlong.kv.host_cache import HostKVCache
+from ktlong.kv.layout import kv_layout
+from ktlong.kv.memory_plan import GIB
+from ktlong.models.random_model import random_model
 
 
 def fill_random(host: HostKVCache, num_tokens: int, seed: int = 0):

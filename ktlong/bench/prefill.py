@@ -10,10 +10,11 @@ import argparse
 import torch
 
 from ktlong.bench.common import parse_lengths, print_table
-from ktlong.kv_cache import HostKVCache, kv_layout
-from ktlong.memory_plan import GIB, plan_memory
+from ktlong.kv.host_cache import HostKVCache
+from ktlong.kv.layout import kv_layout
+from ktlong.kv.memory_plan import GIB, plan_memory
 from ktlong.prefill import LayerMajorPrefill
-from ktlong.random_model import SHAPES, num_weight_elements, random_model
+from ktlong.models.random_model import SHAPES, num_weight_elements, random_model
 
 
 def main(argv=None) -> int:

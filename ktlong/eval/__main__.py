@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     from ktlong.errors import KtlongError
     from ktlong.eval.report import needle_heatmap, summary_rows
     from ktlong.eval.runner import as_dicts, run_task
-    from ktlong.loader import load_model
+    from ktlong.gguf.loader import load_model
 
     try:
         overrides = parse_set(args.set)

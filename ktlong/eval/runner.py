@@ -10,14 +10,14 @@ from dataclasses import dataclass
 import torch
 
 from ktlong.config import Config
-from ktlong.conversation import Conversation
+from ktlong.chat.conversation import Conversation
 from ktlong.eval.tasks import make_sample, score
-from ktlong.generate import generate
-from ktlong.kv_cache import model_kv_layout
-from ktlong.loader import LoadedModel
-from ktlong.long_context_session import LongContextSession
-from ktlong.long_context_settings import compact_params, selection_settings
-from ktlong.sampling import Sampler
+from ktlong.chat.generate import generate
+from ktlong.kv.layout import model_kv_layout
+from ktlong.gguf.loader import LoadedModel
+from ktlong.session.long_context import LongContextSession
+from ktlong.session.settings import compact_params, selection_settings
+from ktlong.chat.sampling import Sampler
 
 MAX_NEW_TOKENS = {"passkey": 16, "needle": 32, "kvretrieval": 64, "multikey": 24}
 

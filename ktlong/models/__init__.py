@@ -1,1 +1,2 @@
-"""Model definitions: they wire layers together and own no engine logic."""
+"""Model definitions: they wire layers together (RoPE, attention projections, MLP) and own no
+engine logic. In: weights and a ModelConfig; out: q/k/v, attention output, MLP, logits."""

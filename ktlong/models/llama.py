@@ -15,10 +15,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ktlong.kv_cache_dense import DenseKVCache
-from ktlong.model_config import ModelConfig
-from ktlong.rope import apply_rope, inv_freq, rope_cos_sin
-from ktlong.weights import ModelWeights
+from ktlong.kv.dense_cache import DenseKVCache
+from ktlong.gguf.model_config import ModelConfig
+from ktlong.models.rope import apply_rope, inv_freq, rope_cos_sin
+from ktlong.gguf.weights import ModelWeights
 from operators.dense_attention import dense_attention
 
 

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ktlong.dequant import SUPPORTED_TYPES, dequantize
+from ktlong.gguf.dequant import SUPPORTED_TYPES, dequantize
 from ktlong.errors import GGUFError
-from ktlong.gguf_file import GGUFFile
-from ktlong.model_config import PERMUTED_QK_ARCHS, ModelConfig
+from ktlong.gguf.reader import GGUFFile
+from ktlong.gguf.model_config import PERMUTED_QK_ARCHS, ModelConfig
 
 
 @dataclass(slots=True)

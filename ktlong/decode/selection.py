@@ -19,7 +19,7 @@ import torch
 from cpu_ops.anchors import anchors_per_block, build_anchors, stored_anchors
 from cpu_ops.block_select import QUEST, block_scores, select_blocks
 from cpu_ops.kv_storage import StoredKV
-from ktlong.kv_cache import HostKVCache
+from ktlong.kv.host_cache import HostKVCache
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class SelectionSettings:
     token_step: int = 1
     preselect_block: bool = True
     preselect_block_count: int = 32
-    block_scoring: str = "auto"  # auto | device | cpu (ktlong/device_anchors.py)
+    block_scoring: str = "auto"  # auto | device | cpu (ktlong/decode/device_anchors.py)
 
 
 def stored_view(t: torch.Tensor) -> StoredKV:
@@ -105,7 +105,7 @@ class DecodeBlockSelector:
     def select(self, layer: int, step: int, q: np.ndarray, first: int, last: int, device_scores=None):
         """Blocks in [first, last) for the CPU to attend to -> (blocks [KV, S] int32, counts [KV]).
         device_scores: None, or a function returning this layer's scores of every block [R, NB]
-        computed on the device (ktlong/device_anchors.py), called only if this step scores."""
+        computed on the device (ktlong/decode/device_anchors.py), called only if this step scores."""
         s = self.s
         if layer < s.dense_layer_num or last - first <= s.second_select_num:
             blocks = np.tile(np.arange(first, last, dtype=np.int32), (self.num_kv, 1))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ktlong.model_config import ModelConfig, RopeConfig
+from ktlong.gguf.model_config import ModelConfig, RopeConfig
 from ktlong.models.llama import LlamaModel
-from ktlong.weights import LayerWeights, ModelWeights
+from ktlong.gguf.weights import LayerWeights, ModelWeights
 
 SHAPES = {
     "llama-3.1-8b": dict(num_layers=32, hidden_size=4096, intermediate_size=14336, num_heads=32,

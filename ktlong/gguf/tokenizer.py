@@ -12,7 +12,7 @@ from __future__ import annotations
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from ktlong.errors import GGUFError
-from ktlong.gguf_file import GGUFFile
+from ktlong.gguf.reader import GGUFFile
 
 # token_type values in GGUF
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ktlong.chat_template import ChatTemplate
+from ktlong.gguf.chat_template import ChatTemplate
 from ktlong.errors import KtlongError
-from ktlong.tokenizer import GGUFTokenizer
+from ktlong.gguf.tokenizer import GGUFTokenizer
 
 
 class PromptTooLongError(KtlongError):

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 
-from ktlong.chat_template import ChatTemplate
-from ktlong.gguf_file import GGUFFile
-from ktlong.model_config import ModelConfig
-from ktlong.model_registry import resolve_model_path
+from ktlong.gguf.chat_template import ChatTemplate
+from ktlong.gguf.reader import GGUFFile
+from ktlong.gguf.model_config import ModelConfig
+from ktlong.gguf.registry import resolve_model_path
 from ktlong.models.llama import LlamaModel
-from ktlong.tokenizer import GGUFTokenizer
-from ktlong.weights import load_weights
+from ktlong.gguf.tokenizer import GGUFTokenizer
+from ktlong.gguf.weights import load_weights
 
 
 @dataclass

@@ -6,9 +6,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ktlong.dense_session import DenseSession
-from ktlong.sampling import Sampler
-from ktlong.text_stream import TextStream
+from ktlong.session.dense import DenseSession
+from ktlong.chat.sampling import Sampler
+from ktlong.chat.text_stream import TextStream
 
 
 @dataclass

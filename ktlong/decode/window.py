@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ktlong.kv_cache import HostKVCache, KVLayout
+from ktlong.kv.host_cache import HostKVCache
+from ktlong.kv.layout import KVLayout
 
 SINK_BLOCKS = 1  # blocks at the start of the context the device always attends to
 

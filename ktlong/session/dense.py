@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from ktlong.kv_cache_dense import DenseKVCache
+from ktlong.kv.dense_cache import DenseKVCache
 from ktlong.models.llama import LlamaModel
 
 

@@ -16,11 +16,11 @@ import numpy as np
 import torch
 
 from cpu_ops.sparse_attention import sparse_attention
-from ktlong.decode_graph import DecodeGraphs
-from ktlong.decode_selection import DecodeBlockSelector, SelectionSettings, stored_view
-from ktlong.device_anchors import DeviceAnchors, scores_on_device
-from ktlong.device_window import SINK_BLOCKS, DeviceWindow
-from ktlong.kv_cache import HostKVCache
+from ktlong.decode.graphs import DecodeGraphs
+from ktlong.decode.selection import DecodeBlockSelector, SelectionSettings, stored_view
+from ktlong.decode.device_anchors import DeviceAnchors, scores_on_device
+from ktlong.decode.window import SINK_BLOCKS, DeviceWindow
+from ktlong.kv.host_cache import HostKVCache
 from ktlong.models.llama import LlamaModel
 from operators.block_summary import block_summaries
 from operators.merge_state import merge_states
@@ -62,7 +62,7 @@ class HybridDecoder:
         self.step_index = 0
         self.times = DecodeTimes()
         self.cuda = model.device.type == "cuda"
-        # the device part replayed from CUDA graphs (ktlong/decode_graph.py); on the CPU the
+        # the device part replayed from CUDA graphs (ktlong/decode/graphs.py); on the CPU the
         # same segments run eagerly
         self.graphs = (DecodeGraphs(model, self.window, self.global_layers, self.cuda, self.device_anchors)
                        if use_cuda_graph else None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ktlong.errors import GGUFError
-from ktlong.gguf_file import GGUFFile
+from ktlong.gguf.reader import GGUFFile
 
 # llama.cpp's converter permutes q/k rows of these architectures for its adjacent-pair RoPE;
 # the loader undoes that so every model uses the half-split (NeoX) rotation.

@@ -6,11 +6,11 @@ import sys
 from pathlib import Path
 
 from ktlong.config import Config
-from ktlong.conversation import Conversation, PromptTooLongError
-from ktlong.dense_session import DenseSession
-from ktlong.generate import generate
-from ktlong.loader import LoadedModel
-from ktlong.sampling import Sampler
+from ktlong.chat.conversation import Conversation, PromptTooLongError
+from ktlong.session.dense import DenseSession
+from ktlong.chat.generate import generate
+from ktlong.gguf.loader import LoadedModel
+from ktlong.chat.sampling import Sampler
 
 HELP = ('Type a message. Empty line: send the prompt file. A file path: send that file. """: start '
         'or end multi-line input. /reset: forget the conversation. /exit: quit. Ctrl-C: stop an answer.')

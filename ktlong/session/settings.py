@@ -7,7 +7,7 @@ options. "dense" asks for exact attention through the same path.
 from __future__ import annotations
 
 from ktlong.config import Config
-from ktlong.decode_selection import SelectionSettings
+from ktlong.decode.selection import SelectionSettings
 from operators.compact_attention import CompactParams
 
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ktlong.model_config import RopeConfig
+from ktlong.gguf.model_config import RopeConfig
 
 
 def inv_freq(rope: RopeConfig, freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:

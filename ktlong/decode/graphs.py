@@ -12,16 +12,16 @@ its position, its slot in the window buffer and the valid key range there. Nothi
 into the graph as a Python number, so replay cannot freeze a counter (KTransformers' bug with
 its step counters). Block selection, and the token_step / layer_step counters that drive it,
 run on the host between segments and are never captured; with device block scoring the
-segment that ends at a global layer also scores that layer's blocks (ktlong/device_anchors.py).
+segment that ends at a global layer also scores that layer's blocks (ktlong/decode/device_anchors.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ktlong.device_anchors import DeviceAnchors
-from ktlong.device_window import DeviceWindow
-from ktlong.kv_cache import PinnedTensors
+from ktlong.decode.device_anchors import DeviceAnchors
+from ktlong.decode.window import DeviceWindow
+from ktlong.kv.pinned import PinnedTensors
 from ktlong.models.llama import LlamaModel
 from operators.merge_state import merge_states
 

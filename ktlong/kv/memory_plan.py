@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ktlong.device_window import SINK_BLOCKS
+from ktlong.decode.window import SINK_BLOCKS
 from ktlong.errors import ConfigError
-from ktlong.kv_cache import KVLayout
-from ktlong.model_config import ModelConfig
+from ktlong.kv.layout import KVLayout
+from ktlong.gguf.model_config import ModelConfig
 
 GIB = 1 << 30
 ATTENTION_WORKSPACE = 256 << 20  # FlashInfer's float workspace plus its int buffers
@@ -73,13 +73,13 @@ def workspace_bytes(c: ModelConfig, chunk: int, layout: KVLayout, act_bytes: int
 
 
 def decode_window_bytes(layout: KVLayout, local_tokens: int, sink_tokens: int) -> int:
-    """ktlong/device_window.py: K and V of sinks + local window + two blocks, every layer."""
+    """ktlong/decode/window.py: K and V of sinks + local window + two blocks, every layer."""
     tokens = sink_tokens + local_tokens + 2 * layout.block_size
     return 2 * layout.num_layers * layout.num_kv_heads * tokens * layout.head_dim * layout.dtype.itemsize
 
 
 def decode_anchor_bytes(layout: KVLayout, anchors_per_block: int) -> int:
-    """ktlong/device_anchors.py: bfloat16 anchors of every block of every global layer, plus
+    """ktlong/decode/device_anchors.py: bfloat16 anchors of every block of every global layer, plus
     scoring's float32 copy of one layer's and the scores."""
     per_layer = layout.num_kv_heads * layout.num_blocks * anchors_per_block * layout.head_dim * 2
     scores = len(layout.global_layers) * layout.num_kv_heads * layout.num_blocks * 4

@@ -1,6 +1,6 @@
 """Long-context generation state: layer-major prefill into the DRAM KV cache, then decode.
 
-Decode is hybrid (ktlong/hybrid_decode.py): the device attends to sinks and the local
+Decode is hybrid (ktlong/decode/hybrid.py): the device attends to sinks and the local
 window, the CPU to the blocks it selects from DRAM, merged by log-sum-exp.
 """
 
@@ -11,11 +11,12 @@ import sys
 import torch
 from tqdm import tqdm
 
-from ktlong.kv_cache import HostKVCache, KVLayout
+from ktlong.kv.host_cache import HostKVCache
+from ktlong.kv.layout import KVLayout
 from ktlong.models.llama import LlamaModel
 from ktlong.prefill import LayerMajorPrefill
-from ktlong.decode_selection import SelectionSettings
-from ktlong.hybrid_decode import HybridDecoder
+from ktlong.decode.selection import SelectionSettings
+from ktlong.decode.hybrid import HybridDecoder
 from operators.compact_attention import CompactParams
 
 MAX_STEPPED_SUFFIX = 512  # a follow-up this short is fed token by token instead of re-prefilled

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ktlong.decode_selection import DecodeBlockSelector, SelectionSettings
+from ktlong.decode.selection import DecodeBlockSelector, SelectionSettings
 from operators.block_scores import device_block_scores
 
 

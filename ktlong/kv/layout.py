@@ -1,0 +1,84 @@
+"""The head-major KV layout: per layer, K and V are [num_kv_heads, num_blocks, block_size,
+head_dim] on the device and in DRAM, so a (kv head, block) pair is one contiguous page and a
+chunk of one head is one contiguous range.
+
+Sliding-window layers (gemma3) never read past their window, so DRAM keeps only the tail
+that the decoder's device window loads after prefill: `sliding_blocks` blocks, placed at the
+end of the prompt, and no side tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_blocks: int
+    dtype: torch.dtype
+    sliding: tuple[bool, ...] = ()  # per layer: a sliding-window layer (DRAM keeps a tail only)
+    sliding_blocks: int = 0  # DRAM blocks of a sliding layer
+
+    @property
+    def capacity(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.sliding) and self.sliding[layer]
+
+    @property
+    def global_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if not self.is_sliding(i)]
+
+    def blocks_in_dram(self, layer: int) -> int:
+        return self.sliding_blocks if self.is_sliding(layer) else self.num_blocks
+
+    def layer_bytes(self, blocks: int | None = None) -> int:
+        """K and V of one layer of `blocks` blocks (default: the whole capacity)."""
+        blocks = self.num_blocks if blocks is None else blocks
+        return 2 * self.num_kv_heads * blocks * self.block_size * self.head_dim * self.dtype.itemsize
+
+    def side_table_bytes(self) -> int:
+        """Side tables of one global layer: mean, max, min keys and token importance (float32)."""
+        per_block = 3 * self.head_dim * 4 + self.block_size * 4
+        return self.num_kv_heads * self.num_blocks * per_block
+
+    def dram_kv_bytes(self, sliding: bool) -> int:
+        """K/V bytes in DRAM of the sliding (True) or the global (False) layers."""
+        return sum(self.layer_bytes(self.blocks_in_dram(i)) for i in range(self.num_layers)
+                   if self.is_sliding(i) == sliding)
+
+    def dram_side_table_bytes(self) -> int:
+        return len(self.global_layers) * self.side_table_bytes()
+
+
+def kv_layout(num_layers, num_kv_heads, head_dim, block_size, max_seq_len, kv_type,
+              sliding: tuple[bool, ...] = (), local_tokens: int = 0) -> KVLayout:
+    """sliding, local_tokens: the model's sliding-window layers keep in DRAM only what a device
+    window of local_tokens loads after prefill."""
+    if kv_type not in KV_DTYPES:
+        from ktlong.errors import ConfigError
+
+        raise ConfigError(f"kv_type '{kv_type}' is stored by the decode operator, not by prefill yet; "
+                          "use --set kv_type=bf16 or fp16.")
+    num_blocks = -(-max_seq_len // block_size)
+    # the window starts block-aligned at most local_tokens + block_size back; one more block
+    # because the prompt's end need not be block-aligned
+    sliding_blocks = min(num_blocks, -(-local_tokens // block_size) + 2) if any(sliding) else 0
+    return KVLayout(num_layers, num_kv_heads, head_dim, block_size, num_blocks, KV_DTYPES[kv_type],
+                    tuple(sliding) if any(sliding) else (), sliding_blocks)
+
+
+def model_kv_layout(c, block_size: int, max_seq_len: int, kv_type: str, local_tokens: int) -> KVLayout:
+    """The layout for a model config: its sliding layers keep only the device window's tail."""
+    return kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, max_seq_len, kv_type,
+                     c.sliding_layers, local_tokens)

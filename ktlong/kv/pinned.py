@@ -1,0 +1,55 @@
+"""Host memory the GPU copies to and from: page-locked in place, on 2 MiB pages."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import torch
+
+from ktlong.errors import KtlongError
+
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+
+
+def advise_huge_pages(t: torch.Tensor):
+    """Ask Linux for 2 MiB pages under a large, untouched tensor (THP in "madvise" mode). Decode
+    reads a few 32-64 KiB blocks scattered over GiBs per head and layer; with 4 KiB pages nearly
+    every block starts with TLB misses. Best effort: nothing happens where it is not supported."""
+    nbytes = t.numel() * t.element_size()
+    start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    end = (t.data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE
+    if end <= start or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(MADV_HUGEPAGE))
+
+
+def pin_in_place(t: torch.Tensor):
+    """Page-lock a tensor's own memory for asynchronous copies. torch's pinned allocator rounds
+    every allocation up to a power of two, so a layer of 1 GiB + one block would take 2 GiB;
+    registering the exact allocation costs exactly its size."""
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    if int(err) != 0:
+        raise KtlongError(f"could not page-lock {t.numel() * t.element_size() / 2**30:.1f} GiB of DRAM for the KV "
+                          f"cache (CUDA error {int(err)}); lower max_seq_len.")
+
+
+class PinnedTensors:
+    """Tensors page-locked in place (pin_in_place), unlocked when this object goes: the owner
+    of host buffers that the GPU copies to and from keeps one."""
+
+    def __init__(self):
+        self._tensors: list[torch.Tensor] = []
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        if t.numel():
+            pin_in_place(t)
+            self._tensors.append(t)
+        return t
+
+    def __del__(self):
+        for t in self._tensors:
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
