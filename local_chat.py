@@ -84,29 +84,27 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    import torch
-
     from ktlong.chat.loop import ChatLoop
     from ktlong.config import load_config
     from ktlong.device import resolve_device, resolve_dtype
     from ktlong.gguf.loader import load_model, open_model
+    from ktlong.session.plan import apply_threads, plan_session
 
     config = load_config(args.config, overrides_from(args))
     gf, model_config = open_model(config.model)  # checks the file before any weight is read
     max_seq_len = config.check_against_model(model_config.num_layers, model_config.context_length)
-    from cpu_ops.threads import set_decode_threads
-
-    set_decode_threads(config.threads_num)
-    if config.threads_num:
-        torch.set_num_threads(config.threads_num)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    if config.use_cuda_graph and (device.type != "cuda" or config.mode != "long_context"):
+    if config.use_cuda_graph is True and (device.type != "cuda" or config.mode != "long_context"):
         print("[use_cuda_graph: graphs replay the long-context decode step on a GPU; ignored here]",
               file=sys.stderr)
     plan = None
     if config.mode == "long_context":
-        plan = long_context_plan(config, gf, model_config, max_seq_len, device, dtype)
+        plan = plan_session(config, model_config, gf.num_weight_elements, max_seq_len, device, dtype)
+        print(plan.describe(), file=sys.stderr)
+        plan.check()
+    else:
+        apply_threads(config.threads_num)
     lm = load_model(config.model, device, dtype)
     c = lm.config
     print(f"[loaded {lm.path.name}: {c.arch}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} "
@@ -115,39 +113,11 @@ def run(args) -> int:
     session = None
     if plan is not None:
         from ktlong.session.long_context import LongContextSession
-        from ktlong.session.settings import compact_params, selection_settings
 
-        session = LongContextSession(lm.model, plan[1], config.chunk_size, config.attention_backend,
-                                     plan[0].hidden_on_device, compact_params(config),
-                                     selection_settings(config, lm.config.num_layers), config.local_windows_len,
-                                     config.use_cuda_graph and device.type == "cuda")
+        session = LongContextSession.from_config(lm.model, config, plan)
     ChatLoop(lm, config, max_seq_len, args.prompt_file, session=session).run(
         interactive=sys.stdin.isatty())
     return 0
-
-
-def long_context_plan(config, gf, model_config, max_seq_len, device, dtype):
-    """Plan memory from the file's tensor shapes; refuse before any weight is read."""
-    import math
-
-    from cpu_ops.anchors import anchors_per_block
-    from ktlong.decode.device_anchors import scores_on_device
-    from ktlong.kv.layout import model_kv_layout
-    from ktlong.session.settings import selection_settings
-    from ktlong.kv.memory_plan import GIB, available_dram_bytes, check_plan, plan_memory
-
-    layout = model_kv_layout(model_config, config.block_size, max_seq_len, config.kv_type, config.local_windows_len)
-    elements = sum(math.prod(t.shape) for t in gf.tensors.values())
-    budget = int(config.gpu_memory_budget_gb * GIB)
-    is_gpu = device.type == "cuda"
-    scoring = selection_settings(config, model_config.num_layers)
-    anchors = anchors_per_block(config.anchor_type, config.anchor_num) if scores_on_device(scoring, device) else 0
-    plan = plan_memory(model_config, elements, dtype.itemsize, layout, config.chunk_size, budget, is_gpu,
-                       config.local_windows_len, anchors)
-    print(f"[memory plan for max_seq_len {max_seq_len:,}, kv_type {config.kv_type}]\n{plan.table()}",
-          file=sys.stderr)
-    check_plan(plan, budget, is_gpu, available_dram_bytes(), max_seq_len)
-    return plan, layout
 
 
 if __name__ == "__main__":

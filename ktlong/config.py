@@ -25,11 +25,13 @@ ENUMS = {
     "prefill_attention": ("dense", "compact"),
     "selector": ("flashprefill", "xattention"),
     "attention_backend": ("auto", "fa2", "fa3", "torch"),
-    "kv_type": ("bf16", "fp16", "fp32", "q8_0", "q4_0"),
+    "kv_type": ("auto", "bf16", "fp16", "fp32", "q8_0", "q4_0"),
     "anchor_type": ("MAX", "MEAN", "QUEST", "DYNAMIC", "FIX"),
     "head_select_mode": ("SHARED", "SEPARATE"),
     "block_scoring": ("auto", "device", "cpu"),
 }
+# options that are true, false or "auto" (decided from the device and mode at run time)
+AUTO_BOOLS = ("use_cuda_graph",)
 # key -> (lowest allowed, highest allowed, lowest is exclusive)
 RANGES = {
     "max_seq_len": (0, None, False), "gpu_memory_budget_gb": (0, None, True),
@@ -53,7 +55,7 @@ class Config:
     dtype: str
     max_seq_len: int
     gpu_memory_budget_gb: float
-    use_cuda_graph: bool
+    use_cuda_graph: bool | str  # True, False or "auto"
     chunk_size: int
     prefill_attention: str
     selector: str
@@ -136,6 +138,10 @@ def option_names() -> list[str]:
 
 
 def _checked_type(f: dataclasses.Field, value, where: str):
+    if f.name in AUTO_BOOLS:
+        if isinstance(value, bool) or value == "auto":
+            return value
+        raise ConfigError(f"Option '{f.name}' = {value!r} (from {where}) must be true, false or auto.")
     kind = {"str": str, "int": int, "float": float, "bool": bool}[f.type]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -222,6 +228,12 @@ def ensure_user_file(path: Path) -> bool:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(commented_defaults())
     return True
+
+
+def default_config(**values) -> Config:
+    """The defaults of configs/default.yaml with `values` set over them (no user file)."""
+    options = {k: v for k, (v, _) in read_yaml_options(DEFAULT_FILE).items()}
+    return Config(**{**options, **values}, sources={k: "code" for k in values})
 
 
 def load_config(config_file: str | None = None, overrides: dict[str, tuple[object, str]] | None = None,

@@ -8,9 +8,11 @@ the same pages. Host<->device traffic is O(prompt) per layer.
 
 from __future__ import annotations
 
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -29,15 +31,27 @@ IMPORTANCE_QUERIES = 64  # last queries of each chunk that score its keys for DY
 OBSERVATION_QUERIES = 32  # last prompt queries that score blocks for decode-time preselection
 
 
-def resolve_backend(requested: str, device: torch.device) -> str:
+def resolve_backend(requested: str, device: torch.device, head_dim: int, dtype: torch.dtype) -> str:
+    """auto: fa3 on compute capability 9.x (Hopper) where it builds, else fa2; torch without
+    FlashInfer or a GPU."""
     if device.type != "cuda" or requested == "torch":
         return "torch"
-    if flashinfer_available():
-        return "fa2" if requested == "auto" else requested
+    if not flashinfer_available():
+        if requested != "auto":
+            raise ConfigError(f"attention_backend '{requested}' needs FlashInfer; pip install "
+                              "flashinfer-python, or set attention_backend to auto or torch.")
+        return "torch"
     if requested != "auto":
-        raise ConfigError(f"attention_backend '{requested}' needs FlashInfer; pip install "
-                          "flashinfer-python, or set attention_backend to auto or torch.")
-    return "torch"
+        return requested
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return "fa2"
+    from operators.flashinfer_paged import fa3_build_error
+
+    error = fa3_build_error(device, head_dim, dtype)
+    if error is not None:
+        print(f"[attention_backend auto: fa3 does not build here ({error}); using fa2]", file=sys.stderr)
+        return "fa2"
+    return "fa3"
 
 
 @dataclass
@@ -84,7 +98,7 @@ class LayerMajorPrefill:
         assert chunk_size % layout.block_size == 0
         self.model, self.layout, self.chunk_size = model, layout, chunk_size
         self.device = model.device
-        self.backend = resolve_backend(backend, self.device)
+        self.backend = resolve_backend(backend, self.device, model.config.head_dim, layout.dtype)
         self.hidden_on_device = hidden_on_device or self.device.type == "cpu"
         self.pages = DevicePages(layout, self.device)
         self.compact = None
@@ -98,6 +112,8 @@ class LayerMajorPrefill:
                                        dtype=torch.float32, device=self.device)
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # called with (layer, q, chunk start, chunk end, pages) before each chunk's attention
+        self.attention_hook: Callable[[int, torch.Tensor, int, int, DevicePages], None] | None = None
         # global layer -> [KV, blocks] float32: attention mass of the last prompt queries per block
         self.prompt_block_mass: dict[int, np.ndarray] = {}
 
@@ -173,6 +189,8 @@ class LayerMajorPrefill:
         return x + model.mlp(layer, x)
 
     def _attention(self, layer, q, s, e) -> torch.Tensor:
+        if self.attention_hook is not None:
+            self.attention_hook(layer, q, s, e, self.pages)
         window = self.model.config.sliding_window if self.layout.is_sliding(layer) else 0
         if window:  # sliding layers: dense over their window, never selected
             lo = max(0, s - window)

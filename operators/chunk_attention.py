@@ -24,9 +24,11 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     assert q.dtype == k.dtype == v.dtype and q.device == k.device
     if backend == "torch":
         return dense_attention(q, k, v, scale, window)
-    # fa3's single-request kernel dies (SIGFPE) on this strided HND view in FlashInfer 0.6.9;
-    # fa3 runs through the paged path (operators/flashinfer_paged.py) instead.
-    assert backend == "fa2", backend
+    # fa3's single-request kernel dies (SIGFPE) on this strided HND view in FlashInfer 0.6.9:
+    # full-history fa3 runs through the paged path (operators/flashinfer_paged.py), and the
+    # windowed attention of sliding layers, which takes this path, runs on fa2.
+    assert backend in ("fa2", "fa3"), backend
+    backend = "fa2"
     import flashinfer
 
     # HND layout reads [KV, N, D]; the page tensor's head stride is honoured, so no copy.

@@ -7,6 +7,8 @@ tokens of the group's heads.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from operators.block_union import PageLists
@@ -46,3 +48,23 @@ class FlashInferPagedExecutor:
         out = torch.empty_like(q)
         out[:, order] = o.view(num_groups, num_tokens, size, dim).transpose(0, 1).reshape(num_tokens, num_heads, dim)
         return out
+
+
+@functools.lru_cache(maxsize=None)
+def fa3_build_error(device: torch.device, head_dim: int, dtype: torch.dtype) -> str | None:
+    """None if FlashInfer's fa3 paged prefill builds and runs here for this head shape, else why
+    not. The first call compiles the kernel (about 86 s on a fresh machine, then cached on disk)."""
+    try:
+        executor = FlashInferPagedExecutor(device, "fa3")
+        pages = PageLists(indptr=torch.tensor([0, 1], dtype=torch.int32),
+                          indices=torch.tensor([0], dtype=torch.int32, device=device), last_page_len=16,
+                          num_hist_kept=torch.zeros(1, dtype=torch.int64), num_hist=0)
+        groups = torch.zeros((1, 1), dtype=torch.long)
+        executor.plan(16, groups, pages, head_dim, 16, head_dim ** -0.5, dtype)
+        q = torch.zeros((16, 1, head_dim), dtype=dtype, device=device)
+        k = torch.zeros((1, 1, 16, head_dim), dtype=dtype, device=device)
+        executor.run(q, k, k, groups)
+        torch.cuda.synchronize(device)
+    except Exception as e:  # a failed JIT build or a kernel this GPU cannot run: fa2 serves instead
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+    return None

@@ -115,3 +115,28 @@ def test_real_model_knows_the_capital_of_france(model, tmp_path, monkeypatch, ca
     monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\n"))
     assert local_chat.main(["--model", model, "--max_new_tokens", "24"]) == 0
     assert "Paris" in capsys.readouterr().out
+
+
+def test_a_prompt_files_trailing_whitespace_is_not_part_of_the_prompt(tiny, config, tmp_path):
+    from ktlong.chat.loop import ChatLoop
+
+    lm, _, _ = tiny
+    loop = ChatLoop(lm, config, 256, None, out=io.StringIO(), err=io.StringIO())
+    path = tmp_path / "doc.txt"
+    path.write_text("  indented\n\ninner  line\n \n\t\n")
+    assert loop.read_file(str(path)) == "  indented\n\ninner  line"
+
+
+@pytest.mark.slow
+def test_readme_example_file_answers_paris(tmp_path, monkeypatch, capsys):
+    """The README's first command: the default model, examples/capital.txt (it ends with a newline)."""
+    from pathlib import Path
+
+    import local_chat
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "capital.txt"
+    assert example.read_text().endswith("\n")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert local_chat.main(["--prompt_file", str(example), "--max_new_tokens", "24"]) == 0
+    assert "Paris" in capsys.readouterr().out

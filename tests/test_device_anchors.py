@@ -10,7 +10,7 @@ import torch
 from cpu_ops.anchors import build_anchors, stored_anchors
 from cpu_ops.bf16 import from_bf16
 from cpu_ops.block_select import QUEST, block_scores
-from ktlong.decode.selection import SelectionSettings
+from tests.settings import selection
 from ktlong.decode.device_anchors import scores_on_device
 from ktlong.kv.layout import kv_layout
 from ktlong.session.long_context import LongContextSession
@@ -55,7 +55,7 @@ def test_device_scores_equal_the_definition_and_the_cpu_kernel(anchor_type, anch
 
 
 def test_auto_scores_on_a_gpu_only():
-    s = SelectionSettings()
+    s = selection()
     assert scores_on_device(s, torch.device("cuda")) and not scores_on_device(s, torch.device("cpu"))
     assert scores_on_device(dataclasses.replace(s, block_scoring="device"), torch.device("cpu"))
     assert not scores_on_device(dataclasses.replace(s, block_scoring="cpu"), torch.device("cuda"))
@@ -70,8 +70,9 @@ def selections(lm, scoring, graphs, **kw):
     """Blocks selected per (step, layer) and the logits of 60 steps after a 200-token prompt."""
     c = lm.config
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, B, 512, "fp32")
-    settings = SelectionSettings(dense_layer_num=0, second_select_num=3, block_scoring=scoring, **kw)
-    s = LongContextSession(lm.model, layout, 64, "torch", True, selection=settings, local_windows_len=32,
+    settings = selection(dense_layer_num=0, second_select_num=3, block_scoring=scoring, **kw)
+    s = LongContextSession(lm.model, layout, chunk_size=64, backend="torch", hidden_on_device=True, compact=None,
+                           selection=settings, local_windows_len=32,
                            use_cuda_graph=graphs)  # on the CPU, graph segments run eagerly
     s.prefill([int(t) for t in np.random.default_rng(2).integers(0, 298, size=200)])
     picked, logits = [], []

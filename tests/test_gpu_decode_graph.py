@@ -4,7 +4,7 @@ step, and every counter advances under replay (a frozen counter is KTransformers
 import pytest
 import torch
 
-from ktlong.decode.selection import SelectionSettings
+from tests.settings import selection
 from ktlong.kv.layout import kv_layout
 from ktlong.session.long_context import LongContextSession
 from ktlong.models.random_model import random_model
@@ -15,8 +15,9 @@ pytestmark = pytest.mark.gpu
 def session(model, use_graph, **settings):
     c = model.config
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 64, 1200, "bf16")
-    selection = SelectionSettings(preselect_block=False, **settings)
-    return LongContextSession(model, layout, 256, "auto", True, selection=selection, local_windows_len=128,
+    chosen = selection(preselect_block=False, **settings)
+    return LongContextSession(model, layout, chunk_size=256, backend="auto", hidden_on_device=True, compact=None,
+                              selection=chosen, local_windows_len=128,
                               use_cuda_graph=use_graph)
 
 

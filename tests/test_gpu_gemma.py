@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ktlong.decode.selection import SelectionSettings
+from tests.settings import selection
 from ktlong.session.dense import DenseSession
 from ktlong.kv.layout import model_kv_layout
 from ktlong.gguf.loader import load_model
@@ -62,8 +62,9 @@ def test_gemma3_long_context_on_gpu_follows_dense(tmp_path, prefill_attention):
     ids = [int(t) for t in np.random.default_rng(8).integers(0, 300, size=700)]
     layout = model_kv_layout(gpu.config, 64, 800, "bf16", local_tokens=128)
     compact = CompactParams(alpha=0.0) if prefill_attention == "compact" else None  # alpha 0 keeps every block
-    session = LongContextSession(gpu.model, layout, 128, "fa2", True, compact,
-                                 SelectionSettings(second_select_num=1000, preselect_block=False), 128)
+    session = LongContextSession(gpu.model, layout, chunk_size=128, backend="fa2", hidden_on_device=True,
+                                 compact=compact, selection=selection(second_select_num=1000, preselect_block=False),
+                                 local_windows_len=128, use_cuda_graph=False)
     dense = DenseSession(cpu.model, 800, 128)
     a, b = session.prefill(ids), dense.prefill(ids)
     assert [t.shape[1] for t in session.host.k] == [4] * 5 + [13]  # sliding layers: DRAM tail only
@@ -98,7 +99,8 @@ def test_dram_copies_wait_for_the_compute_stream(tmp_path, arch, monkeypatch):
     dense = DenseSession(model, 800, 2048)
     dense.prefill(ids)
     layout = model_kv_layout(model.config, 64, 800, "bf16", 256)
-    session = LongContextSession(model, layout, 256, "fa2", True, None, SelectionSettings(), 256)
+    session = LongContextSession(model, layout, chunk_size=256, backend="fa2", hidden_on_device=True, compact=None,
+                                 selection=selection(), local_windows_len=256, use_cuda_graph=False)
     monkeypatch.setattr(model, "qkv", slow_qkv)
     session.prefill(ids)
     host = session.host

@@ -8,7 +8,7 @@ import pytest
 
 from cpu_ops.anchors import build_anchors_reference, stored_anchors
 from cpu_ops.bf16 import from_bf16
-from ktlong.decode.selection import SelectionSettings
+from tests.settings import selection
 from ktlong.session.dense import DenseSession
 from ktlong.kv.layout import kv_layout
 from ktlong.session.long_context import LongContextSession
@@ -25,7 +25,8 @@ def tiny(tmp_path_factory):
 def session(lm, settings, local=32, max_seq_len=512):
     c = lm.config
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, B, max_seq_len, "fp32")
-    return LongContextSession(lm.model, layout, 64, "torch", True, selection=settings, local_windows_len=local)
+    return LongContextSession(lm.model, layout, chunk_size=64, backend="torch", hidden_on_device=True, compact=None,
+                              selection=settings, local_windows_len=local, use_cuda_graph=False)
 
 
 def prompt(n, seed=0):
@@ -34,7 +35,7 @@ def prompt(n, seed=0):
 
 def test_selecting_every_block_equals_dense_decode_for_50_tokens(tiny):
     ids = prompt(150)
-    settings = SelectionSettings(second_select_num=1000, dense_layer_num=1, preselect_block=False)
+    settings = selection(second_select_num=1000, dense_layer_num=1, preselect_block=False)
     hybrid, dense = session(tiny, settings), DenseSession(tiny.model, 512, 64)
     a, b = hybrid.prefill(ids), dense.prefill(ids)
     assert hybrid.decoder.window.context_blocks[1] > 1  # the CPU part has blocks to read
@@ -69,7 +70,7 @@ def spy(decoder):
 
 
 def run(lm, steps=3, **kw):
-    settings = dataclasses.replace(SelectionSettings(preselect_block=False, dense_layer_num=0), **kw)
+    settings = dataclasses.replace(selection(preselect_block=False, dense_layer_num=0), **kw)
     s = session(lm, settings)
     s.prefill(prompt(200, seed=1))
     calls = spy(s.decoder)
@@ -140,7 +141,7 @@ def test_selection_is_top_k_by_reference_anchor_scores(tiny, anchor_type):
 
 
 def test_preselection_restricts_candidates_to_the_top_blocks_of_the_last_prompt_queries(tiny):
-    settings = SelectionSettings(preselect_block=True, preselect_block_count=4, second_select_num=2,
+    settings = selection(preselect_block=True, preselect_block_count=4, second_select_num=2,
                                  dense_layer_num=0)
     s = session(tiny, settings)
     s.prefill(prompt(200, seed=2))
@@ -159,7 +160,7 @@ def test_preselection_restricts_candidates_to_the_top_blocks_of_the_last_prompt_
 
 
 def test_blocks_filled_while_generating_become_selectable(tiny):
-    settings = SelectionSettings(preselect_block=True, preselect_block_count=2, second_select_num=3,
+    settings = selection(preselect_block=True, preselect_block_count=2, second_select_num=3,
                                  dense_layer_num=0, anchor_type="MAX")
     s = session(tiny, settings, local=16)
     s.prefill(prompt(64, seed=3))  # 4 prompt blocks

@@ -8,6 +8,7 @@ from ktlong.chat.generate import generate
 from ktlong.kv.layout import kv_layout, model_kv_layout
 from ktlong.session.long_context import LongContextSession
 from ktlong.chat.sampling import Sampler
+from tests.settings import selection
 from tests.tiny_gguf import TinySpec, tiny_model
 
 
@@ -19,7 +20,8 @@ def tiny(tmp_path_factory):
 def session_for(lm, max_seq_len, block_size=16, chunk_size=32):
     c = lm.config
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, max_seq_len, "fp32")
-    return LongContextSession(lm.model, layout, chunk_size, "torch", hidden_on_device=True)
+    return LongContextSession(lm.model, layout, chunk_size=chunk_size, backend="torch", hidden_on_device=True,
+                              compact=None, selection=selection(), local_windows_len=4096, use_cuda_graph=False)
 
 
 def test_generation_equals_dense_session(tiny):
@@ -67,16 +69,15 @@ def test_local_chat_long_context_mode_answers(tmp_path, monkeypatch, capsys):
 def test_gemma3_sliding_layers_generate_like_dense_and_skip_offload(tmp_path):
     """Sliding layers: windowed prefill, only the device window's tail offloaded, decode on the
     device window only; global layers: the DRAM path. Everything kept -> equals dense."""
-    from ktlong.decode.selection import SelectionSettings
 
     lm = tiny_model(tmp_path, TinySpec(arch="gemma3", num_layers=6, num_kv_heads=1, tied=True, sliding_window=24),
                     seed=4)
     prompt = list(np.random.default_rng(5).integers(0, 298, size=150))
     c = lm.config
     layout = model_kv_layout(c, 16, 256, "fp32", local_tokens=32)
-    session = LongContextSession(lm.model, layout, 32, "torch", True,
-                                 selection=SelectionSettings(second_select_num=1000, preselect_block=False),
-                                 local_windows_len=32)
+    session = LongContextSession(lm.model, layout, chunk_size=32, backend="torch", hidden_on_device=True,
+                                 compact=None, selection=selection(second_select_num=1000, preselect_block=False),
+                                 local_windows_len=32, use_cuda_graph=False)
     dense_session = DenseSession(lm.model, 256, 32)
     dense = generate(dense_session, prompt, 30, Sampler(), frozenset(), lambda i: "")
     long = generate(session, prompt, 30, Sampler(), frozenset(), lambda i: "")
@@ -102,7 +103,8 @@ def test_local_window_must_cover_the_sliding_window(tmp_path):
     lm = tiny_model(tmp_path, TinySpec(arch="gemma3", num_layers=6, num_kv_heads=1, tied=True, sliding_window=64))
     layout = model_kv_layout(lm.config, 16, 256, "fp32", local_tokens=32)
     with pytest.raises(ConfigError, match="at least 64"):
-        LongContextSession(lm.model, layout, 32, "torch", True, local_windows_len=32)
+        LongContextSession(lm.model, layout, chunk_size=32, backend="torch", hidden_on_device=True, compact=None,
+                           selection=selection(), local_windows_len=32, use_cuda_graph=False)
 
 
 def test_config_options_reach_prefill_and_decode_settings(tmp_path, monkeypatch):
@@ -127,19 +129,19 @@ def test_local_chat_builds_its_session_from_the_config(tmp_path, monkeypatch):
     import io
 
     import local_chat
-    from ktlong import long_context_session
+    from ktlong.session.long_context import LongContextSession
 
     seen = {}
-    original = long_context_session.LongContextSession.__init__
+    original = LongContextSession.__init__
 
     def record(self, *args, **kwargs):
-        seen["args"] = args
+        seen.update(kwargs)
         original(self, *args, **kwargs)
 
-    monkeypatch.setattr(long_context_session.LongContextSession, "__init__", record)
+    monkeypatch.setattr(LongContextSession, "__init__", record)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     assert local_chat.main(["--mode", "long_context", "--set", "second_select_num=5", "--set",
                             "local_windows_len=2048", "--set", "prefill_attention=compact"]) == 0
-    model, layout, chunk, backend, on_device, compact, selection, local, graphs = seen["args"]
+    selection, local, compact, graphs = (seen[k] for k in ("selection", "local_windows_len", "compact", "use_cuda_graph"))
     assert selection.second_select_num == 5 and local == 2048 and compact is not None and not graphs

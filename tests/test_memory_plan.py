@@ -85,7 +85,7 @@ def test_device_anchors_are_counted_as_allocated_and_named_in_the_refusal():
     import numpy as np
     import torch
 
-    from ktlong.decode.selection import DecodeBlockSelector, SelectionSettings
+    from ktlong.decode.selection import DecodeBlockSelector
     from ktlong.decode.device_anchors import DeviceAnchors
     from ktlong.kv.host_cache import HostKVCache
     from ktlong.kv.memory_plan import decode_anchor_bytes
@@ -95,7 +95,7 @@ def test_device_anchors_are_counted_as_allocated_and_named_in_the_refusal():
     plan = plan_memory(c, num_weight_elements(c), 2, layout, 8192, 24 * GIB, True, 4096, device_anchors_per_block=1)
     stored = 32 * 8 * 4096 * 128 * 2  # 268 MB: one bfloat16 anchor per block, 512K tokens
     assert plan.decode_anchors == stored + 2 * stored // 32 + 32 * 8 * 4096 * 4
-    assert "device decode anchors" in plan.table()
+    assert "GPU decode anchors" in plan.table()
     assert plan_memory(c, num_weight_elements(c), 2, layout, 8192, 24 * GIB, False, 4096, 1).decode_anchors == 0
     many = plan_memory(c, num_weight_elements(c), 2, layout, 8192, 24 * GIB, True, 4096, 32)  # DYNAMIC, 32 keys
     assert many.decode_device > many.prefill_device
@@ -104,9 +104,19 @@ def test_device_anchors_are_counted_as_allocated_and_named_in_the_refusal():
 
     small = kv_layout(3, 2, 16, 16, 1000, "fp32", (False, True, False), local_tokens=64)
     host = HostKVCache(small, pin=False)
-    settings = SelectionSettings(anchor_type="QUEST", block_scoring="device")
+    from tests.settings import selection
+
+    settings = selection(anchor_type="QUEST", block_scoring="device")
     anchors = DeviceAnchors(DecodeBlockSelector(settings, host, 4), small.global_layers, torch.device("cpu"))
     allocated = sum(t.numel() * t.element_size() for t in anchors.anchors.values())
     per_layer = allocated // 2
     assert allocated + 2 * per_layer + 2 * 2 * small.num_blocks * 4 == decode_anchor_bytes(small, 2)
     assert np.prod(anchors.anchors[0].shape) == 2 * small.num_blocks * 2 * 16
+
+
+def test_a_cpu_plan_names_ram_not_the_device():
+    c = random_config("llama-3.1-8b")
+    layout = kv_layout(32, 8, 128, 128, 32 << 10, "fp32")
+    table = plan_memory(c, num_weight_elements(c), 4, layout, 8192, 24 * GIB, False).table()
+    assert "RAM weights" in table and "RAM KV (32 global layers)" in table
+    assert "device" not in table.lower() and "GPU" not in table

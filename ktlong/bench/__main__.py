@@ -2,6 +2,7 @@
 
 import sys
 
+from ktlong.errors import KtlongError
 from ktlong.bench import attention, capture, decode, decode_op, prefill
 
 BENCHES = {"prefill": prefill.main, "attention": attention.main, "capture": capture.main,
@@ -13,7 +14,11 @@ def main(argv=None) -> int:
     if not argv or argv[0] not in BENCHES:
         print(f"usage: python -m ktlong.bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
         return 2
-    return BENCHES[argv[0]](argv[1:])
+    try:
+        return BENCHES[argv[0]](argv[1:])
+    except KtlongError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -17,11 +17,12 @@ import argparse
 import numpy as np
 import torch
 
-from ktlong.bench.common import parse_lengths, print_table, time_cuda
+from ktlong.bench.common import parse_lengths, print_table, require_cuda, time_cuda
+from ktlong.errors import KtlongError
 from operators.block_selector import select_blocks_flashprefill
 from operators.block_union import build_page_lists, union_groups, union_query_blocks
+from operators.chunk_attention import chunk_attention, flashinfer_available
 from operators.compact_attention import CompactAttention, CompactParams
-from operators.chunk_attention import chunk_attention
 
 B = 128
 
@@ -124,9 +125,10 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default="fa2,fa3")
     p.add_argument("--captured", help="npz of q/k/v captured by `python -m ktlong.bench capture`")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("this benchmark needs a CUDA GPU and FlashInfer")
-        return 2
+    require_cuda("the attention benchmark")
+    if not flashinfer_available():
+        raise KtlongError("the attention benchmark measures FlashInfer, which is not installed; "
+                          "pip install flashinfer-python (pip install -e \".[gpu]\").")
     device = torch.device("cuda", torch.cuda.current_device())
     print(f"{torch.cuda.get_device_name(device)}, bf16, 32 q heads / 8 kv heads / d 128, block {B}; "
           "times are medians of 20 runs in microseconds")

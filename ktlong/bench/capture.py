@@ -17,24 +17,16 @@ from ktlong.gguf.loader import load_model
 from ktlong.prefill import LayerMajorPrefill
 
 
-class CapturingPrefill(LayerMajorPrefill):
-    def __init__(self, *args, layers, capture_start, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.layers, self.capture_start, self.captured = set(layers), capture_start, {}
-        self._layer = 0
-
-    def _layer_chunk(self, layer, x, positions, s, e, host, stats):
-        self._layer = layer
-        return super()._layer_chunk(layer, x, positions, s, e, host, stats)
-
-    def _attention(self, q, s, e):
-        if self._layer in self.layers and s == self.capture_start:
-            nb = -(-e // self.layout.block_size)
-            self.captured[f"layer{self._layer:02d}_q"] = q.to(torch.float16).cpu().numpy()
-            self.captured[f"layer{self._layer:02d}_k"] = self.pages.k[:, :nb].to(torch.float16).cpu().numpy()
-            self.captured[f"layer{self._layer:02d}_v"] = self.pages.v[:, :nb].to(torch.float16).cpu().numpy()
-            self.captured[f"layer{self._layer:02d}_start"] = np.array(s)
-        return super()._attention(q, s, e)
+def capture_hook(layers: set[int], capture_start: int, block_size: int, captured: dict):
+    """A prefill attention hook that keeps q and the pages of the chunk starting at capture_start."""
+    def hook(layer, q, s, e, pages):
+        if layer in layers and s == capture_start:
+            nb = -(-e // block_size)
+            captured[f"layer{layer:02d}_q"] = q.to(torch.float16).cpu().numpy()
+            captured[f"layer{layer:02d}_k"] = pages.k[:, :nb].to(torch.float16).cpu().numpy()
+            captured[f"layer{layer:02d}_v"] = pages.v[:, :nb].to(torch.float16).cpu().numpy()
+            captured[f"layer{layer:02d}_start"] = np.array(s)
+    return hook
 
 
 def main(argv=None) -> int:
@@ -55,9 +47,10 @@ def main(argv=None) -> int:
     c = lm.config
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 128, len(ids), "fp32")
     start = (len(ids) - 1) // args.chunk_size * args.chunk_size
-    engine = CapturingPrefill(lm.model, layout, args.chunk_size, "torch", True,
-                              layers=[int(x) for x in args.layers.split(",")], capture_start=start)
+    engine = LayerMajorPrefill(lm.model, layout, args.chunk_size, "torch", True)
+    captured = {}
+    engine.attention_hook = capture_hook({int(x) for x in args.layers.split(",")}, start, layout.block_size, captured)
     engine.run(ids, HostKVCache(layout, pin=False))
-    np.savez(args.out, **engine.captured)
+    np.savez(args.out, **captured)
     print(f"captured layers {args.layers} of {lm.path.name}: chunk at {start}..{len(ids)} -> {args.out}")
     return 0

@@ -4,15 +4,30 @@ from __future__ import annotations
 
 import statistics
 
+from ktlong.errors import KtlongError
+
 
 def parse_lengths(text: str) -> list[int]:
     """'32k,128k,1m' -> [32768, 131072, 1048576]."""
     out = []
     for item in text.split(","):
         item = item.strip().lower()
-        scale = {"k": 1 << 10, "m": 1 << 20}.get(item[-1], 1)
-        out.append(int(float(item.rstrip("km")) * scale))
+        try:
+            scale = {"k": 1 << 10, "m": 1 << 20}.get(item[-1:], 1)
+            value = int(float(item.rstrip("km")) * scale)
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise KtlongError(f"length {item!r} in {text!r} is not a token count; write lengths like 4096,32k,1m.")
+        out.append(value)
     return out
+
+
+def require_cuda(what: str):
+    import torch
+
+    if not torch.cuda.is_available():
+        raise KtlongError(f"{what} needs a CUDA GPU and this machine has none; run it on a GPU machine.")
 
 
 def median(values) -> float:

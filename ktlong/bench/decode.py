@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ktlong.bench.common import parse_lengths, print_table
+from ktlong.bench.common import require_cuda, parse_lengths, print_table
 from ktlong.config import load_config, parse_set
 from ktlong.session.settings import selection_settings
 from ktlong.decode.hybrid import HybridDecoder
@@ -60,13 +60,12 @@ def main(argv=None) -> int:
     unknown = set(args.modes.split(",")) - set(MODES)
     if unknown:
         p.error(f"unknown mode {', '.join(sorted(unknown))}; choose from {', '.join(MODES)}")
-    if not torch.cuda.is_available():
-        print("this benchmark needs a CUDA GPU")
-        return 2
+    config = load_config(overrides=parse_set(args.set), write_user_file=False)
+    contexts = parse_lengths(args.contexts)
+    require_cuda("the decode benchmark")
     device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap_gb * GIB / total), device)
-    config = load_config(overrides=parse_set(args.set), write_user_file=False)
     model = random_model("llama-3.1-8b", device, torch.bfloat16)
     c = model.config
     from cpu_ops.threads import set_decode_threads
@@ -85,7 +84,7 @@ def main(argv=None) -> int:
                 "cpu": (sparse, 0, False), "hybrid": (sparse, local, False), "graphs": (sparse, local, True),
                 "graphs-cpu-scoring": (dataclasses.replace(sparse, block_scoring="cpu"), local, True)}
     modes = [(MODES[m], *settings[m]) for m in args.modes.split(",")]
-    for context in parse_lengths(args.contexts):
+    for context in contexts:
         layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size,
                            context + 4 + args.tokens + 1, config.kv_type)
         host = HostKVCache(layout, pin=True)

@@ -51,8 +51,10 @@ class ChatLoop:
         return result
 
     def read_file(self, path: str) -> str | None:
+        """A file's text as a message. Its trailing whitespace is not part of it: an editor's final
+        newline would otherwise end the user turn and change the answer (llama.cpp drops it too)."""
         try:
-            return Path(path).expanduser().read_text()
+            return Path(path).expanduser().read_text().rstrip()
         except (OSError, UnicodeDecodeError) as e:
             self.notice(f"cannot read {path}: {e}")
             return None

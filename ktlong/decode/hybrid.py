@@ -68,6 +68,15 @@ class HybridDecoder:
                        if use_cuda_graph else None)
 
     @torch.inference_mode()
+    def capture_graphs(self):
+        """Capture the CUDA graphs now, at the end of prefill, so that no decode step pays for it.
+        Capture runs the step of a placeholder token at the next position; the real step at
+        that position writes the same window slot and exchange buffers again."""
+        if self.graphs is not None and not self.graphs.ready:
+            self.graphs.set_step(0, self.host.num_tokens)
+            self.graphs.capture()
+
+    @torch.inference_mode()
     def step(self, token_id: int) -> torch.Tensor:
         """Run one token at position host.num_tokens; return its logits [vocab]."""
         start = time.perf_counter()

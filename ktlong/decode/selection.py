@@ -22,18 +22,20 @@ from cpu_ops.kv_storage import StoredKV
 from ktlong.kv.host_cache import HostKVCache
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SelectionSettings:
-    second_select_num: int = 32
-    anchor_type: str = "DYNAMIC"
-    anchor_num: int = 1
-    head_select_mode: str = "SHARED"
-    dense_layer_num: int = 0
-    layer_step: int = 1
-    token_step: int = 1
-    preselect_block: bool = True
-    preselect_block_count: int = 32
-    block_scoring: str = "auto"  # auto | device | cpu (ktlong/decode/device_anchors.py)
+    """The decode options of configs/default.yaml, same names; ktlong/session/settings.py builds
+    them from a Config, which holds the defaults and checks the values."""
+    second_select_num: int
+    anchor_type: str
+    anchor_num: int
+    head_select_mode: str
+    dense_layer_num: int
+    layer_step: int
+    token_step: int
+    preselect_block: bool
+    preselect_block_count: int
+    block_scoring: str  # auto | device | cpu (ktlong/decode/device_anchors.py)
 
 
 def stored_view(t: torch.Tensor) -> StoredKV:

@@ -50,12 +50,17 @@ def main(argv=None) -> int:
         if not set(attentions) <= {"dense", "sparse"}:
             raise KtlongError(f"--attention {args.attention!r}: use dense, sparse or dense,sparse.")
         default_depths = "0,0.25,0.5,0.75,1" if args.task == "needle" else "0.5"
-        depths = [float(d) for d in (args.depths or default_depths).split(",")]
+        try:
+            depths = [float(d) for d in (args.depths or default_depths).split(",")]
+        except ValueError:
+            depths = [-1.0]
         if not all(0 <= d <= 1 for d in depths):
-            raise KtlongError(f"--depths {args.depths!r}: every depth must lie in [0, 1].")
+            raise KtlongError(f"--depths {args.depths!r}: give numbers in [0, 1], e.g. --depths 0,0.5,1.")
+        if args.samples < 1:
+            raise KtlongError(f"--samples {args.samples}: use at least 1.")
+        lengths = parse_lengths(args.lengths)
         device = resolve_device(config.device)
         lm = load_model(config.model, device, resolve_dtype(config.dtype, device))
-        lengths = parse_lengths(args.lengths)
         if max(lengths) > lm.config.context_length:
             raise KtlongError(f"--lengths up to {max(lengths)} exceed the model's context of "
                               f"{lm.config.context_length} tokens; use shorter lengths.")

@@ -7,16 +7,13 @@ import sys
 import time
 from dataclasses import dataclass
 
-import torch
-
 from ktlong.config import Config
 from ktlong.chat.conversation import Conversation
 from ktlong.eval.tasks import make_sample, score
 from ktlong.chat.generate import generate
-from ktlong.kv.layout import model_kv_layout
 from ktlong.gguf.loader import LoadedModel
 from ktlong.session.long_context import LongContextSession
-from ktlong.session.settings import compact_params, selection_settings
+from ktlong.session.plan import plan_session
 from ktlong.chat.sampling import Sampler
 
 MAX_NEW_TOKENS = {"passkey": 16, "needle": 32, "kvretrieval": 64, "multikey": 24}
@@ -38,13 +35,11 @@ class Result:
     density: float  # CompactAttention's kept history fraction, 1.0 when dense
 
 
-def make_session(lm: LoadedModel, config: Config, attention: str, max_seq_len: int, hidden_on_device=True):
-    c = lm.config
-    kv_type = "fp32" if lm.model.dtype == torch.float32 and config.kv_type == "bf16" else config.kv_type
-    layout = model_kv_layout(c, config.block_size, max_seq_len, kv_type, config.local_windows_len)
-    return LongContextSession(lm.model, layout, config.chunk_size, config.attention_backend, hidden_on_device,
-                              compact_params(config, attention), selection_settings(config, c.num_layers, attention),
-                              config.local_windows_len, config.use_cuda_graph and lm.model.device.type == "cuda")
+def make_session(lm: LoadedModel, config: Config, attention: str, max_seq_len: int) -> LongContextSession:
+    device = lm.model.device
+    plan = plan_session(config, lm.config, lm.num_weight_elements, max_seq_len, device, lm.model.dtype)
+    plan.check()
+    return LongContextSession.from_config(lm.model, config, plan, attention)
 
 
 def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], depths: list[float],

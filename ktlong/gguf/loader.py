@@ -25,6 +25,7 @@ class LoadedModel:
     chat_template: ChatTemplate
     model: LlamaModel
     load_seconds: float
+    num_weight_elements: int
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -49,4 +50,4 @@ def load_model(name_or_path: str | None, device: str | torch.device = "cpu",
                             bos_token=tok(tokenizer.bos_id) if tokenizer.bos_id is not None else "",
                             eos_token=tok(tokenizer.eos_id) if tokenizer.eos_id is not None else "")
     return LoadedModel(gf.path, config, tokenizer, template, LlamaModel(config, weights),
-                       time.perf_counter() - start)
+                       time.perf_counter() - start, gf.num_weight_elements)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,11 @@ class GGUFFile:
         self.tensors: dict[str, TensorInfo] = {}
         for t in self._reader.tensors:
             self.tensors[t.name] = self._checked_tensor_info(t)
+
+    @property
+    def num_weight_elements(self) -> int:
+        """Elements of every tensor: what the weights take once dequantised."""
+        return sum(math.prod(t.shape) for t in self.tensors.values())
 
     def _checked_tensor_info(self, t) -> TensorInfo:
         try:

@@ -29,6 +29,7 @@ class MemoryPlan:
     dram_hidden: int
     global_layers: int = 0
     sliding_layers: int = 0
+    device_is_gpu: bool = True
 
     @property
     def prefill_device(self) -> int:
@@ -48,18 +49,20 @@ class MemoryPlan:
         return self.dram_kv + self.dram_kv_sliding + self.dram_side_tables + self.dram_hidden
 
     def table(self) -> str:
-        rows = [("device weights", self.weights), ("device KV pages (one layer)", self.kv_pages),
-                ("device hidden states" if self.hidden_on_device else "device hidden staging", self.hidden),
-                ("device workspace (one chunk)", self.workspace),
-                ("device decode window", self.decode_window)]
+        """GPU and DRAM rows on a GPU run; on a CPU run both live in the machine's RAM."""
+        dev, host = ("GPU", "DRAM") if self.device_is_gpu else ("RAM", "RAM")
+        rows = [(f"{dev} weights", self.weights), (f"{dev} KV pages (one layer)", self.kv_pages),
+                (f"{dev} hidden states" if self.hidden_on_device else f"{dev} hidden staging", self.hidden),
+                (f"{dev} workspace (one chunk)", self.workspace),
+                (f"{dev} decode window", self.decode_window)]
         if self.decode_anchors:
-            rows.append(("device decode anchors", self.decode_anchors))
-        rows += [("device peak", self.device_total),
-                (f"DRAM KV ({self.global_layers} global layers)", self.dram_kv)]
+            rows.append((f"{dev} decode anchors", self.decode_anchors))
+        rows += [(f"{dev} peak" if self.device_is_gpu else "RAM peak for compute", self.device_total),
+                 (f"{host} KV ({self.global_layers} global layers)", self.dram_kv)]
         if self.sliding_layers:
-            rows.append((f"DRAM KV ({self.sliding_layers} sliding, tail)", self.dram_kv_sliding))
-        rows += [("DRAM side tables", self.dram_side_tables), ("DRAM hidden states", self.dram_hidden),
-                 ("DRAM total", self.dram_total)]
+            rows.append((f"{host} KV ({self.sliding_layers} sliding, tail)", self.dram_kv_sliding))
+        rows += [(f"{host} side tables", self.dram_side_tables), (f"{host} hidden states", self.dram_hidden),
+                 ("DRAM total" if self.device_is_gpu else "RAM for the KV cache", self.dram_total)]
         return "\n".join(f"  {name:<32}{size / GIB:>9.2f} GiB" for name, size in rows)
 
 
@@ -106,7 +109,8 @@ def plan_memory(c: ModelConfig, num_weight_elements: int, act_bytes: int, layout
         dram_kv=layout.dram_kv_bytes(sliding=False), dram_kv_sliding=layout.dram_kv_bytes(sliding=True),
         dram_side_tables=layout.dram_side_table_bytes(),
         dram_hidden=0 if hidden_on_device else full_hidden,
-        global_layers=len(layout.global_layers), sliding_layers=layout.num_layers - len(layout.global_layers))
+        global_layers=len(layout.global_layers), sliding_layers=layout.num_layers - len(layout.global_layers),
+        device_is_gpu=device_is_gpu)
 
 
 def available_dram_bytes() -> int:

@@ -7,26 +7,30 @@ window, the CPU to the blocks it selects from DRAM, merged by log-sum-exp.
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 from tqdm import tqdm
 
+from ktlong.config import Config
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import KVLayout
 from ktlong.models.llama import LlamaModel
 from ktlong.prefill import LayerMajorPrefill
 from ktlong.decode.selection import SelectionSettings
 from ktlong.decode.hybrid import HybridDecoder
+from ktlong.decode.warm_up import compile_decode_kernels
+from ktlong.session.plan import SessionPlan
+from ktlong.session.settings import compact_params, selection_settings
 from operators.compact_attention import CompactParams
 
 MAX_STEPPED_SUFFIX = 512  # a follow-up this short is fed token by token instead of re-prefilled
 
 
 class LongContextSession:
-    def __init__(self, model: LlamaModel, layout: KVLayout, chunk_size: int, backend: str,
-                 hidden_on_device: bool, compact: CompactParams | None = None,
-                 selection: SelectionSettings = SelectionSettings(), local_windows_len: int = 4096,
-                 use_cuda_graph: bool = False):
+    def __init__(self, model: LlamaModel, layout: KVLayout, *, chunk_size: int, backend: str,
+                 hidden_on_device: bool, compact: CompactParams | None, selection: SelectionSettings,
+                 local_windows_len: int, use_cuda_graph: bool):
         window = model.config.sliding_window
         if window and local_windows_len < window:
             from ktlong.errors import ConfigError
@@ -45,6 +49,34 @@ class LongContextSession:
         self.host = HostKVCache(layout, pin=model.device.type == "cuda")
         self.ids: list[int] = []
         self.last_stats = None
+
+    @classmethod
+    def from_config(cls, model: LlamaModel, config: Config, plan: SessionPlan,
+                    attention: str | None = None) -> "LongContextSession":
+        """The session local_chat, the evaluation and the benches run. attention: "dense" or
+        "sparse" forces exact or sparse attention in prefill and decode (the evaluation compares
+        the two); None follows prefill_attention and the decode selection options."""
+        session = cls(model, plan.layout, chunk_size=config.chunk_size, backend=config.attention_backend,
+                      hidden_on_device=plan.memory.hidden_on_device, compact=compact_params(config, attention),
+                      selection=selection_settings(config, model.config.num_layers, attention or "sparse"),
+                      local_windows_len=config.local_windows_len, use_cuda_graph=plan.use_cuda_graph)
+        session.warm_up()
+        return session
+
+    def warm_up(self, log=sys.stderr):
+        """Compile what compiles on first use before anything is timed: the Numba decode kernels
+        (later processes load them from Numba's cache) and, on a GPU, FlashInfer's kernels for
+        this model, by a prefill of one block that is then forgotten."""
+        print("[compiling kernels on first use, once ...", end="", file=log, flush=True)
+        report = compile_decode_kernels(self.layout, self.selection, self.model.config.num_heads, self.model.scale)
+        seconds = report.seconds
+        if self.model.device.type == "cuda":
+            start = time.perf_counter()
+            self.engine.run([0] * min(self.layout.block_size, self.max_seq_len), self.host)
+            self.reset()
+            seconds += time.perf_counter() - start
+        print(f" {seconds:.1f} s: {report.compiled} CPU kernels compiled, {report.loaded} loaded from "
+              f"Numba's cache]", file=log, flush=True)
 
     def reset(self):
         self.ids = []
@@ -73,6 +105,7 @@ class LongContextSession:
         self.ids = list(prompt_ids)
         self.decoder = HybridDecoder(self.model, self.host, self.selection, self.local_windows_len,
                                      self.engine.prompt_block_mass, self.use_cuda_graph)
+        self.decoder.capture_graphs()
         return logits
 
     def step(self, token_id: int) -> torch.Tensor:

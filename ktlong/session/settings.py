@@ -6,6 +6,8 @@ options. "dense" asks for exact attention through the same path.
 
 from __future__ import annotations
 
+import dataclasses
+
 from ktlong.config import Config
 from ktlong.decode.selection import SelectionSettings
 from operators.compact_attention import CompactParams
@@ -22,11 +24,8 @@ def compact_params(config: Config, attention: str | None = None) -> CompactParam
 
 
 def selection_settings(config: Config, num_layers: int, attention: str = "sparse") -> SelectionSettings:
+    options = {f.name: getattr(config, f.name) for f in dataclasses.fields(SelectionSettings)}
     if attention == "dense":  # every block, every layer
-        return SelectionSettings(second_select_num=1 << 30, dense_layer_num=num_layers, preselect_block=False,
-                                 block_scoring="cpu")
-    return SelectionSettings(
-        second_select_num=config.second_select_num, anchor_type=config.anchor_type, anchor_num=config.anchor_num,
-        head_select_mode=config.head_select_mode, dense_layer_num=config.dense_layer_num,
-        layer_step=config.layer_step, token_step=config.token_step, preselect_block=config.preselect_block,
-        preselect_block_count=config.preselect_block_count, block_scoring=config.block_scoring)
+        options.update(second_select_num=1 << 30, dense_layer_num=num_layers, preselect_block=False,
+                       block_scoring="cpu")
+    return SelectionSettings(**options)

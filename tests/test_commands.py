@@ -1,0 +1,97 @@
+"""The benchmark and evaluation commands: every error a user can cause is one sentence and a
+non-zero exit, and the capture benchmark keeps the keys prefill computed."""
+
+import numpy as np
+import pytest
+import torch
+
+from ktlong.bench.__main__ import main as bench
+from ktlong.eval.__main__ import main as evaluate
+from tests.tiny_gguf import TinySpec, write_tiny_gguf
+
+
+@pytest.fixture
+def no_user_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+
+
+def one_sentence_error(capsys, *needles):
+    lines = [l for l in capsys.readouterr().err.strip().splitlines()
+             if not l.startswith("ktlong: wrote the default configuration")]  # the first run's notice
+    err = "\n".join(lines)
+    assert "Traceback" not in err and len(err.splitlines()) == 1 and err.startswith("error: "), err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["prefill", "--lengths", "12q", "--device", "cpu"], ["'12q'", "32k"]),
+    (["prefill", "--set", "block_sise=64"], ["block_sise", "did you mean 'block_size'"]),
+    (["prefill", "--set", "chunk_size=100", "--device", "cpu"], ["chunk_size", "multiple of block_size"]),
+    (["decode", "--set", "kv_type=int3"], ["kv_type", "bf16, fp16"]),
+    (["decode", "--contexts", "0"], ["'0'"]),
+    (["decode-op", "--contexts", "big"], ["'big'"]),
+])
+def test_bench_errors_are_one_sentence(no_user_file, capsys, argv, needles):
+    assert bench(argv) == 2
+    one_sentence_error(capsys, *needles)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a CPU-only machine gives")
+@pytest.mark.parametrize("name", ["decode", "attention"])
+def test_gpu_benches_say_they_need_a_gpu(no_user_file, capsys, name):
+    assert bench([name]) == 2
+    one_sentence_error(capsys, "needs a CUDA GPU")
+
+
+def test_unsupported_kv_type_in_prefill_is_one_sentence(no_user_file, capsys):
+    assert bench(["prefill", "--lengths", "1k", "--device", "cpu", "--set", "kv_type=q8_0"]) == 2
+    one_sentence_error(capsys, "kv_type 'q8_0'")
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["passkey", "--lengths", "2k", "--set", "alpah=0.1"], ["alpah", "did you mean 'alpha'"]),
+    (["passkey", "--lengths", "2k", "--attention", "both"], ["--attention"]),
+    (["needle", "--lengths", "2k", "--depths", "0,half"], ["--depths"]),
+    (["passkey", "--lengths", "two"], ["'two'"]),
+    (["passkey", "--lengths", "2k", "--samples", "0"], ["--samples"]),
+    (["passkey", "--lengths", "2k", "--model", "/nonexistent/model.gguf"], ["model.gguf"]),
+])
+def test_eval_errors_are_one_sentence(no_user_file, capsys, argv, needles):
+    assert evaluate(argv) == 2
+    one_sentence_error(capsys, *needles)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a CPU-only machine gives")
+def test_eval_on_a_missing_gpu_is_one_sentence(no_user_file, capsys):
+    assert evaluate(["passkey", "--lengths", "2k", "--device", "cuda"]) == 2
+    one_sentence_error(capsys, "no CUDA GPU", "device=cpu")
+
+
+def test_capture_keeps_the_chunks_q_and_the_layers_keys(no_user_file, tmp_path, capsys):
+    from ktlong.gguf.loader import load_model
+    from ktlong.kv.dense_cache import DenseKVCache
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, TinySpec(num_layers=2), seed=3)
+    text = tmp_path / "doc.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 20)
+    out = tmp_path / "captured.npz"
+    assert bench(["capture", "--model", str(path), "--text_file", str(text), "--tokens", "200",
+                  "--chunk_size", "128", "--layers", "1", "--out", str(out)]) == 0
+    captured = np.load(out)  # no pickle: allow_pickle stays False
+    assert sorted(captured.files) == ["layer01_k", "layer01_q", "layer01_start", "layer01_v"]
+    assert int(captured["layer01_start"]) == 128
+    # the keys equal the dense forward's keys of layer 1 (stored as float16)
+    lm = load_model(str(path))
+    ids = lm.tokenizer.encode(text.read_text(), parse_special=False)
+    while len(ids) < 200:
+        ids = ids + ids
+    ids = ids[:200]
+    c = lm.config
+    cache = DenseKVCache(c.num_layers, c.num_kv_heads, c.head_dim, 200, lm.model.device, torch.float32)
+    lm.model.forward(torch.tensor(ids), cache, 0)
+    keys = captured["layer01_k"].reshape(c.num_kv_heads, -1, c.head_dim)[:, :200].astype(np.float32)
+    np.testing.assert_allclose(keys, cache.k[1, :, :200].numpy(), rtol=2e-3, atol=2e-3)
+    assert captured["layer01_q"].shape == (200 - 128, c.num_heads, c.head_dim)
