@@ -101,7 +101,7 @@ class LayerMajorPrefill:
         self.backend = resolve_backend(backend, self.device, model.config.head_dim, layout.dtype)
         self.hidden_on_device = hidden_on_device or self.device.type == "cpu"
         self.pages = DevicePages(layout, self.device)
-        self.compact = None
+        self.compact, self.is_sparse = None, compact is not None
         if compact is not None or self.backend == "fa3":  # fa3 runs dense as "every page kept"
             c = model.config
             self.compact = CompactAttention(compact or CompactParams(selector="all"), c.num_heads,
@@ -142,7 +142,7 @@ class LayerMajorPrefill:
                 self._store_hidden(hidden, x, s, e, stats)
                 if progress is not None:
                     progress.update(e - s)
-            if self.compact is not None:
+            if self.is_sparse:  # fa3 runs dense prefill through CompactAttention too: no density to report
                 d = self._densities
                 stats.density_per_layer.append(sum(d) / len(d) if d else 1.0)
         last = hidden[num_tokens - 1:].to(self.device)

@@ -67,7 +67,7 @@ class LongContextSession:
         """Compile what compiles on first use before anything is timed: the Numba decode kernels
         (later processes load them from Numba's cache) and, on a GPU, FlashInfer's kernels for
         this model, by a prefill of one block that is then forgotten."""
-        print("[compiling kernels on first use, once ...", end="", file=log, flush=True)
+        print("[kernels that compile on first use:", end="", file=log, flush=True)
         report = compile_decode_kernels(self.layout, self.selection, self.model.config.num_heads, self.model.scale)
         seconds = report.seconds
         if self.model.device.type == "cuda":
@@ -75,8 +75,9 @@ class LongContextSession:
             self.engine.run([0] * min(self.layout.block_size, self.max_seq_len), self.host)
             self.reset()
             seconds += time.perf_counter() - start
-        print(f" {seconds:.1f} s: {report.compiled} CPU kernels compiled, {report.loaded} loaded from "
-              f"Numba's cache]", file=log, flush=True)
+        done = (f" compiled {report.compiled} CPU kernels, once (later runs load them from Numba's cache)"
+                if report.compiled else f" {report.loaded} CPU kernels loaded from Numba's cache")
+        print(f"{done}; {seconds:.1f} s before anything is timed]", file=log, flush=True)
 
     def reset(self):
         self.ids = []
