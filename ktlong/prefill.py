@@ -14,7 +14,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
 import torch
 
 from ktlong.errors import ConfigError
@@ -70,6 +69,15 @@ class PrefillStats:
         return self.num_tokens / self.seconds if self.seconds else 0.0
 
 
+@dataclass
+class _Run:
+    """The state of one prefill call."""
+    num_tokens: int
+    host: HostKVCache
+    stats: PrefillStats
+    densities: list[float] = field(default_factory=list)  # CompactAttention's kept fraction, this layer
+
+
 class _Timer:
     """Accumulates the time of a code region: CUDA events on the GPU, wall clock on the CPU."""
 
@@ -114,15 +122,14 @@ class LayerMajorPrefill:
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         # called with (layer, q, chunk start, chunk end, pages) before each chunk's attention
         self.attention_hook: Callable[[int, torch.Tensor, int, int, DevicePages], None] | None = None
-        # global layer -> [KV, blocks] float32: attention mass of the last prompt queries per block
-        self.prompt_block_mass: dict[int, np.ndarray] = {}
 
     @torch.inference_mode()
     def run(self, token_ids: list[int], host: HostKVCache, progress=None) -> tuple[torch.Tensor, PrefillStats]:
-        """Prefill the prompt into `host`; return the last token's logits [vocab] and stats."""
-        num_tokens = self._num_tokens = len(token_ids)
-        assert 0 < num_tokens <= self.layout.capacity
+        """Prefill the prompt into the empty `host`; return the last token's logits [vocab] and stats."""
+        num_tokens = len(token_ids)
+        assert 0 < num_tokens <= self.layout.capacity and host.num_tokens == 0
         stats = PrefillStats(num_tokens=num_tokens)
+        run = _Run(num_tokens, host, stats)
         host.place_tails(num_tokens)
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -133,17 +140,17 @@ class LayerMajorPrefill:
         for layer in range(self.model.config.num_layers):
             if self.cuda:  # the pages are about to be overwritten: last layer's copies must be done
                 torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
-            self._densities = []
+            run.densities = []
             for s, e in chunks:
                 x = hidden[s:e].to(self.device, non_blocking=True)
                 if not self.hidden_on_device:
                     stats.bytes_to_device += x.numel() * x.element_size()
-                x = self._layer_chunk(layer, x, positions[s:e], s, e, host, stats)
+                x = self._layer_chunk(layer, x, positions[s:e], s, e, run)
                 self._store_hidden(hidden, x, s, e, stats)
                 if progress is not None:
                     progress.update(e - s)
             if self.is_sparse:  # fa3 runs dense prefill through CompactAttention too: no density to report
-                d = self._densities
+                d = run.densities
                 stats.density_per_layer.append(sum(d) / len(d) if d else 1.0)
         last = hidden[num_tokens - 1:].to(self.device)
         logits = self.model.logits(last)[0]
@@ -151,7 +158,7 @@ class LayerMajorPrefill:
             torch.cuda.synchronize(self.device)
             stats.attention_seconds = sum(a.elapsed_time(b) for a, b in stats._events) / 1e3
             stats.peak_device_bytes = torch.cuda.max_memory_allocated(self.device)
-        host.num_tokens = num_tokens
+        host.advance(num_tokens)
         stats.seconds = time.perf_counter() - start
         return logits, stats
 
@@ -175,20 +182,19 @@ class LayerMajorPrefill:
             x.record_stream(self.copy_stream)
         stats.bytes_to_host += x.numel() * x.element_size()
 
-    def _layer_chunk(self, layer, x, positions, s, e, host, stats) -> torch.Tensor:
+    def _layer_chunk(self, layer, x, positions, s, e, run: _Run) -> torch.Tensor:
         model = self.model
         q, k, v = model.qkv(layer, x, positions)
         self.pages.write(s, k.to(self.layout.dtype), v.to(self.layout.dtype))
-        if e == self._num_tokens and not self.layout.is_sliding(layer):  # every key of the layer is in pages
+        if e == run.num_tokens and not self.layout.is_sliding(layer):  # every key of the layer is in pages
             mass = observation_block_mass(q[-OBSERVATION_QUERIES:], self.pages.k, e, model.scale)
-            self.prompt_block_mass[layer] = mass.cpu().numpy()
-        with _Timer(stats, self.device):
-            o = self._attention(layer, q.to(self.layout.dtype), s, e)
-        self._offload(layer, q, s, e, host, stats)
-        x = x + model.attention_output(layer, o.to(x.dtype))
-        return x + model.mlp(layer, x)
+            run.host.prompt_block_mass[layer] = mass.cpu().numpy()
+        with _Timer(run.stats, self.device):
+            o = self._attention(layer, q.to(self.layout.dtype), s, e, run.densities)
+        self._offload(layer, q, s, e, run.host, run.stats)
+        return model.residual_block(layer, x, o)
 
-    def _attention(self, layer, q, s, e) -> torch.Tensor:
+    def _attention(self, layer, q, s, e, densities: list[float]) -> torch.Tensor:
         if self.attention_hook is not None:
             self.attention_hook(layer, q, s, e, self.pages)
         window = self.model.config.sliding_window if self.layout.is_sliding(layer) else 0
@@ -201,7 +207,7 @@ class LayerMajorPrefill:
             return chunk_attention(q, keys, values, self.model.scale, self.backend)
         o, pages = self.compact(q, self.pages.k, self.pages.v, self.pooled_keys, s, e)
         if pages.num_hist:
-            self._densities.append(pages.density)
+            densities.append(pages.density)
         return o
 
     def _offload(self, layer, q, s, e, host: HostKVCache, stats):

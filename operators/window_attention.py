@@ -1,4 +1,6 @@
-"""Decode attention of one query over a few keys held on the device, with log-sum-exp."""
+"""Decode attention of one query over the keys held on the device (sinks and the local window),
+with log-sum-exp: over a slice of valid keys, or over a whole buffer with the invalid ones masked
+(fixed shapes, for CUDA graphs)."""
 
 from __future__ import annotations
 
@@ -19,4 +21,19 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     lse = torch.logsumexp(scores, dim=-1)
     p = torch.exp(scores - lse[..., None])
     out = torch.bmm(p.to(v.dtype), v).float()
+    return out.reshape(num_heads, dim), lse.reshape(num_heads)
+
+
+def masked_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor,
+                            hi: torch.Tensor, scale: float):
+    """q: [H, D]; k, v: [KV, N, D], a whole window buffer of which keys lo..hi-1 are valid (lo,
+    hi: 0-dim device tensors) -> out [H, D] float32, lse [H] float32. Fixed shapes, no sync."""
+    num_heads, dim = q.shape
+    num_kv, n, _ = k.shape
+    group = num_heads // num_kv
+    scores = torch.bmm(q.to(k.dtype).view(num_kv, group, dim), k.transpose(1, 2)).float() * scale
+    index = torch.arange(n, device=q.device)
+    scores = scores.masked_fill(((index < lo) | (index >= hi))[None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.bmm(torch.exp(scores - lse[..., None]).to(v.dtype), v).float()
     return out.reshape(num_heads, dim), lse.reshape(num_heads)

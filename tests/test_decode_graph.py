@@ -1,15 +1,16 @@
-"""The segmented decode step that CUDA graphs replay equals the eager hybrid step. On the CPU
-the segments run eagerly; tests/test_gpu_decode_graph.py replays them from captured graphs."""
+"""The decode body (device segments, CPU part between them) equals the dense forward through
+window slides and the sink's filling. On the CPU the segments run eagerly;
+tests/test_gpu_decode_graph.py replays them from captured graphs."""
 
 import numpy as np
 import pytest
 import torch
 
-from ktlong.decode.graphs import masked_window_attention
+from ktlong.session.dense import DenseSession
 from tests.settings import selection
 from ktlong.kv.layout import model_kv_layout
 from ktlong.session.long_context import LongContextSession
-from operators.window_attention import attention_with_lse
+from operators.window_attention import attention_with_lse, masked_window_attention
 from tests.tiny_gguf import TinySpec, tiny_model
 
 
@@ -23,7 +24,7 @@ def test_masked_window_attention_equals_attention_over_the_valid_range():
 
 
 def sessions(lm, use_graph, **settings):
-    layout = model_kv_layout(lm.config, 16, 512, "fp32", local_tokens=48)
+    layout = model_kv_layout(lm.config, 16, 512, "fp32", local_windows_len=48)
     chosen = selection(preselect_block=False, dense_layer_num=0, **settings)
     return LongContextSession(lm.model, layout, chunk_size=64, backend="torch", hidden_on_device=True, compact=None,
                               selection=chosen, local_windows_len=48,
@@ -31,26 +32,26 @@ def sessions(lm, use_graph, **settings):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_segmented_step_equals_the_eager_step_through_window_slides(tmp_path, arch):
+def test_decode_body_equals_dense_through_window_slides(tmp_path, arch):
     spec = TinySpec(arch=arch, num_layers=6 if arch == "gemma3" else 3, num_kv_heads=1 if arch == "gemma3" else 2,
                     tied=True, sliding_window=24 if arch == "gemma3" else 0)
     lm = tiny_model(tmp_path, spec, seed=9)
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, 298, size=120)]
-    eager, graphed = sessions(lm, False, second_select_num=3), sessions(lm, True, second_select_num=3)
-    a, b = eager.prefill(prompt), graphed.prefill(prompt)
+    hybrid, dense = sessions(lm, False, second_select_num=1000), DenseSession(lm.model, 512, 64)  # every block
+    a, b = dense.prefill(prompt), hybrid.prefill(prompt)
     for i in range(60):  # 60 tokens: the 48-token window slides several blocks
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
         token = int(a.argmax())
-        a, b = eager.step(token), graphed.step(token)
-    layers = len(graphed.decoder.global_layers)
-    assert graphed.decoder.graphs.replays == 60 * (layers + 1)
+        a, b = dense.step(token), hybrid.step(token)
+    layers = len(hybrid.decoder.global_layers)
+    assert hybrid.decoder.body.replays == 60 * (layers + 1)  # every segment ran once per step
 
 
-def test_segmented_step_from_a_short_prompt_fills_the_sink(tmp_path):
+def test_decode_body_from_a_short_prompt_fills_the_sink(tmp_path):
     lm = tiny_model(tmp_path, TinySpec(num_layers=2), seed=3)
-    eager, graphed = sessions(lm, False, second_select_num=2), sessions(lm, True, second_select_num=2)
-    a, b = eager.prefill([5, 6, 7]), graphed.prefill([5, 6, 7])
+    hybrid, dense = sessions(lm, False, second_select_num=1000), DenseSession(lm.model, 512, 64)
+    a, b = dense.prefill([5, 6, 7]), hybrid.prefill([5, 6, 7])
     for _ in range(90):  # positions 3..92 pass through the sink block and out of the window
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
         token = int(a.argmax())
-        a, b = eager.step(token), graphed.step(token)
+        a, b = dense.step(token), hybrid.step(token)

@@ -48,7 +48,7 @@ def test_replayed_decode_follows_eager_decode_and_counters_advance():
         agree += int(a.argmax() == b.argmax())
         token = int(a.argmax())
         a, b = eager.step(token), graphed.step(token)
-    graphs = graphed.decoder.graphs
+    graphs = graphed.decoder.body
     assert len(graphs.graphs) == len(graphed.decoder.global_layers) + 1  # captured once
     assert graphs.replays == 150 * len(graphs.graphs)
     # the position read at replay advanced with every token: RoPE and the window slot moved

@@ -60,7 +60,7 @@ def test_gemma3_long_context_on_gpu_follows_dense(tmp_path, prefill_attention):
     gpu = load_model(str(path), "cuda", torch.bfloat16)
     cpu = load_model(str(path), "cpu", torch.float32)
     ids = [int(t) for t in np.random.default_rng(8).integers(0, 300, size=700)]
-    layout = model_kv_layout(gpu.config, 64, 800, "bf16", local_tokens=128)
+    layout = model_kv_layout(gpu.config, 64, 800, "bf16", local_windows_len=128)
     compact = CompactParams(alpha=0.0) if prefill_attention == "compact" else None  # alpha 0 keeps every block
     session = LongContextSession(gpu.model, layout, chunk_size=128, backend="fa2", hidden_on_device=True,
                                  compact=compact, selection=selection(second_select_num=1000, preselect_block=False),

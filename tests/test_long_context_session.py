@@ -74,7 +74,7 @@ def test_gemma3_sliding_layers_generate_like_dense_and_skip_offload(tmp_path):
                     seed=4)
     prompt = list(np.random.default_rng(5).integers(0, 298, size=150))
     c = lm.config
-    layout = model_kv_layout(c, 16, 256, "fp32", local_tokens=32)
+    layout = model_kv_layout(c, 16, 256, "fp32", local_windows_len=32)
     session = LongContextSession(lm.model, layout, chunk_size=32, backend="torch", hidden_on_device=True,
                                  compact=None, selection=selection(second_select_num=1000, preselect_block=False),
                                  local_windows_len=32, use_cuda_graph=False)
@@ -101,7 +101,7 @@ def test_local_window_must_cover_the_sliding_window(tmp_path):
     from ktlong.errors import ConfigError
 
     lm = tiny_model(tmp_path, TinySpec(arch="gemma3", num_layers=6, num_kv_heads=1, tied=True, sliding_window=64))
-    layout = model_kv_layout(lm.config, 16, 256, "fp32", local_tokens=32)
+    layout = model_kv_layout(lm.config, 16, 256, "fp32", local_windows_len=32)
     with pytest.raises(ConfigError, match="at least 64"):
         LongContextSession(lm.model, layout, chunk_size=32, backend="torch", hidden_on_device=True, compact=None,
                            selection=selection(), local_windows_len=32, use_cuda_graph=False)

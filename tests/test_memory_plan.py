@@ -61,8 +61,8 @@ def test_sliding_and_global_layers_are_counted_apart_and_match_the_allocation():
 
     c = random_config("llama-3.1-8b")
     sliding = tuple((i + 1) % 6 != 0 for i in range(32))  # gemma3's pattern: every sixth layer global
-    layout = kv_layout(32, 8, 128, 128, 128 << 10, "bf16", sliding, local_tokens=4096)
-    plan = plan_memory(c, num_weight_elements(c), 2, layout, 8192, 24 * GIB, True, local_tokens=4096)
+    layout = kv_layout(32, 8, 128, 128, 128 << 10, "bf16", sliding, local_windows_len=4096)
+    plan = plan_memory(c, num_weight_elements(c), 2, layout, 8192, 24 * GIB, True, local_windows_len=4096)
     per_block = 2 * 8 * 128 * 128 * 2  # K and V of one block, all kv heads, bf16
     assert plan.global_layers == 5 and plan.sliding_layers == 27
     assert plan.dram_kv == 5 * 1024 * per_block
@@ -71,8 +71,8 @@ def test_sliding_and_global_layers_are_counted_apart_and_match_the_allocation():
     assert "27 sliding" in plan.table() and "5 global" in plan.table()
 
     # what HostKVCache and DeviceWindow allocate is what the plan counts
-    small = kv_layout(6, 2, 16, 16, 1000, "fp32", sliding[:6], local_tokens=64)
-    small_plan = plan_memory(c, 0, 4, small, 64, 24 * GIB, False, local_tokens=64)
+    small = kv_layout(6, 2, 16, 16, 1000, "fp32", sliding[:6], local_windows_len=64)
+    small_plan = plan_memory(c, 0, 4, small, 64, 24 * GIB, False, local_windows_len=64)
     host = HostKVCache(small, pin=False)
     tensors = host.k + host.v + host.key_mean + host.key_max + host.key_min + host.importance
     assert sum(t.numel() * t.element_size() for t in tensors) == small_plan.dram_total
@@ -102,7 +102,7 @@ def test_device_anchors_are_counted_as_allocated_and_named_in_the_refusal():
     with pytest.raises(ConfigError, match=r"set block_scoring: cpu \(saves 8.50 GiB"):
         check_plan(many, many.decode_device - (1 << 20), True, free_dram=1 << 50, max_seq_len=512 << 10)
 
-    small = kv_layout(3, 2, 16, 16, 1000, "fp32", (False, True, False), local_tokens=64)
+    small = kv_layout(3, 2, 16, 16, 1000, "fp32", (False, True, False), local_windows_len=64)
     host = HostKVCache(small, pin=False)
     from tests.settings import selection
 

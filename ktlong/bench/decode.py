@@ -41,7 +41,8 @@ def fill_random(host: HostKVCache, num_tokens: int, seed: int = 0):
         for table in (host.key_mean, host.key_max, host.key_min):
             table[layer].normal_(generator=g)
         host.importance[layer].uniform_(generator=g)
-    host.num_tokens = num_tokens
+    host.reset()
+    host.advance(num_tokens)
 
 
 MODES = {"dense": "dense (all blocks on CPU)", "cpu": "sparse, CPU only", "hybrid": "hybrid",
@@ -93,7 +94,8 @@ def main(argv=None) -> int:
             if name.startswith("dense") and context > 128 * 1024:
                 rows.append([f"{context // 1024}K", name, "-", "-", "-", "-", "-", "-", "skipped (minutes per token)"])
                 continue
-            host.num_tokens = context
+            host.reset()  # the previous row's tokens go
+            host.advance(context)
             decoder = HybridDecoder(model, host, settings, local, use_cuda_graph=graphs)
             for t in range(4):
                 decoder.step(t)

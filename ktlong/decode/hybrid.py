@@ -1,10 +1,11 @@
 """Hybrid decode: device attention over sinks + local window, CPU attention over selected
 DRAM blocks, merged by log-sum-exp.
 
-Per layer: q/k/v on the device; k/v go to the device window and through to DRAM; the
-device part is launched (asynchronous on a GPU) before the CPU operator runs, so the two
-overlap and the slower one sets the time; then the states merge. On a CPU-only machine
-both parts run on the CPU with the same code.
+Per global layer: the device computes q/k/v, appends k/v to its window, attends to the window
+and (with `block_scoring` on the device) scores every block, and hands q, k/v and the scores to
+the host (ktlong/decode/step.py); the host writes k/v through to DRAM, selects blocks and runs
+the CPU operator; the next device segment merges the two states and runs on. On a CPU-only
+machine both parts run on the CPU with the same code.
 """
 
 from __future__ import annotations
@@ -16,15 +17,13 @@ import numpy as np
 import torch
 
 from cpu_ops.sparse_attention import sparse_attention
-from ktlong.decode.graphs import DecodeGraphs
+from ktlong.decode.step import DecodeStep
 from ktlong.decode.selection import DecodeBlockSelector, SelectionSettings, stored_view
 from ktlong.decode.device_anchors import DeviceAnchors, scores_on_device
 from ktlong.decode.window import SINK_BLOCKS, DeviceWindow
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.models.llama import LlamaModel
 from operators.block_summary import block_summaries
-from operators.merge_state import merge_states
-from operators.window_attention import attention_with_lse
 
 
 @dataclass
@@ -38,20 +37,19 @@ class DecodeTimes:
 
 class HybridDecoder:
     def __init__(self, model: LlamaModel, host: HostKVCache, settings: SelectionSettings,
-                 local_tokens: int, prompt_block_mass: dict[int, np.ndarray] | None = None,
-                 use_cuda_graph: bool = False):
+                 local_windows_len: int, use_cuda_graph: bool = False):
         self.model, self.host, self.settings = model, host, settings
         layout = host.layout
         self.layout, self.block_size = layout, layout.block_size
-        self.window = DeviceWindow(layout, local_tokens, SINK_BLOCKS * layout.block_size, model.device)
+        self.window = DeviceWindow(layout, local_windows_len, SINK_BLOCKS * layout.block_size, model.device)
         self.window.load_from_host(host)
         c = model.config
-        assert not c.sliding_window or local_tokens >= c.sliding_window, "the window must cover sliding layers"
+        assert not c.sliding_window or local_windows_len >= c.sliding_window, "the window must cover sliding layers"
         self.global_layers = layout.global_layers
         self.selector = DecodeBlockSelector(settings, host, c.num_heads)
         self.selector.build_all(host.num_tokens, self.global_layers)
         first, last = self.window.context_blocks
-        for layer, mass in (prompt_block_mass or {}).items():
+        for layer, mass in host.prompt_block_mass.items():
             if layer in self.global_layers:
                 self.selector.preselect(layer, mass, first, last)
         # block scores computed on the device from a copy of the anchors (`block_scoring`)
@@ -62,59 +60,49 @@ class HybridDecoder:
         self.step_index = 0
         self.times = DecodeTimes()
         self.cuda = model.device.type == "cuda"
-        # the device part replayed from CUDA graphs (ktlong/decode/graphs.py); on the CPU the
-        # same segments run eagerly
-        self.graphs = (DecodeGraphs(model, self.window, self.global_layers, self.cuda, self.device_anchors)
-                       if use_cuda_graph else None)
+        # the device part: one body, replayed from CUDA graphs or run eagerly (ktlong/decode/step.py)
+        self.body = DecodeStep(model, self.window, self.global_layers, use_cuda_graph and self.cuda,
+                               self.device_anchors)
 
     @torch.inference_mode()
     def capture_graphs(self):
         """Capture the CUDA graphs now, at the end of prefill, so that no decode step pays for it.
         Capture runs the step of a placeholder token at the next position; the real step at
         that position writes the same window slot and exchange buffers again."""
-        if self.graphs is not None and not self.graphs.ready:
-            self.graphs.set_step(0, self.host.num_tokens)
-            self.graphs.capture()
+        if not self.body.ready:
+            self.body.set_step(0, self.host.num_tokens)
+            self.body.capture()
 
     @torch.inference_mode()
     def step(self, token_id: int) -> torch.Tensor:
-        """Run one token at position host.num_tokens; return its logits [vocab]."""
+        """Run one token at position host.num_tokens; return its logits [vocab]. The device part
+        runs segment by segment, the CPU part of each global layer between segments."""
         start = time.perf_counter()
-        model, window, layout = self.model, self.window, self.layout
+        body, window = self.body, self.window
         pos = self.host.num_tokens
-        assert pos < layout.capacity, "the KV cache is full; raise max_seq_len"
-        if self.graphs is not None:
-            logits = self._replayed_step(token_id, pos)
-            self._end_step(pos, start)
-            return logits
-        x = model.embed(torch.tensor([token_id], device=model.device))
-        positions = torch.tensor([pos], device=model.device)
+        assert pos < self.layout.capacity, "the KV cache is full; raise max_seq_len"
+        body.set_step(token_id, pos)
+        if not body.ready:
+            body.capture()
         first, last = window.context_blocks
-        for layer in range(model.config.num_layers):
-            q, k, v = model.qkv(layer, x, positions)
-            k1, v1 = k[0].to(layout.dtype), v[0].to(layout.dtype)
-            window.append(layer, k1, v1)
-            keys, values = window.keys_values(layer)
-            if layout.is_sliding(layer):  # the device window is all a sliding layer reads
-                w = model.config.sliding_window
-                o, _ = attention_with_lse(q[0], keys[:, -w:], values[:, -w:], model.scale)
-            elif last > first:
-                scores = None if self.device_anchors is None else self.device_anchors.scores(layer, q[0])
-                t0 = time.perf_counter()
-                q_host = q[0].float().cpu().numpy()  # the one sync per layer
-                self.times.device_wait += time.perf_counter() - t0
-                o_dev, lse_dev = attention_with_lse(q[0], keys, values, model.scale)  # async on GPU
-                o_cpu, lse_cpu = self._cpu_part(layer, q_host, first, last,
-                                                None if scores is None else lambda s=scores: s.cpu().numpy())
-                o, _ = merge_states(o_dev, lse_dev, torch.from_numpy(o_cpu).to(model.device),
-                                    torch.from_numpy(lse_cpu).to(model.device))
-            else:
-                o, _ = attention_with_lse(q[0], keys, values, model.scale)
-            if not layout.is_sliding(layer):
-                self._write_through(layer, pos, k1, v1)
-            x = x + model.attention_output(layer, o[None].to(x.dtype))
-            x = x + model.mlp(layer, x)
-        logits = model.logits(x)[0]
+        body.replay(0)
+        for j, layer in enumerate(self.global_layers):
+            t0 = time.perf_counter()
+            body.wait()  # segment j and its copies of q, k/v (and scores) to host memory
+            self.times.device_wait += time.perf_counter() - t0
+            b, t = divmod(pos, self.block_size)  # the new token's K/V, through to DRAM
+            self.host.k[layer][:, b, t].copy_(body.kv_host[j, 0])
+            self.host.v[layer][:, b, t].copy_(body.kv_host[j, 1])
+            if last > first:
+                scores = None if self.device_anchors is None else body.scores_host[j].numpy
+                o_cpu, lse_cpu = self._cpu_part(layer, body.q_host[j].numpy(), first, last, scores)
+                body.o_host[j].numpy()[:] = o_cpu
+                body.lse_host[j].numpy()[:] = lse_cpu
+            else:  # nothing in DRAM beyond the window yet
+                body.lse_host[j].fill_(float("-inf"))
+            body.replay(j + 1)
+        window.copy_to_sink(pos)
+        logits = body.logits.clone()
         self._end_step(pos, start)
         return logits
 
@@ -128,46 +116,14 @@ class HybridDecoder:
         self.times.cpu_attention += time.perf_counter() - t2
         return out
 
-    def _replayed_step(self, token_id: int, pos: int) -> torch.Tensor:
-        """The same step with the device part replayed from CUDA graphs, segment by segment,
-        the CPU part between segments."""
-        graphs, window = self.graphs, self.window
-        graphs.set_step(token_id, pos)
-        if not graphs.ready:
-            graphs.capture()
-        first, last = window.context_blocks
-        graphs.replay(0)
-        for j, layer in enumerate(self.global_layers):
-            t0 = time.perf_counter()
-            graphs.wait()  # segment j and its copies of q, k/v (and scores) to host memory
-            self.times.device_wait += time.perf_counter() - t0
-            b, t = divmod(pos, self.block_size)
-            self.host.k[layer][:, b, t].copy_(graphs.kv_host[j, 0])
-            self.host.v[layer][:, b, t].copy_(graphs.kv_host[j, 1])
-            if last > first:
-                scores = None if self.device_anchors is None else graphs.scores_host[j].numpy
-                o_cpu, lse_cpu = self._cpu_part(layer, graphs.q_host[j].numpy(), first, last, scores)
-                graphs.o_host[j].numpy()[:] = o_cpu
-                graphs.lse_host[j].numpy()[:] = lse_cpu
-            else:  # nothing in DRAM beyond the window yet
-                graphs.lse_host[j].fill_(float("-inf"))
-            graphs.replay(j + 1)
-        window.copy_to_sink(pos)
-        return graphs.logits.clone()
-
     def _end_step(self, pos: int, start: float):
         self.window.advance()
-        self.host.num_tokens = pos + 1
+        self.host.advance(1)
         if (pos + 1) % self.block_size == 0:
             self._block_filled(pos // self.block_size, pos + 1)
         self.step_index += 1
         self.times.steps += 1
         self.times.total += time.perf_counter() - start
-
-    def _write_through(self, layer, pos, k, v):
-        b, t = divmod(pos, self.block_size)
-        self.host.k[layer][:, b, t].copy_(k, non_blocking=True)
-        self.host.v[layer][:, b, t].copy_(v, non_blocking=True)
 
     def _block_filled(self, block: int, num_tokens: int):
         """A block completed during generation: its side tables and anchors join selection."""

@@ -1,7 +1,7 @@
 """The decode-time KV kept on the compute device: sink blocks plus a sliding local window.
 
 Per layer: K/V of the first `sink_tokens` tokens and of positions window_start..end, where
-window_start is block-aligned and at most `local_tokens + block_size` tokens back. Tokens
+window_start is block-aligned and at most `local_windows_len + block_size` tokens back. Tokens
 that slide out are already in DRAM (every new token is written through), and the CPU
 operator attends to them from there. The sink sits in front of the window in one buffer,
 so the device attends to one contiguous view.
@@ -18,13 +18,13 @@ SINK_BLOCKS = 1  # blocks at the start of the context the device always attends 
 
 
 class DeviceWindow:
-    def __init__(self, layout: KVLayout, local_tokens: int, sink_tokens: int, device: torch.device):
+    def __init__(self, layout: KVLayout, local_windows_len: int, sink_tokens: int, device: torch.device):
         assert sink_tokens % layout.block_size == 0
         self.layout, self.device = layout, device
         self.block_size = layout.block_size
-        self.local_tokens = local_tokens
+        self.local_windows_len = local_windows_len
         self.sink_tokens = sink_tokens
-        self.capacity = local_tokens + 2 * layout.block_size
+        self.capacity = local_windows_len + 2 * layout.block_size
         # [:, :, :sink_tokens] is the sink, [:, :, sink_tokens:] the window
         shape = (layout.num_layers, layout.num_kv_heads, sink_tokens + self.capacity, layout.head_dim)
         self.buf_k = torch.zeros(shape, dtype=layout.dtype, device=device)
@@ -35,8 +35,8 @@ class DeviceWindow:
         self.end = 0  # tokens in the cache
 
     def first_window_position(self, end: int) -> int:
-        """Block-aligned start that keeps at least local_tokens on the device."""
-        return max(end - self.local_tokens, 0) // self.block_size * self.block_size
+        """Block-aligned start that keeps at least local_windows_len on the device."""
+        return max(end - self.local_windows_len, 0) // self.block_size * self.block_size
 
     def load_from_host(self, host: HostKVCache):
         """After prefill: copy the sink tokens and the window of every layer to the device."""
@@ -50,15 +50,6 @@ class DeviceWindow:
             if not self.layout.is_sliding(layer):  # sliding layers never read the sink
                 self.sink_k[layer, :, :sinks].copy_(host.tokens(layer, "k", 0, sinks), non_blocking=True)
                 self.sink_v[layer, :, :sinks].copy_(host.tokens(layer, "v", 0, sinks), non_blocking=True)
-
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """k, v: [KV, D] of position self.end (call for every layer, then advance())."""
-        i = self.end - self.window_start
-        self.k[layer, :, i] = k
-        self.v[layer, :, i] = v
-        if self.end < self.sink_tokens:
-            self.sink_k[layer, :, self.end] = k
-            self.sink_v[layer, :, self.end] = v
 
     def advance(self):
         self.end += 1
@@ -81,15 +72,6 @@ class DeviceWindow:
             i = self.sink_tokens + position - self.window_start
             self.buf_k[:, :, position] = self.buf_k[:, :, i]
             self.buf_v[:, :, position] = self.buf_v[:, :, i]
-
-    def keys_values(self, layer: int, include_current: bool = True):
-        """Sink tokens then window tokens up to and including the current one: [KV, n, D]
-        views, no copy (the sink is either whole or, while window_start is 0, not used)."""
-        assert self.window_start == 0 or self.window_start >= self.sink_tokens
-        n = self.end - self.window_start + (1 if include_current else 0)
-        first = 0 if self.window_start else self.sink_tokens
-        return (self.buf_k[layer, :, first:self.sink_tokens + n],
-                self.buf_v[layer, :, first:self.sink_tokens + n])
 
     @property
     def context_blocks(self) -> tuple[int, int]:

@@ -3,6 +3,7 @@ mean, max and min keys (Quest) and the per-token prefill importance that DYNAMIC
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ktlong.kv.layout import KVLayout
@@ -37,7 +38,19 @@ class HostKVCache:
         self.key_min = [alloc((H, n, D), torch.float32) for n in tables]
         self.importance = [alloc((H, n, B), torch.float32) for n in tables]
         self.first_block = [0] * layout.num_layers
+        self.num_tokens = 0  # tokens held; changed only by advance() and reset()
+        # global layer -> [KV, blocks] float32: attention mass the last prompt queries put on each
+        # block, measured by prefill, read by decode's preselection
+        self.prompt_block_mass: dict[int, np.ndarray] = {}
+
+    def advance(self, num_new: int):
+        """num_new more tokens are in the cache (their K/V and side tables written)."""
+        assert self.num_tokens + num_new <= self.layout.capacity, "the KV cache is full; raise max_seq_len"
+        self.num_tokens += num_new
+
+    def reset(self):
         self.num_tokens = 0
+        self.prompt_block_mass = {}
 
     def place_tails(self, num_tokens: int):
         """Before a prefill of num_tokens: sliding layers keep the blocks that end the prompt."""

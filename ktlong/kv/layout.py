@@ -62,23 +62,23 @@ class KVLayout:
 
 
 def kv_layout(num_layers, num_kv_heads, head_dim, block_size, max_seq_len, kv_type,
-              sliding: tuple[bool, ...] = (), local_tokens: int = 0) -> KVLayout:
-    """sliding, local_tokens: the model's sliding-window layers keep in DRAM only what a device
-    window of local_tokens loads after prefill."""
+              sliding: tuple[bool, ...] = (), local_windows_len: int = 0) -> KVLayout:
+    """sliding, local_windows_len: the model's sliding-window layers keep in DRAM only what a device
+    window of local_windows_len loads after prefill."""
     if kv_type not in KV_DTYPES:
         from ktlong.errors import ConfigError
 
         raise ConfigError(f"kv_type '{kv_type}' is stored by the decode operator, not by prefill yet; "
                           "use --set kv_type=bf16 or fp16.")
     num_blocks = -(-max_seq_len // block_size)
-    # the window starts block-aligned at most local_tokens + block_size back; one more block
+    # the window starts block-aligned at most local_windows_len + block_size back; one more block
     # because the prompt's end need not be block-aligned
-    sliding_blocks = min(num_blocks, -(-local_tokens // block_size) + 2) if any(sliding) else 0
+    sliding_blocks = min(num_blocks, -(-local_windows_len // block_size) + 2) if any(sliding) else 0
     return KVLayout(num_layers, num_kv_heads, head_dim, block_size, num_blocks, KV_DTYPES[kv_type],
                     tuple(sliding) if any(sliding) else (), sliding_blocks)
 
 
-def model_kv_layout(c, block_size: int, max_seq_len: int, kv_type: str, local_tokens: int) -> KVLayout:
+def model_kv_layout(c, block_size: int, max_seq_len: int, kv_type: str, local_windows_len: int) -> KVLayout:
     """The layout for a model config: its sliding layers keep only the device window's tail."""
     return kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, max_seq_len, kv_type,
-                     c.sliding_layers, local_tokens)
+                     c.sliding_layers, local_windows_len)

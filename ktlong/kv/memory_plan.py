@@ -75,9 +75,9 @@ def workspace_bytes(c: ModelConfig, chunk: int, layout: KVLayout, act_bytes: int
     return chunk * per_token + importance + ATTENTION_WORKSPACE + c.vocab_size * 4 * 2
 
 
-def decode_window_bytes(layout: KVLayout, local_tokens: int, sink_tokens: int) -> int:
+def decode_window_bytes(layout: KVLayout, local_windows_len: int, sink_tokens: int) -> int:
     """ktlong/decode/window.py: K and V of sinks + local window + two blocks, every layer."""
-    tokens = sink_tokens + local_tokens + 2 * layout.block_size
+    tokens = sink_tokens + local_windows_len + 2 * layout.block_size
     return 2 * layout.num_layers * layout.num_kv_heads * tokens * layout.head_dim * layout.dtype.itemsize
 
 
@@ -90,14 +90,14 @@ def decode_anchor_bytes(layout: KVLayout, anchors_per_block: int) -> int:
 
 
 def plan_memory(c: ModelConfig, num_weight_elements: int, act_bytes: int, layout: KVLayout,
-                chunk_size: int, budget_bytes: int, device_is_gpu: bool, local_tokens: int = 4096,
+                chunk_size: int, budget_bytes: int, device_is_gpu: bool, local_windows_len: int = 4096,
                 device_anchors_per_block: int = 0) -> MemoryPlan:
     """device_anchors_per_block: anchors per block when decode scores blocks on the GPU, else 0."""
     weights = num_weight_elements * act_bytes
     kv_pages = layout.layer_bytes()
     chunk = min(chunk_size, layout.capacity)
     workspace = workspace_bytes(c, chunk, layout, act_bytes)
-    window = decode_window_bytes(layout, local_tokens, SINK_BLOCKS * layout.block_size)
+    window = decode_window_bytes(layout, local_windows_len, SINK_BLOCKS * layout.block_size)
     full_hidden = layout.capacity * c.hidden_size * act_bytes
     staging = 2 * chunk * c.hidden_size * act_bytes
     hidden_on_device = not device_is_gpu or weights + kv_pages + full_hidden + workspace <= budget_bytes

@@ -4,7 +4,7 @@ Gemma 3 adds q/k RMS norms, norms after attention and after the MLP, a GELU-tanh
 embeddings scaled by sqrt(hidden), and sliding-window layers with their own RoPE base.
 
 Engines (dense generation, layer-major prefill, hybrid decode) call the per-layer pieces
-`qkv`, `attention_output` and `mlp`; `forward` is the plain dense path built from them.
+`qkv`, `attention_output` and `mlp` (with the residuals: `residual_block`); `forward` is the plain dense path built from them.
 """
 
 from __future__ import annotations
@@ -77,6 +77,11 @@ class LlamaModel:
         out = F.linear(gate * F.linear(h, w.w_up), w.w_down)
         return rms_norm(out, w.post_ffn_norm, self.config.rms_norm_eps) if w.post_ffn_norm is not None else out
 
+    def residual_block(self, i: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The rest of layer i once attention is done: x [T, hidden], o [T, H, D] -> x [T, hidden]."""
+        x = x + self.attention_output(i, o.to(x.dtype))
+        return x + self.mlp(i, x)
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, vocab] float32
         h = rms_norm(x, self.weights.output_norm, self.config.rms_norm_eps)
@@ -96,8 +101,7 @@ class LlamaModel:
             q, k, v = self.qkv(i, x, positions)
             keys, values = cache.append(i, start, k, v)
             window = self.config.sliding_window if self.config.is_sliding(i) else 0
-            x = x + self.attention_output(i, dense_attention(q, keys, values, self.scale, window))
-            x = x + self.mlp(i, x)
+            x = self.residual_block(i, x, dense_attention(q, keys, values, self.scale, window))
         if last_only:
             x = x[-1:]
         return self.logits(x)

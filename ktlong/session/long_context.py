@@ -81,7 +81,7 @@ class LongContextSession:
 
     def reset(self):
         self.ids = []
-        self.host.num_tokens = 0
+        self.host.reset()
         self.decoder = None
 
     def prefill(self, prompt_ids: list[int], show_progress: bool = False) -> torch.Tensor:
@@ -91,7 +91,7 @@ class LongContextSession:
             for token in prompt_ids[reuse:]:
                 logits = self.step(token)
             return logits
-        self.decoder = None  # frees the device window before prefill needs the memory
+        self.reset()  # a new prompt (not an extension): the device window goes before prefill needs the memory
         layers = self.model.config.num_layers
         bar = tqdm(total=len(prompt_ids), unit="tok", desc="prefill", leave=False,
                    disable=not show_progress or len(prompt_ids) <= self.engine.chunk_size)
@@ -105,7 +105,7 @@ class LongContextSession:
                   f"per layer: {shown}]", file=sys.stderr)
         self.ids = list(prompt_ids)
         self.decoder = HybridDecoder(self.model, self.host, self.selection, self.local_windows_len,
-                                     self.engine.prompt_block_mass, self.use_cuda_graph)
+                                     self.use_cuda_graph)
         self.decoder.capture_graphs()
         return logits
 

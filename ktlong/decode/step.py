@@ -1,13 +1,17 @@
-"""CUDA-graph replay of the device part of a hybrid decode step (`use_cuda_graph`).
+"""The device part of a hybrid decode step, one body run eagerly or replayed from CUDA graphs
+(`use_cuda_graph`), as one model path serves both.
 
 A decode step alternates device work and CPU attention, once per global layer, so it is
-captured as segments that end where the CPU takes over: segment 0 is the embedding and the
+written (and, with graphs, captured) as segments that end where the CPU takes over: segment 0 is the embedding and the
 layers up to the first global layer's q/k/v, window append and window attention; segment j
 merges the CPU result of global layer j-1 with its window part, finishes that layer and runs
 on to the next global layer; the last segment ends with the logits. Sliding-window layers
 live wholly inside a segment.
 
-Everything that changes from step to step is read from device memory at replay: the token,
+Each global layer's q, new K/V (and block scores) leave through host buffers, and the CPU's
+result comes back through others: pinned and read by the captured copies with graphs, plain
+tensors when the segments run eagerly. With graphs, everything that changes from step to
+step is read from device memory at replay: the token,
 its position, its slot in the window buffer and the valid key range there. Nothing is baked
 into the graph as a Python number, so replay cannot freeze a counter (KTransformers' bug with
 its step counters). Block selection, and the token_step / layer_step counters that drive it,
@@ -24,27 +28,13 @@ from ktlong.decode.window import DeviceWindow
 from ktlong.kv.pinned import PinnedTensors
 from ktlong.models.llama import LlamaModel
 from operators.merge_state import merge_states
+from operators.window_attention import attention_with_lse, masked_window_attention
 
 
-def masked_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor,
-                            hi: torch.Tensor, scale: float):
-    """q: [H, D]; k, v: [KV, N, D], a whole window buffer of which keys lo..hi-1 are valid (lo,
-    hi: 0-dim device tensors) -> out [H, D] float32, lse [H] float32. Fixed shapes, no sync."""
-    num_heads, dim = q.shape
-    num_kv, n, _ = k.shape
-    group = num_heads // num_kv
-    scores = torch.bmm(q.to(k.dtype).view(num_kv, group, dim), k.transpose(1, 2)).float() * scale
-    index = torch.arange(n, device=q.device)
-    scores = scores.masked_fill(((index < lo) | (index >= hi))[None, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.bmm(torch.exp(scores - lse[..., None]).to(v.dtype), v).float()
-    return out.reshape(num_heads, dim), lse.reshape(num_heads)
-
-
-class DecodeGraphs:
-    def __init__(self, model: LlamaModel, window: DeviceWindow, global_layers: list[int], capture: bool = True,
+class DecodeStep:
+    def __init__(self, model: LlamaModel, window: DeviceWindow, global_layers: list[int], capture: bool,
                  anchors: DeviceAnchors | None = None):
-        """capture=False runs the same segments eagerly (the CPU tests check the segmentation).
+        """capture: replay the segments from CUDA graphs; otherwise run them eagerly.
         anchors: score every block of each global layer right after its q (`block_scoring`)."""
         self.model, self.window, self.capturing, self.anchors = model, window, capture, anchors
         self.global_layers = global_layers
@@ -56,6 +46,7 @@ class DecodeGraphs:
         self.slot = torch.zeros(1, dtype=torch.long, device=dev)  # buffer index of the new token
         self.lo = torch.zeros((), dtype=torch.long, device=dev)  # valid keys: lo..hi-1
         self.hi = torch.zeros((), dtype=torch.long, device=dev)
+        self.valid = (0, 0)  # the same range as numbers, for eager runs
         n = len(global_layers)
         # the exchange with the CPU part of each global layer, in host memory that the captured
         # copies read and write at replay (pinned), so a layer costs one sync and no copy calls
@@ -77,7 +68,7 @@ class DecodeGraphs:
 
     def _host(self, shape, dtype) -> torch.Tensor:
         t = torch.zeros(shape, dtype=dtype)
-        return self._pinned.pin(t) if self.capturing else t
+        return self._pinned.pin(t) if self.model.device.type == "cuda" else t
 
     # ---- the device work, as captured ----------------------------------------------------
     def _segment(self, j: int):
@@ -97,15 +88,13 @@ class DecodeGraphs:
         stop = g[j] if j < len(g) else self.num_layers
         for layer in range(start, stop):  # sliding-window layers: all on the device
             q = self._append(layer)
-            w = model.config.sliding_window
-            o, _ = masked_window_attention(q, *self.window.layer_buffers(layer),
-                                           torch.maximum(self.lo, self.hi - w), self.hi, model.scale)
+            o, _ = self._window_attention(layer, q, model.config.sliding_window)
             self._finish(layer, o)
         if j < len(g):
             q = self._append(g[j], j)
             if self.anchors is not None:
                 self.scores_host[j].copy_(self.anchors.scores(g[j], q), non_blocking=True)
-            o, lse = masked_window_attention(q, *self.window.layer_buffers(g[j]), self.lo, self.hi, model.scale)
+            o, lse = self._window_attention(g[j], q)
             self.o_dev[j].copy_(o)
             self.lse_dev[j].copy_(lse)
         else:
@@ -123,10 +112,20 @@ class DecodeGraphs:
             self.kv_host[j, 1].copy_(v[0].to(dtype), non_blocking=True)
         return q[0]
 
+    def _window_attention(self, layer: int, q: torch.Tensor, last: int = 0):
+        """q [H, D] over the layer's sinks and window (its `last` keys only, when given) -> out
+        [H, D], lse [H] float32. Captured: the whole buffer with the invalid keys masked, fixed
+        shapes read from device memory; eager: the valid keys only."""
+        keys, values = self.window.layer_buffers(layer)
+        if self.capturing:
+            lo = torch.maximum(self.lo, self.hi - last) if last else self.lo
+            return masked_window_attention(q, keys, values, lo, self.hi, self.model.scale)
+        lo, hi = self.valid
+        lo = max(lo, hi - last) if last else lo
+        return attention_with_lse(q, keys[:, lo:hi], values[:, lo:hi], self.model.scale)
+
     def _finish(self, layer: int, o: torch.Tensor):
-        model = self.model
-        x = self.x + model.attention_output(layer, o[None].to(self.x.dtype))
-        self.x.copy_(x + model.mlp(layer, x))
+        self.x.copy_(self.model.residual_block(layer, self.x, o[None]))
 
     # ---- capture and replay -------------------------------------------------------------
     def capture(self):
@@ -152,16 +151,18 @@ class DecodeGraphs:
         self.position.fill_(position)
         index = w.sink_tokens + position - w.window_start
         self.slot.fill_(index)
-        self.lo.fill_(0 if w.window_start else w.sink_tokens)
-        self.hi.fill_(index + 1)
+        self.valid = (0 if w.window_start else w.sink_tokens, index + 1)
+        if self.capturing:
+            self.lo.fill_(self.valid[0])
+            self.hi.fill_(self.valid[1])
 
     @property
     def ready(self) -> bool:
         return bool(self.graphs) or not self.capturing
 
     def wait(self):
-        """Until the last replayed segment, and its copies to host memory, are done."""
-        if self.capturing:
+        """Until the last segment, and its copies to host memory, are done."""
+        if self.model.device.type == "cuda":
             torch.cuda.current_stream(self.model.device).synchronize()
 
     def replay(self, j: int):
