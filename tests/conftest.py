@@ -34,6 +34,20 @@ def gemma_path():
 
 
 @cache
+def _loaded(name):
+    from ktlong.gguf.loader import load_model
+
+    return load_model(str(_model_path(name)))
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """A packaged model's name -> its LoadedModel on the CPU, loaded once per test session.
+    Tests must not change it."""
+    return _loaded
+
+
+@cache
 def _hf_tokenizer(path):
     from transformers import AutoTokenizer
 

@@ -1,7 +1,6 @@
 """Block scores computed with torch from a device copy of the anchors (`block_scoring: device`)
 equal the CPU kernel's, and decode selects the same blocks either way."""
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -11,7 +10,6 @@ from cpu_ops.anchors import build_anchors, stored_anchors
 from cpu_ops.bf16 import from_bf16
 from cpu_ops.block_select import QUEST, block_scores
 from tests.settings import selection
-from ktlong.decode.device_anchors import scores_on_device
 from ktlong.kv.layout import kv_layout
 from ktlong.session.long_context import LongContextSession
 from operators.block_scores import device_block_scores
@@ -52,13 +50,6 @@ def test_device_scores_equal_the_definition_and_the_cpu_kernel(anchor_type, anch
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
     cpu = block_scores(qb, stored, np.arange(NB, dtype=np.int32), QUEST if quest else 0, shared)
     np.testing.assert_allclose(got, cpu, rtol=1e-5, atol=1e-4)
-
-
-def test_auto_scores_on_a_gpu_only():
-    s = selection()
-    assert scores_on_device(s, torch.device("cuda")) and not scores_on_device(s, torch.device("cpu"))
-    assert scores_on_device(dataclasses.replace(s, block_scoring="device"), torch.device("cpu"))
-    assert not scores_on_device(dataclasses.replace(s, block_scoring="cpu"), torch.device("cuda"))
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +98,17 @@ def test_decode_selects_the_same_blocks_with_device_scores(tiny, graphs, mode, p
         words = device.device_anchors.anchors[layer].view(torch.int16).numpy().view(np.uint16)
         np.testing.assert_array_equal(words, device.selector.anchors[layer])
     assert device.host.num_tokens // B > 200 // B + 2
+
+
+@pytest.mark.parametrize("scoring, on_device", [("auto", False), ("cpu", False), ("device", True)])
+def test_where_blocks_are_scored_without_a_gpu(tiny, monkeypatch, scoring, on_device):
+    """auto scores with the Numba kernel on a CPU-only machine (on a GPU it keeps a device copy:
+    tests/test_gpu_decode_graph.py); device scores with torch wherever the model is."""
+    import ktlong.decode.selection as selection_module
+
+    calls = []
+    kernel = selection_module.block_scores
+    monkeypatch.setattr(selection_module, "block_scores", lambda *a: calls.append(1) or kernel(*a))
+    decoder, picked, _ = selections(tiny, scoring, False)
+    assert picked and (decoder.device_anchors is not None) == on_device
+    assert (len(calls) == 0) == on_device

@@ -66,13 +66,12 @@ SPARSE = ["chunk_size=256", "local_windows_len=256", "block_size=64", "second_se
 
 
 @pytest.mark.slow
-def test_fast_subset_dense_and_sparse_retrieve_the_passkey(tmp_path, monkeypatch):
+def test_fast_subset_dense_and_sparse_retrieve_the_passkey(tmp_path, monkeypatch, real_model):
     from ktlong.config import load_config, parse_set
     from ktlong.eval.runner import run_task
-    from ktlong.gguf.loader import load_model
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    lm = load_model("smollm2-135m")
+    lm = real_model("smollm2-135m")
     config = load_config(overrides=parse_set(SPARSE))
     results = run_task(lm, config, "passkey", [1024, 2048], [0.5], 2, ["dense", "sparse"], seed=0)
     sparse = [r for r in results if r.attention == "sparse"]
@@ -81,15 +80,14 @@ def test_fast_subset_dense_and_sparse_retrieve_the_passkey(tmp_path, monkeypatch
 
 
 @pytest.mark.slow
-def test_sparse_decode_answers_like_dense_on_a_passkey_at_8k(tmp_path, monkeypatch):
+def test_sparse_decode_answers_like_dense_on_a_passkey_at_8k(tmp_path, monkeypatch, real_model):
     """Issue 7: with sparse decode settings, SmolLM2's greedy answer at its full 8K context
     equals the dense one."""
     from ktlong.config import load_config, parse_set
     from ktlong.eval.runner import run_task
-    from ktlong.gguf.loader import load_model
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    lm = load_model("smollm2-135m")
+    lm = real_model("smollm2-135m")
     config = load_config(overrides=parse_set(["chunk_size=8192", "local_windows_len=1024", "block_size=64",
                                               "second_select_num=16", "preselect_block_count=32"]))
     dense, sparse = run_task(lm, config, "passkey", [8000], [0.4], 1, ["dense", "sparse"], seed=1)

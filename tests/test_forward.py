@@ -70,10 +70,8 @@ def test_chunked_forward_with_cache_equals_one_pass(tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_logits_equal_transformers(smollm2_path, hf_model):
-    from ktlong.gguf.loader import load_model
-
-    lm = load_model(str(smollm2_path))
+def test_smollm2_logits_equal_transformers(smollm2_path, hf_model, real_model):
+    lm = real_model("smollm2-135m")
     text = "The capital of France is Paris. In 1889 the Eiffel Tower opened; def f(x): return x"
     ids = lm.tokenizer.encode(text)
     c = lm.config
@@ -85,12 +83,11 @@ def test_smollm2_logits_equal_transformers(smollm2_path, hf_model):
 
 
 @pytest.mark.slow
-def test_gemma3_270m_logits_equal_transformers_past_the_sliding_window(hf_model):
-    from ktlong.gguf.loader import load_model
+def test_gemma3_270m_logits_equal_transformers_past_the_sliding_window(hf_model, real_model):
     from ktlong.gguf.registry import resolve_model_path
 
     path = resolve_model_path("gemma3-270m")
-    lm = load_model(str(path))
+    lm = real_model("gemma3-270m")
     c = lm.config
     assert c.sliding_window == 512 and c.sliding_layers[:6] == (True,) * 5 + (False,)
     ids = [lm.tokenizer.bos_id] + list(range(1000, 1700))  # 701 tokens: past the 512 window

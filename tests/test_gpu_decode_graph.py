@@ -83,7 +83,7 @@ def test_device_scores_on_the_gpu_equal_the_cpu_kernel(anchor_type, anchor_num):
 def test_graphs_with_device_scores_select_the_blocks_cpu_scores_select():
     model = random_model("tiny", torch.device("cuda"), torch.bfloat16)
     ids = torch.randint(0, 1000, (700,), generator=torch.Generator().manual_seed(5)).tolist()
-    device = session(model, True, second_select_num=3, block_scoring="device")
+    device = session(model, True, second_select_num=3, block_scoring="auto")  # auto: the device on a GPU
     cpu = session(model, True, second_select_num=3, block_scoring="cpu")
     a, b = device.prefill(ids), cpu.prefill(ids)
     assert device.decoder.device_anchors is not None and cpu.decoder.device_anchors is None

@@ -55,9 +55,7 @@ def test_special_tokens_parse_whole_or_stay_text(smollm2_path):
 
 
 @pytest.mark.slow
-def test_chat_template_renders_chatml(qwen_path):
-    from ktlong.gguf.loader import load_model
-
-    lm = load_model(str(qwen_path))
+def test_chat_template_renders_chatml(real_model):
+    lm = real_model("qwen2.5-coder-0.5b")
     text = lm.chat_template.render([{"role": "user", "content": "Hi"}])
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
