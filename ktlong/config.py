@@ -118,15 +118,21 @@ class Config:
 
     def check_against_model(self, num_layers: int, context_length: int) -> int:
         """Refuse settings that cannot work with this model; return the effective max_seq_len."""
-        max_seq_len = self.max_seq_len or context_length
-        if self.mode == "long_context" and self.local_windows_len > max_seq_len:
-            raise ConfigError(f"local_windows_len ({self.local_windows_len}, from "
-                              f"{self.where('local_windows_len')}) is longer than max_seq_len "
-                              f"({max_seq_len}); lower local_windows_len or raise max_seq_len.")
         if self.dense_layer_num > num_layers:
             raise ConfigError(f"dense_layer_num ({self.dense_layer_num}) exceeds the model's "
                               f"{num_layers} layers; set it to at most {num_layers}.")
-        return max_seq_len
+        return self.max_seq_len or context_length
+
+    def check_local_window(self, max_seq_len: int, sliding_window: int):
+        """The long-context device window: shorter than max_seq_len, and covering the model's
+        sliding window (those layers read nothing else)."""
+        if self.local_windows_len > max_seq_len:
+            raise ConfigError(f"local_windows_len ({self.local_windows_len}, from "
+                              f"{self.where('local_windows_len')}) is longer than max_seq_len "
+                              f"({max_seq_len}); lower local_windows_len or raise max_seq_len.")
+        if sliding_window and self.local_windows_len < sliding_window:
+            raise ConfigError(f"local_windows_len ({self.local_windows_len}) is shorter than the model's sliding "
+                              f"window ({sliding_window}); set local_windows_len to at least {sliding_window}.")
 
 
 def option_fields() -> list[dataclasses.Field]:

@@ -46,7 +46,7 @@ def test_gpu_benches_say_they_need_a_gpu(no_user_file, capsys, name):
 
 
 def test_unsupported_kv_type_in_prefill_is_one_sentence(no_user_file, capsys):
-    assert bench(["prefill", "--lengths", "1k", "--device", "cpu", "--set", "kv_type=q8_0"]) == 2
+    assert bench(["prefill", "--lengths", "4k", "--device", "cpu", "--set", "kv_type=q8_0"]) == 2
     one_sentence_error(capsys, "kv_type 'q8_0'")
 
 

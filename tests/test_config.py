@@ -110,7 +110,7 @@ def test_model_checks_run_before_weights(user_file):
     config = load_config(overrides=parse_set(["mode=long_context", "local_windows_len=8192",
                                               "max_seq_len=4096"]))
     with pytest.raises(ConfigError, match="local_windows_len .* longer than max_seq_len"):
-        config.check_against_model(num_layers=30, context_length=8192)
+        config.check_local_window(config.check_against_model(num_layers=30, context_length=8192), 0)
     config = load_config(overrides=parse_set(["dense_layer_num=40"]))
     with pytest.raises(ConfigError, match="at most 30"):
         config.check_against_model(num_layers=30, context_length=8192)

@@ -101,10 +101,12 @@ def test_local_window_must_cover_the_sliding_window(tmp_path):
     from ktlong.errors import ConfigError
 
     lm = tiny_model(tmp_path, TinySpec(arch="gemma3", num_layers=6, num_kv_heads=1, tied=True, sliding_window=64))
-    layout = model_kv_layout(lm.config, 16, 256, "fp32", local_windows_len=32)
+    from ktlong.config import default_config
+    from ktlong.session.plan import plan_session
+
+    config = default_config(local_windows_len=32, block_size=16, chunk_size=32)
     with pytest.raises(ConfigError, match="at least 64"):
-        LongContextSession(lm.model, layout, chunk_size=32, backend="torch", hidden_on_device=True, compact=None,
-                           selection=selection(), local_windows_len=32, use_cuda_graph=False)
+        plan_session(config, lm.config, 0, 256, lm.model.device, lm.model.dtype)
 
 
 def test_config_options_reach_prefill_and_decode_settings(tmp_path, monkeypatch):

@@ -55,8 +55,8 @@ class HybridDecoder:
         # block scores computed on the device from a copy of the anchors (`block_scoring`)
         self.device_anchors = (DeviceAnchors(self.selector, self.global_layers, model.device)
                                if scores_on_device(settings, model.device) else None)
-        self.k_stored = [stored_view(t) for t in host.k]
-        self.v_stored = [stored_view(t) for t in host.v]
+        self.k_stored = [stored_view(t, layout.kv_type) for t in host.k]
+        self.v_stored = [stored_view(t, layout.kv_type) for t in host.v]
         self.step_index = 0
         self.times = DecodeTimes()
         self.cuda = model.device.type == "cuda"

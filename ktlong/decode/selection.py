@@ -38,13 +38,12 @@ class SelectionSettings:
     block_scoring: str  # auto | device | cpu (ktlong/decode/device_anchors.py)
 
 
-def stored_view(t: torch.Tensor) -> StoredKV:
+def stored_view(t: torch.Tensor, kv_type: str) -> StoredKV:
     """A zero-copy numpy view of one layer's host K or V ([KV, NB, B, D]) for the CPU kernels."""
     empty = np.zeros((0,), np.float32)
-    if t.dtype == torch.float32:
-        return StoredKV("fp32", t.numpy(), empty)
-    kind = {torch.bfloat16: "bf16", torch.float16: "fp16"}[t.dtype]
-    return StoredKV(kind, t.view(torch.int16).numpy().view(np.uint16), empty)
+    if kv_type == "fp32":
+        return StoredKV(kv_type, t.numpy(), empty)
+    return StoredKV(kv_type, t.view(torch.int16).numpy().view(np.uint16), empty)
 
 
 def float_keys(t: torch.Tensor) -> np.ndarray:

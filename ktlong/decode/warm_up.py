@@ -68,7 +68,7 @@ def compile_decode_kernels(layout: KVLayout, settings: SelectionSettings, num_he
     selector.build_all(num_tokens, [0])
     q = rng.standard_normal((num_heads, small.head_dim)).astype(np.float32)
     blocks, counts = selector.select(0, 0, q, 0, num_blocks)
-    sparse_attention(q, stored_view(host.k[0]), stored_view(host.v[0]), blocks, counts, num_tokens,
+    sparse_attention(q, stored_view(host.k[0], small.kv_type), stored_view(host.v[0], small.kv_type), blocks, counts, num_tokens,
                      small.block_size, scale)
     compiled, loaded = _counts()
     return CompileReport(time.perf_counter() - start, compiled - compiled0, loaded - loaded0)

@@ -24,9 +24,13 @@ class KVLayout:
     head_dim: int
     block_size: int
     num_blocks: int
-    dtype: torch.dtype
+    kv_type: str  # how K/V are stored: a key of KV_DTYPES
     sliding: tuple[bool, ...] = ()  # per layer: a sliding-window layer (DRAM keeps a tail only)
     sliding_blocks: int = 0  # DRAM blocks of a sliding layer
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return KV_DTYPES[self.kv_type]
 
     @property
     def capacity(self) -> int:
@@ -74,7 +78,7 @@ def kv_layout(num_layers, num_kv_heads, head_dim, block_size, max_seq_len, kv_ty
     # the window starts block-aligned at most local_windows_len + block_size back; one more block
     # because the prompt's end need not be block-aligned
     sliding_blocks = min(num_blocks, -(-local_windows_len // block_size) + 2) if any(sliding) else 0
-    return KVLayout(num_layers, num_kv_heads, head_dim, block_size, num_blocks, KV_DTYPES[kv_type],
+    return KVLayout(num_layers, num_kv_heads, head_dim, block_size, num_blocks, kv_type,
                     tuple(sliding) if any(sliding) else (), sliding_blocks)
 
 

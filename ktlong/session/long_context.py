@@ -32,11 +32,7 @@ class LongContextSession:
                  hidden_on_device: bool, compact: CompactParams | None, selection: SelectionSettings,
                  local_windows_len: int, use_cuda_graph: bool):
         window = model.config.sliding_window
-        if window and local_windows_len < window:
-            from ktlong.errors import ConfigError
-
-            raise ConfigError(f"local_windows_len ({local_windows_len}) is shorter than the model's sliding "
-                              f"window ({window}); set local_windows_len to at least {window}.")
+        assert not window or local_windows_len >= window, "Config.check_local_window"
         assert tuple(layout.sliding) == tuple(model.config.sliding_layers), "use model_kv_layout"
         assert not layout.sliding or layout.sliding_blocks * layout.block_size >= min(
             layout.capacity, local_windows_len + layout.block_size), "the DRAM tail must cover the device window"

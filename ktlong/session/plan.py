@@ -63,6 +63,7 @@ def apply_threads(threads_num: int) -> int:
 def plan_session(config: Config, model_config: ModelConfig, num_weight_elements: int, max_seq_len: int,
                  device: torch.device, dtype: torch.dtype) -> SessionPlan:
     """Decide; `SessionPlan.check()` refuses what does not fit (callers print the plan first)."""
+    config.check_local_window(max_seq_len, model_config.sliding_window)
     apply_threads(config.threads_num)
     kv_type = resolve_kv_type(config.kv_type, dtype)
     layout = model_kv_layout(model_config, config.block_size, max_seq_len, kv_type, config.local_windows_len)
