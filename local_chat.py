@@ -36,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max_seq_len", type=int, help="longest prompt plus answer in tokens "
                      "(default: the model's context length)")
     run.add_argument("--cpu_infer", type=int, help=f"CPU threads (default: {d['threads_num']} = every core but one)")
-    run.add_argument("--use_cuda_graph", action="store_true", default=None,
-                     help="long-context decode on a GPU: replay its device part from CUDA graphs")
+    run.add_argument("--use_cuda_graph", action=argparse.BooleanOptionalAction, default=None,
+                     help="long-context decode on a GPU: replay its device part from CUDA graphs "
+                          f"(default: {d['use_cuda_graph']}, on with CUDA)")
     gen = p.add_argument_group("generation")
     gen.add_argument("--prompt_file", help="text file sent as the first message; an empty line resends it")
     gen.add_argument("--max_new_tokens", type=int, help=f"default: {d['max_new_tokens']}")
