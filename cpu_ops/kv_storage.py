@@ -2,10 +2,13 @@
 
 A stored K or V block tensor is [KV, NB, B, D] of:
   bf16 / fp16: uint16 words (bf16 widens by a shift; fp16 by IEEE half decoding);
-  q8_0: int8 values with a float32 scale per 32 values ([KV, NB, B, D/32]);
-  q4_0: packed nibbles [KV, NB, B, D/2] (value - 8) with a float32 scale per 32 values;
+  q8_0: int8 values [KV, NB, B, D] with a float16 scale per 32 values ([KV, NB, B, D/32] words);
+  q4_0: packed nibbles [KV, NB, B, D/2] with a float16 scale per 32 values: in each group's 16
+        bytes, byte j holds value j + 8 in its low nibble and value j + 16 + 8 in its high one;
   fp32: float32 as is (exact CPU reference runs).
-The reference encoders here are plain numpy; the kernels read rows with `load_row`.
+q8_0 and q4_0 hold GGML's blocks (ggml-quants.c) as two planes: the same values and scales bit
+for bit, the scales apart from the values. The reference encoders here are plain numpy; the
+kernels read rows with `load_row`.
 """
 
 from __future__ import annotations
@@ -26,40 +29,46 @@ QBLOCK = 32
 class StoredKV:
     kind: str
     data: np.ndarray  # uint16 / int8 / uint8, see above
-    scales: np.ndarray  # float32 [KV, NB, B, D/32] for q8_0 / q4_0, else an empty array
+    scales: np.ndarray  # uint16 float16 words [KV, NB, B, D/32] for q8_0 / q4_0, else an empty array
 
     @property
     def head_dim(self) -> int:
         return self.data.shape[-1] * (2 if self.kind == "q4_0" else 1)
 
     def nbytes_per_token(self) -> int:
-        return self.data.shape[-1] * self.data.itemsize + self.scales.shape[-1] * 4 * (self.scales.ndim == 4)
+        return self.data.shape[-1] * self.data.itemsize + self.scales.shape[-1] * 2 * (self.scales.ndim == 4)
+
+
+def _round_half_away(x: np.ndarray) -> np.ndarray:
+    a = np.abs(x)
+    floored = np.floor(a)
+    return np.sign(x) * (floored + np.floor(2 * (a - floored)))
 
 
 def encode(x: np.ndarray, kind: str) -> StoredKV:
-    """x: float32 [KV, NB, B, D] -> StoredKV (round to nearest for every type)."""
+    """x: float32 [KV, NB, B, D] -> StoredKV (bf16/fp16 round to nearest; q8_0/q4_0 as GGML)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    empty = np.zeros((0,), np.float32)
+    empty = np.zeros((0,), np.uint16)
     if kind == "bf16":
         return StoredKV(kind, to_bf16(x), empty)
     if kind == "fp16":
         return StoredKV(kind, x.astype(np.float16).view(np.uint16), empty)
     groups = x.reshape(*x.shape[:-1], -1, QBLOCK)
-    amax = np.abs(groups).max(-1)
     if kind == "q8_0":
-        scale = (amax / 127).astype(np.float32)
-        q = np.round(groups / np.where(scale == 0, 1, scale)[..., None])
-        return StoredKV(kind, np.clip(q, -127, 127).astype(np.int8).reshape(x.shape), scale)
-    if kind == "q4_0":
-        # signed max over the group picks the scale so that value -8 reaches the extreme
-        idx = np.abs(groups).argmax(-1)
-        extreme = np.take_along_axis(groups, idx[..., None], -1)[..., 0]
-        scale = (extreme / -8).astype(np.float32)
-        q = np.round(groups / np.where(scale == 0, 1, scale)[..., None]) + 8
-        q = np.clip(q, 0, 15).astype(np.uint8).reshape(x.shape)
-        packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
-        return StoredKV(kind, packed, scale)
-    raise ValueError(f"unknown kv type {kind}")
+        d = np.abs(groups).max(-1, keepdims=True) / np.float32(127)
+    elif kind == "q4_0":
+        extreme = np.take_along_axis(groups, np.abs(groups).argmax(-1)[..., None], -1)
+        d = extreme / np.float32(-8)
+    else:
+        raise ValueError(f"unknown kv type {kind}")
+    with np.errstate(divide="ignore"):
+        inverse = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+    scales = d[..., 0].astype(np.float16).view(np.uint16)
+    if kind == "q8_0":
+        return StoredKV(kind, _round_half_away(groups * inverse).astype(np.int8).reshape(x.shape), scales)
+    q = np.trunc(groups * inverse + np.float32(8.5)).astype(np.uint8).clip(0, 15)
+    packed = (q[..., :16] | (q[..., 16:] << np.uint8(4))).reshape(*x.shape[:-1], -1)
+    return StoredKV(kind, packed, scales)
 
 
 def decode(s: StoredKV) -> np.ndarray:
@@ -70,14 +79,13 @@ def decode(s: StoredKV) -> np.ndarray:
         return s.data.view(np.float16).astype(np.float32)
     if s.kind == "fp32":
         return s.data.astype(np.float32)
+    d = s.scales.view(np.float16).astype(np.float32)[..., None]
     if s.kind == "q8_0":
         g = s.data.astype(np.float32).reshape(*s.data.shape[:-1], -1, QBLOCK)
-        return (g * s.scales[..., None]).reshape(s.data.shape)
-    low, high = (s.data & 0xF).astype(np.float32), (s.data >> 4).astype(np.float32)
-    q = np.empty((*s.data.shape[:-1], s.data.shape[-1] * 2), np.float32)
-    q[..., 0::2], q[..., 1::2] = low - 8, high - 8
-    g = q.reshape(*q.shape[:-1], -1, QBLOCK)
-    return (g * s.scales[..., None]).reshape(q.shape)
+        return (g * d).reshape(s.data.shape)
+    packed = s.data.reshape(*s.data.shape[:-1], -1, QBLOCK // 2)
+    g = np.concatenate([(packed & 0xF).astype(np.float32) - 8, (packed >> 4).astype(np.float32) - 8], -1)
+    return (g * d).reshape(*s.data.shape[:-1], -1)
 
 
 @nb.njit(inline="always", cache=True)
@@ -107,8 +115,10 @@ def load_row(kind, data, scales, h, b, t, out_u32, out_f32):
     elif kind == 2:
         row = data[h, b, t]
         sc = scales[h, b, t]
-        for c in range(d):
-            out_f32[c] = row[c] * sc[c // 32]
+        for group in range(d // 32):
+            scale = np.float32(_half_to_float(np.int32(sc[group])))
+            for c in range(group * 32, group * 32 + 32):
+                out_f32[c] = row[c] * scale
     elif kind == 4:
         row = data[h, b, t]
         for c in range(d):
@@ -116,10 +126,12 @@ def load_row(kind, data, scales, h, b, t, out_u32, out_f32):
     else:
         row = data[h, b, t]
         sc = scales[h, b, t]
-        for c in range(d // 2):
-            byte = np.int32(row[c])
-            out_f32[2 * c] = ((byte & 0xF) - 8) * sc[(2 * c) // 32]
-            out_f32[2 * c + 1] = ((byte >> 4) - 8) * sc[(2 * c + 1) // 32]
+        for group in range(d // 32):
+            scale = np.float32(_half_to_float(np.int32(sc[group])))
+            for j in range(16):
+                byte = np.int32(row[group * 16 + j])
+                out_f32[group * 32 + j] = np.float32((byte & 0xF) - 8) * scale
+                out_f32[group * 32 + j + 16] = np.float32((byte >> 4) - 8) * scale
 
 
 @nb.njit(inline="always", cache=True)

@@ -210,7 +210,7 @@ def sparse_attention(q: np.ndarray, k: StoredKV, v: StoredKV, blocks: np.ndarray
     return out, lse
 
 
-_NO_SCALES = np.zeros((1, 1, 1, 1), np.float32)
+_NO_SCALES = np.zeros((1, 1, 1, 1), np.uint16)
 
 
 def sparse_attention_reference(q, k: StoredKV, v: StoredKV, block_lists, num_tokens, block_size, scale):
