@@ -24,6 +24,7 @@ from ktlong.models.llama import LlamaModel
 from operators.block_summary import block_summaries, token_importance
 from operators.chunk_attention import chunk_attention, flashinfer_available
 from operators.compact_attention import CompactAttention, CompactParams
+from operators.kv_quant import quantize_kv
 from operators.observation_scores import observation_block_mass
 
 IMPORTANCE_QUERIES = 64  # last queries of each chunk that score its keys for DYNAMIC anchors
@@ -249,9 +250,19 @@ class LayerMajorPrefill:
         return torch.cuda.stream(self.copy_stream)
 
     def _copy_kv(self, layer, s, e, host: HostKVCache, stats):
+        """K/V of positions s..e to DRAM in its stored type: q8_0 / q4_0 are quantised here, on the
+        device, so that the copy moves the quantised bytes."""
+        layout = self.layout
         with self._after_compute():
             for which, pages in (("k", self.pages.k), ("v", self.pages.v)):
-                dst, src = host.tokens(layer, which, s, e), self.pages.tokens(pages)[:, s:e]
-                for h in range(self.layout.num_kv_heads):  # one contiguous range per head
-                    dst[h].copy_(src[h], non_blocking=True)
-        stats.bytes_to_host += 2 * (e - s) * self.layout.num_kv_heads * self.layout.head_dim * self.layout.dtype.itemsize
+                src = self.pages.tokens(pages)[:, s:e]  # [KV, e-s, D]
+                planes = [(host.tokens(layer, which, s, e), src)]
+                if layout.is_quantized:
+                    data, scales = quantize_kv(src, layout.kv_type)
+                    planes = [(host.tokens(layer, which, s, e), data), (host.scale_tokens(layer, which, s, e), scales)]
+                for dst, values in planes:
+                    for h in range(layout.num_kv_heads):  # one contiguous range per head
+                        dst[h].copy_(values[h], non_blocking=True)
+                    if self.cuda and values is not src:
+                        values.record_stream(self.copy_stream)
+        stats.bytes_to_host += 2 * (e - s) * layout.num_kv_heads * layout.stored_row_bytes

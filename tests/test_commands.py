@@ -45,9 +45,10 @@ def test_gpu_benches_say_they_need_a_gpu(no_user_file, capsys, name):
     one_sentence_error(capsys, "needs a CUDA GPU")
 
 
-def test_unsupported_kv_type_in_prefill_is_one_sentence(no_user_file, capsys):
-    assert bench(["prefill", "--lengths", "4k", "--device", "cpu", "--set", "kv_type=q8_0"]) == 2
-    one_sentence_error(capsys, "kv_type 'q8_0'")
+def test_a_plan_that_does_not_fit_is_refused_before_any_weight(no_user_file, capsys):
+    # 1M tokens of float32 K/V for LLaMA-3.1-8B: 256 GiB, more than this machine has
+    assert bench(["prefill", "--lengths", "1m", "--device", "cpu", "--set", "kv_type=fp32"]) == 2
+    one_sentence_error(capsys, "GiB of DRAM", "set kv_type: q8_0 (needs 72.0 GiB)")
 
 
 @pytest.mark.parametrize("argv,needles", [

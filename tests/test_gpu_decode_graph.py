@@ -12,9 +12,9 @@ from ktlong.models.random_model import random_model
 pytestmark = pytest.mark.gpu
 
 
-def session(model, use_graph, **settings):
+def session(model, use_graph, kv_type="bf16", **settings):
     c = model.config
-    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 64, 1200, "bf16")
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 64, 1200, kv_type)
     chosen = selection(preselect_block=False, **settings)
     return LongContextSession(model, layout, chunk_size=256, backend="auto", hidden_on_device=True, compact=None,
                               selection=chosen, local_windows_len=128,
@@ -94,3 +94,21 @@ def test_graphs_with_device_scores_select_the_blocks_cpu_scores_select():
         a, b = device.step(token), cpu.step(token)
     same = sum(x == y for x, y in zip(device_steps, cpu_steps))
     assert len(device_steps) == len(cpu_steps) > 0 and same >= 0.98 * len(cpu_steps)
+
+
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
+def test_replayed_decode_with_a_quantised_cache_equals_eager(kv_type):
+    """The captured segments quantise each new token's K/V on the device as the eager ones do."""
+    model = random_model("tiny", torch.device("cuda"), torch.bfloat16)
+    ids = torch.randint(0, 1000, (700,), generator=torch.Generator().manual_seed(6)).tolist()
+    eager, graphed = session(model, False, kv_type, second_select_num=3), session(model, True, kv_type, second_select_num=3)
+    a, b = eager.prefill(ids), graphed.prefill(ids)
+    assert graphed.host.k[0].dtype == (torch.int8 if kv_type == "q8_0" else torch.uint8)
+    for i in range(100):
+        assert float((b - a).norm() / a.norm()) < 3e-2, i
+        token = int(a.argmax())
+        a, b = eager.step(token), graphed.step(token)
+    for layer in range(model.config.num_layers):  # the write-through of both stored the same blocks
+        for which in ("k", "v"):
+            ours, theirs = graphed.host.tokens(layer, which, 700, 800), eager.host.tokens(layer, which, 700, 800)
+            assert (ours == theirs).float().mean() > 0.99

@@ -17,14 +17,16 @@ import time
 
 import torch
 
-from ktlong.bench.common import require_cuda, parse_lengths, print_table
+from ktlong.bench.common import parse_lengths, print_table, require_cuda
 from ktlong.config import load_config, parse_set
-from ktlong.session.settings import selection_settings
 from ktlong.decode.hybrid import HybridDecoder
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import kv_layout
 from ktlong.kv.memory_plan import GIB
 from ktlong.models.random_model import random_model
+from ktlong.session.plan import resolve_kv_type
+from ktlong.session.settings import selection_settings
+from operators.kv_quant import quantize_kv
 
 
 def fill_random(host: HostKVCache, num_tokens: int, seed: int = 0):
@@ -32,11 +34,16 @@ def fill_random(host: HostKVCache, num_tokens: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     layout = host.layout
     slab = torch.randn(layout.num_kv_heads, 64, layout.block_size, layout.head_dim, generator=g).to(layout.dtype)
+    planes = [(host.k + host.v, slab)]
+    if layout.is_quantized:  # stored as DRAM stores them: GGML's blocks and their scales
+        data, scales = quantize_kv(slab, layout.kv_type)
+        planes = [(host.k + host.v, data), (host.k_scales + host.v_scales, scales)]
     blocks = -(-num_tokens // layout.block_size)
-    for t in host.k + host.v:
-        for b0 in range(0, blocks, 64):
-            n = min(64, blocks - b0)
-            t[:, b0:b0 + n].copy_(slab[:, :n])
+    for tensors, values in planes:
+        for t in tensors:
+            for b0 in range(0, blocks, 64):
+                n = min(64, blocks - b0)
+                t[:, b0:b0 + n].copy_(values[:, :n])
     for layer in layout.global_layers:
         for table in (host.key_mean, host.key_max, host.key_min):
             table[layer].normal_(generator=g)
@@ -87,7 +94,7 @@ def main(argv=None) -> int:
     modes = [(MODES[m], *settings[m]) for m in args.modes.split(",")]
     for context in contexts:
         layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size,
-                           context + 4 + args.tokens + 1, config.kv_type)
+                           context + 4 + args.tokens + 1, resolve_kv_type(config.kv_type, torch.bfloat16))
         host = HostKVCache(layout, pin=True)
         fill_random(host, context)
         for name, settings, local, graphs in modes:
@@ -114,7 +121,8 @@ def main(argv=None) -> int:
             cpu, sel, wait = tm.cpu_attention / n, tm.selection / n, tm.device_wait / n
             rows.append(row := [f"{context // 1024}K", name, f"{1 / med:.1f}", f"{med * 1e3:.1f}", f"{cpu * 1e3:.1f}",
                          f"{sel * 1e3:.1f}", f"{wait * 1e3:.1f}", f"{(tm.total / n - cpu - sel - wait) * 1e3:.1f}",
-                         f"peak GPU {torch.cuda.max_memory_allocated(device) / GIB:.1f} GiB"])
+                         f"peak GPU {torch.cuda.max_memory_allocated(device) / GIB:.1f} GiB, "
+                         f"KV in DRAM {layout.num_layers * layout.layer_bytes() / GIB:.1f} GiB"])
             print("partial:", " | ".join(map(str, row)), flush=True)
         del host, decoder
         torch.cuda.empty_cache()

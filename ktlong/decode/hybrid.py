@@ -55,8 +55,8 @@ class HybridDecoder:
         # block scores computed on the device from a copy of the anchors (`block_scoring`)
         self.device_anchors = (DeviceAnchors(self.selector, self.global_layers, model.device)
                                if scores_on_device(settings, model.device) else None)
-        self.k_stored = [stored_view(t, layout.kv_type) for t in host.k]
-        self.v_stored = [stored_view(t, layout.kv_type) for t in host.v]
+        self.k_stored = [stored_view(host, layer, "k") for layer in range(layout.num_layers)]
+        self.v_stored = [stored_view(host, layer, "v") for layer in range(layout.num_layers)]
         self.step_index = 0
         self.times = DecodeTimes()
         self.cuda = model.device.type == "cuda"
@@ -93,6 +93,9 @@ class HybridDecoder:
             b, t = divmod(pos, self.block_size)  # the new token's K/V, through to DRAM
             self.host.k[layer][:, b, t].copy_(body.kv_host[j, 0])
             self.host.v[layer][:, b, t].copy_(body.kv_host[j, 1])
+            if self.layout.is_quantized:
+                self.host.k_scales[layer][:, b, t].copy_(body.kv_scales_host[j, 0])
+                self.host.v_scales[layer][:, b, t].copy_(body.kv_scales_host[j, 1])
             if last > first:
                 scores = None if self.device_anchors is None else body.scores_host[j].numpy
                 o_cpu, lse_cpu = self._cpu_part(layer, body.q_host[j].numpy(), first, last, scores)
@@ -131,7 +134,7 @@ class HybridDecoder:
             torch.cuda.current_stream().synchronize()  # the write-through copies must have landed
         h = self.host
         for layer in self.global_layers:
-            k = h.k[layer][:, block:block + 1]
+            k = self._unquantized_block_keys(layer, block)  # [KV, 1, B, D]
             mean, kmax, kmin = block_summaries(k, self.block_size)
             h.key_mean[layer][:, block], h.key_max[layer][:, block] = mean[:, 0], kmax[:, 0]
             h.key_min[layer][:, block] = kmin[:, 0]
@@ -140,3 +143,16 @@ class HybridDecoder:
             self.selector.update_blocks(layer, block, block + 1, num_tokens)
             if self.device_anchors is not None:
                 self.device_anchors.update(layer, block, block + 1)
+
+    def _unquantized_block_keys(self, layer: int, block: int) -> torch.Tensor:
+        """The keys of a block that just filled, as prefill summarises them: unquantised. With q8_0
+        / q4_0 in DRAM they come from the device window, which holds them in its own type, unless
+        the window is shorter than a block; otherwise from DRAM, widened."""
+        B, window = self.block_size, self.window
+        start = block * B
+        if self.layout.is_quantized and start >= window.window_start:
+            keys = window.k[layer, :, start - window.window_start:start - window.window_start + B]
+            return keys.to("cpu", torch.float32)[:, None]
+        if self.layout.is_quantized:
+            return self.host.unquantized(layer, "k", start, start + B, torch.float32)[:, None]
+        return self.host.k[layer][:, block:block + 1]

@@ -38,16 +38,14 @@ class SelectionSettings:
     block_scoring: str  # auto | device | cpu (ktlong/decode/device_anchors.py)
 
 
-def stored_view(t: torch.Tensor, kv_type: str) -> StoredKV:
-    """A zero-copy numpy view of one layer's host K or V ([KV, NB, B, D]) for the CPU kernels."""
-    empty = np.zeros((0,), np.float32)
-    if kv_type == "fp32":
-        return StoredKV(kv_type, t.numpy(), empty)
-    return StoredKV(kv_type, t.view(torch.int16).numpy().view(np.uint16), empty)
-
-
-def float_keys(t: torch.Tensor) -> np.ndarray:
-    return t.float().numpy()
+def stored_view(host: HostKVCache, layer: int, which: str) -> StoredKV:
+    """A zero-copy numpy view of one layer's host K or V ([KV, NB, B, R]) for the CPU kernels."""
+    kv_type = host.layout.kv_type
+    data = host.k[layer] if which == "k" else host.v[layer]
+    if kv_type in ("bf16", "fp16"):
+        return StoredKV(kv_type, data.view(torch.int16).numpy().view(np.uint16), np.zeros((0,), np.uint16))
+    scales = (host.k_scales[layer] if which == "k" else host.v_scales[layer]).numpy().view(np.uint16)
+    return StoredKV(kv_type, data.numpy(), scales if host.layout.is_quantized else np.zeros((0,), np.uint16))
 
 
 class DecodeBlockSelector:
@@ -80,7 +78,9 @@ class DecodeBlockSelector:
         elif t == "QUEST":
             anchors = np.stack([h.key_min[layer][:, first:last].numpy(), h.key_max[layer][:, first:last].numpy()], 2)
         else:
-            keys = float_keys(h.k[layer][:, first:last])
+            B = self.block_size
+            keys = h.unquantized(layer, "k", first * B, last * B, torch.float32).numpy()
+            keys = keys.reshape(self.num_kv, last - first, B, -1)
             importance = h.importance[layer][:, first:last].numpy()
             anchors = build_anchors(keys, num_tokens - first * self.block_size, t, self.s.anchor_num, importance)
         self.anchors[layer][:, first:last] = stored_anchors(anchors, t)

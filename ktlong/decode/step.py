@@ -27,6 +27,7 @@ from ktlong.decode.device_anchors import DeviceAnchors
 from ktlong.decode.window import DeviceWindow
 from ktlong.kv.pinned import PinnedTensors
 from ktlong.models.llama import LlamaModel
+from operators.kv_quant import quantize_kv
 from operators.merge_state import merge_states
 from operators.window_attention import attention_with_lse, masked_window_attention
 
@@ -52,7 +53,10 @@ class DecodeStep:
         # copies read and write at replay (pinned), so a layer costs one sync and no copy calls
         self._pinned = PinnedTensors()
         self.q_host = self._host((n, c.num_heads, c.head_dim), torch.float32)
-        self.kv_host = self._host((n, 2, c.num_kv_heads, c.head_dim), layout.dtype)  # k, v of the new token
+        # k, v of the new token as DRAM stores them (q8_0 / q4_0: quantised here, on the device)
+        row, groups = layout.stored_row
+        self.kv_host = self._host((n, 2, c.num_kv_heads, row), layout.stored_dtype)
+        self.kv_scales_host = self._host((n, 2, c.num_kv_heads, groups), torch.int16)
         self.o_host = self._host((n, c.num_heads, c.head_dim), torch.float32)
         self.lse_host = self._host((n, c.num_heads), torch.float32)
         self.scores_host = self._host((n, anchors.num_rows, anchors.num_blocks), torch.float32) if anchors else None
@@ -108,8 +112,13 @@ class DecodeStep:
         values.index_copy_(1, self.slot, v[0].to(dtype)[:, None])
         if j is not None:  # a global layer: q goes to the CPU, k/v through to DRAM
             self.q_host[j].copy_(q[0].float(), non_blocking=True)
-            self.kv_host[j, 0].copy_(k[0].to(dtype), non_blocking=True)
-            self.kv_host[j, 1].copy_(v[0].to(dtype), non_blocking=True)
+            kv = torch.stack([k[0], v[0]]).to(dtype)  # [2, KV, D]
+            if self.window.layout.is_quantized:
+                data, scales = quantize_kv(kv, self.window.layout.kv_type)
+                self.kv_host[j].copy_(data, non_blocking=True)
+                self.kv_scales_host[j].copy_(scales, non_blocking=True)
+            else:
+                self.kv_host[j].copy_(kv, non_blocking=True)
         return q[0]
 
     def _window_attention(self, layer: int, q: torch.Tensor, last: int = 0):

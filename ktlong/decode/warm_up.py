@@ -60,6 +60,8 @@ def compile_decode_kernels(layout: KVLayout, settings: SelectionSettings, num_he
     rng = np.random.default_rng(0)
     for t in (host.k[0], host.v[0], host.key_mean[0], host.key_max[0], host.key_min[0], host.importance[0]):
         t.copy_(t.new_tensor(rng.standard_normal(tuple(t.shape))))  # any values of the right type
+    for t in (host.k_scales[0], host.v_scales[0]):  # float16 1.0 (q8_0 / q4_0)
+        t.fill_(0x3C00)
     num_tokens = small.capacity
     # every block scored and one picked, whatever the session's settings
     scored = dataclasses.replace(settings, second_select_num=1, dense_layer_num=0, preselect_block=False,
@@ -68,7 +70,7 @@ def compile_decode_kernels(layout: KVLayout, settings: SelectionSettings, num_he
     selector.build_all(num_tokens, [0])
     q = rng.standard_normal((num_heads, small.head_dim)).astype(np.float32)
     blocks, counts = selector.select(0, 0, q, 0, num_blocks)
-    sparse_attention(q, stored_view(host.k[0], small.kv_type), stored_view(host.v[0], small.kv_type), blocks, counts, num_tokens,
+    sparse_attention(q, stored_view(host, 0, "k"), stored_view(host, 0, "v"), blocks, counts, num_tokens,
                      small.block_size, scale)
     compiled, loaded = _counts()
     return CompileReport(time.perf_counter() - start, compiled - compiled0, loaded - loaded0)

@@ -13,6 +13,7 @@ import torch
 
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import KVLayout
+from operators.kv_quant import dequantize_kv
 
 SINK_BLOCKS = 1  # blocks at the start of the context the device always attends to
 
@@ -45,11 +46,20 @@ class DeviceWindow:
         self.window_start = self.first_window_position(end)
         n, sinks = end - self.window_start, min(self.sink_tokens, end)
         for layer in range(self.layout.num_layers):
-            self.k[layer, :, :n].copy_(host.tokens(layer, "k", self.window_start, end), non_blocking=True)
-            self.v[layer, :, :n].copy_(host.tokens(layer, "v", self.window_start, end), non_blocking=True)
-            if not self.layout.is_sliding(layer):  # sliding layers never read the sink
-                self.sink_k[layer, :, :sinks].copy_(host.tokens(layer, "k", 0, sinks), non_blocking=True)
-                self.sink_v[layer, :, :sinks].copy_(host.tokens(layer, "v", 0, sinks), non_blocking=True)
+            for which, window, sink in (("k", self.k, self.sink_k), ("v", self.v, self.sink_v)):
+                self._load(window[layer, :, :n], host, layer, which, self.window_start, end)
+                if not self.layout.is_sliding(layer):  # sliding layers never read the sink
+                    self._load(sink[layer, :, :sinks], host, layer, which, 0, sinks)
+
+    def _load(self, dst: torch.Tensor, host: HostKVCache, layer: int, which: str, start: int, end: int):
+        """q8_0 / q4_0 widen on the device: the quantised bytes cross, the window holds dtype."""
+        data = host.tokens(layer, which, start, end)
+        if not self.layout.is_quantized:
+            dst.copy_(data, non_blocking=True)
+            return
+        scales = host.scale_tokens(layer, which, start, end)
+        dst.copy_(dequantize_kv(data.to(self.device, non_blocking=True), scales.to(self.device, non_blocking=True),
+                                self.layout.kv_type, self.layout.dtype))
 
     def advance(self):
         self.end += 1

@@ -1,5 +1,7 @@
 """Every layer's K/V in DRAM, head-major like the device pages, with per-block side tables:
-mean, max and min keys (Quest) and the per-token prefill importance that DYNAMIC anchors use."""
+mean, max and min keys (Quest) and the per-token prefill importance that DYNAMIC anchors use.
+With kv_type q8_0 or q4_0 each of K and V is two planes: GGML's values and their float16 scales
+(operators/kv_quant.py); the side tables always come from the unquantised keys."""
 
 from __future__ import annotations
 
@@ -8,14 +10,17 @@ import torch
 
 from ktlong.kv.layout import KVLayout
 from ktlong.kv.pinned import PinnedTensors, advise_huge_pages
+from operators.kv_quant import dequantize_kv
 
 
 class HostKVCache:
     """Every layer's K/V and side tables in DRAM (pinned when a GPU will copy into it).
 
-    k[layer], v[layer]: [KV, blocks, B, D]; block 0 is absolute block first_block[layer]
-    (0 for global layers; the start of the kept tail for sliding layers). Side tables are
-    per layer, [KV, NB, D] and [KV, NB, B]; empty for sliding layers.
+    k[layer], v[layer]: [KV, blocks, B, R] of layout.stored_dtype, R values per row (D, or D/2
+    for q4_0); k_scales[layer], v_scales[layer]: int16 [KV, blocks, B, D/32] float16 words for
+    q8_0 / q4_0, [KV, blocks, B, 0] otherwise. Block 0 is absolute block first_block[layer] (0 for
+    global layers; the start of the kept tail for sliding layers). Side tables are per layer,
+    [KV, NB, D] and [KV, NB, B]; empty for sliding layers.
     """
 
     def __init__(self, layout: KVLayout, pin: bool):
@@ -31,8 +36,11 @@ class HostKVCache:
         self.layout = layout
         blocks = [layout.blocks_in_dram(i) for i in range(layout.num_layers)]
         tables = [0 if layout.is_sliding(i) else layout.num_blocks for i in range(layout.num_layers)]
-        self.k = [alloc((H, n, B, D), layout.dtype) for n in blocks]
-        self.v = [alloc((H, n, B, D), layout.dtype) for n in blocks]
+        row, groups = layout.stored_row
+        self.k = [alloc((H, n, B, row), layout.stored_dtype) for n in blocks]
+        self.v = [alloc((H, n, B, row), layout.stored_dtype) for n in blocks]
+        self.k_scales = [alloc((H, n, B, groups), torch.int16) for n in blocks]
+        self.v_scales = [alloc((H, n, B, groups), torch.int16) for n in blocks]
         self.key_mean = [alloc((H, n, D), torch.float32) for n in tables]
         self.key_max = [alloc((H, n, D), torch.float32) for n in tables]
         self.key_min = [alloc((H, n, D), torch.float32) for n in tables]
@@ -63,8 +71,21 @@ class HostKVCache:
         return self.first_block[layer] * self.layout.block_size
 
     def tokens(self, layer: int, which: str, start: int, end: int) -> torch.Tensor:
-        """K ("k") or V ("v") of absolute positions start..end: a [KV, end-start, D] view."""
-        t = self.k[layer] if which == "k" else self.v[layer]
+        """K ("k") or V ("v") as stored, absolute positions start..end: a [KV, end-start, R] view."""
+        return self._token_view(self.k[layer] if which == "k" else self.v[layer], layer, start, end)
+
+    def scale_tokens(self, layer: int, which: str, start: int, end: int) -> torch.Tensor:
+        """Their float16 scale words (q8_0 / q4_0): a [KV, end-start, D/32] view."""
+        return self._token_view(self.k_scales[layer] if which == "k" else self.v_scales[layer], layer, start, end)
+
+    def _token_view(self, t: torch.Tensor, layer: int, start: int, end: int) -> torch.Tensor:
         base = self.first_token(layer)
         assert base <= start <= end <= base + t.shape[1] * t.shape[2], (layer, start, end, base)
         return t.view(t.shape[0], -1, t.shape[-1])[:, start - base:end - base]
+
+    def unquantized(self, layer: int, which: str, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """K or V of positions start..end widened to dtype: [KV, end-start, D]."""
+        data = self.tokens(layer, which, start, end)
+        if not self.layout.is_quantized:
+            return data.to(dtype)
+        return dequantize_kv(data, self.scale_tokens(layer, which, start, end), self.layout.kv_type, dtype)

@@ -13,8 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
+from operators.kv_quant import QBLOCK, QUANTIZED, stored_row_shapes
+
 
 KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+KV_TYPES = (*KV_DTYPES, *QUANTIZED)  # what DRAM may store; q8_0 and q4_0 as GGML's blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,13 +27,33 @@ class KVLayout:
     head_dim: int
     block_size: int
     num_blocks: int
-    kv_type: str  # how K/V are stored: a key of KV_DTYPES
+    kv_type: str  # how DRAM stores K/V: one of KV_TYPES
+    page_type: str  # how the device pages and window hold them: a key of KV_DTYPES
     sliding: tuple[bool, ...] = ()  # per layer: a sliding-window layer (DRAM keeps a tail only)
     sliding_blocks: int = 0  # DRAM blocks of a sliding layer
 
     @property
     def dtype(self) -> torch.dtype:
-        return KV_DTYPES[self.kv_type]
+        """Of the device pages and the decode window (unquantised)."""
+        return KV_DTYPES[self.page_type]
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.kv_type in QUANTIZED
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        return {"q8_0": torch.int8, "q4_0": torch.uint8}.get(self.kv_type) or KV_DTYPES[self.kv_type]
+
+    @property
+    def stored_row(self) -> tuple[int, int]:
+        """(data elements, float16 scale words) of one token of one kv head in DRAM."""
+        return stored_row_shapes(self.kv_type, self.head_dim) if self.is_quantized else (self.head_dim, 0)
+
+    @property
+    def stored_row_bytes(self) -> int:
+        data, scales = self.stored_row
+        return data * self.stored_dtype.itemsize + 2 * scales
 
     @property
     def capacity(self) -> int:
@@ -47,9 +70,13 @@ class KVLayout:
         return self.sliding_blocks if self.is_sliding(layer) else self.num_blocks
 
     def layer_bytes(self, blocks: int | None = None) -> int:
-        """K and V of one layer of `blocks` blocks (default: the whole capacity)."""
+        """K and V of one layer of `blocks` blocks in DRAM (default: the whole capacity)."""
         blocks = self.num_blocks if blocks is None else blocks
-        return 2 * self.num_kv_heads * blocks * self.block_size * self.head_dim * self.dtype.itemsize
+        return 2 * self.num_kv_heads * blocks * self.block_size * self.stored_row_bytes
+
+    def page_bytes(self) -> int:
+        """One layer's K and V pages on the device, the whole capacity."""
+        return 2 * self.num_kv_heads * self.capacity * self.head_dim * self.dtype.itemsize
 
     def side_table_bytes(self) -> int:
         """Side tables of one global layer: mean, max, min keys and token importance (float32)."""
@@ -66,23 +93,28 @@ class KVLayout:
 
 
 def kv_layout(num_layers, num_kv_heads, head_dim, block_size, max_seq_len, kv_type,
-              sliding: tuple[bool, ...] = (), local_windows_len: int = 0) -> KVLayout:
+              sliding: tuple[bool, ...] = (), local_windows_len: int = 0, page_type: str | None = None) -> KVLayout:
     """sliding, local_windows_len: the model's sliding-window layers keep in DRAM only what a device
-    window of local_windows_len loads after prefill."""
-    if kv_type not in KV_DTYPES:
-        from ktlong.errors import ConfigError
+    window of local_windows_len loads after prefill. page_type: the device's unquantised type,
+    by default kv_type itself, or bf16 when DRAM holds q8_0 / q4_0."""
+    from ktlong.errors import ConfigError
 
-        raise ConfigError(f"kv_type '{kv_type}' is stored by the decode operator, not by prefill yet; "
-                          "use --set kv_type=bf16 or fp16.")
+    if kv_type not in KV_TYPES:
+        raise ConfigError(f"kv_type '{kv_type}' is not a storage type; use one of {', '.join(KV_TYPES)}.")
+    if kv_type in QUANTIZED and head_dim % QBLOCK:
+        raise ConfigError(f"kv_type '{kv_type}' stores blocks of {QBLOCK} values, and this model's head_dim "
+                          f"is {head_dim}; use kv_type bf16 or fp16.")
+    page_type = page_type or ("bf16" if kv_type in QUANTIZED else kv_type)
     num_blocks = -(-max_seq_len // block_size)
     # the window starts block-aligned at most local_windows_len + block_size back; one more block
     # because the prompt's end need not be block-aligned
     sliding_blocks = min(num_blocks, -(-local_windows_len // block_size) + 2) if any(sliding) else 0
-    return KVLayout(num_layers, num_kv_heads, head_dim, block_size, num_blocks, kv_type,
+    return KVLayout(num_layers, num_kv_heads, head_dim, block_size, num_blocks, kv_type, page_type,
                     tuple(sliding) if any(sliding) else (), sliding_blocks)
 
 
-def model_kv_layout(c, block_size: int, max_seq_len: int, kv_type: str, local_windows_len: int) -> KVLayout:
+def model_kv_layout(c, block_size: int, max_seq_len: int, kv_type: str, local_windows_len: int,
+                    page_type: str | None = None) -> KVLayout:
     """The layout for a model config: its sliding layers keep only the device window's tail."""
     return kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, max_seq_len, kv_type,
-                     c.sliding_layers, local_windows_len)
+                     c.sliding_layers, local_windows_len, page_type)

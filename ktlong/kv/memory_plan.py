@@ -3,6 +3,7 @@ cannot fit with the numbers and the option that would make it fit."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ktlong.decode.window import SINK_BLOCKS
@@ -27,6 +28,7 @@ class MemoryPlan:
     dram_kv_sliding: int  # sliding-window layers: the tail the decode window loads
     dram_side_tables: int  # global layers only
     dram_hidden: int
+    dram_total_q8_0: int = 0  # what DRAM would hold with kv_type q8_0 (named when DRAM is short)
     global_layers: int = 0
     sliding_layers: int = 0
     device_is_gpu: bool = True
@@ -72,7 +74,9 @@ def workspace_bytes(c: ModelConfig, chunk: int, layout: KVLayout, act_bytes: int
     per_token = (3 * c.hidden_size + 2 * c.num_heads * c.head_dim + 4 * c.num_kv_heads * c.head_dim
                  + 3 * c.intermediate_size) * act_bytes
     importance = c.num_heads * 64 * chunk * 4 * 2  # scores and softmax of the last 64 queries
-    return chunk * per_token + importance + ATTENTION_WORKSPACE + c.vocab_size * 4 * 2
+    # q8_0 / q4_0: quantising one chunk's K or V (float32 blocks, their scaled copy, the rounding)
+    quantize = 4 * chunk * c.num_kv_heads * c.head_dim * 4 if layout.is_quantized else 0
+    return chunk * per_token + importance + quantize + ATTENTION_WORKSPACE + c.vocab_size * 4 * 2
 
 
 def decode_window_bytes(layout: KVLayout, local_windows_len: int, sink_tokens: int) -> int:
@@ -94,7 +98,7 @@ def plan_memory(c: ModelConfig, num_weight_elements: int, act_bytes: int, layout
                 device_anchors_per_block: int = 0) -> MemoryPlan:
     """device_anchors_per_block: anchors per block when decode scores blocks on the GPU, else 0."""
     weights = num_weight_elements * act_bytes
-    kv_pages = layout.layer_bytes()
+    kv_pages = layout.page_bytes()
     chunk = min(chunk_size, layout.capacity)
     workspace = workspace_bytes(c, chunk, layout, act_bytes)
     window = decode_window_bytes(layout, local_windows_len, SINK_BLOCKS * layout.block_size)
@@ -109,8 +113,14 @@ def plan_memory(c: ModelConfig, num_weight_elements: int, act_bytes: int, layout
         dram_kv=layout.dram_kv_bytes(sliding=False), dram_kv_sliding=layout.dram_kv_bytes(sliding=True),
         dram_side_tables=layout.dram_side_table_bytes(),
         dram_hidden=0 if hidden_on_device else full_hidden,
+        dram_total_q8_0=dram_total_with(dataclasses.replace(layout, kv_type="q8_0"), 0 if hidden_on_device else full_hidden)
+        if layout.head_dim % 32 == 0 else 0,
         global_layers=len(layout.global_layers), sliding_layers=layout.num_layers - len(layout.global_layers),
         device_is_gpu=device_is_gpu)
+
+
+def dram_total_with(layout: KVLayout, dram_hidden: int) -> int:
+    return layout.dram_kv_bytes(False) + layout.dram_kv_bytes(True) + layout.dram_side_table_bytes() + dram_hidden
 
 
 def available_dram_bytes() -> int:
@@ -137,6 +147,8 @@ def check_plan(plan: MemoryPlan, budget_bytes: int, device_is_gpu: bool, free_dr
                           "chunk_size, or raise gpu_memory_budget_gb if the GPU has more.")
     if plan.dram_total > free_dram:
         tokens = int(max_seq_len * free_dram / plan.dram_total)
+        smaller = (f"set kv_type: q8_0 (needs {plan.dram_total_q8_0 / GIB:.1f} GiB) or "
+                   if 0 < plan.dram_total_q8_0 < plan.dram_total else "")
         raise ConfigError(f"The KV cache for max_seq_len {max_seq_len:,} needs "
                           f"{plan.dram_total / GIB:.1f} GiB of DRAM but {free_dram / GIB:.1f} GiB is "
-                          f"free; lower max_seq_len to about {tokens:,} or use kv_type fp16/bf16.")
+                          f"free; {smaller}lower max_seq_len to about {tokens:,}.")

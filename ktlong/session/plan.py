@@ -20,6 +20,7 @@ from ktlong.gguf.model_config import ModelConfig
 from ktlong.kv.layout import KVLayout, model_kv_layout
 from ktlong.kv.memory_plan import GIB, MemoryPlan, available_dram_bytes, check_plan, plan_memory
 from ktlong.session.settings import selection_settings
+from operators.kv_quant import QUANTIZED
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,9 @@ def plan_session(config: Config, model_config: ModelConfig, num_weight_elements:
     config.check_local_window(max_seq_len, model_config.sliding_window)
     apply_threads(config.threads_num)
     kv_type = resolve_kv_type(config.kv_type, dtype)
-    layout = model_kv_layout(model_config, config.block_size, max_seq_len, kv_type, config.local_windows_len)
+    page_type = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    layout = model_kv_layout(model_config, config.block_size, max_seq_len, kv_type, config.local_windows_len,
+                             page_type if kv_type in QUANTIZED else None)
     budget = int(config.gpu_memory_budget_gb * GIB)
     is_gpu = device.type == "cuda"
     on_device = scores_on_device(selection_settings(config, model_config.num_layers), device)
