@@ -113,7 +113,7 @@ class LayerMajorPrefill:
         self.compact, self.is_sparse = None, compact is not None
         if compact is not None or self.backend == "fa3":  # fa3 runs dense as "every page kept"
             c = model.config
-            self.compact = CompactAttention(compact or CompactParams(selector="all"), c.num_heads,
+            self.compact = CompactAttention(compact or CompactParams.keep_all(), c.num_heads,
                                             c.num_kv_heads, layout.block_size, model.scale, self.backend,
                                             self.device)
         # pooled (mean) key of every block of the current layer, for the block selector

@@ -22,18 +22,27 @@ from operators.xattention_selector import select_blocks_xattention
 SELECTORS = ("flashprefill", "xattention", "all")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CompactParams:
-    selector: str = "flashprefill"  # flashprefill | xattention | all (keep every block: dense)
-    alpha: float = 0.1
-    threshold: float = 0.9
-    stride: int = 8
-    sink_blocks: int = 1
-    window_blocks: int = 2
-    subgroup_size: int = 4
+    """The prefill options of configs/default.yaml, same names (ktlong builds them from its config,
+    which holds the defaults and checks the values)."""
+    selector: str  # flashprefill | xattention | all (keep every block: dense)
+    alpha: float
+    threshold: float
+    stride: int
+    sink_blocks: int
+    window_blocks: int
+    subgroup_size: int
 
     def __post_init__(self):
         assert self.selector in SELECTORS, self.selector
+
+    @classmethod
+    def keep_all(cls) -> "CompactParams":
+        """Every block kept: dense attention through the paged path. With nothing selected the
+        heads of a kv group share one page list, so each group is one request."""
+        return cls(selector="all", alpha=0.0, threshold=1.0, stride=1, sink_blocks=0, window_blocks=0,
+                   subgroup_size=1 << 30)
 
 
 class CompactAttention:

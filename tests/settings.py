@@ -1,10 +1,15 @@
-"""Decode selection settings for tests, built the way sessions build them: from the defaults of
-configs/default.yaml with some options set."""
+"""Decode selection and CompactAttention settings for tests, built the way sessions build them:
+from the defaults of configs/default.yaml with some options set."""
 
 from ktlong.config import default_config
 from ktlong.decode.selection import SelectionSettings
-from ktlong.session.settings import selection_settings
+from ktlong.session.settings import compact_params, selection_settings
+from operators.compact_attention import CompactParams
 
 
 def selection(**options) -> SelectionSettings:
     return selection_settings(default_config(**options), num_layers=1 << 10)
+
+
+def compact_settings(**options) -> CompactParams:
+    return compact_params(default_config(prefill_attention="compact", **options))

@@ -10,6 +10,7 @@ import torch
 from operators.block_selector import pool_query_blocks, select_blocks_flashprefill
 from operators.block_union import build_page_lists, execution_groups, union_groups, union_query_blocks
 from operators.compact_attention import CompactAttention, CompactParams
+from tests.settings import compact_settings
 from operators.dense_attention import dense_attention
 from operators.xattention_selector import select_blocks_xattention
 
@@ -75,7 +76,8 @@ def test_subgroups_split_large_groups():
 @pytest.mark.parametrize("selector", ["flashprefill", "xattention", "all"])
 def test_keeping_everything_equals_dense_attention(selector):
     q, k, v, pooled, start, end = setup()
-    params = CompactParams(selector=selector, alpha=0.0, threshold=1.0, stride=4)
+    params = (CompactParams.keep_all() if selector == "all" else
+              compact_settings(selector=selector, alpha=0.0, threshold=1.0, stride=4))
     op = CompactAttention(params, 8, 2, B, 0.25, "torch", torch.device("cpu"))
     out, pages = op(q, k, v, pooled, start, end)
     keys = k.reshape(2, -1, 16)[:, :end]
@@ -91,7 +93,7 @@ def test_result_equals_dense_restricted_to_kept_blocks(subgroup):
     strength = torch.linspace(0.2, 3.0, 20)[torch.randperm(20, generator=torch.Generator().manual_seed(9))]
     k = k * strength[None, :, None, None]  # some history blocks matter far more than others
     pooled = k.mean(2)
-    op = CompactAttention(CompactParams(alpha=0.9, sink_blocks=1, window_blocks=1, subgroup_size=subgroup),
+    op = CompactAttention(compact_settings(alpha=0.9, sink_blocks=1, window_blocks=1, subgroup_size=subgroup),
                           8, 2, B, 0.25, "torch", torch.device("cpu"))
     out, pages = op(q, k, v, pooled, start, end)
     assert 0 < pages.density < 1

@@ -5,7 +5,8 @@ import torch
 
 from operators.block_union import build_page_lists, execution_groups
 from operators.chunk_attention import flashinfer_available
-from operators.compact_attention import CompactAttention, CompactParams
+from operators.compact_attention import CompactAttention
+from tests.settings import compact_settings
 from operators.dense_attention import dense_attention
 from operators.paged_attention_reference import paged_attention_reference
 
@@ -36,7 +37,7 @@ def test_flashinfer_paged_equals_reference_on_random_page_lists(backend, subgrou
     groups = execution_groups(32, 8, subgroup)
     keep = torch.rand(groups.shape[0], 40, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)) < 0.3
     pages = build_page_lists(keep, groups, 32, 8, k.shape[1], 40, chunk, B)
-    op = CompactAttention(CompactParams(subgroup_size=subgroup), 32, 8, B, 128 ** -0.5, backend, torch.device("cuda"))
+    op = CompactAttention(compact_settings(subgroup_size=subgroup), 32, 8, B, 128 ** -0.5, backend, torch.device("cuda"))
     got = op.execute(q, k, v, pages)
     expected = paged_attention_reference(q.double(), k.double(), v.double(), groups, pages, 128 ** -0.5)
     assert rel(got, expected) < 2e-2
@@ -48,7 +49,7 @@ def test_compact_with_alpha_zero_equals_dense_in_bf16(backend):
         pytest.skip("fa3 needs Hopper")
     start, chunk = 64 * B, 1024
     q, k, v = data(start, chunk, seed=2)
-    op = CompactAttention(CompactParams(alpha=0.0), 32, 8, B, 128 ** -0.5, backend, torch.device("cuda"))
+    op = CompactAttention(compact_settings(alpha=0.0), 32, 8, B, 128 ** -0.5, backend, torch.device("cuda"))
     out, pages = op(q, k, v, k.float().mean(2), start, start + chunk)
     keys = k.view(8, -1, 128)[:, :start + chunk].double()
     values = v.view(8, -1, 128)[:, :start + chunk].double()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.settings import selection
+from tests.settings import compact_settings, selection
 from ktlong.session.dense import DenseSession
 from ktlong.kv.layout import model_kv_layout
 from ktlong.gguf.loader import load_model
@@ -45,7 +45,7 @@ def test_paged_execution_at_gemma_shapes_equals_dense(backend, start, chunk):
     blocks = -(-(start + chunk) // 128)
     k, v = (torch.randn(1, blocks, 128, 256, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     q = torch.randn(chunk, 4, 256, generator=g, device="cuda", dtype=torch.bfloat16)
-    op = CompactAttention(CompactParams(selector="all"), 4, 1, 128, 256 ** -0.5, backend, torch.device("cuda"))
+    op = CompactAttention(CompactParams.keep_all(), 4, 1, 128, 256 ** -0.5, backend, torch.device("cuda"))
     pooled = torch.zeros(1, blocks, 256, device="cuda")
     out, _ = op(q, k, v, pooled, start, start + chunk)
     keys, values = k.view(1, -1, 256)[:, :start + chunk], v.view(1, -1, 256)[:, :start + chunk]
@@ -61,7 +61,7 @@ def test_gemma3_long_context_on_gpu_follows_dense(tmp_path, prefill_attention):
     cpu = load_model(str(path), "cpu", torch.float32)
     ids = [int(t) for t in np.random.default_rng(8).integers(0, 300, size=700)]
     layout = model_kv_layout(gpu.config, 64, 800, "bf16", local_windows_len=128)
-    compact = CompactParams(alpha=0.0) if prefill_attention == "compact" else None  # alpha 0 keeps every block
+    compact = compact_settings(alpha=0.0) if prefill_attention == "compact" else None  # alpha 0 keeps every block
     session = LongContextSession(gpu.model, layout, chunk_size=128, backend="fa2", hidden_on_device=True,
                                  compact=compact, selection=selection(second_select_num=1000, preselect_block=False),
                                  local_windows_len=128, use_cuda_graph=False)

@@ -119,3 +119,9 @@ def test_a_cpu_plan_names_ram_not_the_device():
     table = plan_memory(c, num_weight_elements(c), 4, layout, 8192, 24 * GIB, False).table()
     assert "RAM weights" in table and "RAM KV (32 global layers)" in table
     assert "device" not in table.lower() and "GPU" not in table
+
+
+def test_bf16_at_1m_on_a_125_gib_host_is_refused_naming_q8_0():
+    plan = plan_for(1 << 20)  # LLaMA-3.1-8B, bf16 K/V, 24 GiB GPU: hidden states in DRAM too
+    with pytest.raises(ConfigError, match=r"needs 140.0 GiB of DRAM .* set kv_type: q8_0 \(needs 80.0 GiB\)"):
+        check_plan(plan, 24 * GIB, True, free_dram=125 * GIB, max_seq_len=1 << 20)

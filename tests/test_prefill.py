@@ -8,6 +8,7 @@ from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import kv_layout
 from ktlong.kv.dense_cache import DenseKVCache
 from ktlong.prefill import LayerMajorPrefill
+from tests.settings import compact_settings
 from tests.tiny_gguf import TinySpec, tiny_model
 
 
@@ -116,13 +117,11 @@ def test_dram_traffic_is_what_is_copied_and_linear_in_prompt_length(tiny, monkey
 
 
 def test_compact_prefill_keeping_everything_equals_dense(tiny):
-    from operators.compact_attention import CompactParams
-
     ids = list(np.random.default_rng(9).integers(0, 300, size=150))
     expected, _ = dense(tiny, ids)
     c = tiny.config
-    for params in (CompactParams(selector="flashprefill", alpha=0.0),
-                   CompactParams(selector="xattention", threshold=1.0, stride=4)):
+    for params in (compact_settings(selector="flashprefill", alpha=0.0),
+                   compact_settings(selector="xattention", threshold=1.0, stride=4)):
         layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 150, "fp32")
         engine = LayerMajorPrefill(tiny.model, layout, 32, "torch", True, compact=params)
         logits, stats = engine.run(ids, HostKVCache(layout, pin=False))
@@ -131,13 +130,11 @@ def test_compact_prefill_keeping_everything_equals_dense(tiny):
 
 
 def test_compact_prefill_logs_density_per_layer(tiny):
-    from operators.compact_attention import CompactParams
-
     ids = list(np.random.default_rng(10).integers(0, 300, size=256))
     c = tiny.config
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 256, "fp32")
     engine = LayerMajorPrefill(tiny.model, layout, 32, "torch", True,
-                               compact=CompactParams(alpha=0.9, sink_blocks=0, window_blocks=0))
+                               compact=compact_settings(alpha=0.9, sink_blocks=0, window_blocks=0))
     logits, stats = engine.run(ids, HostKVCache(layout, pin=False))
     assert len(stats.density_per_layer) == c.num_layers
     assert all(0 < d <= 1 for d in stats.density_per_layer) and min(stats.density_per_layer) < 1

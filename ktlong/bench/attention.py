@@ -18,11 +18,13 @@ import numpy as np
 import torch
 
 from ktlong.bench.common import parse_lengths, print_table, require_cuda, time_cuda
+from ktlong.config import default_config
 from ktlong.errors import KtlongError
+from ktlong.session.settings import compact_params
 from operators.block_selector import select_blocks_flashprefill
 from operators.block_union import build_page_lists, union_groups, union_query_blocks
 from operators.chunk_attention import chunk_attention, flashinfer_available
-from operators.compact_attention import CompactAttention, CompactParams
+from operators.compact_attention import CompactAttention
 
 B = 128
 
@@ -77,7 +79,7 @@ def dense_time(q, k, v, start, backend, op_all):
 
 def synthetic_rows(args, device):
     rows = []
-    params = CompactParams()
+    params = compact_params(default_config(prefill_attention="compact"))
     for backend in args.backends.split(","):
         op = CompactAttention(params, 32, 8, B, 128 ** -0.5, backend, device)
         for chunk in parse_lengths(args.chunks):
@@ -107,7 +109,8 @@ def captured_rows(path, device, backend):
         start = int(data[f"{name}_start"])
         num_heads, num_kv, dim = q.shape[1], k.shape[0], q.shape[2]
         pooled = k.float().mean(2)
-        for params in (CompactParams(), CompactParams(selector="xattention")):
+        for params in (compact_params(default_config(prefill_attention="compact")),
+                       compact_params(default_config(prefill_attention="compact", selector="xattention"))):
             op = CompactAttention(params, num_heads, num_kv, B, dim ** -0.5, backend, device)
             dense_s = dense_time(q, k, v, start, backend, op)
             out, pages = op(q, k, v, pooled, start, start + q.shape[0])
