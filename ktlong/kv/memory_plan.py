@@ -63,8 +63,10 @@ class MemoryPlan:
                  (f"{host} KV ({self.global_layers} global layers)", self.dram_kv)]
         if self.sliding_layers:
             rows.append((f"{host} KV ({self.sliding_layers} sliding, tail)", self.dram_kv_sliding))
-        rows += [(f"{host} side tables", self.dram_side_tables), (f"{host} hidden states", self.dram_hidden),
-                 ("DRAM total" if self.device_is_gpu else "RAM for the KV cache", self.dram_total)]
+        rows.append((f"{host} side tables", self.dram_side_tables))
+        if self.device_is_gpu:  # on the CPU the hidden states are the compute rows' own
+            rows.append(("DRAM hidden states", self.dram_hidden))
+        rows.append(("DRAM total" if self.device_is_gpu else "RAM for the KV cache", self.dram_total))
         return "\n".join(f"  {name:<32}{size / GIB:>9.2f} GiB" for name, size in rows)
 
 
