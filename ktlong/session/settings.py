@@ -13,18 +13,21 @@ from ktlong.decode.selection import SelectionSettings
 from operators.compact_attention import CompactParams
 
 
+def options_of(settings_class, config: Config) -> dict:
+    """The config's values of a settings dataclass whose fields are named after the options."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(settings_class)}
+
+
 def compact_params(config: Config, attention: str | None = None) -> CompactParams | None:
     """CompactAttention settings, or None for dense prefill. attention: "dense" or "sparse"
     forces the choice (the evaluation compares the two); None follows prefill_attention."""
     if attention == "dense" or (attention is None and config.prefill_attention != "compact"):
         return None
-    return CompactParams(selector=config.selector, alpha=config.alpha, threshold=config.threshold,
-                         stride=config.stride, sink_blocks=config.sink_blocks,
-                         window_blocks=config.window_blocks, subgroup_size=config.subgroup_size)
+    return CompactParams(**options_of(CompactParams, config))
 
 
 def selection_settings(config: Config, num_layers: int, attention: str = "sparse") -> SelectionSettings:
-    options = {f.name: getattr(config, f.name) for f in dataclasses.fields(SelectionSettings)}
+    options = options_of(SelectionSettings, config)
     if attention == "dense":  # every block, every layer
         options.update(second_select_num=1 << 30, dense_layer_num=num_layers, preselect_block=False,
                        block_scoring="cpu")
