@@ -31,7 +31,7 @@ def from_bf16(words: np.ndarray) -> np.ndarray:
 
 
 @intrinsic
-def _bits_as_float32(typingctx, bits):
+def bits_as_float32(typingctx, bits):
     """The low 32 bits of an integer, reinterpreted as a float32."""
     if not isinstance(bits, types.Integer):
         return None
@@ -46,4 +46,4 @@ def _bits_as_float32(typingctx, bits):
 @nb.njit(inline="always", cache=True)
 def bf16_value(word):
     """One uint16 bfloat16 word -> float32."""
-    return _bits_as_float32(np.uint32(word) << 16)
+    return bits_as_float32(np.uint32(word) << 16)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numba as nb
 import numpy as np
 
-from cpu_ops.bf16 import from_bf16, to_bf16
+from cpu_ops.bf16 import bits_as_float32, from_bf16, to_bf16
 
 KV_TYPES = ("bf16", "fp16", "q8_0", "q4_0")
 KIND = {"bf16": 0, "fp16": 1, "q8_0": 2, "q4_0": 3, "fp32": 4}
@@ -89,60 +89,55 @@ def decode(s: StoredKV) -> np.ndarray:
 
 
 @nb.njit(inline="always", cache=True)
-def _half_to_float(h):
-    sign = -1.0 if (h >> 15) & 1 else 1.0
-    exp = (h >> 10) & 0x1F
-    frac = h & 0x3FF
-    if exp == 0:
-        return sign * frac * 5.960464477539063e-08  # 2**-24
-    if exp == 31:
-        return sign * np.inf if frac == 0 else np.nan
-    return sign * (1.0 + frac / 1024.0) * 2.0 ** (exp - 15)
+def half_value(word):
+    """One uint16 IEEE half word -> float32, by moving the exponent and mantissa bits into
+    place (no pow, no division: the widening costs a few integer operations per scale)."""
+    h = np.uint32(word)
+    sign = (h & np.uint32(0x8000)) << np.uint32(16)
+    magnitude = h & np.uint32(0x7FFF)
+    if magnitude >= np.uint32(0x7C00):  # inf / nan: all exponent bits set
+        return bits_as_float32(sign | np.uint32(0x7F800000) | ((magnitude & np.uint32(0x3FF)) << np.uint32(13)))
+    if magnitude >= np.uint32(0x0400):  # normal: rebias the exponent from 15 to 127
+        return bits_as_float32(sign | ((magnitude << np.uint32(13)) + np.uint32(112 << 23)))
+    value = np.float32(magnitude) * np.float32(5.960464477539063e-08)  # subnormal: m * 2**-24
+    return -value if sign else value
 
 
 @nb.njit(inline="always", cache=True)
 def load_row(kind, data, scales, h, b, t, out_u32, out_f32):
     """Widen row (h, b, t) of a stored tensor into out_f32 [D] (out_u32 aliases it)."""
-    d = out_f32.shape[0]
+    row = data[h, b, t]
     if kind == 0:
-        row = data[h, b, t]
-        for c in range(d):
+        for c in range(out_f32.shape[0]):
             out_u32[c] = np.uint32(row[c]) << 16
     elif kind == 1:
-        row = data[h, b, t]
-        for c in range(d):
-            out_f32[c] = _half_to_float(np.int32(row[c]))
-    elif kind == 2:
-        row = data[h, b, t]
-        sc = scales[h, b, t]
-        for group in range(d // 32):
-            scale = np.float32(_half_to_float(np.int32(sc[group])))
-            for c in range(group * 32, group * 32 + 32):
-                out_f32[c] = row[c] * scale
+        for c in range(out_f32.shape[0]):
+            out_f32[c] = half_value(row[c])
     elif kind == 4:
-        row = data[h, b, t]
-        for c in range(d):
+        for c in range(out_f32.shape[0]):
             out_f32[c] = row[c]
+    elif kind == 2:
+        row_scales = scales[h, b, t]
+        groups = row_scales.shape[0]
+        width = row.shape[0] // groups  # 32, read from the shapes: a loop of unknown length vectorises,
+        for group in range(groups):  # while one of a constant 32 is unrolled into scalar conversions
+            scale, base = half_value(row_scales[group]), group * width
+            for j in range(width):
+                out_f32[base + j] = np.float32(row[base + j]) * scale
     else:
-        row = data[h, b, t]
-        sc = scales[h, b, t]
-        for group in range(d // 32):
-            scale = np.float32(_half_to_float(np.int32(sc[group])))
-            for j in range(16):
-                byte = np.int32(row[group * 16 + j])
-                out_f32[group * 32 + j] = np.float32((byte & 0xF) - 8) * scale
-                out_f32[group * 32 + j + 16] = np.float32((byte >> 4) - 8) * scale
+        row_scales = scales[h, b, t]
+        groups = row_scales.shape[0]
+        half = row.shape[0] // groups  # 16 bytes per group, as a runtime length (see q8_0)
+        for group in range(groups):
+            scale, src, dst = half_value(row_scales[group]), group * half, group * 2 * half
+            for j in range(half):
+                byte = np.int32(row[src + j])
+                out_f32[dst + j] = np.float32((byte & 0xF) - 8) * scale
+                out_f32[dst + half + j] = np.float32((byte >> 4) - 8) * scale
 
 
 @nb.njit(inline="always", cache=True)
 def load_block(kind, data, scales, h, b, valid, out_u32, out_f32):
     """Widen the first `valid` rows of block (h, b) into out_f32 [B, D] (out_u32 aliases it)."""
-    if kind == 0:
-        blk = data[h, b]
-        d = blk.shape[1]
-        for t in range(valid):
-            for c in range(d):
-                out_u32[t, c] = np.uint32(blk[t, c]) << 16
-    else:
-        for t in range(valid):
-            load_row(kind, data, scales, h, b, t, out_u32[t], out_f32[t])
+    for t in range(valid):
+        load_row(kind, data, scales, h, b, t, out_u32[t], out_f32[t])

@@ -21,7 +21,7 @@ from ktlong.kv.device_pages import DevicePages
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import KVLayout
 from ktlong.models.llama import LlamaModel
-from operators.block_summary import block_summaries, token_importance
+from operators.block_summary import anchor_keys, block_summaries, token_importance
 from operators.chunk_attention import chunk_attention, flashinfer_available
 from operators.compact_attention import CompactAttention, CompactParams
 from operators.kv_quant import quantize_kv
@@ -225,19 +225,22 @@ class LayerMajorPrefill:
         k_blocks = self.pages.k[:, b0:b1]  # [KV, nb, B, D]
         mean, kmax, kmin = block_summaries(k_blocks, e - s)
         self.pooled_keys[:, b0:b1] = mean
-        keys = self.pages.tokens(self.pages.k)[:, s:e]
-        importance = token_importance(q[-IMPORTANCE_QUERIES:], keys, self.model.scale)  # [KV, e-s]
+        tables = [(host.key_mean[layer][:, b0:b1], mean), (host.key_max[layer][:, b0:b1], kmax),
+                  (host.key_min[layer][:, b0:b1], kmin)]
+        if self.layout.anchor_keys:
+            importance = None
+            if self.layout.anchor_type == "DYNAMIC":
+                keys = self.pages.tokens(self.pages.k)[:, s:e]
+                importance = token_importance(q[-IMPORTANCE_QUERIES:], keys, self.model.scale)  # [KV, e-s]
+            anchors = anchor_keys(k_blocks, e - s, self.layout.anchor_type, self.layout.anchor_num, importance)
+            tables.append((host.anchor_keys[layer][:, b0:b1], anchors))
         self._copy_kv(layer, s, e, host, stats)
         with self._after_compute():
-            host.key_mean[layer][:, b0:b1].copy_(mean, non_blocking=True)
-            host.key_max[layer][:, b0:b1].copy_(kmax, non_blocking=True)
-            host.key_min[layer][:, b0:b1].copy_(kmin, non_blocking=True)
-            host.importance[layer].view(self.layout.num_kv_heads, -1)[:, s:e].copy_(
-                importance, non_blocking=True)
-            if self.cuda:
-                for t in (mean, kmax, kmin, importance):
-                    t.record_stream(self.copy_stream)
-        stats.bytes_to_host += sum(t.numel() * 4 for t in (mean, kmax, kmin, importance))
+            for dst, values in tables:
+                dst.copy_(values, non_blocking=True)
+                if self.cuda:
+                    values.record_stream(self.copy_stream)
+        stats.bytes_to_host += sum(values.numel() * 4 for _, values in tables)
 
     def _after_compute(self):
         """Where copies to the host run: on a GPU the copy stream, after everything the compute

@@ -1,7 +1,9 @@
 """Per-block key summaries for decode-time selection, computed where the keys are (GPU in prefill).
 
-For each (kv head, block): the mean key, the channel-wise max and min (Quest bounds), and a
-per-token importance used by DYNAMIC anchors. Partial blocks summarise only their valid tokens.
+For each (kv head, block): the mean key, the channel-wise max and min (Quest bounds), and the
+keys that represent it for DYNAMIC anchors (those the chunk's last queries attend to most) and
+FIX anchors (evenly spaced). Partial blocks summarise only their valid tokens. They are taken
+from the unquantised keys, before a q8_0 / q4_0 cache rounds them.
 """
 
 from __future__ import annotations
@@ -41,3 +43,33 @@ def token_importance(q_last: torch.Tensor, k: torch.Tensor, scale: float) -> tor
     pos_q = torch.arange(num_k - num_q, num_k, device=k.device)[:, None]
     scores = scores.masked_fill(torch.arange(num_k, device=k.device)[None, :] > pos_q, float("-inf"))
     return scores.softmax(-1).amax(dim=(1, 2))
+
+
+def fixed_offsets(block_size: int, anchor_num: int) -> list[int]:
+    """FIX anchors: anchor_num token offsets spread evenly over the block, centred."""
+    step = block_size / anchor_num
+    return [int(a * step + step / 2) for a in range(anchor_num)]
+
+
+def anchor_keys(k: torch.Tensor, num_valid: int, anchor_type: str, anchor_num: int,
+                importance: torch.Tensor | None = None) -> torch.Tensor:
+    """k: [KV, num_blocks, block_size, D] holding num_valid tokens -> [KV, num_blocks, A, D] float32.
+
+    DYNAMIC: the anchor_num keys of highest importance ([KV, >= num_valid] tokens; ties go to
+    the earlier token; a block of fewer valid tokens than anchors repeats them in that order).
+    FIX: the keys at `fixed_offsets`, or the last valid key past the end of a partial block."""
+    num_kv, num_blocks, block_size, dim = k.shape
+    valid = (num_valid - torch.arange(num_blocks, device=k.device) * block_size).clamp(1, block_size)  # [NB]
+    slots = torch.arange(anchor_num, device=k.device)
+    if anchor_type == "FIX":
+        offsets = torch.tensor(fixed_offsets(block_size, anchor_num), device=k.device)
+        picks = torch.minimum(offsets[None, :], valid[:, None] - 1).expand(num_kv, -1, -1)  # [KV, NB, A]
+    elif anchor_type == "DYNAMIC":
+        score = torch.full((num_kv, num_blocks * block_size), float("-inf"), device=k.device)
+        score[:, :num_valid] = importance[:, :num_valid]
+        score = score.view(num_kv, num_blocks, block_size)
+        order = torch.sort(score, dim=-1, descending=True, stable=True).indices  # [KV, NB, B]
+        picks = order.gather(-1, (slots[None, :] % valid[:, None]).expand(num_kv, -1, -1))
+    else:
+        raise ValueError(f"{anchor_type} anchors are not keys of the block")
+    return k.float().gather(2, picks[..., None].expand(-1, -1, -1, dim))

@@ -1,8 +1,11 @@
 """Decode selection and CompactAttention settings for tests, built the way sessions build them:
 from the defaults of configs/default.yaml with some options set."""
 
+import dataclasses
+
 from ktlong.config import default_config
 from ktlong.decode.selection import SelectionSettings
+from ktlong.kv.layout import KVLayout
 from ktlong.session.settings import compact_params, selection_settings
 from operators.compact_attention import CompactParams
 
@@ -13,3 +16,8 @@ def selection(**options) -> SelectionSettings:
 
 def compact_settings(**options) -> CompactParams:
     return compact_params(default_config(prefill_attention="compact", **options))
+
+
+def with_anchors(layout: KVLayout, settings: SelectionSettings) -> KVLayout:
+    """The layout keeps the anchor keys these decode settings select with (as plan_session does)."""
+    return dataclasses.replace(layout, anchor_type=settings.anchor_type, anchor_num=settings.anchor_num)

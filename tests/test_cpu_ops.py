@@ -6,11 +6,12 @@ import numba
 import numpy as np
 import pytest
 
-from cpu_ops.anchors import ANCHOR_TYPES, build_anchors, build_anchors_reference, fixed_positions, stored_anchors
+from cpu_ops.anchors import stored_anchors
 from cpu_ops.bf16 import from_bf16, to_bf16
 from cpu_ops.block_select import QUEST, block_scores, score_blocks, select_blocks, select_blocks_reference
-from cpu_ops.kv_storage import KV_TYPES, decode, encode
+from cpu_ops.kv_storage import KIND, KV_TYPES, decode, encode, half_value, load_block
 from cpu_ops.sparse_attention import sparse_attention, sparse_attention_reference
+from tests.anchors_reference import build_anchors_reference
 
 KV, H, D, B = 2, 8, 64, 16
 
@@ -143,31 +144,11 @@ def test_work_shares_do_not_change_results(threads):
         assert np.abs(out - ref).max() < 1e-5 and np.abs(lse - ref_lse).max() < 1e-5
 
 
-@pytest.mark.parametrize("anchor_type", ANCHOR_TYPES)
-def test_anchors_equal_per_block_reference(anchor_type):
-    _, k, _ = data(seed=6)
-    importance = np.random.default_rng(7).random((KV, 12, B)).astype(np.float32)
-    num_tokens = 11 * B + 3
-    got = build_anchors(k, num_tokens, anchor_type, 3, importance)
-    last = k[:, 11, :3]
-    expected_last = {"MAX": last.max(1)[:, None], "MEAN": last.mean(1)[:, None],
-                     "QUEST": np.stack([last.min(1), last.max(1)], 1),
-                     "FIX": last[:, [2, 2, 2]], "DYNAMIC": None}[anchor_type]
-    if anchor_type == "DYNAMIC":
-        order = np.argsort(-importance[:, 11, :3], 1)
-        expected_last = np.stack([last[h, order[h, [0, 1, 2]]] for h in range(KV)])
-    # anchors that pick stored keys are exact; a mean's summation order may differ from numpy's
-    tol = dict(rtol=1e-5, atol=1e-6) if anchor_type == "MEAN" else dict(rtol=0, atol=0)
-    np.testing.assert_allclose(got[:, 11], expected_last, **tol)
-    np.testing.assert_allclose(got, build_anchors_reference(k, num_tokens, anchor_type, 3, importance), **tol)
-    assert list(fixed_positions(16, 3)) == [2, 8, 13]
-
-
 @pytest.mark.parametrize("shared", [False, True])
 def test_quest_score_bounds_every_key_of_the_block(shared):
     """Min and max are stored as bfloat16 rounded outwards, so the bound survives the rounding."""
     q, k, _ = data(seed=8)
-    anchors = stored_anchors(build_anchors(k, 12 * B, "QUEST", 1), "QUEST")
+    anchors = stored_anchors(build_anchors_reference(k, 12 * B, "QUEST", 1), "QUEST")
     ids = np.arange(12, dtype=np.int32)
     scores = np.zeros((1 if shared else KV, 12), np.float32)
     score_blocks(q, anchors, ids, QUEST, shared, scores)
@@ -182,7 +163,7 @@ def test_quest_score_bounds_every_key_of_the_block(shared):
 def test_block_scores_are_max_anchor_dot_summed_over_the_group(anchor_type, anchor_num, shared):
     """Against float64 on the stored (bfloat16) anchors, for a subset of blocks out of order."""
     q, k, _ = data(seed=9)
-    stored = stored_anchors(build_anchors(k, 12 * B, anchor_type, anchor_num,
+    stored = stored_anchors(build_anchors_reference(k, 12 * B, anchor_type, anchor_num,
                                         np.random.default_rng(1).random((KV, 12, B))), anchor_type)
     anchors = from_bf16(stored).astype(np.float64)
     ids = np.array([7, 0, 3, 11, 5], np.int32)
@@ -245,3 +226,40 @@ def test_vectorised_exp_matches_numpy():
     ref = np.exp(x.astype(np.float64))
     big = ref > 1e-30
     assert (np.abs(y - ref)[big] / ref[big]).max() < 1.1e-5 and (y[x < -87] == 0).all()
+
+
+@numba.njit
+def _widen_all(kind, data, scales, out):
+    """Every row of a stored [KV, NB, B, D] tensor through the kernels' own widening."""
+    words = out.view(np.uint32)
+    for h in range(out.shape[0]):
+        for b in range(out.shape[1]):
+            load_block(kind, data, scales, h, b, out.shape[2], words[h, b], out[h, b])
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp16", "q8_0", "q4_0"])
+def test_kernel_widening_equals_the_numpy_decoding_bit_for_bit(kind):
+    _, k, _ = data(seed=5)
+    k[0, 0, 0, :32] = 0.0  # a zero scale
+    k[0, 0, 1, :32] *= 1e-4  # subnormal float16 scales
+    stored = encode(k, kind)
+    out = np.empty(k.shape, np.float32)
+    scales = stored.scales if stored.scales.ndim == 4 else np.zeros((1, 1, 1, 1), np.uint16)
+    _widen_all(KIND[kind], stored.data, scales, out)
+    np.testing.assert_array_equal(out.view(np.uint32), decode(stored).view(np.uint32))
+
+
+def test_half_words_widen_as_numpy_float16_for_every_word():
+    words = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    out = np.empty(len(words), np.float32)
+    _half_all(words, out)
+    expected = words.view(np.float16).astype(np.float32)
+    finite = ~np.isnan(expected)
+    np.testing.assert_array_equal(out[finite].view(np.uint32), expected[finite].view(np.uint32))
+    assert np.isnan(out[~finite]).all()
+
+
+@numba.njit
+def _half_all(words, out):
+    for i in range(len(words)):
+        out[i] = half_value(words[i])

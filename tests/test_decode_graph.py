@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ktlong.session.dense import DenseSession
-from tests.settings import selection
+from tests.settings import selection, with_anchors
 from ktlong.kv.layout import model_kv_layout
 from ktlong.session.long_context import LongContextSession
 from operators.window_attention import attention_with_lse, masked_window_attention
@@ -24,8 +24,8 @@ def test_masked_window_attention_equals_attention_over_the_valid_range():
 
 
 def sessions(lm, use_graph, **settings):
-    layout = model_kv_layout(lm.config, 16, 512, "fp32", local_windows_len=48)
     chosen = selection(preselect_block=False, dense_layer_num=0, **settings)
+    layout = with_anchors(model_kv_layout(lm.config, 16, 512, "fp32", local_windows_len=48), chosen)
     return LongContextSession(lm.model, layout, chunk_size=64, backend="torch", hidden_on_device=True, compact=None,
                               selection=chosen, local_windows_len=48,
                               use_cuda_graph=use_graph)

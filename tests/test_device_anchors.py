@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from cpu_ops.anchors import build_anchors, stored_anchors
+from cpu_ops.anchors import stored_anchors
+from tests.anchors_reference import build_anchors_reference
 from cpu_ops.bf16 import from_bf16
 from cpu_ops.block_select import QUEST, block_scores
-from tests.settings import selection
+from tests.settings import selection, with_anchors
 from ktlong.kv.layout import kv_layout
 from ktlong.session.long_context import LongContextSession
 from operators.block_scores import device_block_scores
@@ -38,7 +39,7 @@ def test_device_scores_equal_the_definition_and_the_cpu_kernel(anchor_type, anch
     rng = np.random.default_rng(5)
     keys = rng.standard_normal((KV, NB, B, D)).astype(np.float32)
     q = rng.standard_normal((H, D)).astype(np.float32)
-    stored = stored_anchors(build_anchors(keys, NB * B, anchor_type, anchor_num, rng.random((KV, NB, B))),
+    stored = stored_anchors(build_anchors_reference(keys, NB * B, anchor_type, anchor_num, rng.random((KV, NB, B))),
                             anchor_type)
     quest = anchor_type == "QUEST"
     words = torch.from_numpy(stored.view(np.int16)).view(torch.bfloat16)
@@ -60,8 +61,8 @@ def tiny(tmp_path_factory):
 def selections(lm, scoring, graphs, **kw):
     """Blocks selected per (step, layer) and the logits of 60 steps after a 200-token prompt."""
     c = lm.config
-    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, B, 512, "fp32")
     settings = selection(dense_layer_num=0, second_select_num=3, block_scoring=scoring, **kw)
+    layout = with_anchors(kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, B, 512, "fp32"), settings)
     s = LongContextSession(lm.model, layout, chunk_size=64, backend="torch", hidden_on_device=True, compact=None,
                            selection=settings, local_windows_len=32,
                            use_cuda_graph=graphs)  # on the CPU, graph segments run eagerly

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.settings import compact_settings, selection
+from tests.settings import compact_settings, selection, with_anchors
 from ktlong.session.dense import DenseSession
 from ktlong.kv.layout import model_kv_layout
 from ktlong.gguf.loader import load_model
@@ -60,10 +60,11 @@ def test_gemma3_long_context_on_gpu_follows_dense(tmp_path, prefill_attention):
     gpu = load_model(str(path), "cuda", torch.bfloat16)
     cpu = load_model(str(path), "cpu", torch.float32)
     ids = [int(t) for t in np.random.default_rng(8).integers(0, 300, size=700)]
-    layout = model_kv_layout(gpu.config, 64, 800, "bf16", local_windows_len=128)
+    chosen = selection(second_select_num=1000, preselect_block=False)
+    layout = with_anchors(model_kv_layout(gpu.config, 64, 800, "bf16", local_windows_len=128), chosen)
     compact = compact_settings(alpha=0.0) if prefill_attention == "compact" else None  # alpha 0 keeps every block
     session = LongContextSession(gpu.model, layout, chunk_size=128, backend="fa2", hidden_on_device=True,
-                                 compact=compact, selection=selection(second_select_num=1000, preselect_block=False),
+                                 compact=compact, selection=chosen,
                                  local_windows_len=128, use_cuda_graph=False)
     dense = DenseSession(cpu.model, 800, 128)
     a, b = session.prefill(ids), dense.prefill(ids)
@@ -98,7 +99,7 @@ def test_dram_copies_wait_for_the_compute_stream(tmp_path, arch, monkeypatch):
     ids = list(np.random.default_rng(0).integers(0, 300, 700))
     dense = DenseSession(model, 800, 2048)
     dense.prefill(ids)
-    layout = model_kv_layout(model.config, 64, 800, "bf16", 256)
+    layout = with_anchors(model_kv_layout(model.config, 64, 800, "bf16", 256), selection())
     session = LongContextSession(model, layout, chunk_size=256, backend="fa2", hidden_on_device=True, compact=None,
                                  selection=selection(), local_windows_len=256, use_cuda_graph=False)
     monkeypatch.setattr(model, "qkv", slow_qkv)

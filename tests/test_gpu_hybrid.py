@@ -7,7 +7,7 @@ import torch
 from ktlong.session.dense import DenseSession
 from ktlong.kv.layout import kv_layout
 from ktlong.session.long_context import LongContextSession
-from tests.settings import selection
+from tests.settings import selection, with_anchors
 from ktlong.models.random_model import random_model
 from operators.chunk_attention import flashinfer_available
 from operators.merge_state import merge_states, merge_states_flashinfer
@@ -30,7 +30,7 @@ def test_hybrid_decode_on_gpu_follows_dense_decode():
     model = random_model("tiny", torch.device("cuda"), torch.bfloat16)
     c = model.config
     ids = torch.randint(0, 1000, (700,), generator=torch.Generator().manual_seed(2)).tolist()
-    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 64, 800, "bf16")
+    layout = with_anchors(kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 64, 800, "bf16"), selection())
     hybrid = LongContextSession(model, layout, chunk_size=256, backend="auto", hidden_on_device=True, compact=None,
                                 selection=selection(second_select_num=1000, preselect_block=False),
                                 local_windows_len=128, use_cuda_graph=False)

@@ -6,9 +6,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cpu_ops.anchors import build_anchors_reference, stored_anchors
+from cpu_ops.anchors import stored_anchors
+from tests.anchors_reference import build_anchors_reference
 from cpu_ops.bf16 import from_bf16
-from tests.settings import selection
+from tests.settings import selection, with_anchors
 from ktlong.session.dense import DenseSession
 from ktlong.kv.layout import kv_layout
 from ktlong.session.long_context import LongContextSession
@@ -24,7 +25,7 @@ def tiny(tmp_path_factory):
 
 def session(lm, settings, local=32, max_seq_len=512):
     c = lm.config
-    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, B, max_seq_len, "fp32")
+    layout = with_anchors(kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, B, max_seq_len, "fp32"), settings)
     return LongContextSession(lm.model, layout, chunk_size=64, backend="torch", hidden_on_device=True, compact=None,
                               selection=settings, local_windows_len=local, use_cuda_graph=False)
 
@@ -121,7 +122,12 @@ def test_selection_is_top_k_by_reference_anchor_scores(tiny, anchor_type):
     layout = s.layout
     layer, _, first, last, lists, _ = calls[2]
     keys = s.host.k[layer].numpy()
-    anchors = build_anchors_reference(keys, 200, anchor_type, 2, s.host.importance[layer].numpy())
+    if anchor_type == "DYNAMIC":  # picked by prefill's importance (tests/test_prefill.py): keys of their block
+        anchors = s.host.anchor_keys[layer].numpy()
+        for h, b in np.ndindex(*anchors.shape[:2]):
+            assert all((keys[h, b] == a).all(1).any() for a in anchors[h, b])
+    else:
+        anchors = build_anchors_reference(keys, 200, anchor_type, 2)
     anchors = from_bf16(stored_anchors(anchors, anchor_type))  # the bfloat16 values decode scores with
     assert len(lists) == layout.num_kv_heads
     for h in range(layout.num_kv_heads):

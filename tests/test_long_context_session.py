@@ -8,7 +8,7 @@ from ktlong.chat.generate import generate
 from ktlong.kv.layout import kv_layout, model_kv_layout
 from ktlong.session.long_context import LongContextSession
 from ktlong.chat.sampling import Sampler
-from tests.settings import selection
+from tests.settings import selection, with_anchors
 from tests.tiny_gguf import TinySpec, tiny_model
 
 
@@ -19,7 +19,8 @@ def tiny(tmp_path_factory):
 
 def session_for(lm, max_seq_len, block_size=16, chunk_size=32):
     c = lm.config
-    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, max_seq_len, "fp32")
+    layout = with_anchors(kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, max_seq_len, "fp32"),
+                          selection())
     return LongContextSession(lm.model, layout, chunk_size=chunk_size, backend="torch", hidden_on_device=True,
                               compact=None, selection=selection(), local_windows_len=4096, use_cuda_graph=False)
 
@@ -74,7 +75,7 @@ def test_gemma3_sliding_layers_generate_like_dense_and_skip_offload(tmp_path):
                     seed=4)
     prompt = list(np.random.default_rng(5).integers(0, 298, size=150))
     c = lm.config
-    layout = model_kv_layout(c, 16, 256, "fp32", local_windows_len=32)
+    layout = with_anchors(model_kv_layout(c, 16, 256, "fp32", local_windows_len=32), selection())
     session = LongContextSession(lm.model, layout, chunk_size=32, backend="torch", hidden_on_device=True,
                                  compact=None, selection=selection(second_select_num=1000, preselect_block=False),
                                  local_windows_len=32, use_cuda_graph=False)

@@ -28,7 +28,8 @@ def test_kv_bytes_are_exact_for_fp16():
 
 def plan_for(max_seq_len, budget_gb=24.0, chunk=8192):
     c = random_config("llama-3.1-8b")
-    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 128, max_seq_len, "bf16")
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 128, max_seq_len, "bf16",
+                       anchor_type="DYNAMIC", anchor_num=1)  # the default anchors
     return plan_memory(c, num_weight_elements(c), 2, layout, chunk, int(budget_gb * GIB), True)
 
 
@@ -74,8 +75,8 @@ def test_sliding_and_global_layers_are_counted_apart_and_match_the_allocation():
     is_sliding = [small.is_sliding(i) for i in range(6)]
     assert nbytes(t for i, t in enumerate(host.k + host.v) if not is_sliding[i % 6]) == small_plan.dram_kv
     assert nbytes(t for i, t in enumerate(host.k + host.v) if is_sliding[i % 6]) == small_plan.dram_kv_sliding
-    assert nbytes(host.key_mean + host.key_max + host.key_min + host.importance) == small_plan.dram_side_tables
-    tensors = host.k + host.v + host.key_mean + host.key_max + host.key_min + host.importance
+    assert nbytes(host.key_mean + host.key_max + host.key_min + host.anchor_keys) == small_plan.dram_side_tables
+    tensors = host.k + host.v + host.key_mean + host.key_max + host.key_min + host.anchor_keys
     assert nbytes(tensors) == small_plan.dram_total
     window = DeviceWindow(small, 64, 16, torch.device("cpu"))
     assert sum(t.numel() * t.element_size() for t in (window.buf_k, window.buf_v)) == \

@@ -8,6 +8,8 @@ from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import kv_layout
 from ktlong.kv.dense_cache import DenseKVCache
 from ktlong.prefill import LayerMajorPrefill
+from operators.block_summary import anchor_keys, fixed_offsets
+from tests.anchors_reference import build_anchors_reference
 from tests.settings import compact_settings
 from tests.tiny_gguf import TinySpec, tiny_model
 
@@ -15,6 +17,11 @@ from tests.tiny_gguf import TinySpec, tiny_model
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return tiny_model(tmp_path_factory.mktemp("m"), TinySpec(num_layers=3), seed=11)
+
+
+@pytest.fixture(scope="module")
+def tiny32(tmp_path_factory):  # head_dim 32: one q8_0 block per row
+    return tiny_model(tmp_path_factory.mktemp("m"), TinySpec(num_layers=2, hidden=128, head_dim=32), seed=13)
 
 
 def dense(lm, ids):
@@ -86,9 +93,62 @@ def test_importance_is_attention_from_the_chunks_last_queries():
     torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("anchor_type", ["DYNAMIC", "FIX"])
+@pytest.mark.parametrize("anchor_num", [1, 3])
+def test_anchor_keys_equal_per_block_reference(anchor_type, anchor_num):
+    rng = np.random.default_rng(6)
+    keys = rng.standard_normal((2, 5, 16, 8)).astype(np.float32)
+    importance = rng.integers(0, 4, (2, 5, 16)).astype(np.float32)  # many ties: the earlier token wins
+    num_tokens = 4 * 16 + 2  # the last block holds 2 tokens, fewer than 3 anchors
+    got = anchor_keys(torch.from_numpy(keys), num_tokens, anchor_type, anchor_num,
+                      torch.from_numpy(importance).view(2, -1)).numpy()
+    expected = build_anchors_reference(keys, num_tokens, anchor_type, anchor_num, importance)
+    np.testing.assert_array_equal(got, expected)
+    if anchor_type == "FIX":
+        assert fixed_offsets(16, 3) == [2, 8, 13] and (got[:, 4, :] == keys[:, 4, [1] * anchor_num]).all()
+
+
+@pytest.mark.parametrize("anchor_type", ["DYNAMIC", "FIX"])
+def test_prefill_anchor_keys_come_from_the_unquantised_keys(tiny32, anchor_type, monkeypatch):
+    """With a q8_0 cache the anchor keys are the block's keys as computed, not as stored: each
+    equals the reference picked from the dense forward's keys with the importance prefill
+    measured (recorded here), and differs from the stored, rounded key."""
+    import ktlong.prefill
+
+    recorded = []
+    original = ktlong.prefill.token_importance
+    monkeypatch.setattr(ktlong.prefill, "token_importance",
+                        lambda *a: recorded.append(original(*a)) or recorded[-1])
+    tiny = tiny32
+    ids = list(np.random.default_rng(12).integers(0, 300, size=75))
+    _, cache = dense(tiny, ids)
+    c = tiny.config
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 80, "q8_0", page_type="fp32",
+                       anchor_type=anchor_type, anchor_num=2)
+    host = HostKVCache(layout, pin=False)
+    LayerMajorPrefill(tiny.model, layout, 32, "torch", hidden_on_device=True).run(ids, host)
+    chunks = 3  # of 32 tokens: 32, 32, 11
+    for layer in range(c.num_layers):
+        keys = torch.zeros(c.num_kv_heads, 80, c.head_dim)
+        keys[:, :75] = cache.k[layer, :, :75]
+        importance = np.zeros((c.num_kv_heads, 80), np.float32)
+        if anchor_type == "DYNAMIC":
+            importance[:, :75] = torch.cat(recorded[layer * chunks:(layer + 1) * chunks], 1).numpy()
+        keys = keys.view(c.num_kv_heads, 5, 16, -1).numpy()
+        expected = build_anchors_reference(keys, 75, anchor_type, 2, importance.reshape(c.num_kv_heads, 5, 16))
+        got = host.anchor_keys[layer].numpy()
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+        stored = host.unquantized(layer, "k", 0, 75, torch.float32).numpy()
+        stored_blocks = np.zeros((c.num_kv_heads, 80, c.head_dim), np.float32)
+        stored_blocks[:, :75] = stored
+        rounded = build_anchors_reference(stored_blocks.reshape(keys.shape), 75, anchor_type, 2,
+                                          importance.reshape(c.num_kv_heads, 5, 16))
+        assert np.abs(got - rounded).max() > 10 * np.abs(got - expected).max()
+
+
 def bytes_copied_into(host: HostKVCache, monkeypatch) -> list[int]:
     """Counts the bytes every Tensor.copy_ writes into the host cache's memory."""
-    tensors = host.k + host.v + host.key_mean + host.key_max + host.key_min + host.importance
+    tensors = host.k + host.v + host.key_mean + host.key_max + host.key_min + host.anchor_keys
     spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors if t.numel()]
     copied = [0]
     original = torch.Tensor.copy_

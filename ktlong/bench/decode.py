@@ -45,9 +45,8 @@ def fill_random(host: HostKVCache, num_tokens: int, seed: int = 0):
                 n = min(64, blocks - b0)
                 t[:, b0:b0 + n].copy_(values[:, :n])
     for layer in layout.global_layers:
-        for table in (host.key_mean, host.key_max, host.key_min):
+        for table in (host.key_mean, host.key_max, host.key_min, host.anchor_keys):
             table[layer].normal_(generator=g)
-        host.importance[layer].uniform_(generator=g)
     host.reset()
     host.advance(num_tokens)
 
@@ -94,7 +93,8 @@ def main(argv=None) -> int:
     modes = [(MODES[m], *settings[m]) for m in args.modes.split(",")]
     for context in contexts:
         layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size,
-                           context + 4 + args.tokens + 1, resolve_kv_type(config.kv_type, torch.bfloat16))
+                           context + 4 + args.tokens + 1, resolve_kv_type(config.kv_type, torch.bfloat16),
+                           anchor_type=config.anchor_type, anchor_num=config.anchor_num)
         host = HostKVCache(layout, pin=True)
         fill_random(host, context)
         for name, settings, local, graphs in modes:

@@ -23,7 +23,7 @@ from ktlong.decode.device_anchors import DeviceAnchors, scores_on_device
 from ktlong.decode.window import SINK_BLOCKS, DeviceWindow
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.models.llama import LlamaModel
-from operators.block_summary import block_summaries
+from operators.block_summary import anchor_keys, block_summaries
 
 
 @dataclass
@@ -123,12 +123,12 @@ class HybridDecoder:
         self.window.advance()
         self.host.advance(1)
         if (pos + 1) % self.block_size == 0:
-            self._block_filled(pos // self.block_size, pos + 1)
+            self._block_filled(pos // self.block_size)
         self.step_index += 1
         self.times.steps += 1
         self.times.total += time.perf_counter() - start
 
-    def _block_filled(self, block: int, num_tokens: int):
+    def _block_filled(self, block: int):
         """A block completed during generation: its side tables and anchors join selection."""
         if self.cuda:
             torch.cuda.current_stream().synchronize()  # the write-through copies must have landed
@@ -138,9 +138,11 @@ class HybridDecoder:
             mean, kmax, kmin = block_summaries(k, self.block_size)
             h.key_mean[layer][:, block], h.key_max[layer][:, block] = mean[:, 0], kmax[:, 0]
             h.key_min[layer][:, block] = kmin[:, 0]
-            # importance of generated keys: their norm (no prompt queries attend to them)
-            h.importance[layer][:, block] = k[:, 0].float().norm(dim=-1)
-            self.selector.update_blocks(layer, block, block + 1, num_tokens)
+            if self.layout.anchor_keys:  # DYNAMIC ranks generated keys by their norm (no prompt query saw them)
+                importance = k[:, 0].float().norm(dim=-1)
+                h.anchor_keys[layer][:, block] = anchor_keys(k, self.block_size, self.layout.anchor_type,
+                                                             self.layout.anchor_num, importance)[:, 0]
+            self.selector.update_blocks(layer, block, block + 1)
             if self.device_anchors is not None:
                 self.device_anchors.update(layer, block, block + 1)
 

@@ -1,7 +1,7 @@
 """Which DRAM blocks the CPU attends to at each decode step, for each layer.
 
-Anchors come from the prefill side tables (MAX, MEAN, QUEST) or from the keys (DYNAMIC, FIX)
-and are extended as blocks fill during generation. The first `dense_layer_num` layers read
+Anchors come from the prefill side tables: the mean, max and min keys (MEAN, MAX, QUEST), or
+the keys picked per block (DYNAMIC, FIX); they are extended as blocks fill during generation. The first `dense_layer_num` layers read
 every context block; other layers select `second_select_num` blocks by anchor score, reselect
 every `layer_step` layers and `token_step` tokens (reusing the last selection in between), and,
 with `preselect_block`, only among the `preselect_block_count` blocks on which the last prompt
@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cpu_ops.anchors import anchors_per_block, build_anchors, stored_anchors
+from cpu_ops.anchors import anchors_per_block, stored_anchors
 from cpu_ops.block_select import QUEST, block_scores, select_blocks
 from cpu_ops.kv_storage import StoredKV
 from ktlong.kv.host_cache import HostKVCache
+from ktlong.kv.layout import KEY_ANCHORS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +55,9 @@ class DecodeBlockSelector:
         layout = host.layout
         self.block_size, self.num_kv = layout.block_size, layout.num_kv_heads
         self.num_anchors = anchors_per_block(settings.anchor_type, settings.anchor_num)
+        if settings.anchor_type in KEY_ANCHORS:
+            assert (layout.anchor_type, layout.anchor_num) == (settings.anchor_type, settings.anchor_num), \
+                "the KV layout keeps other anchor keys than decode selects with: build both from one config"
         self.anchors = [np.zeros((layout.num_kv_heads, 0 if layout.is_sliding(i) else layout.num_blocks,
                                   self.num_anchors, layout.head_dim), np.uint16)  # bfloat16 words
                         for i in range(layout.num_layers)]
@@ -68,21 +72,17 @@ class DecodeBlockSelector:
         num_blocks = -(-num_tokens // self.block_size)
         self.prompt_blocks = num_tokens // self.block_size
         for layer in range(len(self.anchors)) if layers is None else layers:
-            self.update_blocks(layer, 0, num_blocks, num_tokens)
+            self.update_blocks(layer, 0, num_blocks)
 
-    def update_blocks(self, layer: int, first: int, last: int, num_tokens: int):
+    def update_blocks(self, layer: int, first: int, last: int):
         """(Re)build the anchors of blocks first..last-1 of one layer."""
         h, t = self.host, self.s.anchor_type
         if t in ("MAX", "MEAN"):
             anchors = (h.key_max if t == "MAX" else h.key_mean)[layer][:, first:last, None].numpy()
         elif t == "QUEST":
             anchors = np.stack([h.key_min[layer][:, first:last].numpy(), h.key_max[layer][:, first:last].numpy()], 2)
-        else:
-            B = self.block_size
-            keys = h.unquantized(layer, "k", first * B, last * B, torch.float32).numpy()
-            keys = keys.reshape(self.num_kv, last - first, B, -1)
-            importance = h.importance[layer][:, first:last].numpy()
-            anchors = build_anchors(keys, num_tokens - first * self.block_size, t, self.s.anchor_num, importance)
+        else:  # the keys prefill (or _block_filled) picked, unquantised
+            anchors = h.anchor_keys[layer][:, first:last].numpy()
         self.anchors[layer][:, first:last] = stored_anchors(anchors, t)
 
     # ---- preselection ------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Every layer's K/V in DRAM, head-major like the device pages, with per-block side tables:
-mean, max and min keys (Quest) and the per-token prefill importance that DYNAMIC anchors use.
+mean, max and min keys (Quest) and, for DYNAMIC and FIX anchors, the keys each block is
+represented by.
 With kv_type q8_0 or q4_0 each of K and V is two planes: GGML's values and their float16 scales
 (operators/kv_quant.py); the side tables always come from the unquantised keys."""
 
@@ -20,7 +21,7 @@ class HostKVCache:
     for q4_0); k_scales[layer], v_scales[layer]: int16 [KV, blocks, B, D/32] float16 words for
     q8_0 / q4_0, [KV, blocks, B, 0] otherwise. Block 0 is absolute block first_block[layer] (0 for
     global layers; the start of the kept tail for sliding layers). Side tables are per layer,
-    [KV, NB, D] and [KV, NB, B]; empty for sliding layers.
+    [KV, NB, D], and anchor_keys [KV, NB, A, D] (A = layout.anchor_keys); empty for sliding layers.
     """
 
     def __init__(self, layout: KVLayout, pin: bool):
@@ -44,7 +45,7 @@ class HostKVCache:
         self.key_mean = [alloc((H, n, D), torch.float32) for n in tables]
         self.key_max = [alloc((H, n, D), torch.float32) for n in tables]
         self.key_min = [alloc((H, n, D), torch.float32) for n in tables]
-        self.importance = [alloc((H, n, B), torch.float32) for n in tables]
+        self.anchor_keys = [alloc((H, n, layout.anchor_keys, D), torch.float32) for n in tables]
         self.first_block = [0] * layout.num_layers
         self.num_tokens = 0  # tokens held; changed only by advance() and reset()
         # global layer -> [KV, blocks] float32: attention mass the last prompt queries put on each

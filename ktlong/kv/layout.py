@@ -18,6 +18,7 @@ from operators.kv_quant import QBLOCK, QUANTIZED, stored_row_shapes
 
 KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KV_TYPES = (*KV_DTYPES, *QUANTIZED)  # what DRAM may store; q8_0 and q4_0 as GGML's blocks
+KEY_ANCHORS = ("DYNAMIC", "FIX")  # anchor types whose anchors are keys picked from the block
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,10 @@ class KVLayout:
     page_type: str  # how the device pages and window hold them: a key of KV_DTYPES
     sliding: tuple[bool, ...] = ()  # per layer: a sliding-window layer (DRAM keeps a tail only)
     sliding_blocks: int = 0  # DRAM blocks of a sliding layer
+    # how decode represents a block (cpu_ops/anchors.py): DYNAMIC and FIX keep anchor_num of the
+    # block's own keys, which prefill picks from the unquantised keys into a side table
+    anchor_type: str = "MAX"
+    anchor_num: int = 1
 
     @property
     def dtype(self) -> torch.dtype:
@@ -56,6 +61,11 @@ class KVLayout:
         return data * self.stored_dtype.itemsize + 2 * scales
 
     @property
+    def anchor_keys(self) -> int:
+        """Keys per block in the anchor side table (0 unless anchor_type is DYNAMIC or FIX)."""
+        return self.anchor_num if self.anchor_type in KEY_ANCHORS else 0
+
+    @property
     def capacity(self) -> int:
         return self.num_blocks * self.block_size
 
@@ -79,8 +89,8 @@ class KVLayout:
         return 2 * self.num_kv_heads * self.capacity * self.head_dim * self.dtype.itemsize
 
     def side_table_bytes(self) -> int:
-        """Side tables of one global layer: mean, max, min keys and token importance (float32)."""
-        per_block = 3 * self.head_dim * 4 + self.block_size * 4
+        """Side tables of one global layer: mean, max, min keys and the anchor keys (float32)."""
+        per_block = (3 + self.anchor_keys) * self.head_dim * 4
         return self.num_kv_heads * self.num_blocks * per_block
 
     def dram_kv_bytes(self, sliding: bool) -> int:
@@ -93,10 +103,12 @@ class KVLayout:
 
 
 def kv_layout(num_layers, num_kv_heads, head_dim, block_size, max_seq_len, kv_type,
-              sliding: tuple[bool, ...] = (), local_windows_len: int = 0, page_type: str | None = None) -> KVLayout:
+              sliding: tuple[bool, ...] = (), local_windows_len: int = 0, page_type: str | None = None,
+              anchor_type: str = "MAX", anchor_num: int = 1) -> KVLayout:
     """sliding, local_windows_len: the model's sliding-window layers keep in DRAM only what a device
     window of local_windows_len loads after prefill. page_type: the device's unquantised type,
-    by default kv_type itself, or bf16 when DRAM holds q8_0 / q4_0."""
+    by default kv_type itself, or bf16 when DRAM holds q8_0 / q4_0. anchor_type, anchor_num: the
+    decode anchors (the side table of DYNAMIC and FIX)."""
     from ktlong.errors import ConfigError
 
     if kv_type not in KV_TYPES:
@@ -110,11 +122,11 @@ def kv_layout(num_layers, num_kv_heads, head_dim, block_size, max_seq_len, kv_ty
     # because the prompt's end need not be block-aligned
     sliding_blocks = min(num_blocks, -(-local_windows_len // block_size) + 2) if any(sliding) else 0
     return KVLayout(num_layers, num_kv_heads, head_dim, block_size, num_blocks, kv_type, page_type,
-                    tuple(sliding) if any(sliding) else (), sliding_blocks)
+                    tuple(sliding) if any(sliding) else (), sliding_blocks, anchor_type, anchor_num)
 
 
 def model_kv_layout(c, block_size: int, max_seq_len: int, kv_type: str, local_windows_len: int,
-                    page_type: str | None = None) -> KVLayout:
+                    page_type: str | None = None, anchor_type: str = "MAX", anchor_num: int = 1) -> KVLayout:
     """The layout for a model config: its sliding layers keep only the device window's tail."""
     return kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, max_seq_len, kv_type,
-                     c.sliding_layers, local_windows_len, page_type)
+                     c.sliding_layers, local_windows_len, page_type, anchor_type, anchor_num)

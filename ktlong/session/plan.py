@@ -69,7 +69,7 @@ def plan_session(config: Config, model_config: ModelConfig, num_weight_elements:
     kv_type = resolve_kv_type(config.kv_type, dtype)
     page_type = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     layout = model_kv_layout(model_config, config.block_size, max_seq_len, kv_type, config.local_windows_len,
-                             page_type if kv_type in QUANTIZED else None)
+                             page_type if kv_type in QUANTIZED else None, config.anchor_type, config.anchor_num)
     budget = int(config.gpu_memory_budget_gb * GIB)
     is_gpu = device.type == "cuda"
     on_device = scores_on_device(selection_settings(config, model_config.num_layers), device)
