@@ -31,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--model_path", help="folder with the model's files; its .gguf is used when "
                        "--gguf_path is not given (tokenizer and config are read from the GGUF)")
     model.add_argument("--device", help=f"auto, cpu, cuda or cuda:N (default: {d['device']})")
+    model.add_argument("--rope_scaling", choices=["auto", "none", "linear", "yarn"],
+                       help="RoPE context extension, as llama.cpp's --rope-scaling (default: auto, the GGUF's)")
+    model.add_argument("--rope_scale", type=float, help="its factor, as --rope-scale (default: the GGUF's)")
+    model.add_argument("--yarn_orig_ctx", type=int, help="YaRN's original context, as --yarn-orig-ctx "
+                       "(default: the GGUF's)")
     run = p.add_argument_group("long context")
     run.add_argument("--mode", choices=["normal", "long_context"], help=f"default: {d['mode']}")
     run.add_argument("--max_seq_len", type=int, help="longest prompt plus answer in tokens "
@@ -53,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
 FLAG_TO_OPTION = {"model": "model", "gguf_path": "model", "mode": "mode", "device": "device",
                   "max_seq_len": "max_seq_len", "cpu_infer": "threads_num",
                   "use_cuda_graph": "use_cuda_graph", "max_new_tokens": "max_new_tokens",
-                  "temperature": "temperature"}
+                  "temperature": "temperature", "rope_scaling": "rope_scaling", "rope_scale": "rope_scale",
+                  "yarn_orig_ctx": "yarn_orig_ctx"}
 
 
 def overrides_from(args) -> dict:
@@ -89,10 +95,11 @@ def run(args) -> int:
     from ktlong.config import load_config
     from ktlong.device import resolve_device, resolve_dtype
     from ktlong.gguf.loader import load_model, open_model
+    from ktlong.gguf.model_config import RopeOptions
     from ktlong.session.plan import apply_threads, plan_session
 
     config = load_config(args.config, overrides_from(args))
-    gf, model_config = open_model(config.model)  # checks the file before any weight is read
+    gf, model_config = open_model(config.model, RopeOptions.of(config))  # checks the file, reads no weight
     max_seq_len = config.check_against_model(model_config.num_layers, model_config.context_length)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
@@ -106,7 +113,7 @@ def run(args) -> int:
         plan.check()
     else:
         apply_threads(config.threads_num)
-    lm = load_model(config.model, device, dtype)
+    lm = load_model(config.model, device, dtype, RopeOptions.of(config))
     c = lm.config
     print(f"[loaded {lm.path.name}: {c.arch}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} "
           f"heads, context {c.context_length}, on {device} in {lm.load_seconds:.1f}s; "

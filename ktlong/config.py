@@ -26,6 +26,7 @@ ENUMS = {
     "selector": ("flashprefill", "xattention"),
     "attention_backend": ("auto", "fa2", "fa3", "torch"),
     "kv_type": ("auto", "bf16", "fp16", "fp32", "q8_0", "q4_0"),
+    "rope_scaling": ("auto", "none", "linear", "yarn"),
     "anchor_type": ("MAX", "MEAN", "QUEST", "DYNAMIC", "FIX"),
     "head_select_mode": ("SHARED", "SEPARATE"),
     "block_scoring": ("auto", "device", "cpu"),
@@ -35,6 +36,7 @@ AUTO_BOOLS = ("use_cuda_graph",)
 # key -> (lowest allowed, highest allowed, lowest is exclusive)
 RANGES = {
     "max_seq_len": (0, None, False), "gpu_memory_budget_gb": (0, None, True),
+    "rope_scale": (0, None, False), "yarn_orig_ctx": (0, None, False),
     "chunk_size": (1, None, False), "alpha": (0, 1, False), "threshold": (0, 1, True),
     "stride": (1, None, False), "sink_blocks": (0, None, False), "window_blocks": (0, None, False),
     "subgroup_size": (1, None, False), "block_size": (16, 4096, False),
@@ -54,6 +56,9 @@ class Config:
     device: str
     dtype: str
     max_seq_len: int
+    rope_scaling: str
+    rope_scale: float
+    yarn_orig_ctx: int
     gpu_memory_budget_gb: float
     use_cuda_graph: bool | str  # True, False or "auto"
     chunk_size: int

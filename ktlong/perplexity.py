@@ -18,6 +18,7 @@ from ktlong.device import resolve_device, resolve_dtype
 from ktlong.errors import KtlongError
 from ktlong.kv.dense_cache import DenseKVCache
 from ktlong.gguf.loader import LoadedModel, load_model
+from ktlong.gguf.model_config import RopeOptions
 
 
 @torch.inference_mode()
@@ -66,13 +67,18 @@ def main(argv=None) -> int:
     p.add_argument("--max_windows", type=int, default=0, help="score at most this many windows (0 = all)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda (default auto)")
     p.add_argument("--json", action="store_true", help='print {"ppl": ..., "tokens": ...} only')
+    p.add_argument("--rope_scaling", default="auto", choices=["auto", "none", "linear", "yarn"],
+                   help="RoPE context extension, as llama.cpp's --rope-scaling (default: the GGUF's)")
+    p.add_argument("--rope_scale", type=float, default=0.0, help="its factor (default: the GGUF's)")
+    p.add_argument("--yarn_orig_ctx", type=int, default=0, help="YaRN's original context (default: the GGUF's)")
     args = p.parse_args(argv)
     try:
         if args.ctx < 2:
             raise KtlongError(f"--ctx {args.ctx} is too small; a window needs at least 2 tokens.")
         text = open(args.text_file, encoding="utf-8").read()
         device = resolve_device(args.device)
-        lm = load_model(args.model, device, resolve_dtype("auto", device))
+        lm = load_model(args.model, device, resolve_dtype("auto", device),
+                        RopeOptions(args.rope_scaling, args.rope_scale, args.yarn_orig_ctx))
         result = perplexity(lm, text, args.ctx, args.max_windows)
     except OSError as e:
         print(f"error: cannot read {args.text_file} ({e.strerror}); check --text_file.", file=sys.stderr)

@@ -26,7 +26,7 @@ def test_issue_options_exist():
     anchor_type anchor_num kv_type dense_layer_num preselect_block preselect_block_count
     head_select_mode layer_step token_step prefill_attention selector alpha sink_blocks
     window_blocks subgroup_size attention_backend device gpu_memory_budget_gb temperature top_p
-    top_k""".split()
+    top_k rope_scaling rope_scale yarn_orig_ctx""".split()
     assert set(required) <= set(option_names())
 
 
@@ -73,6 +73,9 @@ def test_unknown_key_names_closest_key_file_and_line(user_file):
     ("second_select_num=-1", "at least 0"),
     ("anchor_type=BEST", "MAX, MEAN, QUEST, DYNAMIC, FIX"),
     ("kv_type=int3", "bf16, fp16, fp32, q8_0, q4_0"),
+    ("rope_scaling=ntk", "auto, none, linear, yarn"),
+    ("rope_scale=-2", "at least 0"),
+    ("yarn_orig_ctx=-1", "at least 0"),
     ("alpha=1.5", "at most 1"),
     ("top_p=0", "above 0"),
     ("block_size=big", "must be an int"),

@@ -92,3 +92,31 @@ def test_sparse_decode_answers_like_dense_on_a_passkey_at_8k(tmp_path, monkeypat
                                               "second_select_num=16", "preselect_block_count=32"]))
     dense, sparse = run_task(lm, config, "passkey", [8000], [0.4], 1, ["dense", "sparse"], seed=1)
     assert sparse.output == dense.output and dense.correct
+
+
+def test_same_answers_compares_first_integers_per_length():
+    from ktlong.eval.runner import Result, same_answers
+
+    def r(arm, length, sample, output):
+        return Result("passkey", arm, length, 0.5, sample, length, "123", output, "123" in output, 1.0, 1.0, 1.0)
+
+    results = [r("dense", 64, 0, "The pass key is 123."), r("transformers", 64, 0, "123, it is"),
+               r("dense", 64, 1, "I found 77"), r("transformers", 64, 1, "The key is 78"),
+               r("dense", 128, 0, "nothing"), r("transformers", 128, 0, "no number here"),
+               r("dense", 128, 1, "unmatched: transformers never ran this one")]
+    assert same_answers(results, "dense", "transformers") == {64: (1, 2), 128: (1, 1)}
+
+
+def test_transformers_arm_gets_the_models_rope_scaling():
+    from types import SimpleNamespace
+
+    from ktlong.eval.transformers_session import hf_rope_parameters
+    from ktlong.gguf.model_config import RopeConfig
+
+    yarn = SimpleNamespace(config=SimpleNamespace(rope=RopeConfig(base=1e6, dim=64, scaling_type="yarn", factor=4.0,
+                                                                  original_context_length=32768)))
+    assert hf_rope_parameters(yarn, 1e6) == {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                             "original_max_position_embeddings": 32768,
+                                             "beta_fast": 32.0, "beta_slow": 1.0}
+    plain = SimpleNamespace(config=SimpleNamespace(rope=RopeConfig(base=1e4, dim=64)))
+    assert hf_rope_parameters(plain, 1e4) == {"rope_type": "default", "rope_theta": 1e4}

@@ -25,6 +25,7 @@ from ktlong.errors import KtlongError
 from ktlong.eval.runner import make_session
 from ktlong.eval.tasks import make_sample
 from ktlong.gguf.loader import load_model
+from ktlong.gguf.model_config import RopeOptions
 
 
 def prompts_of_length(lm, config, length: int, count: int) -> list[list[int]]:
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
                           "with bf16 over at least one prompt.")
     lengths = parse_lengths(args.lengths)
     device = resolve_device(config.device)
-    lm = load_model(config.model, device, resolve_dtype(config.dtype, device))
+    lm = load_model(config.model, device, resolve_dtype(config.dtype, device), RopeOptions.of(config))
     print(f"{lm.path.name} on {device}: last-token logits over {args.prompts} prompts per length, every block "
           f"attended, against bf16 K/V")
     rows = []

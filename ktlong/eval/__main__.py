@@ -24,7 +24,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None, help="packaged model name or GGUF path (default: smollm2-135m)")
     p.add_argument("--lengths", default="2k,4k,8k", help="target prompt lengths in the model's tokens")
     p.add_argument("--samples", type=int, default=10, help="samples per (length, depth)")
-    p.add_argument("--attention", default="dense,sparse", help="dense, sparse or both")
+    p.add_argument("--attention", default="dense,sparse",
+                   help="dense, sparse or both; transformers adds the same GGUF run by transformers (SDPA), "
+                        "the reference the dense arm is compared with")
     p.add_argument("--depths", default=None, help="needle depths in [0, 1]; default 0.5 (needle: 0,.25,.5,.75,1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results", help="folder for results.json (and heatmaps)")
@@ -36,8 +38,9 @@ def main(argv=None) -> int:
     from ktlong.device import resolve_device, resolve_dtype
     from ktlong.errors import KtlongError
     from ktlong.eval.report import needle_heatmap, summary_rows
-    from ktlong.eval.runner import as_dicts, run_task
+    from ktlong.eval.runner import as_dicts, run_task, same_answers
     from ktlong.gguf.loader import load_model
+    from ktlong.gguf.model_config import RopeOptions
 
     try:
         overrides = parse_set(args.set)
@@ -47,8 +50,9 @@ def main(argv=None) -> int:
             overrides["device"] = (args.device, "--device")
         config = load_config(overrides=overrides)
         attentions = [a.strip() for a in args.attention.split(",")]
-        if not set(attentions) <= {"dense", "sparse"}:
-            raise KtlongError(f"--attention {args.attention!r}: use dense, sparse or dense,sparse.")
+        if not set(attentions) <= {"dense", "sparse", "transformers"}:
+            raise KtlongError(f"--attention {args.attention!r}: use dense, sparse or dense,sparse "
+                              "(transformers adds the same GGUF run by Hugging Face transformers).")
         default_depths = "0,0.25,0.5,0.75,1" if args.task == "needle" else "0.5"
         try:
             depths = [float(d) for d in (args.depths or default_depths).split(",")]
@@ -60,7 +64,7 @@ def main(argv=None) -> int:
             raise KtlongError(f"--samples {args.samples}: use at least 1.")
         lengths = parse_lengths(args.lengths)
         device = resolve_device(config.device)
-        lm = load_model(config.model, device, resolve_dtype(config.dtype, device))
+        lm = load_model(config.model, device, resolve_dtype(config.dtype, device), RopeOptions.of(config))
         if max(lengths) > lm.config.context_length:
             raise KtlongError(f"--lengths up to {max(lengths)} exceed the model's context of "
                               f"{lm.config.context_length} tokens; use shorter lengths.")
@@ -73,6 +77,9 @@ def main(argv=None) -> int:
     headers, rows = summary_rows(results)
     print(f"{args.task} on {lm.path.name} ({device}), {args.samples} samples per cell")
     print_table(headers, rows)
+    if {"dense", "transformers"} <= set(attentions):
+        for length, (same, total) in same_answers(results, "dense", "transformers").items():
+            print(f"dense and transformers gave the same answer on {same}/{total} prompts at {length:,} tokens")
     (out / "results.json").write_text(json.dumps({"task": args.task, "model": lm.path.name, "device": str(device),
                                                   "results": as_dicts(results)}, indent=1))
     if args.task == "needle":

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ktlong.config import Config
 from ktlong.chat.conversation import Conversation
-from ktlong.eval.tasks import make_sample, score
+from ktlong.eval.tasks import first_integer, make_sample, score
 from ktlong.chat.generate import generate
 from ktlong.gguf.loader import LoadedModel
 from ktlong.session.long_context import LongContextSession
@@ -49,7 +49,13 @@ def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], dep
     max_new = MAX_NEW_TOKENS[task]
     results = []
     for attention in attentions:
-        session = make_session(lm, config, attention, max(lengths) + max_new + 1)
+        max_seq_len = max(lengths) + max_new + 1
+        if attention == "transformers":
+            from ktlong.eval.transformers_session import TransformersSession
+
+            session = TransformersSession(lm, max_seq_len)
+        else:
+            session = make_session(lm, config, attention, max_seq_len)
         for length in lengths:
             for depth in depths:
                 for i in range(samples):
@@ -70,6 +76,23 @@ def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], dep
                           f"expected {r.answer!r} got {gen.text.strip()[:60]!r} ({time.perf_counter() - t0:.1f}s)",
                           file=log, flush=True)
     return results
+
+
+def same_answers(results: list[Result], a: str, b: str) -> dict[int, tuple[int, int]]:
+    """Per length: (prompts on which arms a and b gave the same answer, prompts run by both).
+    The answer is the first integer of the output for passkey, the stripped output otherwise."""
+    def answer(r: Result) -> str:
+        return (first_integer(r.output) or "") if r.task == "passkey" else r.output.strip()
+
+    by_key = {(r.attention, r.length, r.depth, r.sample): r for r in results}
+    out: dict[int, tuple[int, int]] = {}
+    for (arm, length, depth, sample), r in sorted(by_key.items(), key=lambda kv: kv[0][1:]):
+        other = by_key.get((b, length, depth, sample))
+        if arm != a or other is None:
+            continue
+        same, total = out.get(length, (0, 0))
+        out[length] = (same + (answer(r) == answer(other)), total + 1)
+    return out
 
 
 def as_dicts(results: list[Result]) -> list[dict]:

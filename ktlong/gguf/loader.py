@@ -10,7 +10,7 @@ import torch
 
 from ktlong.gguf.chat_template import ChatTemplate
 from ktlong.gguf.reader import GGUFFile
-from ktlong.gguf.model_config import ModelConfig
+from ktlong.gguf.model_config import ModelConfig, RopeOptions
 from ktlong.gguf.registry import resolve_model_path
 from ktlong.models.llama import LlamaModel
 from ktlong.gguf.tokenizer import GGUFTokenizer
@@ -32,17 +32,18 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def open_model(name_or_path: str | None) -> tuple[GGUFFile, ModelConfig]:
-    """Open and check the file and its config without reading any weights."""
+def open_model(name_or_path: str | None, rope: RopeOptions = RopeOptions()) -> tuple[GGUFFile, ModelConfig]:
+    """Open and check the file and its config without reading any weights. rope: the
+    rope_scaling options over the GGUF's (they also set the context the model reaches)."""
     gf = GGUFFile(resolve_model_path(name_or_path))
-    return gf, ModelConfig.from_gguf(gf)
+    return gf, rope.apply(ModelConfig.from_gguf(gf))
 
 
 def load_model(name_or_path: str | None, device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = None) -> LoadedModel:
+               dtype: torch.dtype | None = None, rope: RopeOptions = RopeOptions()) -> LoadedModel:
     start = time.perf_counter()
     device = torch.device(device)
-    gf, config = open_model(name_or_path)
+    gf, config = open_model(name_or_path, rope)
     tokenizer = GGUFTokenizer(gf)
     weights = load_weights(gf, config, device, dtype or default_dtype(device))
     tok = tokenizer.token_text

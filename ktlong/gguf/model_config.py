@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from ktlong.errors import GGUFError
+from ktlong.errors import ConfigError, GGUFError
 from ktlong.gguf.reader import GGUFFile
 
 # llama.cpp's converter permutes q/k rows of these architectures for its adjacent-pair RoPE;
@@ -25,6 +26,43 @@ class RopeConfig:
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
     yarn_attn_factor: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class RopeOptions:
+    """The options rope_scaling, rope_scale and yarn_orig_ctx, with llama.cpp's meaning
+    (--rope-scaling, --rope-scale, --yarn-orig-ctx): what overrides the GGUF's RoPE scaling."""
+    scaling: str = "auto"  # auto (the GGUF's) | none | linear | yarn
+    scale: float = 0.0  # context scaling factor; 0: the GGUF's
+    orig_ctx: int = 0  # YaRN's original context; 0: the GGUF's
+
+    @classmethod
+    def of(cls, config) -> "RopeOptions":
+        """From a ktlong Config."""
+        return cls(config.rope_scaling, config.rope_scale, config.yarn_orig_ctx)
+
+    def apply(self, c: "ModelConfig") -> "ModelConfig":
+        """The model config these options give: its RoPE scaling, and the context it reaches
+        (the original context times the factor for linear and yarn; the trained one for none)."""
+        gguf = c.rope
+        if self == RopeOptions() and gguf.scaling_type == "none":
+            return c
+        kind = gguf.scaling_type if self.scaling == "auto" else self.scaling
+        if kind == "none":
+            if self.scale:
+                raise ConfigError(f"rope_scale {self.scale:g} needs a scaling method and this model has none; "
+                                  "set rope_scaling: yarn or linear.")
+            trained = gguf.original_context_length if gguf.scaling_type != "none" else 0
+            return dataclasses.replace(c, rope=dataclasses.replace(gguf, scaling_type="none", factor=1.0),
+                                       context_length=trained or c.context_length)
+        factor = self.scale or (gguf.factor if gguf.scaling_type == kind else 0.0)
+        if factor <= 1.0:
+            raise ConfigError(f"rope_scaling {kind} needs a factor above 1 and the model gives none; "
+                              "set rope_scale (4 extends Qwen2.5's 32,768 to 131,072).")
+        original = self.orig_ctx or gguf.original_context_length or c.context_length
+        rope = dataclasses.replace(gguf, scaling_type=kind, factor=factor, original_context_length=original)
+        return dataclasses.replace(c, rope=rope, context_length=max(int(original * factor),
+                                                                    c.context_length if self.scaling == "auto" else 0))
 
 
 @dataclass(slots=True)
