@@ -52,7 +52,10 @@ class TransformersSession:
         out = self.model(torch.tensor([ids], device=self.device), past_key_values=self.past, use_cache=True,
                          logits_to_keep=1)
         self.past = out.past_key_values
-        return out.logits[0, -1].float()
+        logits = out.logits[0, -1].float()
+        if self.device.type == "cuda":  # the arms' prefill times count finished work
+            torch.cuda.synchronize(self.device)
+        return logits
 
     def prefill(self, ids: list[int], show_progress: bool = False) -> torch.Tensor:
         self.past = None
