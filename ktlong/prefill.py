@@ -4,6 +4,10 @@ For layer l, the prompt goes through in chunks: q/k/v, k/v into the layer's devi
 attention of the chunk over everything up to its end, the MLP. Each chunk's K/V and block
 side tables stream to DRAM on a copy stream while the next chunk computes; layer l+1 reuses
 the same pages. Host<->device traffic is O(prompt) per layer.
+
+A follow-up prefills only its new tokens: each layer's pages first receive the history already
+in DRAM (widened on the device when it is q8_0 / q4_0) and the pooled keys of its blocks, then
+the new chunks run as above; the block the history ended in is summarised again.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from ktlong.models.llama import LlamaModel
 from operators.block_summary import anchor_keys, block_summaries, token_importance
 from operators.chunk_attention import chunk_attention, flashinfer_available
 from operators.compact_attention import CompactAttention, CompactParams
-from operators.kv_quant import quantize_kv
+from operators.kv_quant import dequantize_kv, quantize_kv
 from operators.observation_scores import observation_block_mass
 
 IMPORTANCE_QUERIES = 64  # last queries of each chunk that score its keys for DYNAMIC anchors
@@ -125,41 +129,52 @@ class LayerMajorPrefill:
         self.attention_hook: Callable[[int, torch.Tensor, int, int, DevicePages], None] | None = None
 
     @torch.inference_mode()
-    def run(self, token_ids: list[int], host: HostKVCache, progress=None) -> tuple[torch.Tensor, PrefillStats]:
-        """Prefill the prompt into the empty `host`; return the last token's logits [vocab] and stats."""
-        num_tokens = len(token_ids)
-        assert 0 < num_tokens <= self.layout.capacity and host.num_tokens == 0
-        stats = PrefillStats(num_tokens=num_tokens)
+    def run(self, token_ids: list[int], host: HostKVCache, progress=None,
+            history: int = 0) -> tuple[torch.Tensor, PrefillStats]:
+        """Prefill token_ids at positions history.. into `host`, which holds the first `history`
+        tokens (0: a new prompt; more: a follow-up over the cache). Returns the last token's
+        logits [vocab] and stats."""
+        num_tokens = history + len(token_ids)
+        assert history < num_tokens <= self.layout.capacity and host.num_tokens == history
+        assert not (history and self.layout.sliding), "sliding-window layers keep only a tail: re-prefill"
+        stats = PrefillStats(num_tokens=len(token_ids))
         run = _Run(num_tokens, host, stats)
-        host.place_tails(num_tokens)
+        if not history:
+            host.place_tails(num_tokens)
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
-        hidden = self._embed(token_ids, stats)
+        hidden = self._embed(token_ids, stats)  # row i is position history + i
         positions = torch.arange(num_tokens, device=self.device)
-        chunks = [(s, min(s + self.chunk_size, num_tokens)) for s in range(0, num_tokens, self.chunk_size)]
+        # chunk boundaries stay on multiples of chunk_size, so a follow-up's chunks are a
+        # re-prefill's chunks, but for the first one, which starts where the history ends
+        first = min(num_tokens, (history // self.chunk_size + 1) * self.chunk_size)
+        chunks = [(history, first)] + [(s, min(s + self.chunk_size, num_tokens))
+                                       for s in range(first, num_tokens, self.chunk_size)]
         for layer in range(self.model.config.num_layers):
             if self.cuda:  # the pages are about to be overwritten: last layer's copies must be done
                 torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            if history:
+                self._load_history(layer, history, host, stats)
             run.densities = []
             for s, e in chunks:
-                x = hidden[s:e].to(self.device, non_blocking=True)
+                x = hidden[s - history:e - history].to(self.device, non_blocking=True)
                 if not self.hidden_on_device:
                     stats.bytes_to_device += x.numel() * x.element_size()
                 x = self._layer_chunk(layer, x, positions[s:e], s, e, run)
-                self._store_hidden(hidden, x, s, e, stats)
+                self._store_hidden(hidden, x, s - history, e - history, stats)
                 if progress is not None:
                     progress.update(e - s)
             if self.is_sparse:  # fa3 runs dense prefill through CompactAttention too: no density to report
                 d = run.densities
                 stats.density_per_layer.append(sum(d) / len(d) if d else 1.0)
-        last = hidden[num_tokens - 1:].to(self.device)
+        last = hidden[-1:].to(self.device)
         logits = self.model.logits(last)[0]
         if self.cuda:
             torch.cuda.synchronize(self.device)
             stats.attention_seconds = sum(a.elapsed_time(b) for a, b in stats._events) / 1e3
             stats.peak_device_bytes = torch.cuda.max_memory_allocated(self.device)
-        host.advance(num_tokens)
+        host.advance(len(token_ids))
         stats.seconds = time.perf_counter() - start
         return logits, stats
 
@@ -203,7 +218,7 @@ class LayerMajorPrefill:
             lo = max(0, s - window)
             keys, values = self.pages.tokens(self.pages.k)[:, lo:e], self.pages.tokens(self.pages.v)[:, lo:e]
             return chunk_attention(q, keys, values, self.model.scale, self.backend, window)
-        if self.compact is None:
+        if self.compact is None or s % self.layout.block_size:  # a follow-up's first chunk may start mid-block
             keys, values = self.pages.tokens(self.pages.k)[:, :e], self.pages.tokens(self.pages.v)[:, :e]
             return chunk_attention(q, keys, values, self.model.scale, self.backend)
         o, pages = self.compact(q, self.pages.k, self.pages.v, self.pooled_keys, s, e)
@@ -222,17 +237,18 @@ class LayerMajorPrefill:
             return
         B = self.layout.block_size
         b0, b1 = s // B, -(-e // B)
-        k_blocks = self.pages.k[:, b0:b1]  # [KV, nb, B, D]
-        mean, kmax, kmin = block_summaries(k_blocks, e - s)
+        k_blocks = self.pages.k[:, b0:b1]  # [KV, nb, B, D]; a follow-up's first block holds history too
+        valid = e - b0 * B
+        mean, kmax, kmin = block_summaries(k_blocks, valid)
         self.pooled_keys[:, b0:b1] = mean
         tables = [(host.key_mean[layer][:, b0:b1], mean), (host.key_max[layer][:, b0:b1], kmax),
                   (host.key_min[layer][:, b0:b1], kmin)]
         if self.layout.anchor_keys:
             importance = None
             if self.layout.anchor_type == "DYNAMIC":
-                keys = self.pages.tokens(self.pages.k)[:, s:e]
-                importance = token_importance(q[-IMPORTANCE_QUERIES:], keys, self.model.scale)  # [KV, e-s]
-            anchors = anchor_keys(k_blocks, e - s, self.layout.anchor_type, self.layout.anchor_num, importance)
+                keys = self.pages.tokens(self.pages.k)[:, b0 * B:e]
+                importance = token_importance(q[-IMPORTANCE_QUERIES:], keys, self.model.scale)  # [KV, valid]
+            anchors = anchor_keys(k_blocks, valid, self.layout.anchor_type, self.layout.anchor_num, importance)
             tables.append((host.anchor_keys[layer][:, b0:b1], anchors))
         self._copy_kv(layer, s, e, host, stats)
         with self._after_compute():
@@ -241,6 +257,24 @@ class LayerMajorPrefill:
                 if self.cuda:
                     values.record_stream(self.copy_stream)
         stats.bytes_to_host += sum(values.numel() * 4 for _, values in tables)
+
+    def _load_history(self, layer: int, history: int, host: HostKVCache, stats: PrefillStats):
+        """The layer's first `history` tokens from DRAM into the pages (widened on the device),
+        a chunk at a time, and the pooled keys of their blocks."""
+        layout = self.layout
+        for which, pages in (("k", self.pages.k), ("v", self.pages.v)):
+            for s in range(0, history, self.chunk_size):
+                e = min(history, s + self.chunk_size)
+                data = host.tokens(layer, which, s, e).to(self.device, non_blocking=True)
+                if layout.is_quantized:
+                    scales = host.scale_tokens(layer, which, s, e).to(self.device, non_blocking=True)
+                    values = dequantize_kv(data, scales, layout.kv_type, layout.dtype)
+                else:
+                    values = data.to(layout.dtype)
+                self.pages.tokens(pages)[:, s:e] = values
+        blocks = -(-history // layout.block_size)
+        self.pooled_keys[:, :blocks] = host.key_mean[layer][:, :blocks].to(self.device, non_blocking=True)
+        stats.bytes_to_device += 2 * history * layout.num_kv_heads * layout.stored_row_bytes
 
     def _after_compute(self):
         """Where copies to the host run: on a GPU the copy stream, after everything the compute

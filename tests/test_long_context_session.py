@@ -32,15 +32,73 @@ def test_generation_equals_dense_session(tiny):
     assert long.token_ids == dense.token_ids and len(long.token_ids) == 40
 
 
-def test_follow_up_turn_extends_the_cache(tiny):
-    session = session_for(tiny, 128)
-    first = list(range(20))
+def every_block(lm, max_seq_len, block_size=16, chunk_size=32, compact=None):
+    """A session whose decode reads every block, so generated K/V are what prefill would compute."""
+    c = lm.config
+    chosen = selection(second_select_num=1000, preselect_block=False)
+    layout = with_anchors(kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, max_seq_len, "fp32"),
+                          chosen)
+    return LongContextSession(lm.model, layout, chunk_size=chunk_size, backend="torch", hidden_on_device=True,
+                              compact=compact, selection=chosen, local_windows_len=24, use_cuda_graph=False)
+
+
+def rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("follow_up", [3, 1, 61, 150])  # within a block, one token, past a chunk, many chunks
+def test_follow_up_prefills_only_its_new_tokens_and_equals_a_re_prefill(tiny, follow_up):
+    rng = np.random.default_rng(follow_up)
+    session = every_block(tiny, 400)
+    first = [int(t) for t in rng.integers(0, 300, size=37)]  # ends mid-block and mid-chunk
+    gen = generate(session, first, 6, Sampler(), frozenset(), lambda i: "")
+    conversation = first + gen.token_ids[:-1]  # the last sampled token was never fed: not in the cache
+    follow = conversation + [int(t) for t in rng.integers(0, 300, size=follow_up)]
+    extended = session.prefill(follow)
+    assert session.last_stats.num_tokens == follow_up and session.host.num_tokens == len(follow)
+    fresh = every_block(tiny, 400)
+    expected = fresh.prefill(follow)
+    assert rel(extended, expected) < 1e-4
+    # the cache now holds what a re-prefill holds: K/V and the key tables of every block. DYNAMIC
+    # anchors rank a block's keys by the attention of its chunk's last queries, and the chunk the
+    # history ended in is a shorter one in a follow-up: blocks from there on may pick other keys
+    n, kept = len(follow), len(conversation) // 16
+    for layer in range(tiny.config.num_layers):
+        h, f = session.host, fresh.host
+        for a, b in ((h.tokens(layer, "k", 0, n), f.tokens(layer, "k", 0, n)),
+                     (h.tokens(layer, "v", 0, n), f.tokens(layer, "v", 0, n)),
+                     (h.key_max[layer][:, :-(-n // 16)], f.key_max[layer][:, :-(-n // 16)]),
+                     (h.key_min[layer][:, :-(-n // 16)], f.key_min[layer][:, :-(-n // 16)]),
+                     (h.key_mean[layer][:, :-(-n // 16)], f.key_mean[layer][:, :-(-n // 16)]),
+                     (h.anchor_keys[layer][:, :kept], f.anchor_keys[layer][:, :kept])):
+            assert rel(a, b) < 1e-4
+    # and decodes on from it as a re-prefilled session does
+    assert rel(session.step(5), fresh.step(5)) < 1e-4
+
+
+def test_a_follow_up_that_diverges_reuses_the_common_prefix(tiny):
+    session = every_block(tiny, 400)
+    first = list(range(100))
     session.prefill(first)
-    follow = first + [7, 8, 9]
-    stepped = session.prefill(follow)
-    fresh = session_for(tiny, 128).prefill(follow)
-    assert float((stepped - fresh).abs().max() / fresh.abs().max()) < 1e-5
-    assert session.host.num_tokens == len(follow)
+    edited = first[:70] + [3] * 45  # an edited conversation: the first 70 tokens still hold
+    extended = session.prefill(edited)
+    assert session.last_stats.num_tokens == 45
+    assert rel(extended, every_block(tiny, 400).prefill(edited)) < 1e-4
+    same = session.prefill(edited)  # asked again: only its last token is prefilled, for its logits
+    assert session.last_stats.num_tokens == 1 and rel(same, extended) < 1e-5
+
+
+def test_compact_follow_up_keeping_every_block_equals_a_re_prefill(tiny):
+    from tests.settings import compact_settings
+
+    keep_all = compact_settings(alpha=0.0)
+    session = every_block(tiny, 400, compact=keep_all)
+    first = list(np.random.default_rng(5).integers(0, 300, size=53))
+    session.prefill(first)
+    follow = first + list(np.random.default_rng(6).integers(0, 300, size=90))
+    extended = session.prefill(follow)
+    assert session.last_stats.num_tokens == 90
+    assert rel(extended, every_block(tiny, 400, compact=keep_all).prefill(follow)) < 1e-4
 
 
 def test_blocks_filled_during_decode_get_side_tables(tiny):

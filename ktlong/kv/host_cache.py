@@ -61,6 +61,12 @@ class HostKVCache:
         self.num_tokens = 0
         self.prompt_block_mass = {}
 
+    def truncate(self, num_tokens: int):
+        """Keep the first num_tokens tokens (a follow-up diverges there); what lies after is
+        written over. Not for sliding layers, whose DRAM holds only the tail."""
+        assert num_tokens <= self.num_tokens and not self.layout.sliding
+        self.num_tokens = num_tokens
+
     def place_tails(self, num_tokens: int):
         """Before a prefill of num_tokens: sliding layers keep the blocks that end the prompt."""
         end_block = -(-num_tokens // self.layout.block_size)

@@ -24,9 +24,6 @@ from ktlong.session.plan import SessionPlan
 from ktlong.session.settings import compact_params, selection_settings
 from operators.compact_attention import CompactParams
 
-MAX_STEPPED_SUFFIX = 512  # a follow-up this short is fed token by token instead of re-prefilled
-
-
 class LongContextSession:
     def __init__(self, model: LlamaModel, layout: KVLayout, *, chunk_size: int, backend: str,
                  hidden_on_device: bool, compact: CompactParams | None, selection: SelectionSettings,
@@ -80,19 +77,34 @@ class LongContextSession:
         self.host.reset()
         self.decoder = None
 
+    def reusable(self, prompt_ids: list[int]) -> int:
+        """How many leading tokens of prompt_ids the cache already holds: the common prefix
+        with the conversation so far, leaving at least one token to prefill (its logits are the
+        answer's first). Models with sliding-window layers keep only a tail in DRAM: 0."""
+        if self.layout.sliding:
+            return 0
+        common = 0
+        for a, b in zip(self.ids, prompt_ids):
+            if a != b:
+                break
+            common += 1
+        return min(common, len(prompt_ids) - 1)
+
     def prefill(self, prompt_ids: list[int], show_progress: bool = False) -> torch.Tensor:
-        reuse = len(self.ids)
-        if self.ids and prompt_ids[:reuse] == self.ids and 0 < len(prompt_ids) - reuse <= MAX_STEPPED_SUFFIX:
-            logits = None
-            for token in prompt_ids[reuse:]:
-                logits = self.step(token)
-            return logits
-        self.reset()  # a new prompt (not an extension): the device window goes before prefill needs the memory
+        """Prefill what the cache does not hold yet: all of a new prompt, or the new tokens of a
+        follow-up (the conversation so far, extended) over the history in DRAM."""
+        history = self.reusable(prompt_ids)
+        self.decoder = None  # the device window goes before prefill needs the memory
+        if history:
+            self.host.truncate(history)
+        else:
+            self.reset()
+        new = prompt_ids[history:]
         layers = self.model.config.num_layers
-        bar = tqdm(total=len(prompt_ids), unit="tok", desc="prefill", leave=False,
-                   disable=not show_progress or len(prompt_ids) <= self.engine.chunk_size)
+        bar = tqdm(total=len(new), unit="tok", desc="prefill", leave=False,
+                   disable=not show_progress or len(new) <= self.engine.chunk_size)
         progress = _ScaledProgress(bar, 1.0 / layers)
-        logits, self.last_stats = self.engine.run(prompt_ids, self.host, progress)
+        logits, self.last_stats = self.engine.run(new, self.host, progress, history)
         bar.close()
         densities = self.last_stats.density_per_layer
         if show_progress and densities:
