@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt_file", help="text file sent as the first message; an empty line resends it")
     gen.add_argument("--max_new_tokens", type=int, help=f"default: {d['max_new_tokens']}")
     gen.add_argument("--temperature", type=float, help=f"0 = greedy (default: {d['temperature']})")
+    gen.add_argument("--save_kv", metavar="PATH", help="long-context mode: after each answer, save the KV cache "
+                     "and the conversation to PATH (also /save PATH in the chat)")
+    gen.add_argument("--load_kv", metavar="PATH", help="long-context mode: start from a cache saved with "
+                     "--save_kv, with its conversation (also /load PATH)")
     cfg = p.add_argument_group("configuration")
     cfg.add_argument("--config", help="YAML file merged over ~/.config/ktlong/config.yaml")
     cfg.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -95,10 +99,13 @@ def run(args) -> int:
     from ktlong.config import load_config
     from ktlong.device import resolve_device, resolve_dtype
     from ktlong.gguf.loader import load_model, open_model
+    from ktlong.errors import ConfigError
     from ktlong.gguf.model_config import RopeOptions
     from ktlong.session.plan import apply_threads, plan_session
 
     config = load_config(args.config, overrides_from(args))
+    if (args.save_kv or args.load_kv) and config.mode != "long_context":
+        raise ConfigError("--save_kv and --load_kv keep the long-context KV cache; add --mode long_context.")
     gf, model_config = open_model(config.model, RopeOptions.of(config))  # checks the file, reads no weight
     max_seq_len = config.check_against_model(model_config.num_layers, model_config.context_length)
     device = resolve_device(config.device)
@@ -123,8 +130,8 @@ def run(args) -> int:
         from ktlong.session.long_context import LongContextSession
 
         session = LongContextSession.from_config(lm.model, config, plan)
-    ChatLoop(lm, config, max_seq_len, args.prompt_file, session=session).run(
-        interactive=sys.stdin.isatty())
+    ChatLoop(lm, config, max_seq_len, args.prompt_file, session=session, save_kv=args.save_kv,
+             load_kv=args.load_kv).run(interactive=sys.stdin.isatty())
     return 0
 
 

@@ -3,10 +3,11 @@
 import sys
 
 from ktlong.errors import KtlongError
-from ktlong.bench import attention, capture, decode, decode_op, kv_fidelity, prefill
+from ktlong.bench import attention, capture, decode, decode_op, follow_up, kv_fidelity, prefill
 
 BENCHES = {"prefill": prefill.main, "attention": attention.main, "capture": capture.main,
-           "decode-op": decode_op.main, "decode": decode.main, "kv-fidelity": kv_fidelity.main}
+           "decode-op": decode_op.main, "decode": decode.main, "kv-fidelity": kv_fidelity.main,
+           "follow-up": follow_up.main}
 
 
 def main(argv=None) -> int:

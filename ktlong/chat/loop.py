@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 from ktlong.config import Config
@@ -13,14 +14,15 @@ from ktlong.gguf.loader import LoadedModel
 from ktlong.chat.sampling import Sampler
 
 HELP = ('Type a message. Empty line: send the prompt file. A file path: send that file. """: start '
-        'or end multi-line input. /reset: forget the conversation. /exit: quit. Ctrl-C: stop an answer.')
+        'or end multi-line input. /reset: forget the conversation. /save PATH, /load PATH: the KV cache '
+        'and conversation to a file and back (long-context mode). /exit: quit. Ctrl-C: stop an answer.')
 
 
 class ChatLoop:
     def __init__(self, lm: LoadedModel, config: Config, max_seq_len: int, prompt_file: str | None,
-                 out=None, err=None, session=None):
+                 out=None, err=None, session=None, save_kv: str | None = None, load_kv: str | None = None):
         self.lm, self.config, self.max_seq_len = lm, config, max_seq_len
-        self.prompt_file = prompt_file
+        self.prompt_file, self.save_kv, self.load_kv = prompt_file, save_kv, load_kv
         self.out, self.err = out or sys.stdout, err or sys.stderr
         template = lm.chat_template if config.use_chat_template else None
         self.conversation = Conversation(lm.tokenizer, template, config.system_prompt)
@@ -45,6 +47,8 @@ class ChatLoop:
                           show_progress=True)
         print(file=self.out, flush=True)
         self.conversation.add_turn(user_text, result.text)
+        if self.save_kv:
+            self.save(self.save_kv)
         stats = getattr(self.session, "last_stats", None)
         reused = result.prompt_tokens - stats.num_tokens if stats is not None else 0
         prefilled = f" ({reused} from the cache, {stats.num_tokens} prefilled)" if reused else ""
@@ -85,6 +89,13 @@ class ChatLoop:
                 self.session.reset()
                 self.notice("conversation cleared")
                 continue
+            command, _, argument = stripped.partition(" ")
+            if command in ("/save", "/load"):
+                if not argument.strip():
+                    self.notice(f"{command} needs a file path, e.g. {command} doc.kv")
+                else:
+                    (self.save if command == "/save" else self.load)(argument.strip())
+                continue
             if stripped in ("/help", "/?"):
                 self.notice(HELP)
                 continue
@@ -92,7 +103,44 @@ class ChatLoop:
                 return self.read_file(stripped) or ""
             return line
 
+    def save(self, path: str):
+        """The KV cache and the conversation to a file (ktlong/session/saved_cache.py)."""
+        from ktlong.errors import KtlongError
+        from ktlong.session.saved_cache import fingerprint, save_cache
+
+        if not hasattr(self.session, "host"):
+            self.notice("saving the KV cache needs --mode long_context")
+            return
+        try:
+            start = time.perf_counter()
+            nbytes = save_cache(path, self.session, fingerprint(self.lm.path, self.session, self.config),
+                                self.conversation.turns)
+            self.notice(f"saved {self.session.host.num_tokens:,} tokens of KV cache to {path} "
+                        f"({nbytes / 2**30:.2f} GiB in {time.perf_counter() - start:.1f}s)")
+        except (KtlongError, OSError) as e:
+            self.notice(f"not saved: {e}")
+
+    def load(self, path: str):
+        """A saved cache and its conversation; the chat goes on from there."""
+        from ktlong.errors import KtlongError
+        from ktlong.session.saved_cache import fingerprint, load_cache
+
+        if not hasattr(self.session, "host"):
+            self.notice("loading a KV cache needs --mode long_context")
+            return
+        try:
+            start = time.perf_counter()
+            turns = load_cache(path, self.session, fingerprint(self.lm.path, self.session, self.config))
+        except (KtlongError, OSError) as e:
+            self.notice(f"not loaded: {e}")
+            return
+        self.conversation.turns = list(turns)
+        self.notice(f"loaded {self.session.host.num_tokens:,} tokens of KV cache and {len(turns)} turn(s) "
+                    f"from {path} in {time.perf_counter() - start:.1f}s")
+
     def run(self, interactive: bool):
+        if self.load_kv:
+            self.load(self.load_kv)
         if interactive:
             self.notice(HELP)
         if self.prompt_file:

@@ -1,0 +1,92 @@
+"""Time to the first token of a follow-up question on a long document: re-prefill against reuse
+of the cache in DRAM against loading a saved cache from disk.
+
+python -m ktlong.bench follow-up --contexts 128k [--question 64] [--shape llama-3.1-8b]
+    [--folder DIR] [--set key=value]
+
+Random weights of a real shape, the long-context session local_chat runs (plan, prefill,
+decode), the same document and question for each row. Re-prefill: a fresh prefill of document
++ question. Reuse: the question prefilled over the document already cached. Load: a fresh
+session reads the cache saved to --folder, then prefills the question. Also the save and load
+rates in GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+
+from ktlong.bench.common import parse_lengths, print_table
+from ktlong.config import load_config, parse_set
+from ktlong.device import resolve_device
+from ktlong.kv.memory_plan import GIB
+from ktlong.models.random_model import SHAPES, num_weight_elements, random_config, random_model
+from ktlong.session.long_context import LongContextSession
+from ktlong.session.plan import plan_session
+from ktlong.session.saved_cache import load_cache, save_cache
+
+
+def timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ktlong.bench follow-up", description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", default="128k")
+    p.add_argument("--question", type=int, default=64, help="tokens of the follow-up question")
+    p.add_argument("--shape", default=None, choices=sorted(SHAPES), help="default: llama-3.1-8b on a GPU, tiny on the CPU")
+    p.add_argument("--folder", default=None, help="where the cache is saved (default: a temporary folder)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config option")
+    args = p.parse_args(argv)
+    overrides = parse_set(args.set)
+    overrides.setdefault("device", (args.device, "--device"))
+    config = load_config(overrides=overrides, write_user_file=False)
+    device = resolve_device(config.device)
+    shape = args.shape or ("llama-3.1-8b" if device.type == "cuda" else "tiny")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, config.gpu_memory_budget_gb * GIB / total), device)
+    c = random_config(shape)
+    contexts = parse_lengths(args.contexts)
+    plans = [plan_session(config, c, num_weight_elements(c), n + args.question + 8, device, dtype) for n in contexts]
+    for plan in plans:
+        plan.check()
+    model = random_model(shape, device, dtype)
+    fp = {"bench": shape}
+    rows = []
+    generator = torch.Generator().manual_seed(0)
+    for n, plan in zip(contexts, plans):
+        doc = torch.randint(0, c.vocab_size, (n,), generator=generator).tolist()
+        question = torch.randint(0, c.vocab_size, (args.question,), generator=generator).tolist()
+        session = LongContextSession.from_config(model, config, plan)
+        _, reprefill = timed(lambda: session.prefill(doc + question))
+        session.reset()
+        session.prefill(doc)
+        _, reuse = timed(lambda: session.prefill(doc + question))
+        session.prefill(doc)  # the cache holds the document alone again (its last token prefilled anew)
+        with tempfile.TemporaryDirectory(dir=args.folder) as folder:
+            path = f"{folder}/doc.kv"
+            nbytes, save_s = timed(lambda: save_cache(path, session, fp, []))
+            del session
+            fresh = LongContextSession.from_config(model, config, plan)
+            _, load_s = timed(lambda: load_cache(path, fresh, fp))
+            _, after_load = timed(lambda: fresh.prefill(doc + question))
+            del fresh
+        rows.append([f"{n // 1024}K", plan.kv_type, f"{reprefill:.2f}", f"{reuse:.3f}", f"{reprefill / reuse:.0f}x",
+                     f"{load_s + after_load:.2f}", f"{nbytes / 1e9:.2f}", f"{nbytes / 1e9 / save_s:.2f}",
+                     f"{nbytes / 1e9 / load_s:.2f}"])
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"{shape} random {dtype} weights on {where}; follow-up of {args.question} tokens; seconds to its first "
+          "token's logits")
+    print_table(["document", "kv", "re-prefill s", "reuse s", "reuse speedup", "load + prefill s", "file GB",
+                 "save GB/s", "load GB/s"], rows)
+    return 0

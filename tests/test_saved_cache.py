@@ -1,0 +1,164 @@
+"""A saved KV cache loads back into a session that then answers as the one that saved it; files
+that are missing, truncated, foreign, corrupted or made for other settings are refused."""
+
+import numpy as np
+import pytest
+import torch
+
+from ktlong.kv.layout import kv_layout
+from ktlong.session.long_context import LongContextSession
+from ktlong.session.saved_cache import CacheFileError, load_cache, save_cache
+from tests.settings import selection, with_anchors
+from tests.tiny_gguf import TinySpec, tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("m"), TinySpec(num_layers=2, hidden=128, head_dim=32), seed=8)
+
+
+def session_for(lm, kv_type="fp32", max_seq_len=400, block_size=16):
+    c = lm.config
+    chosen = selection(second_select_num=1000, preselect_block=True, preselect_block_count=4)
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, max_seq_len, kv_type,
+                       page_type="fp32" if kv_type in ("q8_0", "q4_0") else None)
+    return LongContextSession(lm.model, with_anchors(layout, chosen), chunk_size=32, backend="torch",
+                              hidden_on_device=True, compact=None, selection=chosen, local_windows_len=24,
+                              use_cuda_graph=False)
+
+
+FP = {"model": "abc", "kv_type": "fp32"}
+TURNS = [("what is in the document?", "a passkey")]
+
+
+def prompt(n, seed=0):
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 300, size=n)]
+
+
+@pytest.mark.parametrize("kv_type", ["fp32", "q8_0", "q4_0"])
+def test_a_loaded_cache_continues_as_the_saved_session(tiny, tmp_path, kv_type):
+    saved = session_for(tiny, kv_type)
+    saved.prefill(prompt(100))
+    for t in (4, 5, 6):
+        saved.step(t)
+    path = tmp_path / "doc.kv"
+    save_cache(path, saved, FP, TURNS)
+    loaded = session_for(tiny, kv_type)
+    assert load_cache(path, loaded, FP) == TURNS
+    assert loaded.ids == saved.ids and loaded.host.num_tokens == 103
+    for layer in range(tiny.config.num_layers):
+        n = 103
+        for which in ("k", "v"):
+            assert torch.equal(loaded.host.tokens(layer, which, 0, n), saved.host.tokens(layer, which, 0, n))
+        assert torch.equal(loaded.host.key_max[layer][:, :7], saved.host.key_max[layer][:, :7])
+        assert torch.equal(loaded.host.anchor_keys[layer][:, :7], saved.host.anchor_keys[layer][:, :7])
+        np.testing.assert_array_equal(loaded.host.prompt_block_mass[layer], saved.host.prompt_block_mass[layer])
+    follow = saved.ids + prompt(40, seed=1)
+    a, b = saved.prefill(follow), loaded.prefill(follow)
+    assert loaded.last_stats.num_tokens == 40  # only the new tokens
+    assert torch.equal(a, b)
+    assert torch.equal(saved.step(9), loaded.step(9))
+
+
+def test_writes_are_atomic_and_leave_no_temporary(tiny, tmp_path):
+    s = session_for(tiny)
+    s.prefill(prompt(50))
+    path = tmp_path / "c.kv"
+    save_cache(path, s, FP, TURNS)
+    first = path.read_bytes()
+    s.prefill(s.ids + prompt(30, seed=2))
+    save_cache(path, s, FP, TURNS)  # replaces the file whole
+    assert path.read_bytes() != first and [p.name for p in tmp_path.iterdir()] == ["c.kv"]
+
+
+@pytest.fixture()
+def saved_file(tiny, tmp_path):
+    s = session_for(tiny)
+    s.prefill(prompt(60))
+    path = tmp_path / "c.kv"
+    save_cache(path, s, FP, TURNS)
+    return path
+
+
+def refused(path, session, fp=FP):
+    with pytest.raises(CacheFileError) as e:
+        load_cache(path, session, fp)
+    return str(e.value)
+
+
+def test_bad_files_are_refused_in_one_sentence(tiny, tmp_path, saved_file):
+    s = session_for(tiny)
+    assert "does not exist" in refused(tmp_path / "none.kv", s)
+    (tmp_path / "empty.kv").write_bytes(b"")
+    assert "empty" in refused(tmp_path / "empty.kv", s)
+    (tmp_path / "foreign.kv").write_bytes(b"GGUF" + bytes(100))
+    assert "not a saved ktlong cache" in refused(tmp_path / "foreign.kv", s)
+    data = saved_file.read_bytes()
+    (tmp_path / "short.kv").write_bytes(data[: len(data) // 2])
+    assert "truncated" in refused(tmp_path / "short.kv", s)
+    header = bytearray(data)
+    header[60] ^= 0xFF  # inside the JSON header
+    (tmp_path / "header.kv").write_bytes(bytes(header))
+    assert "corrupted (its header" in refused(tmp_path / "header.kv", s)
+    from ktlong.session.saved_cache import ALIGN, PREAMBLE
+
+    header_len = PREAMBLE.unpack_from(data, 0)[2]
+    body = bytearray(data)
+    body[-(-(PREAMBLE.size + header_len) // ALIGN) * ALIGN + 3] ^= 0x01  # one bit of the first K block
+    (tmp_path / "body.kv").write_bytes(bytes(body))
+    message = refused(tmp_path / "body.kv", s)
+    assert "corrupted (table" in message and s.host.num_tokens == 0 and s.ids == []  # not half-loaded
+    for text in (message,):
+        assert text.count(". ") == 0 and text.endswith(".")
+
+
+def test_a_cache_for_other_settings_is_refused_naming_them_and_the_session_goes_on(tiny, saved_file):
+    s = session_for(tiny)
+    s.prefill(prompt(20, seed=3))
+    message = refused(saved_file, s, {"model": "abc", "kv_type": "q8_0"})
+    assert "kv_type 'fp32' (this session: 'q8_0')" in message
+    assert s.host.num_tokens == 20  # refused before anything was overwritten
+    other = session_for(tiny, block_size=32)
+    message = refused(saved_file, other, {"model": "abc", "kv_type": "fp32"})  # same fingerprint, other shapes
+    assert "another shape" in message or "other tables" in message
+    small = session_for(tiny, max_seq_len=48)
+    assert "raise --max_seq_len to at least 60" in refused(saved_file, small)
+
+
+def test_not_enough_disk_is_refused_before_writing(tiny, tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    s = session_for(tiny)
+    s.prefill(prompt(50))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 40, 1 << 40, 1000))
+    with pytest.raises(CacheFileError, match="needs .* GiB but .* free"):
+        save_cache(tmp_path / "c.kv", s, FP, TURNS)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_chat_saves_after_each_answer_and_a_new_chat_goes_on_from_the_file(tiny, tmp_path):
+    """--save_kv writes after the answer; --load_kv (here ChatLoop.load) restores cache and
+    conversation, and the next question prefills only its own tokens; /save PATH works too."""
+    import io
+
+    from ktlong.chat.loop import ChatLoop
+    from ktlong.config import default_config
+
+    config = default_config(max_new_tokens=5, kv_type="fp32", local_windows_len=24)
+    path = tmp_path / "chat.kv"
+    first = ChatLoop(tiny, config, 400, None, out=io.StringIO(), err=io.StringIO(), session=session_for(tiny),
+                     save_kv=str(path))
+    first.ask("tell me about the document")
+    assert path.is_file() and "saved" in first.err.getvalue()
+    err = io.StringIO()
+    second = ChatLoop(tiny, config, 400, None, out=io.StringIO(), err=err, session=session_for(tiny))
+    second.load(str(path))
+    assert second.conversation.turns == first.conversation.turns and second.session.ids == first.session.ids
+    a, b = first.ask("and then?"), second.ask("and then?")
+    assert a.token_ids == b.token_ids
+    assert "from the cache" in err.getvalue() and second.session.last_stats.num_tokens < len(second.session.ids) // 2
+    lines = iter([f"/save {tmp_path / 'again.kv'}", "/load", "/exit"])
+    assert second.next_prompt(lambda: next(lines, None)) is None
+    assert (tmp_path / "again.kv").is_file() and "/load needs a file path" in err.getvalue()
