@@ -44,3 +44,34 @@ def test_hybrid_decode_on_gpu_follows_dense_decode():
         token = int(b.argmax())
         a, b = hybrid.step(token), dense.step(token)
     assert agree >= 18 and hybrid.decoder.times.cpu_attention > 0
+
+
+@pytest.mark.parametrize("kv_type,compact", [("bf16", False), ("q8_0", False), ("bf16", True)])
+def test_follow_up_on_gpu_follows_a_re_prefill(kv_type, compact):
+    """A follow-up prefilled over the cache (history widened on the device, FlashInfer over it,
+    CUDA graphs rebuilt after) gives the logits a re-prefill of the conversation gives."""
+    from tests.settings import compact_settings
+
+    model = random_model("tiny", torch.device("cuda"), torch.bfloat16)
+    c = model.config
+    chosen = selection(second_select_num=1000, preselect_block=False)
+    layout = with_anchors(kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 64, 1600, kv_type), chosen)
+
+    def session():
+        return LongContextSession(model, layout, chunk_size=256, backend="auto", hidden_on_device=True,
+                                  compact=compact_settings(alpha=0.0) if compact else None, selection=chosen,
+                                  local_windows_len=128, use_cuda_graph=True)
+
+    g = torch.Generator().manual_seed(3)
+    doc = torch.randint(0, 1000, (700,), generator=g).tolist()
+    question = torch.randint(0, 1000, (300,), generator=g).tolist()
+    s = session()
+    s.prefill(doc)
+    for t in (1, 2, 3):
+        s.step(t)
+    follow = doc + [1, 2, 3] + question
+    extended = s.prefill(follow)
+    assert s.last_stats.num_tokens == 300
+    fresh = session().prefill(follow)
+    rel = float((extended - fresh).norm() / fresh.norm())
+    assert rel < (5e-2 if kv_type == "bf16" else 1e-1), rel  # q8_0: the history is read back rounded

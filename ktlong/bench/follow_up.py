@@ -14,6 +14,7 @@ rates in GB/s.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 
@@ -37,6 +38,45 @@ def timed(fn):
     return out, time.perf_counter() - start
 
 
+def evict(path: str):
+    """Drop the (written and synced) file from the page cache, so loading reads the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def io_rates(contexts, plans, fp, folder, model_config, device, dtype) -> int:
+    """Save and load rates of a host cache filled with random values (no weights, no prefill)."""
+    from types import SimpleNamespace
+
+    from ktlong.bench.decode import fill_random
+    from ktlong.kv.host_cache import HostKVCache
+
+    rows = []
+    for n, plan in zip(contexts, plans):
+        host = HostKVCache(plan.layout, pin=device.type == "cuda")
+        fill_random(host, n)
+        ids = list(range(n))
+        # what save_cache and load_cache read of a session
+        session = SimpleNamespace(host=host, layout=plan.layout, ids=ids, reset=host.reset,
+                                  model=SimpleNamespace(config=model_config, dtype=dtype))
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            path = f"{tmp}/doc.kv"
+            nbytes, save_s = timed(lambda: save_cache(path, session, fp, []))
+            host.reset()
+            evict(path)
+            _, load_s = timed(lambda: load_cache(path, session, fp))
+        rows.append([f"{n // 1024}K", plan.kv_type, f"{nbytes / 1e9:.2f}", f"{save_s:.2f}", f"{nbytes / 1e9 / save_s:.2f}",
+                     f"{load_s:.2f}", f"{nbytes / 1e9 / load_s:.2f}"])
+        del host
+    print(f"saved cache of random values, {model_config.num_layers} layers x {model_config.num_kv_heads} kv heads x "
+          f"{model_config.head_dim}; the file is dropped from the page cache before loading (read from disk)")
+    print_table(["context", "kv", "file GB", "save s", "save GB/s", "load s", "load GB/s"], rows)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ktlong.bench follow-up", description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="128k")
@@ -44,6 +84,8 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default=None, choices=sorted(SHAPES), help="default: llama-3.1-8b on a GPU, tiny on the CPU")
     p.add_argument("--folder", default=None, help="where the cache is saved (default: a temporary folder)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--io_only", action="store_true", help="only save and load a cache of random values "
+                   "(no model): the disk rates, at any length, on any machine")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config option")
     args = p.parse_args(argv)
     overrides = parse_set(args.set)
@@ -60,8 +102,10 @@ def main(argv=None) -> int:
     plans = [plan_session(config, c, num_weight_elements(c), n + args.question + 8, device, dtype) for n in contexts]
     for plan in plans:
         plan.check()
-    model = random_model(shape, device, dtype)
     fp = {"bench": shape}
+    if args.io_only:
+        return io_rates(contexts, plans, fp, args.folder, model_config=c, device=device, dtype=dtype)
+    model = random_model(shape, device, dtype)
     rows = []
     generator = torch.Generator().manual_seed(0)
     for n, plan in zip(contexts, plans):
@@ -78,6 +122,7 @@ def main(argv=None) -> int:
             nbytes, save_s = timed(lambda: save_cache(path, session, fp, []))
             del session
             fresh = LongContextSession.from_config(model, config, plan)
+            evict(path)
             _, load_s = timed(lambda: load_cache(path, fresh, fp))
             _, after_load = timed(lambda: fresh.prefill(doc + question))
             del fresh
