@@ -94,6 +94,8 @@ def main(argv=None) -> int:
     device = resolve_device(config.device)
     shape = args.shape or ("llama-3.1-8b" if device.type == "cuda" else "tiny")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, config.gpu_memory_budget_gb * GIB / total), device)
