@@ -264,7 +264,7 @@ class LayerMajorPrefill:
         layout = self.layout
         for which, pages in (("k", self.pages.k), ("v", self.pages.v)):
             dst = self.pages.tokens(pages)
-            if not layout.is_quantized and layout.kv_type == layout.page_type:  # one DMA per head, no staging
+            if not layout.is_quantized:  # one DMA per head, no staging
                 src = host.tokens(layer, which, 0, history)
                 for h in range(layout.num_kv_heads):
                     dst[h, :history].copy_(src[h], non_blocking=True)
@@ -273,12 +273,8 @@ class LayerMajorPrefill:
                 e = min(history, s + self.chunk_size)
                 data, scales = host.tokens(layer, which, s, e), host.scale_tokens(layer, which, s, e)
                 data = torch.stack([data[h].to(self.device, non_blocking=True) for h in range(layout.num_kv_heads)])
-                if layout.is_quantized:
-                    scales = torch.stack([scales[h].to(self.device, non_blocking=True)
-                                          for h in range(layout.num_kv_heads)])
-                    dst[:, s:e] = dequantize_kv(data, scales, layout.kv_type, layout.dtype)
-                else:
-                    dst[:, s:e] = data.to(layout.dtype)
+                scales = torch.stack([scales[h].to(self.device, non_blocking=True) for h in range(layout.num_kv_heads)])
+                dst[:, s:e] = dequantize_kv(data, scales, layout.kv_type, layout.dtype)
         blocks = -(-history // layout.block_size)
         self.pooled_keys[:, :blocks] = host.key_mean[layer][:, :blocks].to(self.device, non_blocking=True)
         stats.bytes_to_device += 2 * history * layout.num_kv_heads * layout.stored_row_bytes

@@ -139,7 +139,7 @@ class HybridDecoder:
             h.key_mean[layer][:, block], h.key_max[layer][:, block] = mean[:, 0], kmax[:, 0]
             h.key_min[layer][:, block] = kmin[:, 0]
             if self.layout.anchor_keys:  # DYNAMIC ranks generated keys by their norm (no prompt query saw them)
-                importance = k[:, 0].float().norm(dim=-1)
+                importance = k[:, 0].float().norm(dim=-1) if self.layout.anchor_type == "DYNAMIC" else None
                 h.anchor_keys[layer][:, block] = anchor_keys(k, self.block_size, self.layout.anchor_type,
                                                              self.layout.anchor_num, importance)[:, 0]
             self.selector.update_blocks(layer, block, block + 1)

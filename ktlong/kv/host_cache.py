@@ -47,7 +47,7 @@ class HostKVCache:
         self.key_min = [alloc((H, n, D), torch.float32) for n in tables]
         self.anchor_keys = [alloc((H, n, layout.anchor_keys, D), torch.float32) for n in tables]
         self.first_block = [0] * layout.num_layers
-        self.num_tokens = 0  # tokens held; changed only by advance() and reset()
+        self.num_tokens = 0  # tokens held; changed only by advance(), truncate() and reset()
         # global layer -> [KV, blocks] float32: attention mass the last prompt queries put on each
         # block, measured by prefill, read by decode's preselection
         self.prompt_block_mass: dict[int, np.ndarray] = {}
