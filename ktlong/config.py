@@ -45,7 +45,7 @@ RANGES = {
     "preselect_block_count": (1, None, False), "layer_step": (1, None, False),
     "token_step": (1, None, False), "threads_num": (0, None, False),
     "max_new_tokens": (1, None, False), "temperature": (0, None, False), "top_p": (0, 1, True),
-    "top_k": (0, None, False),
+    "top_k": (0, None, False), "port": (1, 65535, False), "queue_size": (0, None, False),
 }
 
 
@@ -92,6 +92,10 @@ class Config:
     seed: int
     use_chat_template: bool
     system_prompt: str
+    host: str
+    port: int
+    queue_size: int
+    api_key: str
     # where each value came from ("default", "FILE:LINE", "--set", "--flag")
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 

@@ -15,3 +15,7 @@ class ConfigError(KtlongError):
 
 class ModelNotFoundError(KtlongError):
     """A named model is not installed."""
+
+
+class Cancelled(Exception):
+    """The caller asked a prefill to stop (a client went away); not an error of the user's."""

@@ -131,11 +131,12 @@ def test_config_show_prints_value_and_source(user_file, capsys):
 
 def test_local_chat_flags_map_to_options(user_file):
     import local_chat
+    from ktlong.session.startup import overrides_from
 
     args = local_chat.build_parser().parse_args(
         ["--gguf_path", "m.gguf", "--cpu_infer", "6", "--use_cuda_graph", "--mode", "long_context",
          "--max_new_tokens", "7", "--set", "block_size=64"])
-    config = load_config(overrides=local_chat.overrides_from(args))
+    config = load_config(overrides=overrides_from(args))
     assert (config.model, config.threads_num, config.use_cuda_graph, config.mode,
             config.max_new_tokens, config.block_size) == ("m.gguf", 6, True, "long_context", 7, 64)
     assert config.where("threads_num") == "--cpu_infer"

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from ktlong.errors import Cancelled
 from ktlong.session.dense import DenseSession
 from ktlong.chat.sampling import Sampler
 from ktlong.chat.text_stream import TextStream
@@ -18,7 +19,7 @@ class Generation:
     prompt_tokens: int
     prefill_seconds: float
     decode_seconds: float
-    finish_reason: str  # stop | length | interrupted
+    finish_reason: str  # stop | length | interrupted (Ctrl-C) | cancelled (should_stop)
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -27,16 +28,21 @@ class Generation:
 
 def generate(session: DenseSession, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler,
              stop_ids: frozenset[int], decode: Callable[[list[int]], str],
-             on_text: Callable[[str], None] = lambda s: None, show_progress: bool = False) -> Generation:
-    """Greedy or sampled continuation of prompt_ids; Ctrl-C ends it early, keeping what was made."""
+             on_text: Callable[[str], None] = lambda s: None, show_progress: bool = False,
+             should_stop: Callable[[], bool] | None = None) -> Generation:
+    """Greedy or sampled continuation of prompt_ids; Ctrl-C ends it early, keeping what was made,
+    and so does should_stop (asked between prefill chunks and before every token)."""
     stream = TextStream(decode)
     max_new_tokens = min(max_new_tokens, session.max_seq_len - len(prompt_ids))
     start = time.perf_counter()
     finish, prefill_done = "length", start
     try:
-        logits = session.prefill(prompt_ids, show_progress)
+        logits = session.prefill(prompt_ids, show_progress, should_stop)
         prefill_done = time.perf_counter()
         for i in range(max_new_tokens):
+            if should_stop is not None and should_stop():
+                finish = "cancelled"
+                break
             token = sampler(logits)
             if token in stop_ids:
                 finish = "stop"
@@ -46,6 +52,8 @@ def generate(session: DenseSession, prompt_ids: list[int], max_new_tokens: int, 
                 logits = session.step(token)
     except KeyboardInterrupt:
         finish = "interrupted"
+    except Cancelled:
+        finish = "cancelled"
     end = time.perf_counter()
     if prefill_done == start:
         prefill_done = end

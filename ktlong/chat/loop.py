@@ -47,9 +47,8 @@ class ChatLoop:
                           show_progress=True)
         print(file=self.out, flush=True)
         self.conversation.add_turn(user_text, result.text)
-        stats = getattr(self.session, "last_stats", None)
-        reused = result.prompt_tokens - stats.num_tokens if stats is not None else 0
-        prefilled = f" ({reused} from the cache, {stats.num_tokens} prefilled)" if reused else ""
+        reused = result.prompt_tokens - self.session.last_prefill_tokens
+        prefilled = f" ({reused} from the cache, {self.session.last_prefill_tokens} prefilled)" if reused else ""
         self.notice(f"{result.prompt_tokens} prompt tokens{prefilled} in {result.prefill_seconds:.2f}s, "
                     f"{len(result.token_ids)} tokens at {result.decode_tokens_per_second:.1f} tok/s"
                     + (", interrupted" if result.finish_reason == "interrupted" else ""))

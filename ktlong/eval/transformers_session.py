@@ -57,8 +57,8 @@ class TransformersSession:
             torch.cuda.synchronize(self.device)
         return logits
 
-    def prefill(self, ids: list[int], show_progress: bool = False) -> torch.Tensor:
-        self.past = None
+    def prefill(self, ids: list[int], show_progress: bool = False, should_stop=None) -> torch.Tensor:
+        self.past = None  # one forward: nothing to stop between
         return self._forward(ids)
 
     def step(self, token: int) -> torch.Tensor:

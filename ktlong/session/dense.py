@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from tqdm import tqdm
 
+from ktlong.errors import Cancelled
 from ktlong.kv.dense_cache import DenseKVCache
 from ktlong.models.llama import LlamaModel
 
@@ -16,24 +19,37 @@ class DenseSession:
         self.cache = DenseKVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_seq_len,
                                   model.device, model.dtype)
         self.ids: list[int] = []  # tokens whose K/V are in the cache, in order
+        self.last_prefill_tokens = 0  # tokens the last prefill computed (the rest came from the cache)
 
     def reset(self):
         self.ids = []
 
-    def prefill(self, prompt_ids: list[int], show_progress: bool = False) -> torch.Tensor:
-        """Make the cache hold exactly prompt_ids; return the last token's logits [vocab]."""
-        assert len(prompt_ids) <= self.max_seq_len
-        reuse = 0
-        for a, b in zip(self.ids, prompt_ids[:-1]):  # always recompute the last prompt token
+    def reusable(self, prompt_ids: list[int]) -> int:
+        """How many leading tokens of prompt_ids the cache holds, leaving the last to compute."""
+        common = 0
+        for a, b in zip(self.ids, prompt_ids[:-1]):
             if a != b:
                 break
-            reuse += 1
+            common += 1
+        return common
+
+    def prefill(self, prompt_ids: list[int], show_progress: bool = False,
+                should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
+        """Make the cache hold exactly prompt_ids; return the last token's logits [vocab].
+        should_stop is asked between chunks; when it says so, Cancelled is raised and the cache
+        holds the chunks done so far."""
+        assert len(prompt_ids) <= self.max_seq_len
+        reuse = self.reusable(prompt_ids)
         todo = prompt_ids[reuse:]
         self.ids = list(prompt_ids[:reuse])
+        self.last_prefill_tokens = len(todo)
         bar = tqdm(total=len(todo), unit="tok", desc="prefill", leave=False,
                    disable=not show_progress or len(todo) <= self.chunk_size)
         logits = None
         for start in range(0, len(todo), self.chunk_size):
+            if should_stop is not None and should_stop():
+                bar.close()
+                raise Cancelled
             chunk = todo[start:start + self.chunk_size]
             logits = self.model.forward(torch.tensor(chunk), self.cache, len(self.ids), last_only=True)
             self.ids.extend(chunk)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Callable
 
 import torch
 from tqdm import tqdm
 
 from ktlong.config import Config
+from ktlong.errors import Cancelled
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import KVLayout
 from ktlong.models.llama import LlamaModel
@@ -42,6 +44,7 @@ class LongContextSession:
         self.host = HostKVCache(layout, pin=model.device.type == "cuda")
         self.ids: list[int] = []
         self.last_stats = None
+        self.last_prefill_tokens = 0  # tokens the last prefill computed (the rest came from the cache)
 
     @classmethod
     def from_config(cls, model: LlamaModel, config: Config, plan: SessionPlan,
@@ -90,9 +93,12 @@ class LongContextSession:
             common += 1
         return min(common, len(prompt_ids) - 1)
 
-    def prefill(self, prompt_ids: list[int], show_progress: bool = False) -> torch.Tensor:
+    def prefill(self, prompt_ids: list[int], show_progress: bool = False,
+                should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """Prefill what the cache does not hold yet: all of a new prompt, or the new tokens of a
-        follow-up (the conversation so far, extended) over the history in DRAM."""
+        follow-up (the conversation so far, extended) over the history in DRAM. should_stop is
+        asked after every chunk of every layer; when it says so, the half-written cache is
+        forgotten and Cancelled raised."""
         history = self.reusable(prompt_ids)
         self.decoder = None  # the device window goes before prefill needs the memory
         if history:
@@ -103,9 +109,15 @@ class LongContextSession:
         layers = self.model.config.num_layers
         bar = tqdm(total=len(new), unit="tok", desc="prefill", leave=False,
                    disable=not show_progress or len(new) <= self.engine.chunk_size)
-        progress = _ScaledProgress(bar, 1.0 / layers)
-        logits, self.last_stats = self.engine.run(new, self.host, progress, history)
-        bar.close()
+        progress = _ScaledProgress(bar, 1.0 / layers, should_stop)
+        self.last_prefill_tokens = len(new)
+        try:
+            logits, self.last_stats = self.engine.run(new, self.host, progress, history)
+        except Cancelled:
+            self.reset()
+            raise
+        finally:
+            bar.close()
         densities = self.last_stats.density_per_layer
         if show_progress and densities:
             shown = " ".join(f"{d:.2f}" for d in densities)
@@ -124,12 +136,15 @@ class LongContextSession:
 
 
 class _ScaledProgress:
-    """The engine reports tokens per layer; the bar counts prompt tokens."""
+    """The engine reports tokens per layer; the bar counts prompt tokens. It is also where a
+    prefill is stopped: after any chunk of any layer."""
 
-    def __init__(self, bar, scale):
-        self.bar, self.scale, self.done = bar, scale, 0.0
+    def __init__(self, bar, scale, should_stop=None):
+        self.bar, self.scale, self.done, self.should_stop = bar, scale, 0.0, should_stop
 
     def update(self, n):
+        if self.should_stop is not None and self.should_stop():
+            raise Cancelled
         self.done += n * self.scale
         step = min(int(self.done + 1e-6), self.bar.total) - self.bar.n
         if step > 0:

@@ -1,0 +1,83 @@
+"""`python -m ktlong.server [--host 127.0.0.1] [--port 8000] [local_chat.py's model flags]`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+SERVER_FLAGS = {"host": "host", "port": "port", "api_key": "api_key", "queue_size": "queue_size"}
+API_KEY_VARIABLE = "KTLONG_API_KEY"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ktlong.session.startup import add_config_flags
+
+    p = argparse.ArgumentParser(
+        prog="python -m ktlong.server",
+        description="Serve a long-context GGUF model over the OpenAI API (/v1/chat/completions, "
+                    "/v1/completions, /v1/models, /health).",
+        epilog="A request that extends the previous conversation reuses its KV cache. Options not "
+               "listed here: --set KEY=VALUE with any key of configs/default.yaml.")
+    d = add_config_flags(p)
+    server = p.add_argument_group("server")
+    server.add_argument("--host", help=f"address to listen on (default: {d['host']}; 0.0.0.0 exposes it)")
+    server.add_argument("--port", type=int, help=f"TCP port (default: {d['port']})")
+    server.add_argument("--api_key", help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_VARIABLE})")
+    server.add_argument("--queue_size", type=int, help=f"requests that may wait; more get 429 (default: {d['queue_size']})")
+    return p
+
+
+def model_id(config_model: str, path) -> str:
+    """The name clients send as 'model': the packaged name, or the GGUF file's stem."""
+    if config_model and not config_model.endswith(".gguf") and os.sep not in config_model and "/" not in config_model:
+        return config_model
+    return path.stem
+
+
+def make_app(started, log=sys.stderr):
+    """The app for a loaded model and its session (tests build one in-process from this)."""
+    from ktlong.server.app import build_app
+    from ktlong.server.protocol import Defaults, Prompting
+    from ktlong.server.worker import Worker
+    from ktlong.gguf.chat_template import ChatTemplate
+    from ktlong.session.dense import DenseSession
+
+    config, lm = started.config, started.lm
+    session = started.session or DenseSession(lm.model, started.max_seq_len, config.chunk_size)
+    # without the model's template, messages are sent as plain "role: text" lines
+    template = lm.chat_template if config.use_chat_template else ChatTemplate(None)
+    prompting = Prompting(lm.tokenizer, template, config.system_prompt, started.max_seq_len,
+                          Defaults(config.max_new_tokens, config.temperature, config.top_p, config.top_k, config.seed))
+    api_key = config.api_key or os.environ.get(API_KEY_VARIABLE, "")
+    worker = Worker(session, lm.tokenizer, config.queue_size, log)
+    return build_app(worker, prompting, model_id(config.model, lm.path), api_key), api_key
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from ktlong.config import load_config
+    from ktlong.errors import KtlongError
+    from ktlong.session.startup import FLAG_TO_OPTION, overrides_from, start
+
+    try:
+        config = load_config(args.config, overrides_from(args, {**FLAG_TO_OPTION, **SERVER_FLAGS}))
+        started = start(config)
+    except KtlongError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    app, api_key = make_app(started)
+    if config.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        print(f"[warning: listening on {config.host} without an API key; anyone who reaches this port can "
+              f"use the model (set --api_key or ${API_KEY_VARIABLE})]", file=sys.stderr)
+    print(f"[serving {model_id(config.model, started.lm.path)} at http://{config.host}:{config.port}/v1 "
+          f"({config.mode} mode, max_seq_len {started.max_seq_len:,}, queue {config.queue_size})]",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""The HTTP side (Starlette): routes, the API key, JSON in, JSON or server-sent events out, and
+every failure as an OpenAI-shaped error. Generation itself happens on the worker's thread."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from ktlong.server.protocol import ApiError, Prompting, check_model, chunk, new_id, response, usage
+from ktlong.server.worker import Outcome, QueueFull, Ticket, Worker
+
+MAX_BODY_BYTES = 256 * 2**20  # a 1M-token document is a few MiB of text
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def read_json(request: Request) -> dict:
+    size = 0
+    parts = []
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, f"The request body is larger than {MAX_BODY_BYTES // 2**20} MiB.")
+        parts.append(part)
+    try:
+        body = json.loads(b"".join(parts))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(400, f"The request body is not valid JSON ({e}).") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object.")
+    return body
+
+
+async def watch_disconnect(request: Request, ticket: Ticket):
+    """Cancel the ticket when the client goes away (the body has been read: what comes next is
+    the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            ticket.cancel()
+            return
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str = "") -> Starlette:
+    created = int(time.time())
+
+    def check_key(request: Request):
+        if not api_key:
+            return
+        sent = request.headers.get("authorization", "")
+        scheme, _, token = sent.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise ApiError(401, "Missing or wrong API key; send it as 'Authorization: Bearer KEY'.",
+                           code="invalid_api_key")
+
+    async def health(request: Request):
+        return JSONResponse({"status": "ok", "model": model_id, **worker.status()})
+
+    async def models(request: Request):
+        check_key(request)
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_id, "object": "model", "created": created, "owned_by": "ktlong"}]})
+
+    async def complete(request: Request, kind: str):
+        check_key(request)
+        body = await read_json(request)
+        check_model(body, model_id)
+        make = prompting.chat_job if kind == "chat" else prompting.completion_job
+        job = await run_in_threadpool(make, body)  # a long document takes a while to tokenize
+        try:
+            ticket = worker.submit(job, asyncio.get_running_loop())
+        except QueueFull:
+            raise ApiError(429, f"The server is busy: {worker.queue_size} request(s) are already waiting; "
+                           "retry later.", code="queue_full", kind="rate_limit_error") from None
+        rid = new_id(kind)
+        if job.stream:
+            return StreamingResponse(stream(request, ticket, kind, rid, job.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        watcher = asyncio.create_task(watch_disconnect(request, ticket))
+        pieces = []
+        try:
+            while not isinstance(event := await ticket.events.get(), (Outcome, ApiError)):
+                pieces.append(event)
+        finally:
+            watcher.cancel()
+            ticket.cancel()  # no-op when finished; stops the worker when this handler was cancelled
+        if isinstance(event, ApiError):
+            raise event
+        use = usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
+        return JSONResponse(response(kind, rid, model_id, "".join(pieces), event.finish_reason, use))
+
+    async def stream(request: Request, ticket: Ticket, kind: str, rid: str, include_usage: bool):
+        watcher = asyncio.create_task(watch_disconnect(request, ticket))
+        try:
+            if kind == "chat":
+                yield sse(chunk(kind, rid, model_id, "", None, first=True))
+            while True:
+                event = await ticket.events.get()
+                if isinstance(event, ApiError):
+                    yield sse(event.body())
+                    break
+                if isinstance(event, Outcome):
+                    yield sse(chunk(kind, rid, model_id, None, event.finish_reason))
+                    if include_usage:
+                        yield sse(chunk(kind, rid, model_id, None, None, use=usage(
+                            event.prompt_tokens, event.completion_tokens, event.cached_tokens)))
+                    break
+                yield sse(chunk(kind, rid, model_id, event, None))
+            yield "data: [DONE]\n\n"
+        finally:
+            watcher.cancel()
+            ticket.cancel()
+
+    async def chat(request: Request):
+        return await complete(request, "chat")
+
+    async def completions(request: Request):
+        return await complete(request, "completion")
+
+    async def api_error(request: Request, e: ApiError):
+        return error_response(e)
+
+    async def http_error(request: Request, e: HTTPException):
+        message = "No such endpoint." if e.status_code == 404 else str(e.detail)
+        return error_response(ApiError(e.status_code, message))
+
+    async def server_error(request: Request, e: Exception):
+        return error_response(ApiError(500, "The server failed; its log has the details.", kind="server_error"))
+
+    routes = [Route("/health", health, methods=["GET"]), Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/chat/completions", chat, methods=["POST"]),
+              Route("/v1/completions", completions, methods=["POST"])]
+    handlers = {ApiError: api_error, HTTPException: http_error, Exception: server_error}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        worker.close()
+
+    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)

@@ -1,0 +1,244 @@
+"""The OpenAI API's shapes: request bodies checked into a `Job`, errors as the API writes them,
+and the response and stream-chunk objects. No model code here; text becomes token ids in
+`Prompting` (the model's tokenizer and chat template)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from ktlong.gguf.chat_template import ChatTemplate
+from ktlong.gguf.tokenizer import GGUFTokenizer
+
+ROLES = ("system", "developer", "user", "assistant")
+MAX_STOP_STRINGS = 4
+
+
+class ApiError(Exception):
+    """An error the client gets as {"error": {...}} with an HTTP status; the message says what to change."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def bad(param: str, message: str, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One generation, checked: everything the worker needs and nothing from the request besides."""
+    kind: str  # chat | completion
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+@dataclass(frozen=True)
+class Defaults:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+
+
+def _number(body: dict, name: str, default, low: float, high: float, low_open: bool = False):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(name, f"'{name}' must be a number, not {type(value).__name__}.")
+    if value < low or (low_open and value == low) or value > high:
+        lower = f"above {low}" if low_open else f"at least {low}"
+        raise bad(name, f"'{name}' is {value}; it must be {lower} and at most {high}.")
+    return float(value)
+
+
+def _integer(body: dict, name: str, default, low: int, high: int | None = None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(name, f"'{name}' must be an integer, not {type(value).__name__}.")
+    if value < low or (high is not None and value > high):
+        raise bad(name, f"'{name}' is {value}; it must be at least {low}"
+                  + (f" and at most {high}." if high is not None else "."))
+    return value
+
+
+def _refuse_unsupported(body: dict):
+    """Options this server does not implement are refused, not silently ignored."""
+    if _integer(body, "n", 1, 1) != 1:
+        raise bad("n", "'n' must be 1: this server generates one choice per request.")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
+            raise bad(name, f"'{name}' is not supported here; leave it out or set it to 0.")
+    for name in ("logprobs", "top_logprobs", "tools", "functions", "logit_bias", "suffix"):
+        if body.get(name) not in (None, False, 0, [], {}):
+            raise bad(name, f"'{name}' is not supported by this server; leave it out.")
+    if body.get("echo"):
+        raise bad("echo", "'echo' is not supported by this server; leave it out.")
+    if _integer(body, "best_of", 1, 1) != 1:
+        raise bad("best_of", "'best_of' must be 1 here.")
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise bad("response_format", "Only plain text answers are supported; leave 'response_format' out.")
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)
+            or len(stop) > MAX_STOP_STRINGS):
+        raise bad("stop", f"'stop' must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them.")
+    return tuple(stop)
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad("stream", "'stream' must be true or false.")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise bad("stream_options", "'stream_options' must be an object like {\"include_usage\": true}.")
+    return stream, bool(options.get("include_usage", False))
+
+
+def check_model(body: dict, model_id: str):
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model", f"'model' is required; this server serves '{model_id}'.")
+    if model != model_id:
+        raise ApiError(404, f"The model '{model[:200]}' does not exist here; this server serves '{model_id}'.",
+                       "model", "model_not_found")
+
+
+def message_text(message, i: int) -> tuple[str, str]:
+    """(role, text) of one chat message; text parts are joined, anything else refused."""
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise bad(where, f"'{where}' must be an object with 'role' and 'content'.")
+    role, content = message.get("role"), message.get("content")
+    if role not in ROLES:
+        raise bad(f"{where}.role", f"'{where}.role' must be one of {', '.join(ROLES)}.")
+    if content is None and role == "assistant":
+        content = ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise bad(f"{where}.content", f"'{where}.content' may hold only text parts "
+                          "({\"type\": \"text\", \"text\": ...}).")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise bad(f"{where}.content", f"'{where}.content' must be a string.")
+    return ("system" if role == "developer" else role), content
+
+
+class Prompting:
+    """Requests to token ids, with the model's tokenizer and chat template."""
+
+    def __init__(self, tokenizer: GGUFTokenizer, template: ChatTemplate, system_prompt: str,
+                 max_seq_len: int, defaults: Defaults):
+        self.tokenizer, self.template, self.system_prompt = tokenizer, template, system_prompt
+        self.max_seq_len, self.defaults = max_seq_len, defaults
+
+    def chat_job(self, body: dict) -> Job:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad("messages", "'messages' is required: a non-empty list of {\"role\", \"content\"} objects.")
+        turns = [message_text(m, i) for i, m in enumerate(messages)]
+        rendered = [{"role": r, "content": c} for r, c in turns]
+        if self.system_prompt and turns[0][0] != "system":
+            rendered.insert(0, {"role": "system", "content": self.system_prompt})
+        ids = self.tokenizer.encode(self.template.render(rendered))
+        return self._job("chat", ids, body, "messages")
+
+    def completion_job(self, body: dict) -> Job:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, parse_special=False)
+        elif (isinstance(prompt, list) and prompt and
+              all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+            vocab = len(self.tokenizer.tokens)
+            if not all(0 <= t < vocab for t in prompt):
+                raise bad("prompt", f"'prompt' holds a token id outside the vocabulary (0 to {vocab - 1}).")
+            ids = list(prompt)
+        else:
+            raise bad("prompt", "'prompt' is required: a string, a list of one string, or a list of token ids.")
+        if not ids:
+            raise bad("prompt", "'prompt' is empty.")
+        return self._job("completion", ids, body, "prompt")
+
+    def _job(self, kind: str, ids: list[int], body: dict, prompt_param: str) -> Job:
+        _refuse_unsupported(body)
+        d = self.defaults
+        if len(ids) >= self.max_seq_len:
+            raise bad(prompt_param, f"The prompt is {len(ids):,} tokens but this server's max_seq_len is "
+                      f"{self.max_seq_len:,}; shorten it, or restart the server with a larger --max_seq_len.",
+                      "context_length_exceeded")
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = _integer(body, name, d.max_tokens, 1)
+        stream, include_usage = _stream(body)
+        return Job(kind=kind, prompt_ids=ids, max_tokens=max_tokens,
+                   temperature=_number(body, "temperature", d.temperature, 0.0, 2.0),
+                   top_p=_number(body, "top_p", d.top_p, 0.0, 1.0, low_open=True),
+                   top_k=_integer(body, "top_k", d.top_k, 0), seed=_integer(body, "seed", d.seed, 0, 2**63 - 1),
+                   stop=_stop(body), stream=stream, include_usage=include_usage)
+
+
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def response(kind: str, rid: str, model_id: str, text: str, finish: str, use: dict) -> dict:
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish}
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_id,
+                "choices": [choice], "usage": use}
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_id,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], "usage": use}
+
+
+def chunk(kind: str, rid: str, model_id: str, text: str | None, finish: str | None, first: bool = False,
+          use: dict | None = None) -> dict:
+    """One server-sent event's object; with `use`, the closing usage chunk (no choices)."""
+    out = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+           "created": int(time.time()), "model": model_id}
+    if use is not None:
+        return {**out, "choices": [], "usage": use}
+    if kind == "chat":
+        delta = ({"role": "assistant", "content": text or ""} if first else
+                 ({"content": text} if text else {}))
+        out["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    else:
+        out["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
+    return out

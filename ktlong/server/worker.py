@@ -1,0 +1,128 @@
+"""One model, one session, one generation at a time: requests wait in a bounded queue and run
+in order on a single thread that owns the model. The session keeps its KV cache between
+requests, so a conversation that extends the previous one prefills only its new tokens.
+
+The event loop talks to a request through its `Ticket`: the worker puts the answer's text
+pieces and then an `Outcome` (or an `ApiError`) on it; the loop cancels it when the client goes away, which
+stops the prefill after its current chunk or the decode before its next token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import traceback
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ktlong.chat.generate import generate
+from ktlong.chat.sampling import Sampler
+from ktlong.errors import KtlongError
+from ktlong.server.protocol import ApiError, Job
+from ktlong.server.stop_strings import StopStrings
+
+
+@dataclass(frozen=True)
+class Outcome:
+    finish_reason: str  # stop | length (a cancelled request has nobody to tell)
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens whose K/V the session already held
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Ticket:
+    """A request's mailbox between the worker thread and the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancelled = threading.Event()
+        self.finished = False
+
+    def put(self, event):
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def cancel(self):
+        self.cancelled.set()
+
+
+class Worker:
+    def __init__(self, session, tokenizer, queue_size: int, log=sys.stderr):
+        self.session, self.tokenizer, self.queue_size, self.log = session, tokenizer, queue_size, log
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ktlong-generate")
+        self.lock = threading.Lock()
+        self.pending = 0  # admitted and not finished: the one generating plus those waiting
+        self.counts: Counter = Counter()  # completed, cancelled, rejected, failed
+        self.prefilled_tokens = 0  # over all requests: tokens computed by prefill
+        self.cached_tokens = 0  # over all requests: prompt tokens served from the cache
+
+    def submit(self, job: Job, loop: asyncio.AbstractEventLoop) -> Ticket:
+        """Admit a job, or raise QueueFull when queue_size requests already wait."""
+        with self.lock:
+            if self.pending > self.queue_size:
+                self.counts["rejected"] += 1
+                raise QueueFull
+            self.pending += 1
+        ticket = Ticket(loop)
+        self.executor.submit(self._run, job, ticket)
+        return ticket
+
+    def status(self) -> dict:
+        with self.lock:
+            busy = min(self.pending, 1)
+            return {"generating": bool(busy), "waiting": self.pending - busy, "queue_size": self.queue_size,
+                    "requests": {k: self.counts[k] for k in ("completed", "cancelled", "rejected", "failed")},
+                    "prefilled_tokens": self.prefilled_tokens, "cached_tokens": self.cached_tokens}
+
+    def close(self):
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+    def _run(self, job: Job, ticket: Ticket):
+        result = "failed"
+        try:
+            if ticket.cancelled.is_set():  # the client left while waiting
+                result = "cancelled"
+                return
+            outcome = self._generate(job, ticket)
+            result = "cancelled" if outcome is None else "completed"
+            ticket.put(outcome)
+        except KtlongError as e:
+            ticket.put(ApiError(500, str(e), kind="server_error"))
+        except Exception:  # never a traceback to the client; the operator gets it
+            traceback.print_exc(file=self.log)
+            ticket.put(ApiError(500, "The server failed while generating; its log has the details.",
+                                kind="server_error"))
+        finally:
+            with self.lock:
+                self.pending -= 1
+                self.counts[result] += 1
+
+    def _generate(self, job: Job, ticket: Ticket) -> Outcome | None:
+        stops = StopStrings(job.stop)
+
+        def on_text(piece: str):
+            text = stops.push(piece)
+            if text:
+                ticket.put(text)
+
+        cached = self.session.reusable(job.prompt_ids)
+        sampler = Sampler(job.temperature, job.top_p, job.top_k, job.seed)
+        gen = generate(self.session, job.prompt_ids, job.max_tokens, sampler, self.tokenizer.stop_ids,
+                       self.tokenizer.decode, on_text=on_text,
+                       should_stop=lambda: ticket.cancelled.is_set() or stops.hit)
+        with self.lock:
+            self.prefilled_tokens += self.session.last_prefill_tokens
+            self.cached_tokens += cached
+        if ticket.cancelled.is_set():
+            return None
+        tail = stops.flush()
+        if tail:
+            ticket.put(tail)
+        finish = "stop" if stops.hit or gen.finish_reason == "stop" else "length"
+        return Outcome(finish, len(job.prompt_ids), len(gen.token_ids), cached)
