@@ -33,6 +33,7 @@ ENUMS = {
 }
 # options that are true, false or "auto" (decided from the device and mode at run time)
 AUTO_BOOLS = ("use_cuda_graph",)
+SECRETS = ("api_key",)
 # key -> (lowest allowed, highest allowed, lowest is exclusive)
 RANGES = {
     "max_seq_len": (0, None, False), "gpu_memory_budget_gb": (0, None, True),
@@ -274,8 +275,11 @@ def load_config(config_file: str | None = None, overrides: dict[str, tuple[objec
 
 def show(config: Config) -> str:
     width = max(map(len, option_names()))
-    rows = [f"{name:<{width}}  {getattr(config, name)!r:<16}  {config.where(name)}"
-            for name in option_names()]
+    def shown(name):  # a secret is shown as set or not, never printed
+        value = getattr(config, name)
+        return ("'(set)'" if value else "''") if name in SECRETS else repr(value)
+
+    rows = [f"{name:<{width}}  {shown(name):<16}  {config.where(name)}" for name in option_names()]
     return "\n".join(rows)
 
 

@@ -206,3 +206,25 @@ def test_local_chat_builds_its_session_from_the_config(tmp_path, monkeypatch):
                             "local_windows_len=2048", "--set", "prefill_attention=compact"]) == 0
     selection, local, compact, graphs = (seen[k] for k in ("selection", "local_windows_len", "compact", "use_cuda_graph"))
     assert selection.second_select_num == 5 and local == 2048 and compact is not None and not graphs
+
+
+@pytest.mark.parametrize("kind", ["long_context", "dense"])
+def test_a_stopped_prefill_leaves_a_cache_the_next_prefill_can_trust(tiny, kind):
+    """should_stop (a server client that went away) ends a prefill between chunks; the next
+    prefill of the same prompt still gives a fresh session's logits."""
+    from ktlong.errors import Cancelled
+
+    make = (lambda: every_block(tiny, 400)) if kind == "long_context" else (lambda: DenseSession(tiny.model, 400, 32))
+    prompt = [int(t) for t in np.random.default_rng(8).integers(0, 300, size=150)]  # five chunks
+    session, asked = make(), []
+    with pytest.raises(Cancelled):
+        session.prefill(prompt, should_stop=lambda: asked.append(1) or len(asked) > 2)
+    if kind == "long_context":  # layer-major: every chunk of a layer is half the answer; forgotten
+        assert session.ids == [] and session.host.num_tokens == 0
+    else:  # the chunks done are whole and kept
+        assert session.ids == prompt[:64]
+    again = session.prefill(prompt)
+    assert session.last_prefill_tokens == (150 if kind == "long_context" else 150 - 64)
+    assert rel(again, make().prefill(prompt)) < 1e-5
+    gen = generate(session, prompt, 5, Sampler(), frozenset(), lambda i: "", should_stop=lambda: True)
+    assert gen.finish_reason == "cancelled" and gen.token_ids == []

@@ -35,7 +35,7 @@ def model_id(config_model: str, path) -> str:
     return path.stem
 
 
-def make_app(started, log=sys.stderr):
+def make_app(started, log=None):
     """The app for a loaded model and its session (tests build one in-process from this)."""
     from ktlong.server.app import build_app
     from ktlong.server.protocol import Defaults, Prompting

@@ -53,8 +53,9 @@ class Ticket:
 
 
 class Worker:
-    def __init__(self, session, tokenizer, queue_size: int, log=sys.stderr):
-        self.session, self.tokenizer, self.queue_size, self.log = session, tokenizer, queue_size, log
+    def __init__(self, session, tokenizer, queue_size: int, log=None):
+        self.session, self.tokenizer, self.queue_size = session, tokenizer, queue_size
+        self.log = log or sys.stderr
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ktlong-generate")
         self.lock = threading.Lock()
         self.pending = 0  # admitted and not finished: the one generating plus those waiting

@@ -83,7 +83,7 @@ class Started:
     session: object  # LongContextSession, or None for the dense session the caller makes
 
 
-def start(config: Config, log=sys.stderr) -> Started:
+def start(config: Config, log=None) -> Started:
     """Check the model file, plan (and refuse what does not fit) before any weight is read, load
     the weights, and build the long-context session when the mode asks for one."""
     from ktlong.device import resolve_device, resolve_dtype
@@ -91,6 +91,7 @@ def start(config: Config, log=sys.stderr) -> Started:
     from ktlong.gguf.model_config import RopeOptions
     from ktlong.session.plan import apply_threads, plan_session
 
+    log = log or sys.stderr
     gf, model_config = open_model(config.model, RopeOptions.of(config))  # checks the file, reads no weight
     max_seq_len = config.check_against_model(model_config.num_layers, model_config.context_length)
     device = resolve_device(config.device)

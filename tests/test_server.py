@@ -1,0 +1,358 @@
+"""The OpenAI-compatible server, spoken to by the official `openai` client (and raw HTTP for what
+a client would never send): answers equal the ones `generate` gives for the same token ids,
+errors are OpenAI-shaped 4xx, a follow-up prefills only its new tokens, a client that goes away
+stops its generation, and a bounded queue survives load."""
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import uvicorn
+
+from ktlong.chat.generate import generate
+from ktlong.chat.sampling import Sampler
+from ktlong.config import default_config
+from ktlong.server.__main__ import make_app
+from ktlong.server.stop_strings import StopStrings
+from ktlong.session.dense import DenseSession
+from ktlong.session.startup import Started
+
+pytestmark = pytest.mark.slow  # loads a real model
+
+MODEL = "smollm2-135m"
+QUESTION = "What is the capital of France?"
+
+
+class RunningServer:
+    """uvicorn on a free local port, in a thread of this process."""
+
+    def __init__(self, app):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "the server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, api_key="none", **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120, **kw)
+
+    def raw(self, method, path, body=None, headers=None):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        conn.request(method, path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        data = r.read()
+        conn.close()
+        return r.status, data
+
+    def health(self) -> dict:
+        status, data = self.raw("GET", "/health")
+        assert status == 200
+        return json.loads(data)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def started(lm, **options) -> Started:
+    config = default_config(model=MODEL, **options)
+    max_seq_len = config.max_seq_len or lm.config.context_length
+    session = None
+    if config.mode == "long_context":
+        import torch
+
+        from ktlong.session.long_context import LongContextSession
+        from ktlong.session.plan import plan_session
+
+        plan = plan_session(config, lm.config, lm.num_weight_elements, max_seq_len, torch.device("cpu"),
+                            torch.float32)
+        session = LongContextSession.from_config(lm.model, config, plan)
+    return Started(lm, config, max_seq_len, session)
+
+
+@pytest.fixture(scope="module")
+def lm(real_model):
+    return real_model(MODEL)
+
+
+@pytest.fixture(scope="module")
+def server(lm):
+    """Long-context mode on the CPU (the follow-up prefill over the DRAM cache), small blocks."""
+    app, _ = make_app(started(lm, mode="long_context", max_new_tokens=24, block_size=16, chunk_size=64,
+                              local_windows_len=64, queue_size=2))
+    s = RunningServer(app)
+    yield s
+    s.stop()
+
+
+def reference(lm, ids, max_tokens, stop_at=None):
+    """What `generate` answers for these ids on a fresh dense session: the text the server must send."""
+    gen = generate(DenseSession(lm.model, 8192, 64), ids, max_tokens, Sampler(), lm.tokenizer.stop_ids,
+                   lm.tokenizer.decode)
+    return gen
+
+
+def chat_ids(lm, messages):
+    return lm.tokenizer.encode(lm.chat_template.render(messages))
+
+
+def test_chat_answers_whole_and_streamed_as_generate_does(server, lm):
+    client = server.client()
+    messages = [{"role": "user", "content": QUESTION}]
+    expected = reference(lm, chat_ids(lm, messages), 24)
+    assert "Paris" in expected.text
+
+    whole = client.chat.completions.create(model=MODEL, messages=messages)
+    assert whole.choices[0].message.content == expected.text
+    assert whole.choices[0].finish_reason == "stop" and whole.object == "chat.completion"
+    assert whole.usage.prompt_tokens == len(chat_ids(lm, messages))
+    assert whole.usage.completion_tokens == len(expected.token_ids)
+
+    pieces, finishes, usage = [], [], None
+    for event in client.chat.completions.create(model=MODEL, messages=messages, stream=True,
+                                                stream_options={"include_usage": True}):
+        if event.usage is not None:
+            usage = event.usage
+        for choice in event.choices:
+            pieces.append(choice.delta.content or "")
+            finishes.append(choice.finish_reason)
+    assert "".join(pieces) == expected.text
+    assert finishes[-1] == "stop" and all(f is None for f in finishes[:-1])
+    assert usage.completion_tokens == len(expected.token_ids)
+
+
+def test_completions_continue_raw_text(server, lm):
+    prompt = "The capital of France is"
+    expected = reference(lm, lm.tokenizer.encode(prompt, parse_special=False), 5)
+    out = server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=5)
+    assert out.choices[0].text == expected.text and out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 5
+    streamed = "".join(c.choices[0].text for c in server.client().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, stream=True) if c.choices)
+    assert streamed == expected.text
+
+
+def test_stop_strings_cut_the_answer_before_them(server, lm):
+    messages = [{"role": "user", "content": QUESTION}]
+    full = reference(lm, chat_ids(lm, messages), 24).text
+    cut = full[:full.index("Paris")]
+    out = server.client().chat.completions.create(model=MODEL, messages=messages, stop=["Paris", "zzz"])
+    assert out.choices[0].message.content == cut and out.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in server.client().chat.completions.create(
+        model=MODEL, messages=messages, stop="Paris", stream=True) if c.choices)
+    assert streamed == cut
+
+
+def test_stop_strings_hold_back_only_what_may_start_one():
+    stops = StopStrings(("END", "xy"))
+    out = [stops.push(p) for p in ["abc E", "N", "x", "Q", "zEN", "D tail"]]
+    assert out == ["abc ", "", "EN", "xQ", "z", ""] and stops.hit
+    assert "".join(out) == "abc ENxQz"  # the text before the first stop string, whole
+    open_end = StopStrings(("END",))
+    assert open_end.push("and E") == "and " and open_end.flush() == "E" and not open_end.hit
+
+
+def test_follow_up_prefills_only_its_new_tokens(server, lm):
+    client = server.client()
+    document = " ".join(f"Line {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7} coins." for i in range(40))
+    first_messages = [{"role": "user", "content": document + "\nHow many coins does the box on line 5 hold?"}]
+    first = client.chat.completions.create(model=MODEL, messages=first_messages)
+    before = server.health()["prefilled_tokens"]
+
+    messages = first_messages + [{"role": "assistant", "content": first.choices[0].message.content},
+                                 {"role": "user", "content": "And line 6?"}]
+    second = client.chat.completions.create(model=MODEL, messages=messages)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    prefilled = server.health()["prefilled_tokens"] - before
+    assert first.usage.prompt_tokens > 400
+    assert cached >= first.usage.prompt_tokens  # the document and the first answer came from the cache
+    assert prefilled == second.usage.prompt_tokens - cached < 40
+    assert second.choices[0].message.content == reference(lm, chat_ids(lm, messages), 24).text
+
+    edited = [{"role": "user", "content": "Forget that. " + QUESTION}]  # not an extension: only the
+    third = client.chat.completions.create(model=MODEL, messages=edited)  # template's head is reused
+    head = next(i for i, (a, b) in enumerate(zip(chat_ids(lm, messages), chat_ids(lm, edited))) if a != b)
+    assert third.usage.prompt_tokens_details.cached_tokens == head < 40
+    assert third.choices[0].message.content == reference(lm, chat_ids(lm, edited), 24).text
+
+
+def test_models_and_health(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    health = server.health()
+    assert health["status"] == "ok" and health["model"] == MODEL and health["queue_size"] == 2
+
+
+@pytest.mark.parametrize("body, status, param, code", [
+    ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model", "model_not_found"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model", None),
+    ({"model": MODEL}, 400, "messages", None),
+    ({"model": MODEL, "messages": []}, 400, "messages", None),
+    ({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     400, "messages[0].content", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 3}, 400, "temperature", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": True}, 400, "max_tokens", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 5}, 400, "stop", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1}, 400,
+     "presence_penalty", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x " * 9000}]}, 400, "messages",
+     "context_length_exceeded"),
+])
+def test_bad_chat_requests_get_openai_shaped_4xx(server, body, status, param, code):
+    got, data = server.raw("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    error = json.loads(data)["error"]
+    assert (got, error["param"], error["code"]) == (status, param, code)
+    assert error["message"].endswith(".") and "Traceback" not in error["message"]
+
+
+@pytest.mark.parametrize("path, body, status", [
+    ("/v1/chat/completions", b'{"model": ', 400),
+    ("/v1/chat/completions", b"\xff\xfe", 400),
+    ("/v1/chat/completions", b"[1, 2]", 400),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": {"a": 1}}).encode(), 400),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": [10**9]}).encode(), 400),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "echo": True}).encode(), 400),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "../../etc/passwd", "max_tokens": 1}).encode(), 200),
+    ("/v1/embeddings", b"{}", 404),
+])
+def test_bad_bodies_and_paths(server, path, body, status):
+    got, data = server.raw("POST", path, body, {"Content-Type": "application/json"})
+    assert got == status
+    if status != 200:
+        assert set(json.loads(data)["error"]) == {"message", "type", "param", "code"}
+
+
+def test_the_client_sees_the_errors_as_openai_errors(server):
+    client = server.client()
+    with pytest.raises(openai.NotFoundError, match="serves 'smollm2-135m'"):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="word " * 9000)
+    assert e.value.code == "context_length_exceeded" and "max_seq_len is 8,192" in e.value.message
+
+
+def test_a_client_that_goes_away_stops_its_generation(server, lm):
+    before = server.health()["requests"]
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    body = {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 2000, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    events = [r.readline() for _ in range(6)]  # three events and their blank lines
+    assert all(e.startswith(b"data: ") for e in events[::2])
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.time() + 20
+    while (h := server.health())["generating"]:
+        assert time.time() < deadline, "generation went on after the client left"
+        time.sleep(0.1)
+    assert h["requests"]["cancelled"] == before["cancelled"] + 1
+    assert h["requests"]["completed"] == before["completed"]
+    # the next request still gets a right answer
+    messages = [{"role": "user", "content": QUESTION}]
+    out = server.client().chat.completions.create(model=MODEL, messages=messages)
+    assert out.choices[0].message.content == reference(lm, chat_ids(lm, messages), 24).text
+
+
+def test_bounded_queue_under_load(lm):
+    """40 requests from 4 concurrent clients, one generating and one waiting at a time: each
+    gets the whole answer or a 429, and the server is healthy after."""
+    app, _ = make_app(started(lm, max_new_tokens=6, queue_size=1))
+    server = RunningServer(app)
+    try:
+        messages = [{"role": "user", "content": QUESTION}]
+        expected = reference(lm, chat_ids(lm, messages), 6).text
+
+        def one(_):
+            try:
+                out = server.client().chat.completions.create(model=MODEL, messages=messages)
+                return out.choices[0].message.content
+            except openai.RateLimitError as e:
+                assert e.status_code == 429 and "busy" in e.message
+                return 429
+
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(one, range(40)))
+        answers = [r for r in results if r != 429]
+        assert all(a == expected for a in answers) and len(answers) >= 2
+        assert 429 in results  # the queue did fill
+        health = server.health()
+        assert health["requests"]["completed"] == len(answers)
+        assert health["requests"]["rejected"] == 40 - len(answers)
+        assert not health["generating"] and health["waiting"] == 0
+        assert server.client().chat.completions.create(model=MODEL, messages=messages).choices[0].message.content \
+            == expected
+    finally:
+        server.stop()
+
+
+def test_api_key_is_required_when_set(lm):
+    app, key = make_app(started(lm, max_new_tokens=4, api_key="s3cret"))
+    server = RunningServer(app)
+    try:
+        with pytest.raises(openai.AuthenticationError, match="API key"):
+            server.client(api_key="wrong").models.list()
+        status, data = server.raw("GET", "/v1/models")
+        assert status == 401 and json.loads(data)["error"]["code"] == "invalid_api_key"
+        assert [m.id for m in server.client(api_key="s3cret").models.list().data] == [MODEL]
+        assert server.health()["status"] == "ok"  # health needs no key
+    finally:
+        server.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_command_serves_and_refuses_bad_options(tmp_path):
+    env = {"XDG_CONFIG_HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+           "KTLONG_API_KEY": "k1"}
+    import os
+
+    env = {**os.environ, **env}
+    bad = subprocess.run([sys.executable, "-m", "ktlong.server", "--port", "70000"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "'port' = 70000" in bad.stderr and "Traceback" not in bad.stderr
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ktlong.server", "--port", str(port), "--max_new_tokens", "12"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k1", max_retries=0)
+        deadline = time.time() + 120
+        while True:
+            try:
+                models = client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert proc.poll() is None and time.time() < deadline, "the server did not come up"
+                time.sleep(0.5)
+        assert [m.id for m in models.data] == [MODEL]
+        out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}])
+        assert "Paris" in out.choices[0].message.content
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k2", max_retries=0).models.list()
+    finally:
+        proc.terminate()
+        log = proc.communicate(timeout=30)[0]
+    assert f"serving {MODEL} at http://127.0.0.1:{port}/v1" in log
