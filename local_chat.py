@@ -32,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from ktlong.errors import KtlongError
+    from ktlong.parallel.group import quiet_unless_main
 
+    quiet_unless_main()
     try:
         return run(args)
     except KtlongError as e:
@@ -49,9 +51,14 @@ def run(args) -> int:
     config = load_config(args.config, overrides_from(args))
     if (args.save_kv or args.load_kv) and config.mode != "long_context":
         raise ConfigError("--save_kv and --load_kv keep the long-context KV cache; add --mode long_context.")
+    if (args.save_kv or args.load_kv) and config.tensor_parallel > 1:
+        raise ConfigError("Saved caches hold one process's KV cache; drop --save_kv/--load_kv or run "
+                          "with --tensor_parallel 1.")
     started = start(config)
+    tp = started.tp  # under tensor parallelism every rank chats; rank 0 reads the input for all
     ChatLoop(started.lm, config, started.max_seq_len, args.prompt_file, session=started.session,
-             save_kv=args.save_kv, load_kv=args.load_kv).run(interactive=sys.stdin.isatty())
+             save_kv=args.save_kv, load_kv=args.load_kv).run(
+        interactive=sys.stdin.isatty(), wrap_reader=tp.lines_from_main if tp is not None else None)
     return 0
 
 

@@ -47,6 +47,7 @@ RANGES = {
     "token_step": (1, None, False), "threads_num": (0, None, False),
     "max_new_tokens": (1, None, False), "temperature": (0, None, False), "top_p": (0, 1, True),
     "top_k": (0, None, False), "port": (1, 65535, False), "queue_size": (0, None, False),
+    "tensor_parallel": (1, None, False),
 }
 
 
@@ -62,6 +63,7 @@ class Config:
     yarn_orig_ctx: int
     gpu_memory_budget_gb: float
     use_cuda_graph: bool | str  # True, False or "auto"
+    tensor_parallel: int
     chunk_size: int
     prefill_attention: str
     selector: str

@@ -23,7 +23,8 @@ from ktlong.decode.hybrid import HybridDecoder
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import kv_layout
 from ktlong.kv.memory_plan import GIB
-from ktlong.models.random_model import random_model
+from ktlong.models.random_model import random_config, random_model
+from ktlong.parallel.group import join_ranks, quiet_unless_main
 from ktlong.session.plan import resolve_kv_type
 from ktlong.session.settings import selection_settings
 from operators.kv_quant import quantize_kv
@@ -63,21 +64,26 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--modes", default="dense,cpu,hybrid,graphs,graphs-cpu-scoring",
                    help="rows to run, comma-separated, of: " + ", ".join(MODES))
+    p.add_argument("--tensor_parallel", type=int, default=1, metavar="N",
+                   help="split heads and MLP columns over N ranks; start with torchrun --nproc_per_node N")
     args = p.parse_args(argv)
+    quiet_unless_main()
     unknown = set(args.modes.split(",")) - set(MODES)
     if unknown:
         p.error(f"unknown mode {', '.join(sorted(unknown))}; choose from {', '.join(MODES)}")
     config = load_config(overrides=parse_set(args.set), write_user_file=False)
     contexts = parse_lengths(args.contexts)
     require_cuda("the decode benchmark")
+    tp, device = join_ranks(args.tensor_parallel, random_config("llama-3.1-8b"), torch.device("cuda"))
     device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap_gb * GIB / total), device)
-    model = random_model("llama-3.1-8b", device, torch.bfloat16)
+    model = random_model("llama-3.1-8b", device, torch.bfloat16, tp=tp)
     c = model.config
     from cpu_ops.threads import set_decode_threads
 
-    print(f"{torch.cuda.get_device_name(device)} + {set_decode_threads(config.threads_num)} CPU threads; llama-3.1-8b random "
+    ranks = f"tensor parallel {tp.world}, per rank: " if tp is not None else ""
+    print(f"{ranks}{torch.cuda.get_device_name(device)} + {set_decode_threads(config.threads_num)} CPU threads; llama-3.1-8b random "
           f"bf16, GPU cap {args.gpu_cap_gb} GiB; kv {config.kv_type}, block {config.block_size}, top-k "
           f"{config.second_select_num}, local {config.local_windows_len}, anchors {config.anchor_type}, "
           f"{config.head_select_mode}, dense layers {config.dense_layer_num}, block scoring {config.block_scoring}; "

@@ -110,6 +110,9 @@ class ChatLoop:
         if not hasattr(self.session, "host"):
             self.notice("saving the KV cache needs --mode long_context")
             return
+        if self.session.model.tp is not None:
+            self.notice("saving the KV cache needs --tensor_parallel 1")
+            return
         try:
             start = time.perf_counter()
             nbytes = save_cache(path, self.session, fingerprint(self.lm.path, self.session, self.config),
@@ -127,6 +130,9 @@ class ChatLoop:
         if not hasattr(self.session, "host"):
             self.notice("loading a KV cache needs --mode long_context")
             return
+        if self.session.model.tp is not None:
+            self.notice("loading a KV cache needs --tensor_parallel 1")
+            return
         try:
             start = time.perf_counter()
             turns = load_cache(path, self.session, fingerprint(self.lm.path, self.session, self.config))
@@ -137,7 +143,9 @@ class ChatLoop:
         self.notice(f"loaded {self.session.host.num_tokens:,} tokens of KV cache and {len(turns)} turn(s) "
                     f"from {path} in {time.perf_counter() - start:.1f}s")
 
-    def run(self, interactive: bool):
+    def run(self, interactive: bool, wrap_reader=None):
+        """wrap_reader: turns the input line reader into another (tensor parallelism: rank 0
+        reads and broadcasts, ktlong/parallel/group.py)."""
         if self.load_kv:
             self.load(self.load_kv)
         if interactive:
@@ -157,6 +165,8 @@ class ChatLoop:
                     print(file=self.out)
                     self.notice("use /exit to quit")
 
+        if wrap_reader is not None:
+            read_line = wrap_reader(read_line)
         while (text := self.next_prompt(read_line)) is not None:
             if text.strip():
                 self.ask(text)

@@ -46,7 +46,7 @@ class HybridDecoder:
         c = model.config
         assert not c.sliding_window or local_windows_len >= c.sliding_window, "the window must cover sliding layers"
         self.global_layers = layout.global_layers
-        self.selector = DecodeBlockSelector(settings, host, c.num_heads)
+        self.selector = DecodeBlockSelector(settings, host, c.num_heads, model.tp)
         self.selector.build_all(host.num_tokens, self.global_layers)
         first, last = self.window.context_blocks
         for layer, mass in host.prompt_block_mass.items():

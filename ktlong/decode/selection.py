@@ -50,8 +50,10 @@ def stored_view(host: HostKVCache, layer: int, which: str) -> StoredKV:
 
 
 class DecodeBlockSelector:
-    def __init__(self, settings: SelectionSettings, host: HostKVCache, num_heads: int):
-        self.s, self.host = settings, host
+    def __init__(self, settings: SelectionSettings, host: HostKVCache, num_heads: int, tp=None):
+        """tp: with tensor parallelism, SHARED scores (sums over kv heads) are summed over the
+        ranks' heads too, so that every rank selects the same blocks."""
+        self.s, self.host, self.tp = settings, host, tp
         layout = host.layout
         self.block_size, self.num_kv = layout.block_size, layout.num_kv_heads
         self.num_anchors = anchors_per_block(settings.anchor_type, settings.anchor_num)
@@ -95,7 +97,8 @@ class DecodeBlockSelector:
         total = np.full((self.num_kv, len(self.block_ids)), -np.inf, np.float32)
         total[:, first:last] = block_mass[:, first:last]
         if self.s.head_select_mode == "SHARED":
-            total[:, first:last] = total[:, first:last].sum(0, keepdims=True)
+            shared = np.ascontiguousarray(total[:, first:last].sum(0, keepdims=True))
+            total[:, first:last] = self.tp.all_reduce_host(shared) if self.tp is not None else shared
         keep = np.zeros((self.num_kv, len(self.block_ids)), bool)
         count = min(self.s.preselect_block_count, max(last - first, 0))
         top = np.argpartition(-total, count - 1, axis=1)[:, :count] if count else np.zeros((self.num_kv, 0), int)
@@ -137,6 +140,8 @@ class DecodeBlockSelector:
             scores = scores[:, first:last] if candidates is None else scores[:, ids]
         else:
             scores = block_scores(q, self.anchors[layer], ids, QUEST if self.s.anchor_type == "QUEST" else 0, shared)
+        if shared and self.tp is not None:
+            scores = self.tp.all_reduce_host(np.ascontiguousarray(scores, dtype=np.float32))
         if candidates is not None and not shared:  # SEPARATE: each head among its own candidates
             scores[~candidates[:, ids] & (ids < self.prompt_blocks)] = -np.inf
         k = self.s.second_select_num

@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="results", help="folder for results.json (and heatmaps)")
     p.add_argument("--device", default=None, help="auto, cpu, cuda")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config option")
+    p.add_argument("--tensor_parallel", type=int, default=None, metavar="N",
+                   help="split the model over N ranks; start with torchrun --nproc_per_node N")
     args = p.parse_args(argv)
 
     from ktlong.config import load_config, parse_set
@@ -39,8 +41,11 @@ def main(argv=None) -> int:
     from ktlong.errors import KtlongError
     from ktlong.eval.report import needle_heatmap, summary_rows
     from ktlong.eval.runner import as_dicts, run_task, same_answers
-    from ktlong.gguf.loader import load_model
+    from ktlong.gguf.loader import load_model, open_model
     from ktlong.gguf.model_config import RopeOptions
+    from ktlong.parallel.group import join_ranks, quiet_unless_main
+
+    quiet_unless_main()
 
     try:
         overrides = parse_set(args.set)
@@ -48,6 +53,8 @@ def main(argv=None) -> int:
             overrides["model"] = (args.model, "--model")
         if args.device:
             overrides["device"] = (args.device, "--device")
+        if args.tensor_parallel is not None:
+            overrides["tensor_parallel"] = (args.tensor_parallel, "--tensor_parallel")
         config = load_config(overrides=overrides)
         attentions = [a.strip() for a in args.attention.split(",")]
         if not set(attentions) <= {"dense", "sparse", "transformers"}:
@@ -64,7 +71,12 @@ def main(argv=None) -> int:
             raise KtlongError(f"--samples {args.samples}: use at least 1.")
         lengths = parse_lengths(args.lengths)
         device = resolve_device(config.device)
-        lm = load_model(config.model, device, resolve_dtype(config.dtype, device), RopeOptions.of(config))
+        if config.tensor_parallel > 1 and "transformers" in attentions:
+            raise KtlongError("The transformers arm runs in one process; leave it out of --attention "
+                              "or run with --tensor_parallel 1.")
+        _, model_config = open_model(config.model, RopeOptions.of(config))
+        tp, device = join_ranks(config.tensor_parallel, model_config, device)  # every rank runs the same prompts
+        lm = load_model(config.model, device, resolve_dtype(config.dtype, device), RopeOptions.of(config), tp)
         if max(lengths) > lm.config.context_length:
             raise KtlongError(f"--lengths up to {max(lengths)} exceed the model's context of "
                               f"{lm.config.context_length} tokens; use shorter lengths.")
@@ -72,6 +84,8 @@ def main(argv=None) -> int:
     except KtlongError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if tp is not None and not tp.is_main:
+        return 0  # rank 0 reports
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     headers, rows = summary_rows(results)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,10 @@ from ktlong.gguf.registry import resolve_model_path
 from ktlong.models.llama import LlamaModel
 from ktlong.gguf.tokenizer import GGUFTokenizer
 from ktlong.gguf.weights import load_weights
+from ktlong.parallel.shard import rank_weight_elements, shard_config
+
+if TYPE_CHECKING:
+    from ktlong.parallel.group import TensorParallel
 
 
 @dataclass
@@ -40,15 +45,26 @@ def open_model(name_or_path: str | None, rope: RopeOptions = RopeOptions()) -> t
 
 
 def load_model(name_or_path: str | None, device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = None, rope: RopeOptions = RopeOptions()) -> LoadedModel:
+               dtype: torch.dtype | None = None, rope: RopeOptions = RopeOptions(),
+               tp: "TensorParallel | None" = None) -> LoadedModel:
+    """With tp, this rank's share of the heads and MLP columns; config and model are the rank's
+    (ktlong/parallel/shard.py)."""
     start = time.perf_counter()
     device = torch.device(device)
     gf, config = open_model(name_or_path, rope)
+    shard = None
+    if tp is not None:
+        rank_config = shard_config(config, tp.world)  # refuses before any weight is read
+        shard = (tp.rank, tp.world)
     tokenizer = GGUFTokenizer(gf)
-    weights = load_weights(gf, config, device, dtype or default_dtype(device))
+    weights = load_weights(gf, config, device, dtype or default_dtype(device), shard)
+    elements = gf.num_weight_elements
+    if tp is not None:
+        elements = rank_weight_elements(config, elements, tp.world)
+        config = rank_config
     tok = tokenizer.token_text
     template = ChatTemplate(tokenizer.chat_template,
                             bos_token=tok(tokenizer.bos_id) if tokenizer.bos_id is not None else "",
                             eos_token=tok(tokenizer.eos_id) if tokenizer.eos_id is not None else "")
-    return LoadedModel(gf.path, config, tokenizer, template, LlamaModel(config, weights),
-                       time.perf_counter() - start, gf.num_weight_elements)
+    return LoadedModel(gf.path, config, tokenizer, template, LlamaModel(config, weights, tp),
+                       time.perf_counter() - start, elements)

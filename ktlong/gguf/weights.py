@@ -11,6 +11,7 @@ from ktlong.gguf.dequant import SUPPORTED_TYPES, dequantize
 from ktlong.errors import GGUFError
 from ktlong.gguf.reader import GGUFFile
 from ktlong.gguf.model_config import PERMUTED_QK_ARCHS, ModelConfig
+from ktlong.parallel.shard import shard_columns, shard_rows
 
 
 @dataclass(slots=True)
@@ -83,8 +84,18 @@ class TensorSource:
 
 
 def load_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
-                 dtype: torch.dtype) -> ModelWeights:
+                 dtype: torch.dtype, shard: tuple[int, int] | None = None) -> ModelWeights:
+    """shard: (rank, world) keeps this rank's heads and MLP columns (ktlong/parallel/shard.py);
+    config is the whole model's either way."""
     src = TensorSource(gf, device, dtype)
+    rank, world = shard or (0, 1)
+
+    def rows(w):
+        return shard_rows(w, rank, world) if world > 1 else w
+
+    def columns(w):
+        return shard_columns(w, rank, world) if world > 1 else w
+
     c = config
     q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     permuted = c.arch in PERMUTED_QK_ARCHS
@@ -101,15 +112,15 @@ def load_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
             bk = unpermute_qk(bk, c.num_kv_heads) if bk is not None else None
         layers.append(LayerWeights(
             attn_norm=src.get(p + "attn_norm.weight", (c.hidden_size,)),
-            wq=wq, wk=wk,
-            wv=src.get(p + "attn_v.weight", (kv_dim, c.hidden_size)),
-            wo=src.get(p + "attn_output.weight", (c.hidden_size, q_dim)),
-            bq=bq, bk=bk,
-            bv=src.get_optional(p + "attn_v.bias", (kv_dim,)),
+            wq=rows(wq), wk=rows(wk),
+            wv=rows(src.get(p + "attn_v.weight", (kv_dim, c.hidden_size))),
+            wo=columns(src.get(p + "attn_output.weight", (c.hidden_size, q_dim))),
+            bq=rows(bq), bk=rows(bk),
+            bv=rows(src.get_optional(p + "attn_v.bias", (kv_dim,))),
             ffn_norm=src.get(p + "ffn_norm.weight", (c.hidden_size,)),
-            w_gate=src.get(p + "ffn_gate.weight", (c.intermediate_size, c.hidden_size)),
-            w_up=src.get(p + "ffn_up.weight", (c.intermediate_size, c.hidden_size)),
-            w_down=src.get(p + "ffn_down.weight", (c.hidden_size, c.intermediate_size)),
+            w_gate=rows(src.get(p + "ffn_gate.weight", (c.intermediate_size, c.hidden_size))),
+            w_up=rows(src.get(p + "ffn_up.weight", (c.intermediate_size, c.hidden_size))),
+            w_down=columns(src.get(p + "ffn_down.weight", (c.hidden_size, c.intermediate_size))),
             q_norm=src.get(p + "attn_q_norm.weight", (c.head_dim,)) if c.has_qk_norm else None,
             k_norm=src.get(p + "attn_k_norm.weight", (c.head_dim,)) if c.has_qk_norm else None,
             post_attn_norm=src.get(p + "post_attention_norm.weight", (c.hidden_size,)) if c.has_post_norms else None,

@@ -29,9 +29,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: ModelWeights):
+    def __init__(self, config: ModelConfig, weights: ModelWeights, tp=None):
+        """tp: a TensorParallel (ktlong/parallel/group.py) when config and weights are one rank's
+        share; the output projection's and the MLP's partial sums are then all-reduced."""
         self.config = config
         self.weights = weights
+        self.tp = tp
         self.device = weights.embed.device
         self.dtype = weights.embed.dtype
         self.inv_freq, self.rope_mscale = inv_freq(config.rope, weights.rope_freq_factors)
@@ -67,6 +70,8 @@ class LlamaModel:
         # o: [T, H, D] -> [T, hidden]
         w = self.weights.layers[i]
         out = F.linear(o.reshape(o.shape[0], -1), w.wo)
+        if self.tp is not None:
+            self.tp.all_reduce(out)
         return rms_norm(out, w.post_attn_norm, self.config.rms_norm_eps) if w.post_attn_norm is not None else out
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -75,6 +80,8 @@ class LlamaModel:
         gate = F.linear(h, w.w_gate)
         gate = F.gelu(gate, approximate="tanh") if self.config.mlp_act == "gelu_tanh" else F.silu(gate)
         out = F.linear(gate * F.linear(h, w.w_up), w.w_down)
+        if self.tp is not None:
+            self.tp.all_reduce(out)
         return rms_norm(out, w.post_ffn_norm, self.config.rms_norm_eps) if w.post_ffn_norm is not None else out
 
     def residual_block(self, i: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch
 from ktlong.gguf.model_config import ModelConfig, RopeConfig
 from ktlong.models.llama import LlamaModel
 from ktlong.gguf.weights import LayerWeights, ModelWeights
+from ktlong.parallel.shard import shard_config
 
 SHAPES = {
     "llama-3.1-8b": dict(num_layers=32, hidden_size=4096, intermediate_size=14336, num_heads=32,
@@ -29,8 +30,13 @@ def num_weight_elements(c: ModelConfig) -> int:
     return c.num_layers * per_layer + head + c.hidden_size
 
 
-def random_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> LlamaModel:
+def random_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0, tp=None) -> LlamaModel:
+    """tp: one rank's share of the heads and MLP columns (its own random values: for speed and
+    memory, not for comparing logits across rank counts)."""
     c = random_config(name)
+    if tp is not None:
+        c = shard_config(c, tp.world)
+        seed += 1000 * tp.rank
     g = torch.Generator(device=device).manual_seed(seed)
 
     def w(*shape):
@@ -49,4 +55,4 @@ def random_model(name: str, device: torch.device, dtype: torch.dtype, seed: int 
     weights = ModelWeights(embed=w(c.vocab_size, c.hidden_size), layers=layers,
                            output_norm=ones(c.hidden_size), output=w(c.vocab_size, c.hidden_size),
                            rope_freq_factors=None)
-    return LlamaModel(c, weights)
+    return LlamaModel(c, weights, tp)

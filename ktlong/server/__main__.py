@@ -57,11 +57,14 @@ def make_app(started, log=None):
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from ktlong.config import load_config
-    from ktlong.errors import KtlongError
+    from ktlong.errors import ConfigError, KtlongError
     from ktlong.session.startup import FLAG_TO_OPTION, overrides_from, start
 
     try:
         config = load_config(args.config, overrides_from(args, {**FLAG_TO_OPTION, **SERVER_FLAGS}))
+        if config.tensor_parallel > 1:
+            raise ConfigError("The server runs in one process; drop --tensor_parallel (local_chat.py, the "
+                              "evaluation and the benches take it).")
         started = start(config)
     except KtlongError as e:
         print(f"error: {e}", file=sys.stderr)

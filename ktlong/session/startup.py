@@ -5,11 +5,13 @@ the order: config, model check, memory plan, weights, session)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 import yaml
 
 from ktlong.config import DEFAULT_FILE, Config, parse_set
@@ -22,7 +24,7 @@ FLAG_TO_OPTION = {"model": "model", "gguf_path": "model", "mode": "mode", "devic
                   "max_seq_len": "max_seq_len", "cpu_infer": "threads_num",
                   "use_cuda_graph": "use_cuda_graph", "max_new_tokens": "max_new_tokens",
                   "temperature": "temperature", "rope_scaling": "rope_scaling", "rope_scale": "rope_scale",
-                  "yarn_orig_ctx": "yarn_orig_ctx"}
+                  "yarn_orig_ctx": "yarn_orig_ctx", "tensor_parallel": "tensor_parallel"}
 
 
 def default_values() -> dict:
@@ -51,6 +53,9 @@ def add_config_flags(p: argparse.ArgumentParser) -> dict:
     run.add_argument("--use_cuda_graph", action=argparse.BooleanOptionalAction, default=None,
                      help="long-context decode on a GPU: replay its device part from CUDA graphs "
                           f"(default: {d['use_cuda_graph']}, on with CUDA)")
+    run.add_argument("--tensor_parallel", type=int, metavar="N", help="split heads and MLP columns over N "
+                     "ranks (GPUs, or CPU processes); start with torchrun --nproc_per_node N "
+                     f"(default: {d['tensor_parallel']})")
     gen = p.add_argument_group("generation")
     gen.add_argument("--max_new_tokens", type=int, help=f"default: {d['max_new_tokens']}")
     gen.add_argument("--temperature", type=float, help=f"0 = greedy (default: {d['temperature']})")
@@ -81,6 +86,7 @@ class Started:
     config: Config
     max_seq_len: int
     session: object  # LongContextSession, or None for the dense session the caller makes
+    tp: object = None  # TensorParallel when tensor_parallel > 1
 
 
 def start(config: Config, log=None) -> Started:
@@ -89,23 +95,32 @@ def start(config: Config, log=None) -> Started:
     from ktlong.device import resolve_device, resolve_dtype
     from ktlong.gguf.loader import load_model, open_model
     from ktlong.gguf.model_config import RopeOptions
+    from ktlong.parallel.group import join_ranks
+    from ktlong.parallel.shard import rank_weight_elements, shard_config
     from ktlong.session.plan import apply_threads, plan_session
 
     log = log or sys.stderr
     gf, model_config = open_model(config.model, RopeOptions.of(config))  # checks the file, reads no weight
     max_seq_len = config.check_against_model(model_config.num_layers, model_config.context_length)
     device = resolve_device(config.device)
+    tp, device = join_ranks(config.tensor_parallel, model_config, device)
+    num_weight_elements = gf.num_weight_elements
+    if tp is not None:
+        num_weight_elements = rank_weight_elements(model_config, gf.num_weight_elements, tp.world)
+        model_config = shard_config(model_config, tp.world)
+        print(f"[rank {tp.rank} of {tp.world}: {model_config.num_heads} heads, {model_config.num_kv_heads} kv "
+              f"heads, {len(os.sched_getaffinity(0))} cores]", file=log)
     dtype = resolve_dtype(config.dtype, device)
     if config.use_cuda_graph is True and (device.type != "cuda" or config.mode != "long_context"):
         print("[use_cuda_graph: graphs replay the long-context decode step on a GPU; ignored here]", file=log)
     plan = None
     if config.mode == "long_context":
-        plan = plan_session(config, model_config, gf.num_weight_elements, max_seq_len, device, dtype)
+        plan = plan_session(config, model_config, num_weight_elements, max_seq_len, device, dtype)
         print(plan.describe(), file=log)
         plan.check()
     else:
         apply_threads(config.threads_num)
-    lm = load_model(config.model, device, dtype, RopeOptions.of(config))
+    lm = load_model(config.model, device, dtype, RopeOptions.of(config), tp)
     c = lm.config
     print(f"[loaded {lm.path.name}: {c.arch}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} "
           f"heads, context {c.context_length}, on {device} in {lm.load_seconds:.1f}s; "
@@ -115,4 +130,4 @@ def start(config: Config, log=None) -> Started:
         from ktlong.session.long_context import LongContextSession
 
         session = LongContextSession.from_config(lm.model, config, plan)
-    return Started(lm, config, max_seq_len, session)
+    return Started(lm, config, max_seq_len, session, tp)

@@ -1,0 +1,128 @@
+"""Tensor parallelism on the CPU over gloo: two processes give the logits one gives (float32,
+1e-4) for the dense forward, CompactAttention prefill and sparse decode with SHARED and SEPARATE
+selection; refusals come before any weight is read."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ktlong.config import default_config
+from ktlong.errors import ConfigError
+from tests.tiny_gguf import TinySpec, write_tiny_gguf
+from tests.tp_run import ARMS, PROMPT_LEN, run_arm
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp") / "tiny.gguf"
+    write_tiny_gguf(path, TinySpec(num_layers=3, num_heads=4, num_kv_heads=2, intermediate=96), seed=9)
+    return path
+
+
+def torchrun(n: int, *args, env=None, timeout=600):
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
+           "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
+                           "--standalone", *map(str, args)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_out")
+    done = torchrun(2, "tests/tp_run.py", out, tiny_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("arm", list(ARMS))
+def test_two_ranks_give_the_logits_of_one(tiny_path, two_ranks, arm, monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    expected, tokens, selected, started = run_arm(str(tiny_path), arm, 1)
+    got = np.load(two_ranks / f"rank0_{arm}.npz")
+    other = np.load(two_ranks / f"rank1_{arm}.npz")
+    scale = np.abs(expected).max()
+    assert np.abs(got["logits"] - expected).max() / scale < 1e-4
+    assert (got["tokens"] == tokens).all() and (other["tokens"] == tokens).all()  # ranks agree
+    assert np.abs(other["logits"] - got["logits"]).max() == 0  # the same all-reduced numbers
+    if arm != "dense":  # decode really was sparse: 2 of the context's blocks, on both sides
+        context_blocks = PROMPT_LEN // 16
+        assert selected == int(got["selected"]) == 2 < context_blocks - 4
+
+
+def test_a_model_that_does_not_split_is_refused_before_loading(tiny_path, tmp_path):
+    odd = tmp_path / "odd.gguf"
+    write_tiny_gguf(odd, TinySpec(num_heads=3, num_kv_heads=3, head_dim=32), seed=1)
+    done = torchrun(2, "local_chat.py", "--model", odd, "--tensor_parallel", "2", "--device", "cpu",
+                    env={"XDG_CONFIG_HOME": str(tmp_path)})
+    assert done.returncode != 0
+    assert "This model's 3 kv heads do not split over 2 ranks" in done.stderr
+
+
+def test_rank_counts_that_do_not_match_are_refused(tiny_path, monkeypatch):
+    from ktlong.parallel.group import start_tensor_parallel
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError, match="torchrun --nproc_per_node 2"):
+        start_tensor_parallel(2, "cpu")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="pass --tensor_parallel 2"):
+        start_tensor_parallel(1, "cpu")
+    monkeypatch.setenv("RANK", "0")
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="needs 2 GPUs but this machine has 1"):
+        start_tensor_parallel(2, "cuda")
+
+
+@pytest.mark.slow
+def test_chat_under_torchrun_answers_as_one_process(tmp_path, monkeypatch, capsys):
+    """Rank 0 reads the chat's input and every rank follows; the answers are one process's."""
+    import local_chat
+
+    args = ["--model", "qwen2.5-coder-0.5b", "--device", "cpu", "--mode", "long_context",
+            "--prompt_file", "examples/capital.txt", "--max_new_tokens", "20"]
+    env = {"XDG_CONFIG_HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "local_chat.py", "--tensor_parallel", "2", *args], input="And Germany?\n", cwd=ROOT,
+                          env={**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")},
+                               **env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[rank 0 of 2: 7 heads, 1 kv heads" in done.stderr and "(43 from the cache, 13 prefilled)" in done.stderr
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "stdin", __import__("io").StringIO("And Germany?\n"))
+    assert local_chat.main(args) == 0
+    one = capsys.readouterr().out
+    assert done.stdout == one and "Paris" in one
+
+
+def test_context_limit_is_where_the_plan_stops_fitting(capsys):
+    """The bench's limits are the planner's own: the plan fits at the limit and not one block
+    later; half the weights per rank leave more room for the context."""
+    import torch
+
+    from ktlong.bench.context_limit import main
+    from ktlong.config import load_config, parse_set
+    from ktlong.kv.memory_plan import GIB
+    from ktlong.models.random_model import num_weight_elements, random_config
+    from ktlong.parallel.shard import shard_config
+    from ktlong.session.plan import plan_session
+
+    assert main(["--tensor_parallel", "1,2", "--gpu_cap_gb", "20", "--dram_gb", "4000"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("|  ")]
+    limits = {int(r[0]): int(r[1].replace(",", "")) for r in rows}
+    config = load_config(overrides=parse_set(["gpu_memory_budget_gb=20"]), write_user_file=False)
+    for n, limit in limits.items():
+        c = shard_config(random_config("llama-3.1-8b"), n)
+        need = lambda t: plan_session(config, c, num_weight_elements(c), t, torch.device("cuda"),
+                                      torch.bfloat16).memory.device_total
+        assert need(limit) <= 20 * GIB < need(limit + config.block_size)
+    assert limits[2] > 2 * limits[1]

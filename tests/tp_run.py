@@ -1,0 +1,55 @@
+"""One run of the tensor-parallel comparison (tests/test_tensor_parallel.py): the same prompt
+through the dense session and long-context sessions (CompactAttention prefill, sparse decode with
+SHARED and SEPARATE head selection), its prefill logits and those of greedy decode steps.
+
+Run by the test as `python -m torch.distributed.run --nproc_per_node 2 tests/tp_run.py OUT GGUF`
+(each rank writes OUT/rank{R}_{arm}.npz; numpy files, no pickle), and in-process with one rank.
+"""
+
+import os
+import sys
+
+import numpy as np
+
+ARMS = {
+    "dense": dict(mode="normal"),
+    "long_shared": dict(mode="long_context", head_select_mode="SHARED"),
+    "long_separate": dict(mode="long_context", head_select_mode="SEPARATE", anchor_type="QUEST"),
+}
+LONG = dict(block_size=16, chunk_size=32, local_windows_len=32, second_select_num=2, preselect_block=True,
+            preselect_block_count=4, prefill_attention="compact", anchor_type="MAX", threads_num=1,
+            max_new_tokens=12)
+PROMPT_LEN, STEPS = 230, 12
+
+
+def run_arm(gguf: str, arm: str, world: int):
+    from ktlong.config import default_config
+    from ktlong.session.dense import DenseSession
+    from ktlong.session.startup import start
+
+    config = default_config(model=gguf, device="cpu", tensor_parallel=world, **{**LONG, **ARMS[arm]})
+    started = start(config, log=open(os.devnull, "w"))
+    session = started.session or DenseSession(started.lm.model, started.max_seq_len, config.chunk_size)
+    prompt = [int(t) for t in np.random.default_rng(4).integers(0, 300, size=PROMPT_LEN)]
+    logits = [session.prefill(prompt).float().numpy()]
+    tokens = []
+    for _ in range(STEPS):
+        tokens.append(int(np.argmax(logits[-1])))
+        logits.append(session.step(tokens[-1]).float().numpy())
+    selected = 0
+    if started.session is not None:  # how many blocks the last step's CPU attention read (per kv head)
+        selected = max(int(c.max()) for _, c, _ in session.decoder.selector.cache.values())
+    return np.stack(logits), np.array(tokens), selected, started
+
+
+def main(out: str, gguf: str):
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    for arm in ARMS:
+        logits, tokens, selected, _ = run_arm(gguf, arm, world)
+        np.savez(os.path.join(out, f"rank{rank}_{arm}.npz"), logits=logits, tokens=tokens, selected=selected)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main(sys.argv[1], sys.argv[2])
