@@ -8,79 +8,23 @@ import json
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-import uvicorn
 
 from ktlong.chat.generate import generate
 from ktlong.chat.sampling import Sampler
-from ktlong.config import default_config
 from ktlong.server.__main__ import make_app
 from ktlong.server.stop_strings import StopStrings
 from ktlong.session.dense import DenseSession
-from ktlong.session.startup import Started
+from tests.http_server import RunningServer, started
 
 pytestmark = pytest.mark.slow  # loads a real model
 
 MODEL = "smollm2-135m"
 QUESTION = "What is the capital of France?"
-
-
-class RunningServer:
-    """uvicorn on a free local port, in a thread of this process."""
-
-    def __init__(self, app):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline, "the server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def client(self, api_key="none", **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120, **kw)
-
-    def raw(self, method, path, body=None, headers=None):
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        conn.request(method, path, body=body, headers=headers or {})
-        r = conn.getresponse()
-        data = r.read()
-        conn.close()
-        return r.status, data
-
-    def health(self) -> dict:
-        status, data = self.raw("GET", "/health")
-        assert status == 200
-        return json.loads(data)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
-def started(lm, **options) -> Started:
-    config = default_config(model=MODEL, **options)
-    max_seq_len = config.max_seq_len or lm.config.context_length
-    session = None
-    if config.mode == "long_context":
-        import torch
-
-        from ktlong.session.long_context import LongContextSession
-        from ktlong.session.plan import plan_session
-
-        plan = plan_session(config, lm.config, lm.num_weight_elements, max_seq_len, torch.device("cpu"),
-                            torch.float32)
-        session = LongContextSession.from_config(lm.model, config, plan)
-    return Started(lm, config, max_seq_len, session)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +35,7 @@ def lm(real_model):
 @pytest.fixture(scope="module")
 def server(lm):
     """Long-context mode on the CPU (the follow-up prefill over the DRAM cache), small blocks."""
-    app, _ = make_app(started(lm, mode="long_context", max_new_tokens=24, block_size=16, chunk_size=64,
+    app, _ = make_app(started(lm, MODEL, mode="long_context", max_new_tokens=24, block_size=16, chunk_size=64,
                               local_windows_len=64, queue_size=2))
     s = RunningServer(app)
     yield s
@@ -276,7 +220,7 @@ def test_a_client_that_goes_away_stops_its_generation(server, lm):
 def test_bounded_queue_under_load(lm):
     """40 requests from 4 concurrent clients, one generating and one waiting at a time: each
     gets the whole answer or a 429, and the server is healthy after."""
-    app, _ = make_app(started(lm, max_new_tokens=6, queue_size=1))
+    app, _ = make_app(started(lm, MODEL, max_new_tokens=6, queue_size=1))
     server = RunningServer(app)
     try:
         messages = [{"role": "user", "content": QUESTION}]
@@ -306,7 +250,7 @@ def test_bounded_queue_under_load(lm):
 
 
 def test_api_key_is_required_when_set(lm):
-    app, key = make_app(started(lm, max_new_tokens=4, api_key="s3cret"))
+    app, key = make_app(started(lm, MODEL, max_new_tokens=4, api_key="s3cret"))
     server = RunningServer(app)
     try:
         with pytest.raises(openai.AuthenticationError, match="API key"):

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ktlong.config import default_config
 from ktlong.errors import ConfigError
 from tests.tiny_gguf import TinySpec, write_tiny_gguf
 from tests.tp_run import ARMS, PROMPT_LEN, run_arm
@@ -49,8 +48,7 @@ def test_two_ranks_give_the_logits_of_one(tiny_path, two_ranks, arm, monkeypatch
     other = np.load(two_ranks / f"rank1_{arm}.npz")
     scale = np.abs(expected).max()
     assert np.abs(got["logits"] - expected).max() / scale < 1e-4
-    assert (got["tokens"] == tokens).all() and (other["tokens"] == tokens).all()  # ranks agree
-    assert np.abs(other["logits"] - got["logits"]).max() == 0  # the same all-reduced numbers
+    assert np.abs(other["logits"] - got["logits"]).max() == 0  # ranks agree: the same all-reduced numbers
     if arm != "dense":  # decode really was sparse: 2 of the context's blocks, on both sides
         context_blocks = PROMPT_LEN // 16
         assert selected == int(got["selected"]) == 2 < context_blocks - 4
@@ -126,3 +124,21 @@ def test_context_limit_is_where_the_plan_stops_fitting(capsys):
                                       torch.bfloat16).memory.device_total
         assert need(limit) <= 20 * GIB < need(limit + config.block_size)
     assert limits[2] > 2 * limits[1]
+
+
+@pytest.mark.gpu
+def test_two_gpus_over_nccl_give_the_logits_of_one(tiny_path, tmp_path, monkeypatch):
+    """The same comparison on two GPUs (NCCL, bf16, FlashInfer, CUDA graphs on): within bf16's
+    rounding of partial sums."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (nvidia-h200-x2)")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    done = torchrun(2, "tests/tp_run.py", tmp_path, tiny_path, "cuda")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for arm in ARMS:
+        expected, *_ = run_arm(str(tiny_path), arm, 1, "cuda")
+        got, other = (np.load(tmp_path / f"rank{r}_{arm}.npz")["logits"] for r in (0, 1))
+        assert np.abs(got - expected).max() / np.abs(expected).max() < 3e-2, arm
+        assert np.abs(other - got).max() == 0

@@ -1,9 +1,11 @@
 """One run of the tensor-parallel comparison (tests/test_tensor_parallel.py): the same prompt
 through the dense session and long-context sessions (CompactAttention prefill, sparse decode with
-SHARED and SEPARATE head selection), its prefill logits and those of greedy decode steps.
+SHARED and SEPARATE head selection), its prefill logits and those of decode steps fed the same
+tokens.
 
-Run by the test as `python -m torch.distributed.run --nproc_per_node 2 tests/tp_run.py OUT GGUF`
-(each rank writes OUT/rank{R}_{arm}.npz; numpy files, no pickle), and in-process with one rank.
+Run by the test as `python -m torch.distributed.run --nproc_per_node 2 tests/tp_run.py OUT GGUF
+[DEVICE]` (each rank writes OUT/rank{R}_{arm}.npz; numpy files, no pickle), and in-process with
+one rank.
 """
 
 import os
@@ -22,34 +24,34 @@ LONG = dict(block_size=16, chunk_size=32, local_windows_len=32, second_select_nu
 PROMPT_LEN, STEPS = 230, 12
 
 
-def run_arm(gguf: str, arm: str, world: int):
+def run_arm(gguf: str, arm: str, world: int, device: str = "cpu"):
     from ktlong.config import default_config
     from ktlong.session.dense import DenseSession
     from ktlong.session.startup import start
 
-    config = default_config(model=gguf, device="cpu", tensor_parallel=world, **{**LONG, **ARMS[arm]})
+    config = default_config(model=gguf, device=device, tensor_parallel=world, **{**LONG, **ARMS[arm]})
     started = start(config, log=open(os.devnull, "w"))
     session = started.session or DenseSession(started.lm.model, started.max_seq_len, config.chunk_size)
-    prompt = [int(t) for t in np.random.default_rng(4).integers(0, 300, size=PROMPT_LEN)]
-    logits = [session.prefill(prompt).float().numpy()]
-    tokens = []
-    for _ in range(STEPS):
-        tokens.append(int(np.argmax(logits[-1])))
-        logits.append(session.step(tokens[-1]).float().numpy())
+    rng = np.random.default_rng(4)
+    prompt = [int(t) for t in rng.integers(0, 300, size=PROMPT_LEN)]
+    tokens = [int(t) for t in rng.integers(0, 300, size=STEPS)]
+    logits = [session.prefill(prompt).float().cpu().numpy()]
+    for token in tokens:
+        logits.append(session.step(token).float().cpu().numpy())
     selected = 0
     if started.session is not None:  # how many blocks the last step's CPU attention read (per kv head)
         selected = max(int(c.max()) for _, c, _ in session.decoder.selector.cache.values())
     return np.stack(logits), np.array(tokens), selected, started
 
 
-def main(out: str, gguf: str):
+def main(out: str, gguf: str, device: str = "cpu"):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     for arm in ARMS:
-        logits, tokens, selected, _ = run_arm(gguf, arm, world)
+        logits, tokens, selected, _ = run_arm(gguf, arm, world, device)
         np.savez(os.path.join(out, f"rank{rank}_{arm}.npz"), logits=logits, tokens=tokens, selected=selected)
 
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 import yaml
 
 from ktlong.config import DEFAULT_FILE, Config, parse_set
