@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 def test_long_context_server_on_the_gpu_answers_as_a_session_does(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     path = tmp_path / "tiny.gguf"
-    write_tiny_gguf(path, TinySpec(num_layers=2, context=4096), seed=3)
+    write_tiny_gguf(path, TinySpec(num_layers=2, hidden=256, intermediate=512, head_dim=64, context=4096), seed=3)
     lm = load_model(str(path), "cuda", torch.bfloat16)
     options = dict(mode="long_context", block_size=64, chunk_size=256, local_windows_len=256, max_new_tokens=12)
     prompt = [int(t) for t in torch.randint(0, 300, (900,), generator=torch.Generator().manual_seed(1))]
