@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("tp") / "tiny.gguf"
-    write_tiny_gguf(path, TinySpec(num_layers=3, hidden=128, num_heads=4, num_kv_heads=2, head_dim=64, intermediate=256), seed=9)
+    write_tiny_gguf(path, TinySpec(num_layers=3, hidden=256, num_heads=4, num_kv_heads=2, head_dim=64, intermediate=256), seed=9)
     return path
 
 
