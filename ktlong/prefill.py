@@ -67,6 +67,7 @@ class PrefillStats:
     bytes_to_device: int = 0
     peak_device_bytes: int = 0
     density_per_layer: list[float] = field(default_factory=list)  # kept history fraction (compact)
+    dense_chunks: int = 0  # compact chunks run dense because the selector kept nearly everything
     _events: list = field(default_factory=list, repr=False)
 
     @property
@@ -114,12 +115,14 @@ class LayerMajorPrefill:
         self.backend = resolve_backend(backend, self.device, model.config.head_dim, layout.dtype)
         self.hidden_on_device = hidden_on_device or self.device.type == "cpu"
         self.pages = DevicePages(layout, self.device)
-        self.compact, self.is_sparse = None, compact is not None
-        if compact is not None or self.backend == "fa3":  # fa3 runs dense as "every page kept"
-            c = model.config
-            self.compact = CompactAttention(compact or CompactParams.keep_all(), c.num_heads,
-                                            c.num_kv_heads, layout.block_size, model.scale, self.backend,
-                                            self.device)
+        self.compact, self.dense_paged, self.is_sparse = None, None, compact is not None
+        c = model.config
+        if compact is not None:
+            self.compact = CompactAttention(compact, c.num_heads, c.num_kv_heads, layout.block_size, model.scale,
+                                            self.backend, self.device)
+        if self.backend == "fa3":  # fa3 runs dense as "every page kept"
+            self.dense_paged = CompactAttention(CompactParams.keep_all(), c.num_heads, c.num_kv_heads,
+                                                layout.block_size, model.scale, self.backend, self.device)
         # pooled (mean) key of every block of the current layer, for the block selector
         self.pooled_keys = torch.zeros((layout.num_kv_heads, layout.num_blocks, layout.head_dim),
                                        dtype=torch.float32, device=self.device)
@@ -206,11 +209,11 @@ class LayerMajorPrefill:
             mass = observation_block_mass(q[-OBSERVATION_QUERIES:], self.pages.k, e, model.scale)
             run.host.prompt_block_mass[layer] = mass.cpu().numpy()
         with _Timer(run.stats, self.device):
-            o = self._attention(layer, q.to(self.layout.dtype), s, e, run.densities)
+            o = self._attention(layer, q.to(self.layout.dtype), s, e, run)
         self._offload(layer, q, s, e, run.host, run.stats)
         return model.residual_block(layer, x, o)
 
-    def _attention(self, layer, q, s, e, densities: list[float]) -> torch.Tensor:
+    def _attention(self, layer, q, s, e, run: _Run) -> torch.Tensor:
         if self.attention_hook is not None:
             self.attention_hook(layer, q, s, e, self.pages)
         window = self.model.config.sliding_window if self.layout.is_sliding(layer) else 0
@@ -218,13 +221,18 @@ class LayerMajorPrefill:
             lo = max(0, s - window)
             keys, values = self.pages.tokens(self.pages.k)[:, lo:e], self.pages.tokens(self.pages.v)[:, lo:e]
             return chunk_attention(q, keys, values, self.model.scale, self.backend, window)
-        if self.compact is None or s % self.layout.block_size:  # a follow-up's first chunk may start mid-block
-            keys, values = self.pages.tokens(self.pages.k)[:, :e], self.pages.tokens(self.pages.v)[:, :e]
-            return chunk_attention(q, keys, values, self.model.scale, self.backend)
-        o, pages = self.compact(q, self.pages.k, self.pages.v, self.pooled_keys, s, e)
-        if pages.num_hist:
-            densities.append(pages.density)
-        return o
+        if self.compact is not None and s % self.layout.block_size == 0:  # (a follow-up's first chunk
+            o, pages = self.compact(q, self.pages.k, self.pages.v, self.pooled_keys, s, e)  # may start mid-block)
+            if o is not None:
+                if pages.num_hist:
+                    run.densities.append(pages.density)
+                return o
+            run.densities.append(1.0)  # kept nearly everything: dense is cheaper (dense_above)
+            run.stats.dense_chunks += 1
+        if self.dense_paged is not None and s % self.layout.block_size == 0:
+            return self.dense_paged(q, self.pages.k, self.pages.v, self.pooled_keys, s, e)[0]
+        keys, values = self.pages.tokens(self.pages.k)[:, :e], self.pages.tokens(self.pages.v)[:, :e]
+        return chunk_attention(q, keys, values, self.model.scale, self.backend)
 
     def _offload(self, layer, q, s, e, host: HostKVCache, stats):
         """Summarise the chunk's blocks and copy its K/V and side tables to DRAM. Sliding-window

@@ -33,6 +33,7 @@ class CompactParams:
     sink_blocks: int
     window_blocks: int
     subgroup_size: int
+    dense_above: float  # a chunk keeping more of its history than this runs dense (1: never)
 
     def __post_init__(self):
         assert self.selector in SELECTORS, self.selector
@@ -42,7 +43,7 @@ class CompactParams:
         """Every block kept: dense attention through the paged path. With nothing selected the
         heads of a kv group share one page list, so each group is one request."""
         return cls(selector="all", alpha=0.0, threshold=1.0, stride=1, sink_blocks=0, window_blocks=0,
-                   subgroup_size=1 << 30)
+                   subgroup_size=1 << 30, dense_above=1.0)
 
 
 class CompactAttention:
@@ -71,8 +72,13 @@ class CompactAttention:
         return select_blocks_xattention(q, keys, self.block_size, p.stride, p.threshold, self.scale,
                                         p.sink_blocks, p.window_blocks)
 
-    def page_lists(self, keep: torch.Tensor, start: int, end: int, blocks_per_head: int) -> PageLists:
+    def page_lists(self, keep: torch.Tensor, start: int, end: int, blocks_per_head: int) -> PageLists | None:
+        """The groups' page lists, or None when they would keep more than dense_above of the
+        history: there, building them and planning costs more than the dropped blocks save."""
         group_keep = union_groups(union_query_blocks(keep), self.groups)
+        if self.params.dense_above < 1.0 and group_keep.numel():
+            if float(group_keep.float().mean()) > self.params.dense_above:
+                return None
         return build_page_lists(group_keep, self.groups, self.num_heads, self.num_kv_heads,
                                 blocks_per_head, start // self.block_size, end - start, self.block_size)
 
@@ -83,8 +89,11 @@ class CompactAttention:
         return self.executor.run(q, k_pages, v_pages, self.groups)
 
     def __call__(self, q, k_pages, v_pages, pooled_keys, start: int, end: int):
-        """Attention of the chunk's queries (positions start..end) -> (out [T, H, D], page lists)."""
+        """Attention of the chunk's queries (positions start..end) -> (out [T, H, D], page lists),
+        or (None, None) when the selection keeps nearly everything: the caller runs it dense."""
         assert start % self.block_size == 0 and q.shape[0] == end - start
         keep = self.select(q, k_pages, pooled_keys, start)
         pages = self.page_lists(keep, start, end, k_pages.shape[1])
+        if pages is None:
+            return None, None
         return self.execute(q, k_pages, v_pages, pages), pages

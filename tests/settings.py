@@ -15,6 +15,9 @@ def selection(**options) -> SelectionSettings:
 
 
 def compact_settings(**options) -> CompactParams:
+    """CompactAttention settings; the paged path runs whatever it keeps (dense_above 1) unless a
+    test sets dense_above itself."""
+    options.setdefault("dense_above", 1.0)
     return compact_params(default_config(prefill_attention="compact", **options))
 
 

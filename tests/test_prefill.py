@@ -198,3 +198,29 @@ def test_compact_prefill_logs_density_per_layer(tiny):
     logits, stats = engine.run(ids, HostKVCache(layout, pin=False))
     assert len(stats.density_per_layer) == c.num_layers
     assert all(0 < d <= 1 for d in stats.density_per_layer) and min(stats.density_per_layer) < 1
+
+
+def test_chunks_that_keep_nearly_everything_run_dense(tiny):
+    """dense_above: a chunk whose union keeps more of its history than the threshold runs the
+    dense path; those below it stay compact."""
+    ids = list(np.random.default_rng(10).integers(0, 300, size=256))
+    expected, _ = dense(tiny, ids)
+    c = tiny.config
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 256, "fp32")
+
+    def run(dense_above):
+        params = compact_settings(alpha=0.9, sink_blocks=0, window_blocks=0, dense_above=dense_above)
+        return LayerMajorPrefill(tiny.model, layout, 32, "torch", True, compact=params).run(
+            ids, HostKVCache(layout, pin=False))
+
+    sparse_logits, sparse = run(1.0)
+    chosen = sparse.density_per_layer
+    assert sparse.dense_chunks == 0 and min(chosen) < 1
+    everything_dense, all_dense = run(1e-6)  # every chunk with history keeps more than that
+    assert all_dense.dense_chunks == c.num_layers * (256 // 32 - 1)
+    assert all_dense.density_per_layer == [1.0] * c.num_layers
+    assert float((everything_dense - expected).abs().max() / expected.abs().max()) < 1e-5
+    assert float((sparse_logits - expected).abs().max() / expected.abs().max()) > 1e-3  # it was sparse
+    middle = sorted(chosen)[len(chosen) // 2]
+    _, some = run(middle)  # per chunk: the denser chunks go dense, the rest stay compact
+    assert 0 < some.dense_chunks < all_dense.dense_chunks
