@@ -21,6 +21,8 @@ segment that ends at a global layer also scores that layer's blocks (ktlong/deco
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ktlong.decode.device_anchors import DeviceAnchors
@@ -147,12 +149,18 @@ class DecodeStep:
                 self._segment(j)
         torch.cuda.current_stream(self.model.device).wait_stream(stream)
         pool = None
-        for j in range(len(self.global_layers) + 1):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._segment(j)
-            pool = graph.pool()
-            self.graphs.append(graph)
+        try:
+            for j in range(len(self.global_layers) + 1):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._segment(j)
+                pool = graph.pool()
+                self.graphs.append(graph)
+        except RuntimeError as e:  # e.g. a collective of tensor parallelism this build cannot capture
+            self.graphs, self.capturing = [], False
+            torch.cuda.synchronize(self.model.device)
+            reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            print(f"[CUDA graphs could not be captured ({reason}); decode runs eagerly]", file=sys.stderr)
 
     def set_step(self, token_id: int, position: int):
         w = self.window
