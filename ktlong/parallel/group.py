@@ -19,6 +19,9 @@ import torch.distributed as dist
 from ktlong.errors import ConfigError
 
 
+_STARTING_CORES: list[int] | None = None
+
+
 @dataclass
 class TensorParallel:
     rank: int
@@ -54,11 +57,14 @@ class TensorParallel:
         return self.rank == 0
 
     def take_cores(self) -> int:
-        """Pin this rank to its share of the cores (torch and the decode threads then count only
-        those); returns how many."""
+        """Pin this rank to its share of the cores the process started with (torch and the decode
+        threads then count only those); returns how many."""
+        global _STARTING_CORES
         if not hasattr(os, "sched_setaffinity"):
             return 0
-        cores = sorted(os.sched_getaffinity(0))
+        if _STARTING_CORES is None:  # a second session in the same process splits the same cores
+            _STARTING_CORES = sorted(os.sched_getaffinity(0))
+        cores = _STARTING_CORES
         share = max(1, len(cores) // self.world)
         mine = cores[self.rank * share:(self.rank + 1) * share] or cores[-share:]
         os.sched_setaffinity(0, mine)
