@@ -68,7 +68,8 @@ class PrefillStats:
     peak_device_bytes: int = 0
     density_per_layer: list[float] = field(default_factory=list)  # kept history fraction (compact)
     dense_chunks: int = 0  # compact chunks run dense because the selector kept nearly everything
-    _events: list = field(default_factory=list, repr=False)
+    history_seconds: float = 0.0  # a follow-up: loading the history from DRAM into the pages
+    _events: list = field(default_factory=list, repr=False)  # (what, start, end) CUDA events
 
     @property
     def tokens_per_second(self) -> float:
@@ -87,8 +88,8 @@ class _Run:
 class _Timer:
     """Accumulates the time of a code region: CUDA events on the GPU, wall clock on the CPU."""
 
-    def __init__(self, stats: PrefillStats, device: torch.device):
-        self.stats, self.cuda = stats, device.type == "cuda"
+    def __init__(self, stats: PrefillStats, device: torch.device, what: str = "attention"):
+        self.stats, self.cuda, self.what = stats, device.type == "cuda", what
 
     def __enter__(self):
         if self.cuda:
@@ -101,9 +102,10 @@ class _Timer:
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self.stats._events.append((self.start, end))
+            self.stats._events.append((self.what, self.start, end))
         else:
-            self.stats.attention_seconds += time.perf_counter() - self.t0
+            field_name = f"{self.what}_seconds"
+            setattr(self.stats, field_name, getattr(self.stats, field_name) + time.perf_counter() - self.t0)
 
 
 class LayerMajorPrefill:
@@ -158,7 +160,8 @@ class LayerMajorPrefill:
             if self.cuda:  # the pages are about to be overwritten: last layer's copies must be done
                 torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
             if history:
-                self._load_history(layer, history, host, stats)
+                with _Timer(stats, self.device, "history"):
+                    self._load_history(layer, history, host, stats)
             run.densities = []
             for s, e in chunks:
                 x = hidden[s - history:e - history].to(self.device, non_blocking=True)
@@ -175,7 +178,9 @@ class LayerMajorPrefill:
         logits = self.model.logits(last)[0]
         if self.cuda:
             torch.cuda.synchronize(self.device)
-            stats.attention_seconds = sum(a.elapsed_time(b) for a, b in stats._events) / 1e3
+            for what, a, b in stats._events:
+                field_name = f"{what}_seconds"
+                setattr(stats, field_name, getattr(stats, field_name) + a.elapsed_time(b) / 1e3)
             stats.peak_device_bytes = torch.cuda.max_memory_allocated(self.device)
         host.advance(len(token_ids))
         stats.seconds = time.perf_counter() - start

@@ -45,6 +45,7 @@ class LongContextSession:
         self.ids: list[int] = []
         self.last_stats = None
         self.last_prefill_tokens = 0  # tokens the last prefill computed (the rest came from the cache)
+        self.last_decode_setup_seconds = 0.0  # after the last prefill: the decoder built, its graphs captured
 
     @classmethod
     def from_config(cls, model: LlamaModel, config: Config, plan: SessionPlan,
@@ -124,9 +125,11 @@ class LongContextSession:
             print(f"[CompactAttention kept {sum(densities) / len(densities):.1%} of history blocks; "
                   f"per layer: {shown}]", file=sys.stderr)
         self.ids = list(prompt_ids)
+        start = time.perf_counter()
         self.decoder = HybridDecoder(self.model, self.host, self.selection, self.local_windows_len,
                                      self.use_cuda_graph)
         self.decoder.capture_graphs()
+        self.last_decode_setup_seconds = time.perf_counter() - start
         return logits
 
     def step(self, token_id: int) -> torch.Tensor:
