@@ -228,3 +228,22 @@ def test_a_stopped_prefill_leaves_a_cache_the_next_prefill_can_trust(tiny, kind)
     assert rel(again, make().prefill(prompt)) < 1e-5
     gen = generate(session, prompt, 5, Sampler(), frozenset(), lambda i: "", should_stop=lambda: True)
     assert gen.finish_reason == "cancelled" and gen.token_ids == []
+
+
+@pytest.mark.parametrize("arm, sparse_prefill, sparse_decode", [
+    ("dense", False, False), ("sparse", True, True), ("sparse-prefill", True, False), ("sparse-decode", False, True)])
+def test_evaluation_arms_make_each_stage_sparse_or_dense(tiny, tmp_path, arm, sparse_prefill, sparse_decode):
+    """The mixed arms tell which stage loses an answer: each makes one stage sparse."""
+    import torch
+
+    from ktlong.config import default_config
+    from ktlong.session.plan import plan_session
+
+    config = default_config(block_size=16, chunk_size=32, local_windows_len=32)
+    plan = plan_session(config, tiny.config, tiny.num_weight_elements, 256, torch.device("cpu"), torch.float32)
+    session = LongContextSession.from_config(tiny.model, config, plan, arm)
+    assert session.engine.is_sparse == sparse_prefill
+    assert (session.selection.second_select_num == config.second_select_num) == sparse_decode
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, 300, size=200)]
+    session.prefill(prompt)
+    assert bool(session.last_stats.density_per_layer) == sparse_prefill

@@ -224,3 +224,28 @@ def test_chunks_that_keep_nearly_everything_run_dense(tiny):
     middle = sorted(chosen)[len(chosen) // 2]
     _, some = run(middle)  # per chunk: the denser chunks go dense, the rest stay compact
     assert 0 < some.dense_chunks < all_dense.dense_chunks
+
+
+def test_paged_dense_route_runs_dense_and_mid_block_chunks_too(tiny):
+    """With fa3, dense chunks (and compact chunks that fall back) go through a keep-everything
+    CompactAttention; here its torch twin stands in for FlashInfer, and a follow-up's first chunk
+    that starts mid-block takes the plain dense kernel."""
+    from operators.compact_attention import CompactAttention, CompactParams
+
+    ids = list(np.random.default_rng(12).integers(0, 300, size=200))
+    expected, _ = dense(tiny, ids)
+    c = tiny.config
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 200, "fp32")
+    engine = LayerMajorPrefill(tiny.model, layout, 32, "torch", True,
+                               compact=compact_settings(alpha=0.9, dense_above=1e-6))
+    engine.dense_paged = CompactAttention(CompactParams.keep_all(), c.num_heads, c.num_kv_heads, 16,
+                                          tiny.model.scale, "torch", tiny.model.device)
+    calls = []
+    original = engine.dense_paged.__call__
+    engine.dense_paged = type("Spy", (), {"__call__": lambda self, *a: calls.append(a[-2:]) or original(*a)})()
+    host = HostKVCache(layout, pin=False)
+    engine.run(ids[:150], host)
+    logits, stats = engine.run(ids[150:], host, history=150)  # 150 is mid-block: first chunk plain dense
+    assert float((logits - expected).abs().max() / expected.abs().max()) < 1e-5
+    assert stats.dense_chunks == 2 * c.num_layers  # (160, 192) and (192, 200) in each layer
+    assert (150, 160) not in calls and calls.count((160, 192)) == calls.count((192, 200)) == c.num_layers

@@ -25,8 +25,9 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", default="2k,4k,8k", help="target prompt lengths in the model's tokens")
     p.add_argument("--samples", type=int, default=10, help="samples per (length, depth)")
     p.add_argument("--attention", default="dense,sparse",
-                   help="dense, sparse or both; transformers adds the same GGUF run by transformers (SDPA), "
-                        "the reference the dense arm is compared with")
+                   help="arms, comma-separated: dense, sparse (CompactAttention prefill and sparse decode), "
+                        "sparse-prefill or sparse-decode (one stage sparse, to tell which loses an answer), "
+                        "transformers (the same GGUF run by transformers, SDPA: the dense arm's reference)")
     p.add_argument("--depths", default=None, help="needle depths in [0, 1]; default 0.5 (needle: 0,.25,.5,.75,1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results", help="folder for results.json (and heatmaps)")
@@ -44,6 +45,7 @@ def main(argv=None) -> int:
     from ktlong.gguf.loader import load_model, open_model
     from ktlong.gguf.model_config import RopeOptions
     from ktlong.parallel.group import join_ranks, quiet_unless_main
+    from ktlong.session.settings import ARMS
 
     quiet_unless_main()
 
@@ -57,9 +59,9 @@ def main(argv=None) -> int:
             overrides["tensor_parallel"] = (args.tensor_parallel, "--tensor_parallel")
         config = load_config(overrides=overrides)
         attentions = [a.strip() for a in args.attention.split(",")]
-        if not set(attentions) <= {"dense", "sparse", "transformers"}:
-            raise KtlongError(f"--attention {args.attention!r}: use dense, sparse or dense,sparse "
-                              "(transformers adds the same GGUF run by Hugging Face transformers).")
+        if not set(attentions) <= set(ARMS) | {"transformers"}:
+            raise KtlongError(f"--attention {args.attention!r}: use arms of {', '.join(ARMS)} and transformers, "
+                              "e.g. dense,sparse.")
         default_depths = "0,0.25,0.5,0.75,1" if args.task == "needle" else "0.5"
         try:
             depths = [float(d) for d in (args.depths or default_depths).split(",")]

@@ -23,7 +23,7 @@ from ktlong.decode.selection import SelectionSettings
 from ktlong.decode.hybrid import HybridDecoder
 from ktlong.decode.warm_up import compile_decode_kernels
 from ktlong.session.plan import SessionPlan
-from ktlong.session.settings import compact_params, selection_settings
+from ktlong.session.settings import compact_params, selection_settings, split_arm
 from operators.compact_attention import CompactParams
 
 class LongContextSession:
@@ -50,12 +50,14 @@ class LongContextSession:
     @classmethod
     def from_config(cls, model: LlamaModel, config: Config, plan: SessionPlan,
                     attention: str | None = None) -> "LongContextSession":
-        """The session local_chat, the evaluation and the benches run. attention: "dense" or
-        "sparse" forces exact or sparse attention in prefill and decode (the evaluation compares
-        the two); None follows prefill_attention and the decode selection options."""
+        """The session local_chat, the evaluation and the benches run. attention: an arm of
+        ktlong/session/settings.ARMS ("dense" or "sparse" force exact or sparse attention in
+        prefill and decode, "sparse-prefill" and "sparse-decode" one stage each; the evaluation
+        compares them); None follows prefill_attention and the decode selection options."""
+        prefill, decode = split_arm(attention)
         session = cls(model, plan.layout, chunk_size=config.chunk_size, backend=config.attention_backend,
-                      hidden_on_device=plan.memory.hidden_on_device, compact=compact_params(config, attention),
-                      selection=selection_settings(config, model.config.num_layers, attention or "sparse"),
+                      hidden_on_device=plan.memory.hidden_on_device, compact=compact_params(config, prefill),
+                      selection=selection_settings(config, model.config.num_layers, decode),
                       local_windows_len=config.local_windows_len, use_cuda_graph=plan.use_cuda_graph)
         session.warm_up()
         return session

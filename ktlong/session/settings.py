@@ -13,6 +13,17 @@ from ktlong.decode.selection import SelectionSettings
 from operators.compact_attention import CompactParams
 
 
+# evaluation arms: (prefill, decode) attention; the mixed ones tell which stage loses an answer
+ARMS = {"dense": ("dense", "dense"), "sparse": ("sparse", "sparse"),
+        "sparse-prefill": ("sparse", "dense"), "sparse-decode": ("dense", "sparse")}
+
+
+def split_arm(attention: str | None) -> tuple[str | None, str]:
+    """An arm's prefill and decode attention; None follows the config (prefill_attention, and
+    decode's own selection options)."""
+    return ARMS[attention] if attention is not None else (None, "sparse")
+
+
 def options_of(settings_class, config: Config) -> dict:
     """The config's values of a settings dataclass whose fields are named after the options."""
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(settings_class)}
