@@ -227,7 +227,8 @@ class LayerMajorPrefill:
             keys, values = self.pages.tokens(self.pages.k)[:, lo:e], self.pages.tokens(self.pages.v)[:, lo:e]
             return chunk_attention(q, keys, values, self.model.scale, self.backend, window)
         if self.compact is not None and s % self.layout.block_size == 0:  # (a follow-up's first chunk
-            o, pages = self.compact(q, self.pages.k, self.pages.v, self.pooled_keys, s, e)  # may start mid-block)
+            o, pages = self.compact(q, self.pages.k, self.pages.v, self.pooled_keys, s, e,  # may start mid-block)
+                                    final=e == run.num_tokens)
             if o is not None:
                 if pages.num_hist:
                     run.densities.append(pages.density)

@@ -5,6 +5,12 @@ is kept when exp(score_j - best) >= alpha, i.e. its estimated attention is at le
 times the best block's. Sink blocks and the blocks next to the chunk are always kept.
 Scores are computed tile by tile over history blocks in two passes (max, then threshold),
 so memory is [H, query blocks, tile] floats, never [H, chunk, history].
+
+A block mean dilutes what a few queries ask for: a question at the end of a prompt is a
+handful of tokens in a 128-token query block, and the block holding its answer is one key
+among 128. With `tail_queries`, the chunk's last queries also score every block one by one
+(a block is kept when its score is within alpha of that query's best), and the chunk keeps
+what any of them keeps (the Q-block union takes every query block's blocks anyway).
 """
 
 from __future__ import annotations
@@ -34,30 +40,46 @@ def always_kept(num_hist: int, sink_blocks: int, window_blocks: int, device) -> 
     return (j < sink_blocks) | (j >= num_hist - window_blocks)
 
 
+def _within_margin(queries: torch.Tensor, pooled_keys: torch.Tensor, scale: float, margin: float,
+                   tile_blocks: int) -> torch.Tensor:
+    """queries: [KV, rows, D] -> [KV, rows, num_hist] bool: each block whose score is within
+    margin of that row's best."""
+    num_kv, num_hist, _ = pooled_keys.shape
+
+    def scores(j0, j1):  # [KV, rows, tile] float32
+        return torch.bmm(queries, pooled_keys[:, j0:j1].float().transpose(1, 2)) * scale
+
+    if num_hist <= tile_blocks:  # one tile: score once (fewer launches matter at 128K)
+        s = scores(0, num_hist)
+        return s >= s.amax(-1, keepdim=True) + margin
+    best = torch.full(queries.shape[:2], float("-inf"), device=queries.device)
+    for j0 in range(0, num_hist, tile_blocks):
+        best = torch.maximum(best, scores(j0, min(j0 + tile_blocks, num_hist)).amax(-1))
+    keep = torch.empty((num_kv, queries.shape[1], num_hist), dtype=torch.bool, device=queries.device)
+    for j0 in range(0, num_hist, tile_blocks):
+        j1 = min(j0 + tile_blocks, num_hist)
+        keep[:, :, j0:j1] = scores(j0, j1) >= best[..., None] + margin
+    return keep
+
+
 def select_blocks_flashprefill(q: torch.Tensor, pooled_keys: torch.Tensor, block_size: int, alpha: float,
                                scale: float, sink_blocks: int, window_blocks: int,
-                               tile_blocks: int = TILE_BLOCKS) -> torch.Tensor:
-    """q: [T, H, D]; pooled_keys: [KV, num_hist, D] -> keep: [H, num_query_blocks, num_hist] bool."""
+                               tile_blocks: int = TILE_BLOCKS, tail_queries: int = 0) -> torch.Tensor:
+    """q: [T, H, D]; pooled_keys: [KV, num_hist, D] -> keep: [H, num_query_blocks, num_hist] bool.
+    tail_queries: the last queries that also score blocks one by one (their keeps join the last
+    query block's)."""
     num_heads = q.shape[1]
     num_kv, num_hist, _ = pooled_keys.shape
     group = num_heads // num_kv
     qb = pool_query_blocks(q, block_size)  # [H, nqb, D]
-    qb = qb.view(num_kv, group * qb.shape[1], -1)  # heads of one kv head side by side
-
-    def scores(j0, j1):  # [KV, G * nqb, tile] float32
-        return torch.bmm(qb, pooled_keys[:, j0:j1].float().transpose(1, 2)) * scale
-
+    num_qb = qb.shape[1]
+    qb = qb.view(num_kv, group * num_qb, -1)  # heads of one kv head side by side
     margin = math.log(alpha) if alpha > 0 else float("-inf")
-    if num_hist <= tile_blocks:  # one tile: score once (fewer launches matter at 128K)
-        s = scores(0, num_hist)
-        keep = s >= s.amax(-1, keepdim=True) + margin
-    else:
-        best = torch.full(qb.shape[:2], float("-inf"), device=q.device)
-        for j0 in range(0, num_hist, tile_blocks):
-            best = torch.maximum(best, scores(j0, min(j0 + tile_blocks, num_hist)).amax(-1))
-        keep = torch.empty((num_kv, qb.shape[1], num_hist), dtype=torch.bool, device=q.device)
-        for j0 in range(0, num_hist, tile_blocks):
-            j1 = min(j0 + tile_blocks, num_hist)
-            keep[:, :, j0:j1] = scores(j0, j1) >= best[..., None] + margin
+    keep = _within_margin(qb, pooled_keys, scale, margin, tile_blocks).view(num_heads, num_qb, num_hist)
+    if tail_queries:
+        tail = q[-tail_queries:].float().transpose(0, 1)  # [H, t, D]
+        t = tail.shape[1]
+        per_query = _within_margin(tail.reshape(num_kv, group * t, -1), pooled_keys, scale, margin, tile_blocks)
+        keep[:, -1] |= per_query.view(num_heads, t, num_hist).any(1)
     keep |= always_kept(num_hist, sink_blocks, window_blocks, q.device)
-    return keep.view(num_heads, -1, num_hist)
+    return keep

@@ -34,6 +34,7 @@ class CompactParams:
     window_blocks: int
     subgroup_size: int
     dense_above: float  # a chunk keeping more of its history than this runs dense (1: never)
+    tail_queries: int  # flashprefill: the prompt's last queries also score blocks one by one
 
     def __post_init__(self):
         assert self.selector in SELECTORS, self.selector
@@ -43,7 +44,7 @@ class CompactParams:
         """Every block kept: dense attention through the paged path. With nothing selected the
         heads of a kv group share one page list, so each group is one request."""
         return cls(selector="all", alpha=0.0, threshold=1.0, stride=1, sink_blocks=0, window_blocks=0,
-                   subgroup_size=1 << 30, dense_above=1.0)
+                   subgroup_size=1 << 30, dense_above=1.0, tail_queries=0)
 
 
 class CompactAttention:
@@ -59,15 +60,17 @@ class CompactAttention:
             self.executor = FlashInferPagedExecutor(device, backend)
 
     def select(self, q: torch.Tensor, k_pages: torch.Tensor, pooled_keys: torch.Tensor,
-               start: int) -> torch.Tensor:
-        """q: [T, H, D]; pooled_keys: [KV, >= start/B, D] -> keep [H, nqb, start/B] bool."""
+               start: int, final: bool = False) -> torch.Tensor:
+        """q: [T, H, D]; pooled_keys: [KV, >= start/B, D] -> keep [H, nqb, start/B] bool.
+        final: the chunk ends the prompt (its last queries are the question: tail_queries)."""
         p, num_hist = self.params, start // self.block_size
         if p.selector == "all" or num_hist == 0:
             nqb = -(-q.shape[0] // self.block_size)
             return torch.ones((self.num_heads, nqb, num_hist), dtype=torch.bool, device=q.device)
         if p.selector == "flashprefill":
             return select_blocks_flashprefill(q, pooled_keys[:, :num_hist], self.block_size, p.alpha,
-                                              self.scale, p.sink_blocks, p.window_blocks)
+                                              self.scale, p.sink_blocks, p.window_blocks,
+                                              tail_queries=min(p.tail_queries, q.shape[0]) if final else 0)
         keys = k_pages.view(k_pages.shape[0], -1, k_pages.shape[-1])[:, :start]
         return select_blocks_xattention(q, keys, self.block_size, p.stride, p.threshold, self.scale,
                                         p.sink_blocks, p.window_blocks)
@@ -88,11 +91,11 @@ class CompactAttention:
         self.executor.plan(q.shape[0], self.groups, pages, q.shape[-1], self.block_size, self.scale, q.dtype)
         return self.executor.run(q, k_pages, v_pages, self.groups)
 
-    def __call__(self, q, k_pages, v_pages, pooled_keys, start: int, end: int):
+    def __call__(self, q, k_pages, v_pages, pooled_keys, start: int, end: int, final: bool = False):
         """Attention of the chunk's queries (positions start..end) -> (out [T, H, D], page lists),
         or (None, None) when the selection keeps nearly everything: the caller runs it dense."""
         assert start % self.block_size == 0 and q.shape[0] == end - start
-        keep = self.select(q, k_pages, pooled_keys, start)
+        keep = self.select(q, k_pages, pooled_keys, start, final)
         pages = self.page_lists(keep, start, end, k_pages.shape[1])
         if pages is None:
             return None, None

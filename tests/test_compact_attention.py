@@ -148,3 +148,42 @@ def test_xattention_mass_matches_direct_softmax_and_tiling():
     expected = torch.zeros(10, dtype=torch.bool)
     expected[order[before < 0.8 * ordered.sum()]] = True
     assert torch.equal(a[h, i], expected)
+
+
+def test_tail_queries_keep_the_block_one_query_asks_for():
+    """A block mean dilutes one query's question: 15 queries like every block alike, the last
+    asks for block 7 alone. Pooled, block 7 scores below the margin and is dropped; scored one
+    by one, the last query keeps it. Tail scoring only adds blocks."""
+    B, D = 16, 16
+    e0, e1 = torch.eye(D)[0], torch.eye(D)[1]
+    pooled = e0.repeat(1, 10, 1)  # [KV=1, 10 blocks, D]
+    pooled[0, 7] = 3 * e1
+    q = (2 * e0).repeat(B, 1, 1)  # [T=16, H=1, D]
+    q[-1, 0] = 4 * e1
+    plain = select_blocks_flashprefill(q, pooled, B, 0.5, 1.0, 0, 0)
+    assert not plain[0, 0, 7] and plain[0, 0, :7].all()
+    for tail in (1, 4, 16):
+        with_tail = select_blocks_flashprefill(q, pooled, B, 0.5, 1.0, 0, 0, tail_queries=tail)
+        assert with_tail[0, 0, 7] and (with_tail | ~plain).all()
+    tiled = select_blocks_flashprefill(q, pooled, B, 0.5, 1.0, 0, 0, tile_blocks=3, tail_queries=1)
+    assert torch.equal(tiled, select_blocks_flashprefill(q, pooled, B, 0.5, 1.0, 0, 0, tail_queries=1))
+
+
+def test_only_the_prompts_last_chunk_scores_its_tail_queries(monkeypatch):
+    """The engine marks the final chunk; CompactAttention passes tail_queries there only."""
+    import operators.compact_attention as ca
+    from ktlong.kv.host_cache import HostKVCache
+    from ktlong.kv.layout import kv_layout
+    from ktlong.models.random_model import random_model
+    from ktlong.prefill import LayerMajorPrefill
+
+    seen = []
+    original = ca.select_blocks_flashprefill
+    monkeypatch.setattr(ca, "select_blocks_flashprefill",
+                        lambda *a, **kw: seen.append(kw["tail_queries"]) or original(*a, **kw))
+    model = random_model("tiny", torch.device("cpu"), torch.float32)
+    c = model.config
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 200, "fp32")
+    engine = LayerMajorPrefill(model, layout, 64, "torch", True, compact=compact_settings(tail_queries=24))
+    engine.run(list(range(200)), HostKVCache(layout, pin=False))  # chunks 0-64 (no history), 64-128, 128-192, 192-200
+    assert seen == [0, 0, 8] * c.num_layers  # the last chunk has 8 queries: all of them
