@@ -196,14 +196,22 @@ def test_the_client_sees_the_errors_as_openai_errors(server):
     assert e.value.code == "context_length_exceeded" and "max_seq_len is 8,192" in e.value.message
 
 
-def test_a_client_that_goes_away_stops_its_generation(server, lm):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_goes_away_stops_its_generation(server, lm, stream):
     before = server.health()["requests"]
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    body = {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 2000, "stream": True}
+    body = {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 2000, "stream": stream}
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    r = conn.getresponse()
-    events = [r.readline() for _ in range(6)]  # three events and their blank lines
-    assert all(e.startswith(b"data: ") for e in events[::2])
+    if stream:
+        r = conn.getresponse()
+        events = [r.readline() for _ in range(6)]  # three events and their blank lines
+        assert all(e.startswith(b"data: ") for e in events[::2])
+    else:  # wait until it generates, then hang up without reading
+        deadline = time.time() + 20
+        while not server.health()["generating"]:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     deadline = time.time() + 20
