@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     from ktlong.config import load_config, parse_set
     from ktlong.device import resolve_device, resolve_dtype
     from ktlong.errors import KtlongError
-    from ktlong.eval.report import needle_heatmap, summary_rows
+    from ktlong.eval.report import needle_heatmap, prefill_rows, summary_rows
     from ktlong.eval.runner import as_dicts, run_task, same_answers
     from ktlong.gguf.loader import load_model, open_model
     from ktlong.gguf.model_config import RopeOptions
@@ -93,6 +93,9 @@ def main(argv=None) -> int:
     headers, rows = summary_rows(results)
     print(f"{args.task} on {lm.path.name} ({device}), {args.samples} samples per cell")
     print_table(headers, rows)
+    if "dense" in attentions and len(attentions) > 1:
+        print("prefill, medians per cell (seconds; attention alone from CUDA events, or wall clock on the CPU):")
+        print_table(*prefill_rows(results))
     if {"dense", "transformers"} <= set(attentions):
         for length, (same, total) in same_answers(results, "dense", "transformers").items():
             print(f"dense and transformers gave the same answer on {same}/{total} prompts at {length:,} tokens")

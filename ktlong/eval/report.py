@@ -31,6 +31,32 @@ def summary_rows(results) -> list[list]:
     return headers, rows
 
 
+def prefill_rows(results, base: str = "dense") -> tuple[list[str], list[list]]:
+    """Per length and arm against `base`: median prefill seconds end to end and of attention
+    alone, their speedups over the base arm, and the density CompactAttention kept."""
+    by = defaultdict(list)
+    for r in results:
+        by[(r.length, r.attention)].append(r)
+    rows = []
+    for length in sorted({r.length for r in results}):
+        ref = by.get((length, base))
+        for arm in sorted({r.attention for r in results if r.length == length and r.attention != base}):
+            rs = by[(length, arm)]
+            e2e, attn = median(r.prefill_seconds for r in rs), median(r.prefill_attention_seconds for r in rs)
+            row = [length, arm, f"{e2e:.2f}", f"{attn:.2f}" if attn else "-", f"{median(r.density for r in rs):.0%}"]
+            if ref:
+                ref_e2e, ref_attn = (median(r.prefill_seconds for r in ref),
+                                     median(r.prefill_attention_seconds for r in ref))
+                row += [f"{ref_e2e:.2f}", f"{ref_attn:.2f}" if ref_attn else "-",
+                        f"{ref_e2e / e2e:.2f}x" if e2e else "-", f"{ref_attn / attn:.2f}x" if attn and ref_attn else "-"]
+            else:
+                row += ["-"] * 4
+            rows.append(row)
+    headers = ["length", "arm", "prefill s", "attention s", "density", f"{base} prefill s",
+               f"{base} attention s", "speedup", "attention speedup"]
+    return headers, rows
+
+
 def needle_heatmap(results, attention: str, path: str):
     """Depth (rows) x length (columns) accuracy, red (0) to green (1), one PNG per mode."""
     import matplotlib

@@ -33,6 +33,8 @@ class Result:
     prefill_tokens_per_second: float
     decode_tokens_per_second: float
     density: float  # CompactAttention's kept history fraction, 1.0 when dense
+    prefill_seconds: float = 0.0  # end to end
+    prefill_attention_seconds: float = 0.0  # of which attention (0 where not measured: transformers)
 
 
 def make_session(lm: LoadedModel, config: Config, attention: str, max_seq_len: int) -> LongContextSession:
@@ -70,7 +72,8 @@ def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], dep
                     r = Result(task, attention, length, depth, i, len(ids), sample.answer, gen.text,
                                score(task, sample.answer, gen.text), len(ids) / max(gen.prefill_seconds, 1e-9),
                                gen.decode_tokens_per_second,
-                               sum(densities) / len(densities) if densities else 1.0)
+                               sum(densities) / len(densities) if densities else 1.0, gen.prefill_seconds,
+                               stats.attention_seconds if stats else 0.0)
                     results.append(r)
                     print(f"[{task} {attention} {length} depth {depth:.2f} #{i}] {'ok ' if r.correct else 'MISS'} "
                           f"expected {r.answer!r} got {gen.text.strip()[:60]!r} ({time.perf_counter() - t0:.1f}s)",
