@@ -17,6 +17,9 @@ ARMS = {
     "dense": dict(mode="normal"),
     "long_shared": dict(mode="long_context", head_select_mode="SHARED"),
     "long_separate": dict(mode="long_context", head_select_mode="SEPARATE", anchor_type="QUEST"),
+    # q8_0 in DRAM, DYNAMIC anchors, blocks scored by torch on the model's device (the GPU's path)
+    "long_device_q8": dict(mode="long_context", head_select_mode="SHARED", anchor_type="DYNAMIC",
+                           block_scoring="device", kv_type="q8_0"),
 }
 LONG = dict(block_size=16, chunk_size=32, local_windows_len=32, second_select_num=2, preselect_block=True,
             preselect_block_count=4, prefill_attention="compact", anchor_type="MAX", threads_num=1,
