@@ -96,3 +96,15 @@ def test_capture_keeps_the_chunks_q_and_the_layers_keys(no_user_file, tmp_path, 
     keys = captured["layer01_k"].reshape(c.num_kv_heads, -1, c.head_dim)[:, :200].astype(np.float32)
     np.testing.assert_allclose(keys, cache.k[1, :, :200].numpy(), rtol=2e-3, atol=2e-3)
     assert captured["layer01_q"].shape == (200 - 128, c.num_heads, c.head_dim)
+
+
+def test_selection_drift_counts_blocks_kept_from_earlier_tokens():
+    from ktlong.bench.selection_drift import drift
+
+    f = frozenset
+    # one layer, one kv head; token 1 keeps {1, 2} of {1, 2, 3}, token 2 brings back 3 and adds 9
+    history = [{5: [f({1, 2, 3})]}, {5: [f({1, 2, 4})]}, {5: [f({3, 4, 9, 1})]}]
+    prev, window, new, size = drift(history, window=2)[5]
+    assert prev == (2 / 3 + 2 / 4) / 2  # {1,2} of 3, then {4,1} of 4
+    assert window == (2 / 3 + 3 / 4) / 2  # the last 2 tokens' blocks: {1,2,3} then {1,2,3,4}
+    assert new == (1 + 1) / 2 and size == 3

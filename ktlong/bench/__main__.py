@@ -3,11 +3,13 @@
 import sys
 
 from ktlong.errors import KtlongError
-from ktlong.bench import attention, capture, context_limit, decode, decode_op, follow_up, kv_fidelity, prefill
+from ktlong.bench import (attention, capture, context_limit, decode, decode_op, follow_up, kv_fidelity, prefill,
+                          selection_drift)
 
 BENCHES = {"prefill": prefill.main, "attention": attention.main, "capture": capture.main,
            "decode-op": decode_op.main, "decode": decode.main, "kv-fidelity": kv_fidelity.main,
-           "follow-up": follow_up.main, "context-limit": context_limit.main}
+           "follow-up": follow_up.main, "context-limit": context_limit.main,
+           "selection-drift": selection_drift.main}
 
 
 def main(argv=None) -> int:
