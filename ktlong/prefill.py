@@ -69,7 +69,7 @@ class PrefillStats:
     density_per_layer: list[float] = field(default_factory=list)  # kept history fraction (compact)
     dense_chunks: int = 0  # compact chunks run dense because the selector kept nearly everything
     history_seconds: float = 0.0  # a follow-up: loading the history from DRAM into the pages
-    _events: list = field(default_factory=list, repr=False)  # (what, start, end) CUDA events
+    _events: list = field(default_factory=list, repr=False)  # (stats field, start, end) CUDA events
 
     @property
     def tokens_per_second(self) -> float:
@@ -88,8 +88,8 @@ class _Run:
 class _Timer:
     """Accumulates the time of a code region: CUDA events on the GPU, wall clock on the CPU."""
 
-    def __init__(self, stats: PrefillStats, device: torch.device, what: str = "attention"):
-        self.stats, self.cuda, self.what = stats, device.type == "cuda", what
+    def __init__(self, stats: PrefillStats, device: torch.device, into: str = "attention_seconds"):
+        self.stats, self.cuda, self.into = stats, device.type == "cuda", into
 
     def __enter__(self):
         if self.cuda:
@@ -102,10 +102,9 @@ class _Timer:
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self.stats._events.append((self.what, self.start, end))
+            self.stats._events.append((self.into, self.start, end))
         else:
-            field_name = f"{self.what}_seconds"
-            setattr(self.stats, field_name, getattr(self.stats, field_name) + time.perf_counter() - self.t0)
+            setattr(self.stats, self.into, getattr(self.stats, self.into) + time.perf_counter() - self.t0)
 
 
 class LayerMajorPrefill:
@@ -160,7 +159,7 @@ class LayerMajorPrefill:
             if self.cuda:  # the pages are about to be overwritten: last layer's copies must be done
                 torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
             if history:
-                with _Timer(stats, self.device, "history"):
+                with _Timer(stats, self.device, "history_seconds"):
                     self._load_history(layer, history, host, stats)
             run.densities = []
             for s, e in chunks:
@@ -178,9 +177,8 @@ class LayerMajorPrefill:
         logits = self.model.logits(last)[0]
         if self.cuda:
             torch.cuda.synchronize(self.device)
-            for what, a, b in stats._events:
-                field_name = f"{what}_seconds"
-                setattr(stats, field_name, getattr(stats, field_name) + a.elapsed_time(b) / 1e3)
+            for name, a, b in stats._events:
+                setattr(stats, name, getattr(stats, name) + a.elapsed_time(b) / 1e3)
             stats.peak_device_bytes = torch.cuda.max_memory_allocated(self.device)
         host.advance(len(token_ids))
         stats.seconds = time.perf_counter() - start
@@ -226,16 +224,16 @@ class LayerMajorPrefill:
             lo = max(0, s - window)
             keys, values = self.pages.tokens(self.pages.k)[:, lo:e], self.pages.tokens(self.pages.v)[:, lo:e]
             return chunk_attention(q, keys, values, self.model.scale, self.backend, window)
-        if self.compact is not None and s % self.layout.block_size == 0:  # (a follow-up's first chunk
-            o, pages = self.compact(q, self.pages.k, self.pages.v, self.pooled_keys, s, e,  # may start mid-block)
-                                    final=e == run.num_tokens)
+        paged = s % self.layout.block_size == 0  # a follow-up's first chunk may start mid-block
+        if self.compact is not None and paged:
+            o, pages = self.compact(q, self.pages.k, self.pages.v, self.pooled_keys, s, e, final=e == run.num_tokens)
             if o is not None:
                 if pages.num_hist:
                     run.densities.append(pages.density)
                 return o
             run.densities.append(1.0)  # kept nearly everything: dense is cheaper (dense_above)
             run.stats.dense_chunks += 1
-        if self.dense_paged is not None and s % self.layout.block_size == 0:
+        if self.dense_paged is not None and paged:
             return self.dense_paged(q, self.pages.k, self.pages.v, self.pooled_keys, s, e)[0]
         keys, values = self.pages.tokens(self.pages.k)[:, :e], self.pages.tokens(self.pages.v)[:, :e]
         return chunk_attention(q, keys, values, self.model.scale, self.backend)

@@ -43,7 +43,6 @@ class Ticket:
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
-        self.finished = False
 
     def put(self, event):
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -112,11 +111,11 @@ class Worker:
             if text:
                 ticket.put(text)
 
-        cached = self.session.reusable(job.prompt_ids)
         sampler = Sampler(job.temperature, job.top_p, job.top_k, job.seed)
         gen = generate(self.session, job.prompt_ids, job.max_tokens, sampler, self.tokenizer.stop_ids,
                        self.tokenizer.decode, on_text=on_text,
                        should_stop=lambda: ticket.cancelled.is_set() or stops.hit)
+        cached = len(job.prompt_ids) - self.session.last_prefill_tokens
         with self.lock:
             self.prefilled_tokens += self.session.last_prefill_tokens
             self.cached_tokens += cached
