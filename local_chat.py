@@ -32,13 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from ktlong.errors import KtlongError
-    from ktlong.parallel.group import quiet_unless_main
+    from ktlong.parallel.group import print_error, quiet_unless_main
 
     quiet_unless_main()
     try:
         return run(args)
     except KtlongError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return 2
 
 

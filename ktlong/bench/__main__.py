@@ -3,6 +3,7 @@
 import sys
 
 from ktlong.errors import KtlongError
+from ktlong.parallel.group import print_error
 from ktlong.bench import (attention, capture, context_limit, decode, decode_op, follow_up, kv_fidelity, prefill,
                           selection_drift)
 
@@ -20,7 +21,7 @@ def main(argv=None) -> int:
     try:
         return BENCHES[argv[0]](argv[1:])
     except KtlongError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return 2
 
 

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     from ktlong.eval.runner import as_dicts, run_task, same_answers
     from ktlong.gguf.loader import load_model, open_model
     from ktlong.gguf.model_config import RopeOptions
-    from ktlong.parallel.group import join_ranks, quiet_unless_main
+    from ktlong.parallel.group import join_ranks, print_error, quiet_unless_main
     from ktlong.session.settings import ARMS
 
     quiet_unless_main()
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
                               f"{lm.config.context_length} tokens; use shorter lengths.")
         results = run_task(lm, config, args.task, lengths, depths, args.samples, attentions, args.seed)
     except KtlongError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return 2
     if tp is not None and not tp.is_main:
         return 0  # rank 0 reports
