@@ -1,6 +1,8 @@
 """A saved KV cache loads back into a session that then answers as the one that saved it; files
 that are missing, truncated, foreign, corrupted or made for other settings are refused."""
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -58,6 +60,57 @@ def test_a_loaded_cache_continues_as_the_saved_session(tiny, tmp_path, kv_type):
     assert loaded.last_stats.num_tokens == 40  # only the new tokens
     assert torch.equal(a, b)
     assert torch.equal(saved.step(9), loaded.step(9))
+
+
+def files_mapped_at(t: torch.Tensor) -> set[str]:
+    """The files mapped over t's memory, from /proc/self/maps."""
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    found = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start < hi and end > lo and len(fields) == 6:
+                found.add(fields[5].strip())
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mapping over the cache is Linux's mmap")
+def test_a_cpu_cache_maps_the_file_in_place_and_never_writes_to_it(tiny, tmp_path):
+    # fp32, 32 tokens x head_dim 32: a block is one 4 KiB page, so every head's K/V maps whole
+    saved = session_for(tiny, block_size=32, max_seq_len=512)
+    saved.prefill(prompt(100))
+    path = tmp_path / "doc.kv"
+    save_cache(path, saved, FP, TURNS)
+    before = path.read_bytes()
+    loaded = session_for(tiny, block_size=32, max_seq_len=512)
+    load_cache(path, loaded, FP)
+    for layer in range(tiny.config.num_layers):
+        for h in range(tiny.config.num_kv_heads):
+            assert files_mapped_at(loaded.host.k[layer][h, :4]) == {str(path)}
+            assert files_mapped_at(loaded.host.v[layer][h, :4]) == {str(path)}
+            assert str(path) not in files_mapped_at(loaded.host.k[layer][h, 4:])  # room to grow stays DRAM
+    follow = saved.ids + prompt(40, seed=1)  # writes into the last, mapped block: copy-on-write
+    assert torch.equal(saved.prefill(follow), loaded.prefill(follow))
+    assert torch.equal(saved.step(9), loaded.step(9))
+    assert path.read_bytes() == before
+    n = loaded.host.num_tokens
+    save_cache(path, saved, FP, TURNS)  # replaced by rename: the loaded cache keeps the old file's pages
+    assert path.read_bytes() != before
+    for layer in range(tiny.config.num_layers):
+        assert torch.equal(loaded.host.tokens(layer, "k", 0, n), saved.host.tokens(layer, "k", 0, n))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_host_tables_are_private_mappings_on_huge_page_boundaries():
+    from ktlong.kv.host_memory import mapped_empty
+
+    t = mapped_empty((3, 1000, 128), torch.float32)
+    assert t.data_ptr() % (2 << 20) == 0 and not t.any()
+    with open("/proc/self/maps") as maps:  # private ("p"), not shmem, which huge pages usually skip
+        perms = [line.split()[1] for line in maps
+                 if int(line.split("-")[0], 16) <= t.data_ptr() < int(line.split()[0].split("-")[1], 16)]
+    assert perms == ["rw-p"]
 
 
 def test_writes_are_atomic_and_leave_no_temporary(tiny, tmp_path):

@@ -48,7 +48,9 @@ def evict(path: str):
 
 
 def io_rates(contexts, plans, fp, folder, model_config, device, dtype) -> int:
-    """Save and load rates of a host cache filled with random values (no weights, no prefill)."""
+    """Save and load rates of a host cache filled with random values (no weights, no prefill):
+    loading read from the disk (the file dropped from the page cache first) and from the page
+    cache; copied into the cache, and, where it is not pinned, mapped into it."""
     from types import SimpleNamespace
 
     from ktlong.bench.decode import fill_random
@@ -65,15 +67,23 @@ def io_rates(contexts, plans, fp, folder, model_config, device, dtype) -> int:
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             path = f"{tmp}/doc.kv"
             nbytes, save_s = timed(lambda: save_cache(path, session, fp, []))
-            host.reset()
-            evict(path)
-            _, load_s = timed(lambda: load_cache(path, session, fp))
-        rows.append([f"{n // 1024}K", plan.kv_type, f"{nbytes / 1e9:.2f}", f"{save_s:.2f}", f"{nbytes / 1e9 / save_s:.2f}",
-                     f"{load_s:.2f}", f"{nbytes / 1e9 / load_s:.2f}"])
+            gb = nbytes / 1e9
+            for how in ("copied", "mapped") if host.maps_files else ("copied",):
+                host.maps_files = how == "mapped"  # copied first: a copy into mapped pages would copy them on write
+                times = []
+                for from_disk in (True, False):
+                    host.reset()
+                    if from_disk:
+                        evict(path)
+                    times.append(timed(lambda: load_cache(path, session, fp))[1])
+                rows.append([f"{n // 1024}K", plan.kv_type, how, f"{gb:.2f}", f"{save_s:.2f}", f"{gb / save_s:.2f}",
+                             f"{times[0]:.2f}", f"{gb / times[0]:.2f}", f"{times[1]:.2f}", f"{gb / times[1]:.2f}"])
         del host
     print(f"saved cache of random values, {model_config.num_layers} layers x {model_config.num_kv_heads} kv heads x "
-          f"{model_config.head_dim}; the file is dropped from the page cache before loading (read from disk)")
-    print_table(["context", "kv", "file GB", "save s", "save GB/s", "load s", "load GB/s"], rows)
+          f"{model_config.head_dim}; loaded from the disk (the file dropped from the page cache), then from the "
+          "page cache; copied into the cache, or mapped into it (a cache that is not pinned)")
+    print_table(["context", "kv", "load", "file GB", "save s", "save GB/s", "disk load s", "disk GB/s",
+                 "page-cache load s", "page-cache GB/s"], rows)
     return 0
 
 

@@ -9,13 +9,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ktlong.kv.host_memory import mapped_empty
 from ktlong.kv.layout import KVLayout
 from ktlong.kv.pinned import PinnedTensors, advise_huge_pages
 from operators.kv_quant import dequantize_kv
 
 
 class HostKVCache:
-    """Every layer's K/V and side tables in DRAM (pinned when a GPU will copy into it).
+    """Every layer's K/V and side tables in DRAM (pinned when a GPU will copy into it), each
+table on its own mapping (ktlong/kv/host_memory.py), which a saved cache's file can be mapped
+into when the tables are not pinned (maps_files).
 
     k[layer], v[layer]: [KV, blocks, B, R] of layout.stored_dtype, R values per row (D, or D/2
     for q4_0); k_scales[layer], v_scales[layer]: int16 [KV, blocks, B, D/32] float16 words for
@@ -29,12 +32,13 @@ class HostKVCache:
         self._pinned = PinnedTensors()
 
         def alloc(shape, dtype):
-            t = torch.empty(shape, dtype=dtype)
+            t = mapped_empty(shape, dtype)
             advise_huge_pages(t)  # before the first touch, which zero_ is
-            t.zero_()
+            t.zero_()  # commits the memory now rather than during prefill
             return self._pinned.pin(t) if pin else t
 
         self.layout = layout
+        self.maps_files = not pin
         blocks = [layout.blocks_in_dram(i) for i in range(layout.num_layers)]
         tables = [0 if layout.is_sliding(i) else layout.num_blocks for i in range(layout.num_layers)]
         row, groups = layout.stored_row

@@ -8,9 +8,13 @@ q4_0 values and scales included), the side tables and the preselection masses, o
 that hold tokens. No pickle: the header is JSON and the rest raw bytes.
 
 Writing goes to a temporary file in the same folder, flushed to disk, then renamed into place.
-Reading maps the file, checks every offset and size against it and every piece's CRC-32, and
-copies the pieces into the session's (pinned) cache in parallel threads; anything wrong is
-refused in one sentence and the session is left empty, not half-loaded.
+Reading maps the file and checks every offset and size against it. A cache that is not pinned
+(the CPU's) then has the file's pages mapped into its tables in place, copy-on-write, rather than
+copied (ktlong/kv/host_memory.py); a pinned one (a GPU copies from it) gets the pieces copied in
+parallel threads. Either way every piece's CRC-32 is checked on the cache's own bytes; anything
+wrong is refused in one sentence and the session is left empty, not half-loaded. Our own saves
+replace the file by renaming, so a cache mapped from it keeps the old file; a file changed in
+place by another program while a session maps it is not supported.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import numpy as np
 import torch
 
 from ktlong.errors import KtlongError
+from ktlong.kv.host_memory import map_file_pages
 
 MAGIC = b"KTLONGKV"
 VERSION = 1
@@ -192,6 +197,10 @@ def load_cache(path: str | os.PathLike, session, fp: dict) -> list:
         if os.fstat(f.fileno()).st_size == 0:
             raise CacheFileError(f"{path} is empty, not a saved ktlong cache; check --load_kv.")
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return _load(path, f.fileno(), mapped, session, fp)
+
+
+def _load(path: Path, fd: int, mapped: mmap.mmap, session, fp: dict) -> list:
     source, overwritten = None, False
     try:
         header, data_start = _read_header(path, mapped)
@@ -227,14 +236,17 @@ def load_cache(path: str | os.PathLike, session, fp: dict) -> list:
             for (lo, hi), crc in zip(_pieces(nbytes), e["crc32"]):
                 tasks.append((name, dst, start, lo, hi, crc))
         source = np.frombuffer(mapped, np.uint8)
+        # the host tables, when not pinned, take the file's pages in place (the preselection masses
+        # are numpy arrays of the general allocator: copied)
+        maps = {name: session.host.maps_files and name.split(".")[0] in TABLES for name in expected}
 
-        def copy(task):
+        def copy(task):  # what is not mapped is copied; either way the checksum is of the cache's bytes
             name, dst, start, lo, hi, crc = task
-            piece = source[start + lo:start + hi]
-            if zlib.crc32(piece) != crc:
-                return name
-            _as_flat_bytes(dst).numpy()[lo:hi] = piece
-            return None
+            out = _as_flat_bytes(dst)[lo:hi]
+            mapped_bytes = map_file_pages(out, fd, start + lo, hi - lo) if maps[name] else 0
+            if mapped_bytes < hi - lo:
+                out.numpy()[mapped_bytes:] = source[start + lo + mapped_bytes:start + hi]
+            return name if zlib.crc32(out.numpy()) != crc else None
 
         with ThreadPoolExecutor(THREADS) as pool:
             bad = [name for name in pool.map(copy, tasks) if name]
