@@ -6,7 +6,9 @@ python -m ktlong.bench decode [--contexts 32k,128k,512k] [--tokens 32] [--set ke
 Rows: all blocks on the CPU (dense), sparse with every token on the CPU (no device window),
 and hybrid (device window + CPU sparse blocks). Times per token: total, CPU operator,
 selection, waiting for q from the device, and the rest (device work after the CPU part,
-merge, Python).
+merge, Python). Beside them the two floors of a token, measured in the same run: the K/V
+bytes the CPU operator read at the host's streaming-read rate (a Numba read of 1 GiB on the
+decode threads), and the weights a token reads at the GPU's copy rate (1 GiB device to device).
 """
 
 from __future__ import annotations
@@ -56,6 +58,31 @@ MODES = {"dense": "dense (all blocks on CPU)", "cpu": "sparse, CPU only", "hybri
          "graphs": "hybrid + CUDA graphs", "graphs-cpu-scoring": "hybrid + CUDA graphs, CPU scoring"}
 
 
+def weight_bytes_per_token(model) -> int:
+    """Bytes of the weights one decode step reads: every layer's projections and the output
+    head (the embedding table gives one row; the norms are negligible)."""
+    c = model.config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
+    return (c.num_layers * per_layer + c.vocab_size * c.hidden_size) * model.dtype.itemsize
+
+
+def device_copy_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """HBM rate: bytes read plus written per second by a device-to-device copy (median of 9)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times = sorted(times[1:])
+    return 2 * nbytes / times[len(times) // 2] / 1e9
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ktlong.bench decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="32k,128k,512k")
@@ -89,6 +116,11 @@ def main(argv=None) -> int:
           f"{config.head_select_mode}, dense layers {config.dense_layer_num}, block scoring {config.block_scoring}; "
           f"ms per token, medians over "
           f"{args.tokens} tokens")
+    from ktlong.bench.decode_op import stream_read_gbps
+
+    stream_gbps, hbm_gbps = stream_read_gbps(1 << 30), device_copy_gbps(device)
+    weight_bytes = weight_bytes_per_token(model)
+    weight_floor = weight_bytes / (hbm_gbps * 1e9)
     rows = []
     sparse = selection_settings(config, c.num_layers)
     sparse = dataclasses.replace(sparse, preselect_block=False)
@@ -105,7 +137,7 @@ def main(argv=None) -> int:
         fill_random(host, context)
         for name, settings, local, graphs in modes:
             if name.startswith("dense") and context > 128 * 1024:
-                rows.append([f"{context // 1024}K", name, "-", "-", "-", "-", "-", "-", "skipped (minutes per token)"])
+                rows.append([f"{context // 1024}K", name, *["-"] * 10, "skipped (minutes per token)"])
                 continue
             host.reset()  # the previous row's tokens go
             host.advance(context)
@@ -125,13 +157,19 @@ def main(argv=None) -> int:
             tm = decoder.times
             n = tm.steps
             cpu, sel, wait = tm.cpu_attention / n, tm.selection / n, tm.device_wait / n
+            kv_floor = tm.kv_bytes / n / (stream_gbps * 1e9)
             rows.append(row := [f"{context // 1024}K", name, f"{1 / med:.1f}", f"{med * 1e3:.1f}", f"{cpu * 1e3:.1f}",
                          f"{sel * 1e3:.1f}", f"{wait * 1e3:.1f}", f"{(tm.total / n - cpu - sel - wait) * 1e3:.1f}",
+                         f"{tm.kv_bytes / n / 1e6:.0f}", f"{kv_floor * 1e3:.1f}", f"{weight_floor * 1e3:.1f}",
+                         f"{(kv_floor + weight_floor) * 1e3:.1f}",
                          f"peak GPU {torch.cuda.max_memory_allocated(device) / GIB:.1f} GiB, "
                          f"KV in DRAM {layout.num_layers * layout.layer_bytes() / GIB:.1f} GiB"])
             print("partial:", " | ".join(map(str, row)), flush=True)
         del host, decoder
         torch.cuda.empty_cache()
+    print(f"floors: K/V read at the host's stream of {stream_gbps:.1f} GB/s; {weight_bytes / 1e9:.1f} GB of weights "
+          f"read at the GPU's copy rate of {hbm_gbps:,.0f} GB/s = {weight_floor * 1e3:.1f} ms")
     print_table(["context", "mode", "tok/s", "ms/token", "CPU attention", "selection", "wait for q",
-                 "rest (GPU, merge, Python)", "note"], rows)
+                 "rest (GPU, merge, Python)", "K/V read MB", "K/V floor", "weights floor", "floors summed",
+                 "note"], rows)
     return 0

@@ -33,6 +33,7 @@ class DecodeTimes:
     cpu_attention: float = 0.0  # the Numba operator (selection excluded)
     selection: float = 0.0
     device_wait: float = 0.0  # waiting for q to reach the host (device work before it)
+    kv_bytes: int = 0  # K/V bytes of the blocks the CPU operator read
 
 
 class HybridDecoder:
@@ -57,6 +58,7 @@ class HybridDecoder:
                                if scores_on_device(settings, model.device) else None)
         self.k_stored = [stored_view(host, layer, "k") for layer in range(layout.num_layers)]
         self.v_stored = [stored_view(host, layer, "v") for layer in range(layout.num_layers)]
+        self.block_bytes = 2 * layout.block_size * self.k_stored[0].nbytes_per_token()  # K and V of one head
         self.step_index = 0
         self.times = DecodeTimes()
         self.cuda = model.device.type == "cuda"
@@ -117,6 +119,7 @@ class HybridDecoder:
                                last * self.block_size, self.block_size, self.model.scale)
         self.times.selection += t2 - t1
         self.times.cpu_attention += time.perf_counter() - t2
+        self.times.kv_bytes += int(counts.sum()) * self.block_bytes
         return out
 
     def _end_step(self, pos: int, start: float):
