@@ -75,3 +75,33 @@ def test_follow_up_on_gpu_follows_a_re_prefill(kv_type, compact):
     fresh = session().prefill(follow)
     rel = float((extended - fresh).norm() / fresh.norm())
     assert rel < (5e-2 if kv_type == "bf16" else 1e-1), rel  # q8_0: the history is read back rounded
+
+
+def test_graphs_kept_across_a_follow_up_decode_as_graphs_captured_after_it():
+    """The decoder, its device anchors and its CUDA graphs stay across a follow-up (sparse
+    selection, device scoring) and decode as a decoder built and captured after it."""
+    model = random_model("tiny", torch.device("cuda"), torch.bfloat16)
+    c = model.config
+    chosen = selection(second_select_num=2, preselect_block=False, anchor_type="MAX", block_scoring="device")
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 64, 1600, "bf16", anchor_type="MAX")
+
+    def session():
+        return LongContextSession(model, layout, chunk_size=256, backend="auto", hidden_on_device=True, compact=None,
+                                  selection=chosen, local_windows_len=128, use_cuda_graph=True)
+
+    g = torch.Generator().manual_seed(4)
+    doc = torch.randint(0, 1000, (700,), generator=g).tolist()
+    question = torch.randint(0, 1000, (300,), generator=g).tolist()
+    kept, rebuilt = session(), session()
+    for s in (kept, rebuilt):
+        s.prefill(doc)
+        for t in (1, 2, 3):
+            s.step(t)
+    graphs = kept.decoder.body.graphs
+    rebuilt.decoder = None  # built and captured anew after the follow-up
+    follow = doc + [1, 2, 3] + question
+    assert torch.equal(kept.prefill(follow), rebuilt.prefill(follow))
+    assert kept.decoder.body.graphs is graphs and graphs
+    for t in range(80):  # past a block boundary and a window slide
+        a, b = kept.step(10 + t), rebuilt.step(10 + t)
+        assert torch.equal(a, b), t

@@ -76,6 +76,35 @@ def test_follow_up_prefills_only_its_new_tokens_and_equals_a_re_prefill(tiny, fo
     assert rel(session.step(5), fresh.step(5)) < 1e-4
 
 
+@pytest.mark.parametrize("block_scoring,preselect", [("cpu", True), ("device", False)])
+def test_a_follow_up_keeps_the_decoder_and_decodes_as_a_new_one_would(tiny, block_scoring, preselect):
+    """The decoder (device window, anchors, graphs on a GPU) stays across a follow-up and goes on
+    exactly as one built after it: sparse selection with preselection, a selection kept for two
+    tokens, anchors scored where the model runs, blocks filling during decode."""
+    c = tiny.config
+    chosen = selection(second_select_num=2, preselect_block=preselect, preselect_block_count=3, token_step=2,
+                       anchor_type="MAX", block_scoring=block_scoring)
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 400, "fp32", anchor_type="MAX")
+
+    def new_session():
+        return LongContextSession(tiny.model, layout, chunk_size=32, backend="torch", hidden_on_device=True,
+                                  compact=None, selection=chosen, local_windows_len=24, use_cuda_graph=False)
+
+    rng = np.random.default_rng(7)
+    first = [int(t) for t in rng.integers(0, 300, size=150)]
+    kept, rebuilt = new_session(), new_session()
+    answers = [generate(s, first, 9, Sampler(), frozenset(), lambda i: "").token_ids for s in (kept, rebuilt)]
+    assert answers[0] == answers[1]
+    follow = first + answers[0][:-1] + [int(t) for t in rng.integers(0, 300, size=90)]
+    decoder = kept.decoder
+    rebuilt.decoder = None  # as if the follow-up had not fitted beside it: built anew after prefill
+    assert kept.prefill(follow).equal(rebuilt.prefill(follow))
+    assert kept.decoder is decoder and rebuilt.decoder is not decoder
+    for t in range(20):  # across a block boundary: the block joins selection in both
+        assert kept.step(10 + t).equal(rebuilt.step(10 + t)), t
+    assert kept.decoder.selector.cache.keys() == rebuilt.decoder.selector.cache.keys()
+
+
 def test_a_follow_up_that_diverges_reuses_the_common_prefix(tiny):
     session = every_block(tiny, 400)
     first = list(range(100))

@@ -49,10 +49,7 @@ class HybridDecoder:
         self.global_layers = layout.global_layers
         self.selector = DecodeBlockSelector(settings, host, c.num_heads, model.tp)
         self.selector.build_all(host.num_tokens, self.global_layers)
-        first, last = self.window.context_blocks
-        for layer, mass in host.prompt_block_mass.items():
-            if layer in self.global_layers:
-                self.selector.preselect(layer, mass, first, last)
+        self._preselect()
         # block scores computed on the device from a copy of the anchors (`block_scoring`)
         self.device_anchors = (DeviceAnchors(self.selector, self.global_layers, model.device)
                                if scores_on_device(settings, model.device) else None)
@@ -65,6 +62,28 @@ class HybridDecoder:
         # the device part: one body, replayed from CUDA graphs or run eagerly (ktlong/decode/step.py)
         self.body = DecodeStep(model, self.window, self.global_layers, use_cuda_graph and self.cuda,
                                self.device_anchors)
+
+    def _preselect(self):
+        first, last = self.window.context_blocks
+        for layer, mass in self.host.prompt_block_mass.items():
+            if layer in self.global_layers:
+                self.selector.preselect(layer, mass, first, last)
+
+    @torch.inference_mode()
+    def extend(self, first_block: int):
+        """A follow-up's prefill rewrote the cache from block first_block on and extended it:
+        go on from there as a new decoder would, keeping the device buffers and the captured
+        graphs (building and capturing them again is most of a short follow-up's setup). The
+        window loads again, the anchors of the rewritten blocks are rebuilt (host and device
+        copies), and selection starts over with the new prompt's preselection."""
+        self.window.load_from_host(self.host)
+        self.selector.build_all(self.host.num_tokens, self.global_layers, first_block)
+        if self.device_anchors is not None:
+            last = -(-self.host.num_tokens // self.block_size)
+            for layer in self.global_layers:
+                self.device_anchors.update(layer, first_block, last)
+        self._preselect()
+        self.step_index = 0
 
     @torch.inference_mode()
     def capture_graphs(self):

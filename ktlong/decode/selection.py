@@ -70,11 +70,17 @@ class DecodeBlockSelector:
         self.block_ids = np.arange(layout.num_blocks, dtype=np.int32)
 
     # ---- anchors -----------------------------------------------------------------------
-    def build_all(self, num_tokens: int, layers: list[int] | None = None):
+    def build_all(self, num_tokens: int, layers: list[int] | None = None, first_block: int = 0):
+        """After a prefill of num_tokens: the anchors of blocks first_block.. (the ones that
+        prefill wrote; all of them by default), and selection starts over (no preselection, no
+        selection kept from earlier steps)."""
         num_blocks = -(-num_tokens // self.block_size)
         self.prompt_blocks = num_tokens // self.block_size
         for layer in range(len(self.anchors)) if layers is None else layers:
-            self.update_blocks(layer, 0, num_blocks)
+            self.update_blocks(layer, first_block, num_blocks)
+        self.candidates = [None] * len(self.anchors)
+        self.cache = {}
+        self.last_selected_layer = -1
 
     def update_blocks(self, layer: int, first: int, last: int):
         """(Re)build the anchors of blocks first..last-1 of one layer."""

@@ -17,6 +17,7 @@ from ktlong.config import Config
 from ktlong.errors import Cancelled
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import KVLayout
+from ktlong.kv.memory_plan import workspace_bytes
 from ktlong.models.llama import LlamaModel
 from ktlong.prefill import LayerMajorPrefill
 from ktlong.decode.selection import SelectionSettings
@@ -29,14 +30,17 @@ from operators.compact_attention import CompactParams
 class LongContextSession:
     def __init__(self, model: LlamaModel, layout: KVLayout, *, chunk_size: int, backend: str,
                  hidden_on_device: bool, compact: CompactParams | None, selection: SelectionSettings,
-                 local_windows_len: int, use_cuda_graph: bool):
+                 local_windows_len: int, use_cuda_graph: bool, follow_up_headroom: int | None = None):
+        """follow_up_headroom: device bytes the plan leaves beside a decoder (its window, anchors
+        and graphs), within which a follow-up's prefill runs while the decoder stays; None: no
+        limit (the CPU)."""
         window = model.config.sliding_window
         assert not window or local_windows_len >= window, "Config.check_local_window"
         assert tuple(layout.sliding) == tuple(model.config.sliding_layers), "use model_kv_layout"
         assert not layout.sliding or layout.sliding_blocks * layout.block_size >= min(
             layout.capacity, local_windows_len + layout.block_size), "the DRAM tail must cover the device window"
         self.selection, self.local_windows_len = selection, local_windows_len
-        self.use_cuda_graph = use_cuda_graph
+        self.use_cuda_graph, self.follow_up_headroom = use_cuda_graph, follow_up_headroom
         self.decoder: HybridDecoder | None = None
         self.model, self.layout = model, layout
         self.max_seq_len = layout.capacity
@@ -58,7 +62,8 @@ class LongContextSession:
         session = cls(model, plan.layout, chunk_size=config.chunk_size, backend=config.attention_backend,
                       hidden_on_device=plan.memory.hidden_on_device, compact=compact_params(config, prefill),
                       selection=selection_settings(config, model.config.num_layers, decode),
-                      local_windows_len=config.local_windows_len, use_cuda_graph=plan.use_cuda_graph)
+                      local_windows_len=config.local_windows_len, use_cuda_graph=plan.use_cuda_graph,
+                      follow_up_headroom=plan.budget_bytes - plan.memory.decode_device if plan.is_gpu else None)
         session.warm_up()
         return session
 
@@ -103,7 +108,10 @@ class LongContextSession:
         asked after every chunk of every layer; when it says so, the half-written cache is
         forgotten and Cancelled raised."""
         history = self.reusable(prompt_ids)
-        self.decoder = None  # the device window goes before prefill needs the memory
+        # a follow-up that fits beside the decoder keeps it (and its graphs); otherwise the
+        # device window goes before prefill needs the memory
+        kept = self.decoder if history and self._decoder_can_stay(len(prompt_ids) - history) else None
+        self.decoder = None
         if history:
             self.host.truncate(history)
         else:
@@ -128,11 +136,24 @@ class LongContextSession:
                   f"per layer: {shown}]", file=sys.stderr)
         self.ids = list(prompt_ids)
         start = time.perf_counter()
-        self.decoder = HybridDecoder(self.model, self.host, self.selection, self.local_windows_len,
-                                     self.use_cuda_graph)
-        self.decoder.capture_graphs()
+        if kept is not None:
+            kept.extend(history // self.layout.block_size)
+            self.decoder = kept
+        else:
+            self.decoder = HybridDecoder(self.model, self.host, self.selection, self.local_windows_len,
+                                         self.use_cuda_graph)
+            self.decoder.capture_graphs()
         self.last_decode_setup_seconds = time.perf_counter() - start
         return logits
+
+    def _decoder_can_stay(self, num_new: int) -> bool:
+        """The follow-up's prefill (its hidden states, one chunk's workspace) fits the device
+        memory the plan leaves beside the decoder."""
+        if self.decoder is None or self.follow_up_headroom is None:
+            return self.decoder is not None
+        c, act = self.model.config, self.model.dtype.itemsize
+        need = workspace_bytes(c, min(num_new, self.engine.chunk_size), self.layout, act) + num_new * c.hidden_size * act
+        return need <= self.follow_up_headroom
 
     def step(self, token_id: int) -> torch.Tensor:
         logits = self.decoder.step(token_id)
