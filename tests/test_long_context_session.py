@@ -105,6 +105,21 @@ def test_a_follow_up_keeps_the_decoder_and_decodes_as_a_new_one_would(tiny, bloc
     assert kept.decoder.selector.cache.keys() == rebuilt.decoder.selector.cache.keys()
 
 
+def test_the_decoder_stays_only_when_the_follow_up_fits_the_plans_headroom(tiny):
+    from ktlong.kv.memory_plan import workspace_bytes
+
+    session = every_block(tiny, 400)
+    first = list(range(100))
+    session.prefill(first)
+    need = workspace_bytes(tiny.config, 20, session.layout, 4) + 20 * tiny.config.hidden_size * 4
+    for headroom, stays in ((need - 1, False), (need, True)):
+        session.follow_up_headroom = headroom
+        decoder = session.decoder
+        first = first + list(range(20))
+        session.prefill(first)
+        assert (session.decoder is decoder) == stays and session.last_prefill_tokens == 20
+
+
 def test_a_follow_up_that_diverges_reuses_the_common_prefix(tiny):
     session = every_block(tiny, 400)
     first = list(range(100))

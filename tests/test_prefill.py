@@ -249,3 +249,28 @@ def test_paged_dense_route_runs_dense_and_mid_block_chunks_too(tiny):
     assert float((logits - expected).abs().max() / expected.abs().max()) < 1e-5
     assert stats.dense_chunks == 2 * c.num_layers  # (160, 192) and (192, 200) in each layer
     assert (150, 160) not in calls and calls.count((160, 192)) == calls.count((192, 200)) == c.num_layers
+
+
+@pytest.mark.parametrize("num_layers", [3, 4])  # the last layer on either set of pages
+def test_a_follow_up_that_prefetches_its_history_equals_one_that_does_not(tmp_path, num_layers):
+    """prefetch_history: each layer's pages and pooled keys come from the set the previous layer
+    did not use (loaded ahead; on the CPU one after the other), so a selective CompactAttention
+    reads the right layer's pooled keys; the results are those of the single set, bit for bit."""
+    lm = tiny_model(tmp_path, TinySpec(num_layers=num_layers), seed=31)
+    c = lm.config
+    ids = list(np.random.default_rng(13).integers(0, 300, size=260))
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 300, "fp32")
+    results = []
+    for prefetch in (False, True):
+        engine = LayerMajorPrefill(lm.model, layout, 64, "torch", True, compact=compact_settings(alpha=0.9, window_blocks=1))
+        own_pages = engine.pages
+        host = HostKVCache(layout, pin=False)
+        engine.run(ids[:192], host)
+        logits, stats = engine.run(ids[192:], host, history=192, prefetch_history=prefetch)
+        assert engine.pages is own_pages and min(stats.density_per_layer) < 1.0  # it did drop blocks
+        results.append((logits, host))
+    (a, host_a), (b, host_b) = results
+    assert torch.equal(a, b)
+    for layer in range(c.num_layers):
+        assert torch.equal(host_a.tokens(layer, "k", 0, 260), host_b.tokens(layer, "k", 0, 260))
+        assert torch.equal(host_a.key_mean[layer], host_b.key_mean[layer])

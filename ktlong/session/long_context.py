@@ -110,7 +110,8 @@ class LongContextSession:
         history = self.reusable(prompt_ids)
         # a follow-up that fits beside the decoder keeps it (and its graphs); otherwise the
         # device window goes before prefill needs the memory
-        kept = self.decoder if history and self._decoder_can_stay(len(prompt_ids) - history) else None
+        keep, prefetch = self._follow_up_room(len(prompt_ids) - history) if history else (False, False)
+        kept = self.decoder if keep else None
         self.decoder = None
         if history:
             self.host.truncate(history)
@@ -123,7 +124,7 @@ class LongContextSession:
         progress = _ScaledProgress(bar, 1.0 / layers, should_stop)
         self.last_prefill_tokens = len(new)
         try:
-            logits, self.last_stats = self.engine.run(new, self.host, progress, history)
+            logits, self.last_stats = self.engine.run(new, self.host, progress, history, prefetch)
         except Cancelled:
             self.reset()
             raise
@@ -146,14 +147,19 @@ class LongContextSession:
         self.last_decode_setup_seconds = time.perf_counter() - start
         return logits
 
-    def _decoder_can_stay(self, num_new: int) -> bool:
-        """The follow-up's prefill (its hidden states, one chunk's workspace) fits the device
-        memory the plan leaves beside the decoder."""
-        if self.decoder is None or self.follow_up_headroom is None:
-            return self.decoder is not None
+    def _follow_up_room(self, num_new: int) -> tuple[bool, bool]:
+        """(keep the decoder, prefetch the history) for a follow-up of num_new tokens: the
+        decoder stays if the follow-up's prefill (its hidden states, one chunk's workspace) fits
+        the device memory the plan leaves beside it; the next layer's history loads ahead on a
+        GPU if a second layer of pages fits too (beside the decoder, whether it stays or not:
+        without it there is more room). The CPU has no limit and nothing to overlap."""
+        has_decoder, on_gpu = self.decoder is not None, self.model.device.type == "cuda"
+        if self.follow_up_headroom is None:
+            return has_decoder, on_gpu
         c, act = self.model.config, self.model.dtype.itemsize
         need = workspace_bytes(c, min(num_new, self.engine.chunk_size), self.layout, act) + num_new * c.hidden_size * act
-        return need <= self.follow_up_headroom
+        return (has_decoder and need <= self.follow_up_headroom,
+                on_gpu and need + self.layout.page_bytes() <= self.follow_up_headroom)
 
     def step(self, token_id: int) -> torch.Tensor:
         logits = self.decoder.step(token_id)
