@@ -25,13 +25,14 @@ TILE_BLOCKS = 4096
 def pool_query_blocks(q: torch.Tensor, block_size: int) -> torch.Tensor:
     """q: [T, H, D] -> [H, ceil(T / block_size), D] float32 means (the last block may be partial)."""
     num_q, num_heads, dim = q.shape
-    num_qb = -(-num_q // block_size)
-    padded = torch.zeros(num_qb * block_size, num_heads, dim, device=q.device, dtype=torch.float32)
-    padded[:num_q] = q.float()
-    counts = torch.full((num_qb,), float(block_size), device=q.device)
-    counts[-1] = num_q - (num_qb - 1) * block_size
-    sums = padded.view(num_qb, block_size, num_heads, dim).sum(1)  # [nqb, H, D]
-    return (sums / counts[:, None, None]).transpose(0, 1).contiguous()
+    full = num_q // block_size
+    parts = []
+    if full:
+        parts.append(q[:full * block_size].float().view(full, block_size, num_heads, dim).sum(1) / block_size)
+    if num_q > full * block_size:
+        parts.append(q[full * block_size:].float().sum(0, keepdim=True) / (num_q - full * block_size))
+    pooled = parts[0] if len(parts) == 1 else torch.cat(parts)  # [nqb, H, D]
+    return pooled.transpose(0, 1).contiguous()
 
 
 def always_kept(num_hist: int, sink_blocks: int, window_blocks: int, device) -> torch.Tensor:
@@ -82,4 +83,28 @@ def select_blocks_flashprefill(q: torch.Tensor, pooled_keys: torch.Tensor, block
         per_query = _within_margin(tail.reshape(num_kv, group * t, -1), pooled_keys, scale, margin, tile_blocks)
         keep[:, -1] |= per_query.view(num_heads, t, num_hist).any(1)
     keep |= always_kept(num_hist, sink_blocks, window_blocks, q.device)
+    return keep
+
+
+def flashprefill_group_keep(q: torch.Tensor, pooled_keys: torch.Tensor, block_size: int, alpha: float,
+                            scale: float, sink_blocks: int, window_blocks: int, group_size: int,
+                            tail_queries: int = 0, tile_blocks: int = TILE_BLOCKS) -> torch.Tensor:
+    """select_blocks_flashprefill followed by the Q-block union and the union over each execution
+    group (group_size consecutive heads), in a handful of operations for the GPU: the pooled
+    query blocks and the tail queries are rows of one score matrix per kv head, the unions one
+    any() over the rows of a group's heads, and the sinks and window two slices (a block kept for
+    every query block is kept by the union). q: [T, H, D]; pooled_keys: [KV, num_hist, D] ->
+    [H / group_size, num_hist] bool."""
+    num_heads = q.shape[1]
+    num_kv, num_hist, dim = pooled_keys.shape
+    rows = pool_query_blocks(q, block_size)  # [H, nqb, D]
+    if tail_queries:
+        rows = torch.cat([rows, q[-tail_queries:].float().transpose(0, 1)], dim=1)  # [H, nqb + t, D]
+    per_head = rows.shape[1]
+    margin = math.log(alpha) if alpha > 0 else float("-inf")
+    keep = _within_margin(rows.reshape(num_kv, -1, dim), pooled_keys, scale, margin, tile_blocks)  # [KV, rows, nh]
+    keep = keep.view(num_heads // group_size, group_size * per_head, num_hist).any(1)
+    keep[:, :sink_blocks] = True
+    if window_blocks:
+        keep[:, max(0, num_hist - window_blocks):] = True
     return keep

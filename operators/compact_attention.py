@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from operators.block_selector import select_blocks_flashprefill
+from operators.block_selector import flashprefill_group_keep, select_blocks_flashprefill
 from operators.block_union import (PageLists, build_page_lists, execution_groups, union_groups,
                                    union_query_blocks)
 from operators.paged_attention_reference import paged_attention_reference
@@ -75,15 +75,28 @@ class CompactAttention:
         return select_blocks_xattention(q, keys, self.block_size, p.stride, p.threshold, self.scale,
                                         p.sink_blocks, p.window_blocks)
 
-    def page_lists(self, keep: torch.Tensor, start: int, end: int, blocks_per_head: int) -> PageLists | None:
+    def group_keep(self, q: torch.Tensor, k_pages: torch.Tensor, pooled_keys: torch.Tensor,
+                   start: int, final: bool = False) -> torch.Tensor:
+        """The history blocks each execution group reads: [G, start/B] bool, the Q-block and
+        group unions of select(). FlashPrefill's comes fused, in a few operations."""
+        p, num_hist = self.params, start // self.block_size
+        if p.selector == "flashprefill" and num_hist:
+            return flashprefill_group_keep(q, pooled_keys[:, :num_hist], self.block_size, p.alpha, self.scale,
+                                           p.sink_blocks, p.window_blocks, self.groups.shape[1],
+                                           tail_queries=min(p.tail_queries, q.shape[0]) if final else 0)
+        return union_groups(union_query_blocks(self.select(q, k_pages, pooled_keys, start, final)), self.groups)
+
+    def page_lists(self, group_keep: torch.Tensor, start: int, end: int, blocks_per_head: int) -> PageLists | None:
         """The groups' page lists, or None when they would keep more than dense_above of the
-        history: there, building them and planning costs more than the dropped blocks save."""
-        group_keep = union_groups(union_query_blocks(keep), self.groups)
-        if self.params.dense_above < 1.0 and group_keep.numel():
-            if float(group_keep.float().mean()) > self.params.dense_above:
+        history: there, building them and planning costs more than the dropped blocks save. One
+        host sync tells both (the kept counts)."""
+        counts = group_keep.sum(1).cpu()
+        num_hist = group_keep.shape[1]
+        if self.params.dense_above < 1.0 and num_hist:
+            if float(counts.sum()) / (num_hist * len(counts)) > self.params.dense_above:
                 return None
-        return build_page_lists(group_keep, self.groups, self.num_heads, self.num_kv_heads,
-                                blocks_per_head, start // self.block_size, end - start, self.block_size)
+        return build_page_lists(group_keep, self.groups, self.num_heads, self.num_kv_heads, blocks_per_head,
+                                start // self.block_size, end - start, self.block_size, counts)
 
     def execute(self, q, k_pages, v_pages, pages: PageLists) -> torch.Tensor:
         if self.executor is None:
@@ -95,7 +108,7 @@ class CompactAttention:
         """Attention of the chunk's queries (positions start..end) -> (out [T, H, D], page lists),
         or (None, None) when the selection keeps nearly everything: the caller runs it dense."""
         assert start % self.block_size == 0 and q.shape[0] == end - start
-        keep = self.select(q, k_pages, pooled_keys, start, final)
+        keep = self.group_keep(q, k_pages, pooled_keys, start, final)
         pages = self.page_lists(keep, start, end, k_pages.shape[1])
         if pages is None:
             return None, None

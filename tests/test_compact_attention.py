@@ -169,6 +169,27 @@ def test_tail_queries_keep_the_block_one_query_asks_for():
     assert torch.equal(tiled, select_blocks_flashprefill(q, pooled, B, 0.5, 1.0, 0, 0, tail_queries=1))
 
 
+@pytest.mark.parametrize("subgroup,tail,sink,window,tile,chunk", [
+    (1, 0, 0, 0, 4096, 3 * B + 5), (2, 0, 1, 2, 3, 3 * B), (4, 7, 2, 3, 4096, 2 * B + 1), (8, 5, 0, 1, 4, 3 * B + 5)])
+def test_fused_group_selection_equals_selection_then_unions(subgroup, tail, sink, window, tile, chunk):
+    """flashprefill_group_keep (what CompactAttention runs) is select_blocks_flashprefill
+    followed by the Q-block union and the union over each group's heads, exactly."""
+    from operators.block_selector import flashprefill_group_keep
+
+    selective = False
+    for seed in range(3):
+        q, k, v, pooled, start, end = setup(seed=10 + seed, chunk=chunk)
+        groups = execution_groups(8, 2, subgroup)
+        alpha = (0.3, 0.8, 0.99)[seed]
+        expected = union_groups(union_query_blocks(select_blocks_flashprefill(
+            q, pooled[:, :10], B, alpha, 4.0, sink, window, tile_blocks=tile, tail_queries=tail)), groups)
+        got = flashprefill_group_keep(q, pooled[:, :10], B, alpha, 4.0, sink, window, groups.shape[1],
+                                      tail_queries=tail, tile_blocks=tile)
+        assert torch.equal(got, expected)
+        selective |= 0 < int(got.sum()) < got.numel()
+    assert selective  # some blocks dropped, some kept: the comparison means something
+
+
 def test_only_the_prompts_last_chunk_scores_its_tail_queries(monkeypatch):
     """The engine marks the final chunk; CompactAttention passes tail_queries there only."""
     import operators.compact_attention as ca
@@ -178,8 +199,8 @@ def test_only_the_prompts_last_chunk_scores_its_tail_queries(monkeypatch):
     from ktlong.prefill import LayerMajorPrefill
 
     seen = []
-    original = ca.select_blocks_flashprefill
-    monkeypatch.setattr(ca, "select_blocks_flashprefill",
+    original = ca.flashprefill_group_keep
+    monkeypatch.setattr(ca, "flashprefill_group_keep",
                         lambda *a, **kw: seen.append(kw["tail_queries"]) or original(*a, **kw))
     model = random_model("tiny", torch.device("cpu"), torch.float32)
     c = model.config

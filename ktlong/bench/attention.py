@@ -3,8 +3,8 @@
 python -m ktlong.bench attention [--chunks 1024,4096] [--histories 32k,128k,512k]
     [--densities 0.1,0.2,0.3] [--backends fa2,fa3] [--captured captured.npz]
 
-CompactAttention time is split into selection (FlashPrefill selector on pooled keys), union
-and page lists (one host sync), FlashInfer plan, and execution. Fixed densities keep a random
+CompactAttention time is split into selection with its Q-block and group unions (the FlashPrefill
+selector on pooled keys, fused), page lists (one host sync), FlashInfer plan, and execution. Fixed densities keep a random
 set of history blocks per group (random data makes every selector keep almost everything);
 --captured runs the selectors on q/k/v captured from a real model's prefill (see
 `python -m ktlong.bench capture`) and reports the density they choose.
@@ -21,8 +21,7 @@ from ktlong.bench.common import parse_lengths, print_table, require_cuda, time_c
 from ktlong.config import default_config
 from ktlong.errors import KtlongError
 from ktlong.session.settings import compact_params
-from operators.block_selector import select_blocks_flashprefill
-from operators.block_union import build_page_lists, union_groups, union_query_blocks
+from operators.block_union import build_page_lists
 from operators.chunk_attention import chunk_attention, flashinfer_available
 from operators.compact_attention import CompactAttention
 
@@ -40,29 +39,26 @@ def fixed_density_keep(num_groups, num_hist, density, sink, window, device, seed
     return keep
 
 
-def measure(q, k, v, start, backend, keep_groups, op: CompactAttention, pooled, params, dense_s):
+def measure(q, k, v, start, backend, keep_groups, op: CompactAttention, pooled, dense_s):
     end = start + q.shape[0]
     num_hist = start // B
-    select_s = time_cuda(lambda: select_blocks_flashprefill(q, pooled[:, :num_hist], B, params.alpha, op.scale,
-                                                            params.sink_blocks, params.window_blocks))
-    head_keep = torch.ones(op.num_heads, num_hist, dtype=torch.bool, device=q.device)
+    select_s = time_cuda(lambda: op.group_keep(q, k, pooled, start))  # the real selection; the fixed density is kept
 
-    def union_and_pages():
-        union_groups(union_query_blocks(head_keep[:, None]), op.groups)  # same work as the real union
+    def page_lists():  # as CompactAttention.page_lists, without its dense_above choice
         return build_page_lists(keep_groups, op.groups, op.num_heads, op.num_kv_heads, k.shape[1],
                                 num_hist, end - start, B)
 
-    union_s = time_cuda(union_and_pages)
-    pages = union_and_pages()
+    pages_s = time_cuda(page_lists)
+    pages = page_lists()
     plan = lambda: op.executor.plan(q.shape[0], op.groups, pages, q.shape[-1], B, op.scale, q.dtype)
     plan_s = time_cuda(plan)
     plan()
     exec_s = time_cuda(lambda: op.executor.run(q, k, v, op.groups))
-    total = select_s + union_s + plan_s + exec_s
+    total = select_s + pages_s + plan_s + exec_s
     us = lambda s: f"{s * 1e6:,.0f}"
     return [backend, q.shape[0], f"{start // 1024}K", us(dense_s), f"{pages.density:.0%}", us(select_s),
-            us(union_s), us(plan_s), us(exec_s), us(total), f"{dense_s / total:.2f}x",
-            f"{(select_s + union_s + plan_s) / dense_s:.1%}"]
+            us(pages_s), us(plan_s), us(exec_s), us(total), f"{dense_s / total:.2f}x",
+            f"{(select_s + pages_s + plan_s) / dense_s:.1%}"]
 
 
 def dense_time(q, k, v, start, backend, op_all):
@@ -93,7 +89,7 @@ def synthetic_rows(args, device):
                 dense_s = dense_time(q, k, v, start, backend, op)
                 for density in [float(d) for d in args.densities.split(",")]:
                     keep = fixed_density_keep(op.groups.shape[0], start // B, density, 1, 2, device)
-                    rows.append(measure(q, k, v, start, backend, keep, op, pooled, params, dense_s))
+                    rows.append(measure(q, k, v, start, backend, keep, op, pooled, dense_s))
                 del k, v, q, pooled
                 torch.cuda.empty_cache()
     return rows
@@ -135,7 +131,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     print(f"{torch.cuda.get_device_name(device)}, bf16, 32 q heads / 8 kv heads / d 128, block {B}; "
           "times are medians of 20 runs in microseconds")
-    print_table(["backend", "chunk", "history", "dense", "density", "select", "union+pages", "plan",
+    print_table(["backend", "chunk", "history", "dense", "density", "select+unions", "page lists", "plan",
                  "execute", "compact total", "speedup", "overhead/dense"], synthetic_rows(args, device))
     if args.captured:
         print(f"\nselectors on q/k/v captured from a real prefill ({args.captured}), fa2, default settings")
