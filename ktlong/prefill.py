@@ -24,13 +24,14 @@ import torch
 
 from ktlong.errors import ConfigError
 from ktlong.kv.device_pages import DevicePages
+from ktlong.kv.history_load import HistoryLoader
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import KVLayout
 from ktlong.models.llama import LlamaModel
 from operators.block_summary import anchor_keys, block_summaries, token_importance
 from operators.chunk_attention import chunk_attention, flashinfer_available
 from operators.compact_attention import CompactAttention, CompactParams
-from operators.kv_quant import dequantize_kv, quantize_kv
+from operators.kv_quant import quantize_kv
 from operators.observation_scores import observation_block_mass
 
 IMPORTANCE_QUERIES = 64  # last queries of each chunk that score its keys for DYNAMIC anchors
@@ -158,16 +159,16 @@ class LayerMajorPrefill:
         first = min(num_tokens, (history // self.chunk_size + 1) * self.chunk_size)
         chunks = [(history, first)] + [(s, min(s + self.chunk_size, num_tokens))
                                        for s in range(first, num_tokens, self.chunk_size)]
-        num_layers = self.model.config.num_layers
-        prefetch = _HistoryPrefetch(self, history, host, stats) if history and prefetch_history else None
-        for layer in range(num_layers):
+        loader = None
+        if history:
+            loader = HistoryLoader(self.layout, self.chunk_size, self.model.config.num_layers, host, history,
+                                   (self.pages, self.pooled_keys), prefetch_history, self.copy_stream,
+                                   lambda: _Timer(stats, self.device, "history_seconds"))
+        for layer in range(self.model.config.num_layers):
             if self.cuda:  # the pages are about to be overwritten: last layer's copies must be done
                 torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
-            if prefetch is not None:
-                prefetch.take(layer)  # this layer's pages, loaded; the next layer's start loading
-            elif history:
-                with _Timer(stats, self.device, "history_seconds"):
-                    self._load_history(layer, history, host, stats)
+            if loader is not None:
+                self.pages, self.pooled_keys = loader.take(layer)
             run.densities = []
             for s, e in chunks:
                 x = hidden[s - history:e - history].to(self.device, non_blocking=True)
@@ -180,8 +181,9 @@ class LayerMajorPrefill:
             if self.is_sparse:  # fa3 runs dense prefill through CompactAttention too: no density to report
                 d = run.densities
                 stats.density_per_layer.append(sum(d) / len(d) if d else 1.0)
-        if prefetch is not None:
-            prefetch.close()
+        if loader is not None:
+            self.pages, self.pooled_keys = loader.close()
+            stats.bytes_to_device += loader.bytes_to_device
         last = hidden[-1:].to(self.device)
         logits = self.model.logits(last)[0]
         if self.cuda:
@@ -279,31 +281,6 @@ class LayerMajorPrefill:
                     values.record_stream(self.copy_stream)
         stats.bytes_to_host += sum(values.numel() * 4 for _, values in tables)
 
-    def _load_history(self, layer: int, history: int, host: HostKVCache, stats: PrefillStats,
-                      pages: DevicePages | None = None, pooled_keys: torch.Tensor | None = None):
-        """The layer's first `history` tokens from DRAM into the pages (widened on the device),
-        a chunk at a time, and the pooled keys of their blocks (this engine's own, or the
-        given ones)."""
-        layout = self.layout
-        pages = self.pages if pages is None else pages
-        pooled_keys = self.pooled_keys if pooled_keys is None else pooled_keys
-        for which, buf in (("k", pages.k), ("v", pages.v)):
-            dst = pages.tokens(buf)
-            if not layout.is_quantized:  # one DMA per head, no staging
-                src = host.tokens(layer, which, 0, history)
-                for h in range(layout.num_kv_heads):
-                    dst[h, :history].copy_(src[h], non_blocking=True)
-                continue
-            for s in range(0, history, self.chunk_size):  # widened on the device a chunk at a time
-                e = min(history, s + self.chunk_size)
-                data, scales = host.tokens(layer, which, s, e), host.scale_tokens(layer, which, s, e)
-                data = torch.stack([data[h].to(self.device, non_blocking=True) for h in range(layout.num_kv_heads)])
-                scales = torch.stack([scales[h].to(self.device, non_blocking=True) for h in range(layout.num_kv_heads)])
-                dst[:, s:e] = dequantize_kv(data, scales, layout.kv_type, layout.dtype)
-        blocks = -(-history // layout.block_size)
-        pooled_keys[:, :blocks] = host.key_mean[layer][:, :blocks].to(self.device, non_blocking=True)
-        stats.bytes_to_device += 2 * history * layout.num_kv_heads * layout.stored_row_bytes
-
     def _after_compute(self):
         """Where copies to the host run: on a GPU the copy stream, after everything the compute
         stream has queued so far. The wait is taken here, outside the copy stream's context,
@@ -332,47 +309,3 @@ class LayerMajorPrefill:
                         values.record_stream(self.copy_stream)
         stats.bytes_to_host += 2 * (e - s) * layout.num_kv_heads * layout.stored_row_bytes
 
-
-class _HistoryPrefetch:
-    """A follow-up's history, one layer ahead: two sets of pages and pooled keys take turns;
-    while layer l computes on one, layer l+1's history loads into the other on a stream of its
-    own. On the CPU the same turns run one after the other."""
-
-    def __init__(self, engine: LayerMajorPrefill, history: int, host: HostKVCache, stats: PrefillStats):
-        self.engine, self.history, self.host, self.stats = engine, history, host, stats
-        self.buffers = [(engine.pages, engine.pooled_keys),
-                        (DevicePages(engine.layout, engine.device), torch.zeros_like(engine.pooled_keys))]
-        self.stream = torch.cuda.Stream(engine.device) if engine.cuda else None
-        self.loaded = self._load(0)
-
-    def _load(self, layer: int):
-        """Queue layer's history into its buffers, after whatever used them last (the layer
-        two back: its compute and its copies to DRAM); returns the event that marks it done."""
-        engine = self.engine
-        pages, pooled = self.buffers[layer % 2]
-        if self.stream is None:
-            engine._load_history(layer, self.history, self.host, self.stats, pages, pooled)
-            return None
-        self.stream.wait_stream(torch.cuda.current_stream(engine.device))
-        self.stream.wait_stream(engine.copy_stream)
-        with torch.cuda.stream(self.stream):
-            with _Timer(self.stats, engine.device, "history_seconds"):
-                engine._load_history(layer, self.history, self.host, self.stats, pages, pooled)
-            return self.stream.record_event()
-
-    def take(self, layer: int):
-        """Make layer's buffers the engine's, once loaded, and start loading the next layer's."""
-        engine = self.engine
-        engine.pages, engine.pooled_keys = self.buffers[layer % 2]
-        if self.loaded is not None:
-            torch.cuda.current_stream(engine.device).wait_event(self.loaded)
-        if layer + 1 < engine.model.config.num_layers:
-            self.loaded = self._load(layer + 1)
-
-    def close(self):
-        """The engine's own pages back; the second set goes once the compute stream is past it."""
-        self.engine.pages, self.engine.pooled_keys = self.buffers[0]
-        if self.stream is not None:  # and past the copies to DRAM that read the last layer's pages
-            torch.cuda.current_stream(self.engine.device).wait_stream(self.stream)
-            torch.cuda.current_stream(self.engine.device).wait_stream(self.engine.copy_stream)
-        self.buffers = None

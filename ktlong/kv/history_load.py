@@ -1,0 +1,105 @@
+"""A follow-up's history, from the DRAM cache into the device pages, a layer at a time.
+
+Before a follow-up's new tokens run through layer l, the layer's pages receive the first
+`history` tokens' K/V from DRAM (one DMA per kv head; q8_0 / q4_0 cross quantised and are widened
+on the device a chunk at a time) and the pooled (mean) keys of their blocks, which the block
+selector reads. With `prefetch`, two sets of pages and pooled keys take turns: while layer l
+computes on one, layer l+1's history loads into the other on a stream of its own (one more
+layer of pages on the device). On the CPU the same turns run one after the other.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Callable
+
+import torch
+
+from ktlong.kv.device_pages import DevicePages
+from ktlong.kv.host_cache import HostKVCache
+from ktlong.kv.layout import KVLayout
+from operators.kv_quant import dequantize_kv
+
+Buffers = tuple[DevicePages, torch.Tensor]  # pages, pooled keys [KV, NB, D] float32
+
+
+def load_history(layout: KVLayout, chunk_size: int, host: HostKVCache, layer: int, history: int,
+                 pages: DevicePages, pooled_keys: torch.Tensor) -> int:
+    """Queue layer's first `history` tokens and their blocks' pooled keys into pages and
+    pooled_keys on the current stream; returns the bytes that cross to the device."""
+    device = pooled_keys.device
+    for which, buf in (("k", pages.k), ("v", pages.v)):
+        dst = pages.tokens(buf)
+        if not layout.is_quantized:  # one DMA per head, no staging
+            src = host.tokens(layer, which, 0, history)
+            for h in range(layout.num_kv_heads):
+                dst[h, :history].copy_(src[h], non_blocking=True)
+            continue
+        for s in range(0, history, chunk_size):  # widened on the device a chunk at a time
+            e = min(history, s + chunk_size)
+            data, scales = host.tokens(layer, which, s, e), host.scale_tokens(layer, which, s, e)
+            data = torch.stack([data[h].to(device, non_blocking=True) for h in range(layout.num_kv_heads)])
+            scales = torch.stack([scales[h].to(device, non_blocking=True) for h in range(layout.num_kv_heads)])
+            dst[:, s:e] = dequantize_kv(data, scales, layout.kv_type, layout.dtype)
+    blocks = -(-history // layout.block_size)
+    pooled_keys[:, :blocks] = host.key_mean[layer][:, :blocks].to(device, non_blocking=True)
+    return 2 * history * layout.num_kv_heads * layout.stored_row_bytes
+
+
+class HistoryLoader:
+    def __init__(self, layout: KVLayout, chunk_size: int, num_layers: int, host: HostKVCache, history: int,
+                 own: Buffers, prefetch: bool, copy_stream: torch.cuda.Stream | None,
+                 timer: Callable[[], AbstractContextManager]):
+        """own: the engine's pages and pooled keys; copy_stream: where the engine copies the
+        pages to DRAM (None on the CPU); timer: times one layer's load."""
+        self.layout, self.chunk_size, self.num_layers = layout, chunk_size, num_layers
+        self.host, self.history, self.timer, self.copy_stream = host, history, timer, copy_stream
+        self.buffers = [own]
+        if prefetch:
+            pages, pooled = own
+            self.buffers.append((DevicePages(layout, pooled.device), torch.zeros_like(pooled)))
+        self.device = own[1].device
+        self.stream = torch.cuda.Stream(self.device) if prefetch and copy_stream is not None else None
+        self.bytes_to_device = 0
+        self.loaded = self._load(0) if prefetch else None
+
+    def _buffers(self, layer: int) -> Buffers:
+        return self.buffers[layer % len(self.buffers)]
+
+    def _load(self, layer: int):
+        """Queue layer's history into its buffers. Ahead of time, on the load stream, after
+        whatever used those buffers last (the layer two back: its compute and its copies to
+        DRAM); returns the event that marks it done (None on the CPU, where it is done)."""
+        if self.stream is None:
+            with self.timer():
+                self.bytes_to_device += load_history(self.layout, self.chunk_size, self.host, layer, self.history,
+                                                     *self._buffers(layer))
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.stream.wait_stream(self.copy_stream)
+        with torch.cuda.stream(self.stream):
+            with self.timer():
+                self.bytes_to_device += load_history(self.layout, self.chunk_size, self.host, layer, self.history,
+                                                     *self._buffers(layer))
+            return self.stream.record_event()
+
+    def take(self, layer: int) -> Buffers:
+        """Layer's pages and pooled keys, loaded (or queued before anything that reads them);
+        with prefetch the next layer's load starts here."""
+        if len(self.buffers) == 1:
+            self._load(layer)
+            return self.buffers[0]
+        if self.loaded is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.loaded)
+        if layer + 1 < self.num_layers:
+            self.loaded = self._load(layer + 1)
+        return self._buffers(layer)
+
+    def close(self) -> Buffers:
+        """The engine's own buffers back; the second set goes once the compute stream is past
+        its load and past the copies to DRAM that read the last layer's pages."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        own, self.buffers = self.buffers[0], None
+        return own
