@@ -62,6 +62,12 @@ class HybridDecoder:
         # the device part: one body, replayed from CUDA graphs or run eagerly (ktlong/decode/step.py)
         self.body = DecodeStep(model, self.window, self.global_layers, use_cuda_graph and self.cuda,
                                self.device_anchors)
+        # numpy views of the exchange buffers, read and written once per layer per token: a numpy
+        # assignment costs a tenth of a torch indexing and copy_ call
+        body = self.body
+        self.new_kv = _words(body.kv_host)  # [global layers, 2, KV, R] as DRAM stores them
+        self.new_kv_scales = _words(body.kv_scales_host)
+        self.q_np, self.o_np, self.lse_np = body.q_host.numpy(), body.o_host.numpy(), body.lse_host.numpy()
 
     def _preselect(self):
         first, last = self.window.context_blocks
@@ -112,18 +118,15 @@ class HybridDecoder:
             body.wait()  # segment j and its copies of q, k/v (and scores) to host memory
             self.times.device_wait += time.perf_counter() - t0
             b, t = divmod(pos, self.block_size)  # the new token's K/V, through to DRAM
-            self.host.k[layer][:, b, t].copy_(body.kv_host[j, 0])
-            self.host.v[layer][:, b, t].copy_(body.kv_host[j, 1])
+            k_dram, v_dram = self.k_stored[layer], self.v_stored[layer]
+            k_dram.data[:, b, t], v_dram.data[:, b, t] = self.new_kv[j, 0], self.new_kv[j, 1]
             if self.layout.is_quantized:
-                self.host.k_scales[layer][:, b, t].copy_(body.kv_scales_host[j, 0])
-                self.host.v_scales[layer][:, b, t].copy_(body.kv_scales_host[j, 1])
+                k_dram.scales[:, b, t], v_dram.scales[:, b, t] = self.new_kv_scales[j, 0], self.new_kv_scales[j, 1]
             if last > first:
                 scores = None if self.device_anchors is None else body.scores_host[j].numpy
-                o_cpu, lse_cpu = self._cpu_part(layer, body.q_host[j].numpy(), first, last, scores)
-                body.o_host[j].numpy()[:] = o_cpu
-                body.lse_host[j].numpy()[:] = lse_cpu
+                self.o_np[j], self.lse_np[j] = self._cpu_part(layer, self.q_np[j], first, last, scores)
             else:  # nothing in DRAM beyond the window yet
-                body.lse_host[j].fill_(float("-inf"))
+                self.lse_np[j] = -np.inf
             body.replay(j + 1)
         window.copy_to_sink(pos)
         logits = body.logits.clone()
@@ -180,3 +183,9 @@ class HybridDecoder:
         if self.layout.is_quantized:
             return self.host.unquantized(layer, "k", start, start + B, torch.float32)[:, None]
         return self.host.k[layer][:, block:block + 1]
+
+
+def _words(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a host tensor with 16-bit values as uint16 words, as stored_view gives DRAM."""
+    sixteen = t.dtype in (torch.bfloat16, torch.float16, torch.int16)
+    return t.view(torch.int16).numpy().view(np.uint16) if sixteen else t.numpy()
