@@ -152,8 +152,8 @@ def test_bad_files_are_refused_in_one_sentence(tiny, tmp_path, saved_file):
     header = bytearray(data)
     header[60] ^= 0xFF  # inside the JSON header
     (tmp_path / "header.kv").write_bytes(bytes(header))
-    assert "corrupted (its header" in refused(tmp_path / "header.kv", s)
-    from ktlong.session.saved_cache import ALIGN, PREAMBLE
+    assert "corrupted (a header" in refused(tmp_path / "header.kv", s)
+    from ktlong.session.cache_records import ALIGN, PREAMBLE
 
     header_len = PREAMBLE.unpack_from(data, 0)[2]
     body = bytearray(data)
@@ -215,3 +215,120 @@ def test_chat_saves_after_each_answer_and_a_new_chat_goes_on_from_the_file(tiny,
     lines = iter([f"/save {tmp_path / 'again.kv'}", "/load", "/exit"])
     assert second.next_prompt(lambda: next(lines, None)) is None
     assert (tmp_path / "again.kv").is_file() and "/load needs a file path" in err.getvalue()
+
+
+def same_cache(a, b):
+    """Two sessions hold the same tokens, K/V, side tables and preselection masses."""
+    n = a.host.num_tokens
+    assert n == b.host.num_tokens and a.ids == b.ids
+    blocks = -(-n // a.layout.block_size)
+    for layer in range(a.layout.num_layers):
+        for which in ("k", "v"):
+            assert torch.equal(a.host.tokens(layer, which, 0, n), b.host.tokens(layer, which, 0, n))
+        for table in ("key_mean", "key_max", "key_min", "anchor_keys"):
+            assert torch.equal(getattr(a.host, table)[layer][:, :blocks], getattr(b.host, table)[layer][:, :blocks])
+        np.testing.assert_array_equal(a.host.prompt_block_mass[layer], b.host.prompt_block_mass[layer])
+
+
+def test_a_follow_ups_save_appends_only_what_changed_and_loads_as_a_whole_save(tiny, tmp_path):
+    s = session_for(tiny)
+    s.prefill(prompt(100))
+    s.step(4)
+    path, whole = tmp_path / "doc.kv", tmp_path / "whole.kv"
+    first_size = save_cache(path, s, FP, TURNS)
+    first = path.read_bytes()
+    sizes = []
+    for turn in range(3):  # question, answer tokens, save: each save appends
+        s.prefill(s.ids + prompt(30, seed=turn + 1))
+        for t in (5, 6):
+            s.step(t)
+        sizes.append(save_cache(path, s, FP, TURNS * (turn + 2)))
+    data = path.read_bytes()
+    assert data[:first_size] == first and len(data) == first_size + sum(sizes)
+    assert all(size < first_size / 2 for size in sizes)  # the new blocks only, not the document
+    save_cache(whole, s, FP, TURNS * 4)  # another file: written whole
+    loaded, reference = session_for(tiny), session_for(tiny)
+    assert load_cache(path, loaded, FP) == [tuple(t) for t in TURNS * 4]
+    load_cache(whole, reference, FP)
+    same_cache(loaded, s)
+    same_cache(loaded, reference)
+    follow = s.ids + prompt(20, seed=9)
+    assert torch.equal(s.prefill(follow), loaded.prefill(follow)) and torch.equal(s.step(7), loaded.step(7))
+    size = save_cache(path, loaded, FP, TURNS)  # a loaded session appends to the file it loaded
+    assert len(path.read_bytes()) == len(data) + size and size < first_size / 2
+
+
+def test_an_edited_conversation_appends_from_where_it_was_cut(tiny, tmp_path):
+    s = session_for(tiny)
+    s.prefill(prompt(120))
+    path = tmp_path / "doc.kv"
+    first_size = save_cache(path, s, FP, TURNS)
+    s.prefill(s.ids[:50] + prompt(40, seed=4))  # the conversation edited at token 50
+    size = save_cache(path, s, FP, TURNS)
+    assert len(path.read_bytes()) == first_size + size
+    loaded = session_for(tiny)
+    load_cache(path, loaded, FP)
+    same_cache(loaded, s)
+
+
+def test_an_append_cut_short_reads_as_the_save_before_and_the_next_save_is_whole(tiny, tmp_path):
+    s = session_for(tiny)
+    s.prefill(prompt(100))
+    path = tmp_path / "doc.kv"
+    first_size = save_cache(path, s, FP, TURNS)
+    before = session_for(tiny)
+    load_cache(path, before, FP)
+    s.prefill(s.ids + prompt(30, seed=2))
+    save_cache(path, s, FP, TURNS * 2)
+    data = path.read_bytes()
+    for cut in (first_size + 10, first_size + 200, len(data) - 1):  # in the preamble, header, data
+        path.write_bytes(data[:cut])
+        loaded = session_for(tiny)
+        assert load_cache(path, loaded, FP) == [tuple(t) for t in TURNS]
+        same_cache(loaded, before)
+    loaded.prefill(loaded.ids + prompt(10, seed=3))
+    size = save_cache(path, loaded, FP, TURNS)  # the file is not what the load left: written whole
+    assert len(path.read_bytes()) == size
+    again = session_for(tiny)
+    load_cache(path, again, FP)
+    same_cache(again, loaded)
+
+
+def test_a_corrupted_appended_record_is_refused(tiny, tmp_path):
+    s = session_for(tiny)
+    s.prefill(prompt(100))
+    path = tmp_path / "doc.kv"
+    first_size = save_cache(path, s, FP, TURNS)
+    s.prefill(s.ids + prompt(30, seed=2))
+    save_cache(path, s, FP, TURNS)
+    data = path.read_bytes()
+    import mmap
+
+    from ktlong.session.cache_records import APPENDED, read_record
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        record = read_record(path, m, first_size, APPENDED)
+    k_block = next(e for e in record.header["tensors"] if e["name"] == "k.1.0")  # layer 1's new K blocks
+    inside = record.data_start + k_block["offset"] + k_block["nbytes"] // 2
+    for where, says in ((first_size + 70, "corrupted (a header"), (inside, "corrupted (table k.1.0")):
+        broken = bytearray(data)
+        broken[where] ^= 0x01
+        bad = tmp_path / "bad.kv"
+        bad.write_bytes(bytes(broken))
+        loaded = session_for(tiny)
+        assert says in refused(bad, loaded) and loaded.host.num_tokens == 0
+
+
+def test_a_file_replaced_since_this_sessions_save_is_written_whole(tiny, tmp_path):
+    a, b = session_for(tiny), session_for(tiny)
+    a.prefill(prompt(100))
+    b.prefill(prompt(90, seed=5))
+    path = tmp_path / "doc.kv"
+    save_cache(path, a, FP, TURNS)
+    whole_b = save_cache(path, b, FP, TURNS)  # b's file now, renamed over a's
+    a.prefill(a.ids + prompt(20, seed=6))
+    size = save_cache(path, a, FP, TURNS)
+    assert len(path.read_bytes()) == size and size != whole_b  # not appended to b's file
+    loaded = session_for(tiny)
+    load_cache(path, loaded, FP)
+    same_cache(loaded, a)

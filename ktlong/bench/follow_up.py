@@ -47,16 +47,17 @@ def evict(path: str):
         os.close(fd)
 
 
-def io_rates(contexts, plans, fp, folder, model_config, device, dtype) -> int:
+def io_rates(contexts, plans, fp, folder, model_config, device, dtype, question: int) -> int:
     """Save and load rates of a host cache filled with random values (no weights, no prefill):
     loading read from the disk (the file dropped from the page cache first) and from the page
-    cache; copied into the cache, and, where it is not pinned, mapped into it."""
+    cache; copied into the cache, and, where it is not pinned, mapped into it. Then the save
+    after a follow-up of `question` tokens, which appends to the file."""
     from types import SimpleNamespace
 
     from ktlong.bench.decode import fill_random
     from ktlong.kv.host_cache import HostKVCache
 
-    rows = []
+    rows, append_rows = [], []
     for n, plan in zip(contexts, plans):
         host = HostKVCache(plan.layout, pin=device.type == "cuda")
         fill_random(host, n)
@@ -78,12 +79,18 @@ def io_rates(contexts, plans, fp, folder, model_config, device, dtype) -> int:
                     times.append(timed(lambda: load_cache(path, session, fp))[1])
                 rows.append([f"{n // 1024}K", plan.kv_type, how, f"{gb:.2f}", f"{save_s:.2f}", f"{gb / save_s:.2f}",
                              f"{times[0]:.2f}", f"{gb / times[0]:.2f}", f"{times[1]:.2f}", f"{gb / times[1]:.2f}"])
+            host.advance(question)  # the follow-up's K/V (their values do not matter here)
+            appended, append_s = timed(lambda: save_cache(path, session, fp, []))
+            append_rows.append([f"{n // 1024}K", plan.kv_type, question, f"{save_s:.2f}", f"{appended / 1e6:.1f}",
+                                f"{append_s:.3f}", f"{save_s / append_s:.0f}x"])
         del host
     print(f"saved cache of random values, {model_config.num_layers} layers x {model_config.num_kv_heads} kv heads x "
           f"{model_config.head_dim}; loaded from the disk (the file dropped from the page cache), then from the "
           "page cache; copied into the cache, or mapped into it (a cache that is not pinned)")
     print_table(["context", "kv", "load", "file GB", "save s", "save GB/s", "disk load s", "disk GB/s",
                  "page-cache load s", "page-cache GB/s"], rows)
+    print("the save after a follow-up, appended to the file (each save flushed to disk):")
+    print_table(["context", "kv", "follow-up tokens", "whole save s", "appended MB", "append s", "faster"], append_rows)
     return 0
 
 
@@ -116,7 +123,8 @@ def main(argv=None) -> int:
         plan.check()
     fp = {"bench": shape}
     if args.io_only:
-        return io_rates(contexts, plans, fp, args.folder, model_config=c, device=device, dtype=dtype)
+        return io_rates(contexts, plans, fp, args.folder, model_config=c, device=device, dtype=dtype,
+                        question=args.question)
     model = random_model(shape, device, dtype)
     rows = []
     generator = torch.Generator().manual_seed(0)

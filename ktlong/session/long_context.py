@@ -50,6 +50,7 @@ class LongContextSession:
         self.last_stats = None
         self.last_prefill_tokens = 0  # tokens the last prefill computed (the rest came from the cache)
         self.last_decode_setup_seconds = 0.0  # after the last prefill: the decoder built, its graphs captured
+        self.saved_file = None  # the file this session last saved to or loaded from (saved_cache.SavedFile)
 
     @classmethod
     def from_config(cls, model: LlamaModel, config: Config, plan: SessionPlan,

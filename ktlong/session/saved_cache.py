@@ -1,51 +1,42 @@
 """A long-context session's KV cache saved to one file, and loaded back to go on talking.
 
-The file: a fixed preamble (magic, format version, header length, sha256 of the header), a JSON
-header (the fingerprint of everything the cache depends on, the token ids, the conversation, and
-an index of the tensors with their offsets, shapes, types and CRC-32s per 64 MiB piece), then
-the tensors, each 4096-aligned, as the host cache holds them: K/V in their DRAM type (q8_0 /
-q4_0 values and scales included), the side tables and the preselection masses, only the blocks
-that hold tokens. No pickle: the header is JSON and the rest raw bytes.
+The file (records: ktlong/session/cache_records.py) holds the K/V in their DRAM type (q8_0 / q4_0
+values and scales included), the side tables and the preselection masses, only the blocks that
+hold tokens, per kv head, plus the token ids, the conversation and a fingerprint of everything
+the values depend on.
 
-Writing goes to a temporary file in the same folder, flushed to disk, then renamed into place.
-Reading maps the file and checks every offset and size against it. A cache that is not pinned
-(the CPU's) then has the file's pages mapped into its tables in place, copy-on-write, rather than
-copied (ktlong/kv/host_memory.py); a pinned one (a GPU copies from it) gets the pieces copied in
-parallel threads. Either way every piece's CRC-32 is checked on the cache's own bytes; anything
-wrong is refused in one sentence and the session is left empty, not half-loaded. Our own saves
-replace the file by renaming, so a cache mapped from it keeps the old file; a file changed in
-place by another program while a session maps it is not supported.
+Saving writes the whole cache as one record to a temporary file in the same folder, flushed,
+renamed into place, the folder flushed. A later save by the same session, while the file is
+still the one it wrote, appends a record with only what changed since: the blocks from the one
+the last save ended in (or the one an edited conversation was cut at), the preselection masses,
+the token ids and the conversation; flushed before it returns. A follow-up's save so costs its
+own tokens, not the document's. Readers take the whole record and every complete record after
+it, in order, so an append cut short (a crash) reads as the save before it. After
+MAX_APPENDED records, or once they add up to the whole record's size, a save writes the whole
+again.
+
+Loading checks the fingerprint, then every offset, size and checksum; anything wrong is refused
+in one sentence. A file refused before its data is read leaves the session as it was; bad data
+found while filling the cache leaves it empty, never half-loaded.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import mmap
 import os
 import shutil
-import struct
 import tempfile
-import zlib
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ktlong.errors import KtlongError
-from ktlong.kv.host_memory import map_file_pages
+from ktlong.session.cache_records import (APPENDED, COPIED_ALIGN, WHOLE, CacheFileError, Record, TruncatedRecord, check_tables,
+                                          encode_record, fill_tables, read_record, write_record)
 
-MAGIC = b"KTLONGKV"
-VERSION = 1
-PREAMBLE = struct.Struct("<8sIQ32s")  # magic, version, header bytes, sha256 of the header
-ALIGN = 4096
-PIECE = 64 << 20  # bytes per CRC-32 and per copy task
-THREADS = 8
-
-
-class CacheFileError(KtlongError):
-    """A saved cache that cannot be written or used as it is."""
+MAX_APPENDED = 64
 
 
 def model_identity(path: Path) -> str:
@@ -79,10 +70,23 @@ def fingerprint(model_path: Path, session, config) -> dict:
 TABLES = ("k", "v", "k_scales", "v_scales", "key_mean", "key_max", "key_min", "anchor_keys")
 
 
-def _tensors(session, num_tokens: int, masses: dict[int, int] | None = None) -> dict[str, torch.Tensor]:
-    """Every host tensor the cache needs, per kv head (so each is one contiguous range), cut to
-    the blocks that hold tokens: views. masses: {layer: blocks} of the preselection masses to
-    make room for (when loading), else the host's own."""
+@dataclass
+class SavedFile:
+    """The file a session last saved to or loaded from, as it left it: what an append needs."""
+    path: Path
+    inode: int
+    size: int
+    num_tokens: int
+    whole_digest: str  # sha256 of the whole record's header, which appended records name
+    whole_size: int
+    appended: int = 0
+    appended_size: int = 0
+
+
+def _tensors(session, first_block: int, num_tokens: int, masses: dict[int, int] | None = None) -> dict[str, torch.Tensor]:
+    """The host tensors of blocks first_block.. of the first num_tokens tokens, per kv head (so
+    each is one contiguous range), and the preselection masses: views. masses: {layer: blocks}
+    of the masses to make room for (when loading), else the host's own."""
     host, layout = session.host, session.layout
     blocks = -(-num_tokens // layout.block_size)
     if masses is not None:
@@ -93,7 +97,7 @@ def _tensors(session, num_tokens: int, masses: dict[int, int] | None = None) -> 
             t = getattr(host, name)[layer]
             if t.shape[1] and t.shape[-1]:
                 for h in range(layout.num_kv_heads):
-                    out[f"{name}.{layer}.{h}"] = t[h, :blocks]
+                    out[f"{name}.{layer}.{h}"] = t[h, first_block:blocks]
         if layer in host.prompt_block_mass:
             mass = torch.from_numpy(host.prompt_block_mass[layer])
             for h in range(layout.num_kv_heads):
@@ -101,52 +105,63 @@ def _tensors(session, num_tokens: int, masses: dict[int, int] | None = None) -> 
     return out
 
 
-def _pieces(nbytes: int):
-    return [(s, min(nbytes, s + PIECE)) for s in range(0, nbytes, PIECE)] or [(0, 0)]
+def _masses(record: Record) -> dict[int, int]:
+    return {int(e["name"].split(".")[1]): e["shape"][0] for e in record.header["tensors"]
+            if e["name"].startswith("prompt_block_mass.") and e["name"].endswith(".0")}
 
 
-def _as_bytes(t: torch.Tensor) -> np.ndarray:
-    return t.contiguous().view(torch.uint8).reshape(-1).numpy()
+def _append_from(state: SavedFile | None, path: Path, session) -> int | None:
+    """The block an appended record would start at, or None when the whole must be written: no
+    earlier save of this session to this very file as it left it, a model with sliding-window
+    layers (their DRAM tail moves), or enough appended already."""
+    if state is None or state.path != path.resolve() or session.layout.sliding or state.appended >= MAX_APPENDED:
+        return None
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    if (st.st_ino, st.st_size) != (state.inode, state.size) or state.appended_size >= state.whole_size:
+        return None
+    first = min(state.num_tokens, session.host.stable_tokens) // session.layout.block_size
+    return first or None  # from block 0 an append is the whole again
 
 
 def save_cache(path: str | os.PathLike, session, fp: dict, turns: list) -> int:
-    """Write the session's cache to path atomically; returns the bytes written."""
+    """Write the session's cache to path (appending to the file this session saved last when it
+    can); returns the bytes written."""
     path = Path(path).expanduser()
     num_tokens = session.host.num_tokens
     if not num_tokens:
         raise CacheFileError("There is no cache to save yet; send a prompt first.")
-    tensors = _tensors(session, num_tokens)
-    index, offset = [], 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        index.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                      "offset": offset, "nbytes": nbytes})
-        offset += -(-nbytes // ALIGN) * ALIGN
-    header = {"fingerprint": fp, "num_tokens": num_tokens, "token_ids": session.ids[:num_tokens],
-              "turns": [list(t) for t in turns], "tensors": index}
-    with ThreadPoolExecutor(THREADS) as pool:  # CRC-32 of each piece (zlib lets go of the GIL)
-        for entry, t in zip(index, tensors.values()):
-            raw = _as_bytes(t)
-            entry["crc32"] = list(pool.map(lambda p: zlib.crc32(raw[p[0]:p[1]]), _pieces(len(raw))))
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    data_start = -(-(PREAMBLE.size + len(blob)) // ALIGN) * ALIGN
-    total = data_start + offset
+    header = {"num_tokens": num_tokens, "token_ids": session.ids[:num_tokens], "turns": [list(t) for t in turns]}
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise CacheFileError(f"Cannot save the cache to {path}: folder {folder} does not exist.")
-    free = shutil.disk_usage(folder).free
-    if free < total:
-        raise CacheFileError(f"Saving the cache needs {total / 2**30:.2f} GiB but {folder} has "
-                             f"{free / 2**30:.2f} GiB free; free some space or save elsewhere.")
+    state = getattr(session, "saved_file", None)
+    first_block = _append_from(state, path, session)
+    if first_block is not None:
+        header.update(whole=state.whole_digest, sequence=state.appended + 1, first_block=first_block)
+        head, placed, size, _ = encode_record(APPENDED, header, _tensors(session, first_block, num_tokens), COPIED_ALIGN)
+        _check_space(folder, size)
+        with open(path, "r+b") as f:
+            try:
+                write_record(f, state.size, head, placed, size)
+                f.flush()
+                os.fsync(f.fileno())
+            except BaseException:
+                f.truncate(state.size)  # best effort: readers would skip a cut record anyway
+                raise
+        state.size += size
+        state.num_tokens, state.appended, state.appended_size = num_tokens, state.appended + 1, state.appended_size + size
+        session.host.stable_tokens = num_tokens
+        return size
+    header["fingerprint"] = fp
+    head, placed, size, digest = encode_record(WHOLE, header, _tensors(session, 0, num_tokens))
+    _check_space(folder, size)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(PREAMBLE.pack(MAGIC, VERSION, len(blob), hashlib.sha256(blob).digest()))
-            f.write(blob)
-            for entry, t in zip(index, tensors.values()):
-                f.seek(data_start + entry["offset"])
-                f.write(memoryview(_as_bytes(t)))
-            f.truncate(total)
+            write_record(f, 0, head, placed, size)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -158,25 +173,16 @@ def save_cache(path: str | os.PathLike, session, fp: dict, turns: list) -> int:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    return total
+    session.saved_file = SavedFile(path.resolve(), path.stat().st_ino, size, num_tokens, digest, size)
+    session.host.stable_tokens = num_tokens
+    return size
 
 
-def _read_header(path: Path, mapped: mmap.mmap) -> tuple[dict, int]:
-    if len(mapped) < PREAMBLE.size:
-        raise CacheFileError(f"{path} is not a saved ktlong cache (too short); check --load_kv.")
-    magic, version, header_len, digest = PREAMBLE.unpack_from(mapped, 0)
-    if magic != MAGIC:
-        raise CacheFileError(f"{path} is not a saved ktlong cache; check --load_kv.")
-    if version != VERSION:
-        raise CacheFileError(f"{path} is a saved cache of format {version}, this ktlong reads {VERSION}; "
-                             "save it again with this version.")
-    end = PREAMBLE.size + header_len
-    if end > len(mapped):
-        raise CacheFileError(f"{path} is truncated (its header ends past the file); save it again.")
-    blob = mapped[PREAMBLE.size:end]
-    if hashlib.sha256(blob).digest() != digest:
-        raise CacheFileError(f"{path} is corrupted (its header does not match its checksum); save it again.")
-    return json.loads(blob), -(-end // ALIGN) * ALIGN
+def _check_space(folder: Path, size: int):
+    free = shutil.disk_usage(folder).free
+    if free < size:
+        raise CacheFileError(f"Saving the cache needs {size / 2**30:.2f} GiB but {folder} has "
+                             f"{free / 2**30:.2f} GiB free; free some space or save elsewhere.")
 
 
 def _differences(saved: dict, ours: dict) -> str:
@@ -188,7 +194,7 @@ def _differences(saved: dict, ours: dict) -> str:
 def load_cache(path: str | os.PathLike, session, fp: dict) -> list:
     """Fill the session's cache from path; returns the saved conversation turns. A file refused
     before its data is read (missing, foreign, made for other settings, truncated) leaves the
-    session as it was; bad data found while copying leaves it empty. Either way a CacheFileError
+    session as it was; bad data found while filling leaves it empty. Either way a CacheFileError
     says what is wrong."""
     path = Path(path).expanduser()
     if not path.is_file():
@@ -197,61 +203,63 @@ def load_cache(path: str | os.PathLike, session, fp: dict) -> list:
         if os.fstat(f.fileno()).st_size == 0:
             raise CacheFileError(f"{path} is empty, not a saved ktlong cache; check --load_kv.")
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        return _load(path, f.fileno(), mapped, session, fp)
+        try:
+            return _load(path, f.fileno(), mapped, session, fp)
+        finally:
+            try:
+                mapped.close()
+            except BufferError:  # a view of it is still referenced by an exception's frame: the GC closes it
+                pass
+
+
+def _records(path: Path, mapped: mmap.mmap, fp: dict, capacity: int) -> list[Record]:
+    """The whole record and the complete appended ones after it, checked against this session."""
+    whole = read_record(path, mapped, 0, WHOLE)
+    if whole is None:
+        raise CacheFileError(f"{path} is not a saved ktlong cache; check --load_kv.")
+    diffs = _differences(whole.header.get("fingerprint", {}), fp)
+    if diffs:
+        raise CacheFileError(f"{path} was saved for other settings: {diffs}; load it with the "
+                             "model and options it was made with.")
+    records = [whole]
+    while True:
+        try:
+            record = read_record(path, mapped, records[-1].end, APPENDED)
+        except TruncatedRecord:  # cut short by a crash while appending: the saves before it hold
+            break
+        if record is None or record.header.get("whole") != whole.digest or \
+                record.header.get("sequence") != len(records):
+            break
+        records.append(record)
+    for r in records:
+        n, ids = r.header.get("num_tokens"), r.header.get("token_ids")
+        if not isinstance(n, int) or not 0 < n <= capacity or not isinstance(ids, list) or len(ids) != n:
+            raise CacheFileError(f"{path} holds {n} tokens and this session's max_seq_len is {capacity:,}; "
+                                 f"raise --max_seq_len to at least {n}.")
+    return records
 
 
 def _load(path: Path, fd: int, mapped: mmap.mmap, session, fp: dict) -> list:
-    source, overwritten = None, False
+    layout, overwritten = session.layout, False
     try:
-        header, data_start = _read_header(path, mapped)
-        diffs = _differences(header["fingerprint"], fp)
-        if diffs:
-            raise CacheFileError(f"{path} was saved for other settings: {diffs}; load it with the "
-                                 "model and options it was made with.")
-        num_tokens = header["num_tokens"]
-        if not 0 < num_tokens <= session.layout.capacity or len(header["token_ids"]) != num_tokens:
-            raise CacheFileError(f"{path} holds {num_tokens:,} tokens and this session's max_seq_len is "
-                                 f"{session.layout.capacity:,}; raise --max_seq_len to at least {num_tokens:,}.")
-        entries = {e["name"]: e for e in header["tensors"]}
-        masses = {int(n.split(".")[1]): entries[n]["shape"][0] for n in entries
-                  if n.startswith("prompt_block_mass.") and n.endswith(".0")}
-        if any(not 0 < n <= session.layout.num_blocks for n in masses.values()):
-            raise CacheFileError(f"{path} holds preselection tables larger than this session's cache; save it again.")
+        records = _records(path, mapped, fp, layout.capacity)
+        for r in records:
+            if any(not 0 < n <= layout.num_blocks for n in _masses(r).values()):
+                raise CacheFileError(f"{path} holds preselection tables larger than this session's cache; "
+                                     "save it again.")
         session.reset()  # what was checked holds: from here the session's cache is overwritten
         overwritten = True
-        expected = _tensors(session, num_tokens, masses)
-        if set(entries) != set(expected):
-            raise CacheFileError(f"{path} holds other tables than this session keeps; save it again.")
-        tasks = []
-        for name, dst in expected.items():
-            e = entries[name]
-            nbytes = dst.numel() * dst.element_size()
-            if (e["shape"] != list(dst.shape) or e["dtype"] != str(dst.dtype).removeprefix("torch.")
-                    or e["nbytes"] != nbytes or len(e["crc32"]) != len(_pieces(nbytes))):
-                raise CacheFileError(f"{path}: table {name} has another shape or type than this session's; "
-                                     "save it again.")
-            start = data_start + e["offset"]
-            if e["offset"] < 0 or start + nbytes > len(mapped):
-                raise CacheFileError(f"{path} is truncated: {name} ends past the file; save it again.")
-            for (lo, hi), crc in zip(_pieces(nbytes), e["crc32"]):
-                tasks.append((name, dst, start, lo, hi, crc))
-        source = np.frombuffer(mapped, np.uint8)
-        # the host tables, when not pinned, take the file's pages in place (the preselection masses
-        # are numpy arrays of the general allocator: copied)
-        maps = {name: session.host.maps_files and name.split(".")[0] in TABLES for name in expected}
-
-        def copy(task):  # what is not mapped is copied; either way the checksum is of the cache's bytes
-            name, dst, start, lo, hi, crc = task
-            out = _as_flat_bytes(dst)[lo:hi]
-            mapped_bytes = map_file_pages(out, fd, start + lo, hi - lo) if maps[name] else 0
-            if mapped_bytes < hi - lo:
-                out.numpy()[mapped_bytes:] = source[start + lo + mapped_bytes:start + hi]
-            return name if zlib.crc32(out.numpy()) != crc else None
-
-        with ThreadPoolExecutor(THREADS) as pool:
-            bad = [name for name in pool.map(copy, tasks) if name]
-        if bad:
-            raise CacheFileError(f"{path} is corrupted (table {bad[0]} does not match its checksum); save it again.")
+        done_tokens = 0
+        for i, r in enumerate(records):
+            first = r.header["first_block"] if i else 0
+            if not isinstance(first, int) or not 0 <= first <= -(-done_tokens // layout.block_size):
+                raise CacheFileError(f"{path} has an appended record that leaves a gap; save it again.")
+            expected = _tensors(session, first, r.header["num_tokens"], _masses(r))
+            check_tables(path, r, expected)
+            # the whole record's host tables take the file's pages in place when not pinned
+            mappable = {n for n in expected if n.split(".")[0] in TABLES} if session.host.maps_files and not i else set()
+            fill_tables(path, fd, mapped, r, expected, mappable)
+            done_tokens = r.header["num_tokens"]
     except CacheFileError:
         if overwritten:
             session.reset()
@@ -260,16 +268,11 @@ def _load(path: Path, fd: int, mapped: mmap.mmap, session, fp: dict) -> list:
         if overwritten:
             session.reset()
         raise CacheFileError(f"{path} has a malformed header ({type(e).__name__}: {e}); save it again.") from None
-    finally:
-        source = None
-        try:
-            mapped.close()
-        except BufferError:  # a view of it is still referenced by an exception's frame: the GC closes it
-            pass
-    session.host.advance(num_tokens)
-    session.ids = list(header["token_ids"])
-    return [tuple(t) for t in header["turns"]]
-
-
-def _as_flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8).view(-1)
+    last = records[-1].header
+    session.host.advance(last["num_tokens"])
+    session.host.stable_tokens = last["num_tokens"]
+    session.ids = list(last["token_ids"])
+    st = os.fstat(fd)
+    session.saved_file = SavedFile(path.resolve(), st.st_ino, records[-1].end, last["num_tokens"], records[0].digest,
+                                   records[0].end, len(records) - 1, records[-1].end - records[0].end)
+    return [tuple(t) for t in last["turns"]]
