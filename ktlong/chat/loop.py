@@ -117,8 +117,9 @@ class ChatLoop:
             start = time.perf_counter()
             nbytes = save_cache(path, self.session, fingerprint(self.lm.path, self.session, self.config),
                                 self.conversation.turns)
+            how = "appended the new blocks" if self.session.saved_file.appended else "wrote the whole file"
             self.notice(f"saved {self.session.host.num_tokens:,} tokens of KV cache to {path} "
-                        f"({nbytes / 2**30:.2f} GiB in {time.perf_counter() - start:.1f}s)")
+                        f"({how}: {nbytes / 2**20:,.1f} MiB in {time.perf_counter() - start:.1f}s)")
         except (KtlongError, OSError) as e:
             self.notice(f"not saved: {e}")
 
