@@ -271,16 +271,25 @@ def test_an_edited_conversation_appends_from_where_it_was_cut(tiny, tmp_path):
     same_cache(loaded, s)
 
 
-def test_an_append_cut_short_reads_as_the_save_before_and_the_next_save_is_whole(tiny, tmp_path):
+def saved_then_appended(tiny, path, turns):
+    """A 100-token cache saved whole to path, then a 30-token follow-up's save appended:
+    (the whole record's bytes, the file's bytes)."""
     s = session_for(tiny)
     s.prefill(prompt(100))
-    path = tmp_path / "doc.kv"
     first_size = save_cache(path, s, FP, TURNS)
-    before = session_for(tiny)
-    load_cache(path, before, FP)
     s.prefill(s.ids + prompt(30, seed=2))
-    save_cache(path, s, FP, TURNS * 2)
+    save_cache(path, s, FP, turns)
     data = path.read_bytes()
+    return data[:first_size], data
+
+
+def test_an_append_cut_short_reads_as_the_save_before_and_the_next_save_is_whole(tiny, tmp_path):
+    path = tmp_path / "doc.kv"
+    whole, data = saved_then_appended(tiny, path, TURNS * 2)
+    first_size = len(whole)
+    (tmp_path / "whole.kv").write_bytes(whole)
+    before = session_for(tiny)
+    load_cache(tmp_path / "whole.kv", before, FP)
     for cut in (first_size + 10, first_size + 200, len(data) - 1):  # in the preamble, header, data
         path.write_bytes(data[:cut])
         loaded = session_for(tiny)
@@ -295,13 +304,9 @@ def test_an_append_cut_short_reads_as_the_save_before_and_the_next_save_is_whole
 
 
 def test_a_corrupted_appended_record_is_refused(tiny, tmp_path):
-    s = session_for(tiny)
-    s.prefill(prompt(100))
     path = tmp_path / "doc.kv"
-    first_size = save_cache(path, s, FP, TURNS)
-    s.prefill(s.ids + prompt(30, seed=2))
-    save_cache(path, s, FP, TURNS)
-    data = path.read_bytes()
+    whole, data = saved_then_appended(tiny, path, TURNS)
+    first_size = len(whole)
     import mmap
 
     from ktlong.session.cache_records import APPENDED, read_record
