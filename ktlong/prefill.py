@@ -308,4 +308,3 @@ class LayerMajorPrefill:
                     if self.cuda and values is not src:
                         values.record_stream(self.copy_stream)
         stats.bytes_to_host += 2 * (e - s) * layout.num_kv_heads * layout.stored_row_bytes
-
