@@ -113,6 +113,31 @@ def test_host_tables_are_private_mappings_on_huge_page_boundaries():
     assert perms == ["rw-p"]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mapping over the cache is Linux's mmap")
+def test_a_file_mapping_that_fails_leaves_writable_memory_to_copy_into(tmp_path):
+    import os
+
+    from ktlong.kv.host_memory import PAGE, map_file_pages, mapped_empty
+
+    t = mapped_empty((2, PAGE), torch.uint8)
+    path = tmp_path / "data"
+    path.write_bytes(bytes(range(256)) * (PAGE // 256))
+    fd = os.open(path, os.O_WRONLY)  # cannot be mapped for reading: EACCES
+    try:
+        assert map_file_pages(t[0], fd, 0, PAGE) == 0
+    finally:
+        os.close(fd)
+    t[0] = 7  # writable, not a hole or a read-only mapping
+    assert int(t[0].sum()) == 7 * PAGE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert map_file_pages(t[1], fd, 0, PAGE) == PAGE and t[1].tolist() == list(range(256)) * (PAGE // 256)
+    finally:
+        os.close(fd)
+    t[1] = 1  # copy-on-write: the file keeps its bytes
+    assert path.read_bytes()[:4] == bytes([0, 1, 2, 3])
+
+
 def test_writes_are_atomic_and_leave_no_temporary(tiny, tmp_path):
     s = session_for(tiny)
     s.prefill(prompt(50))

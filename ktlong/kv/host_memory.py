@@ -5,7 +5,7 @@ A saved KV cache is read back into a cache that must keep growing (the conversat
 and keeps its head-major layout, so the file cannot simply become the cache. Instead each host
 table lives on its own anonymous mapping, aligned to 2 MiB, and loading replaces the pages that
 hold saved blocks by private (copy-on-write) mappings of the file: no copy, the values are read
-from disk when first touched and shared with the page cache, and a write (a new token in a
+from disk as the mapping is made and shared with the page cache, and a write (a new token in a
 partly filled block) copies only its page. Pinned (page-locked) tables are not mapped over:
 page-locking a private file mapping would copy every page anyway.
 """
@@ -23,8 +23,7 @@ from ktlong.kv.pinned import HUGE_PAGE
 
 PAGE = mmap.PAGESIZE
 _PROT_READ, _PROT_WRITE = 0x1, 0x2
-_MAP_PRIVATE, _MAP_FIXED, _MAP_POPULATE = 0x02, 0x10, 0x8000
-_MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_POPULATE = 0x02, 0x10, 0x20, 0x8000
 
 
 def _libc():
@@ -64,9 +63,11 @@ def map_file_pages(dst: torch.Tensor, fd: int, offset: int, nbytes: int) -> int:
     # on a fault each (populating a writable private mapping would copy every page); then made
     # writable, which copies a page only when it is written.
     got = libc.mmap(addr, length, _PROT_READ, _MAP_PRIVATE | _MAP_FIXED | _MAP_POPULATE, fd, offset)
-    if got == _MAP_FAILED:  # the old pages are still in place, untouched
-        return 0
-    assert got == addr, "MAP_FIXED placed the file elsewhere"
-    if libc.mprotect(addr, length, _PROT_READ | _PROT_WRITE) != 0:
-        raise OSError(ctypes.get_errno(), "could not make a mapped KV table writable")
-    return length
+    if got == addr and libc.mprotect(addr, length, _PROT_READ | _PROT_WRITE) == 0:
+        return length
+    # A failed MAP_FIXED may already have dropped the old pages, and a mapping left read-only
+    # would fault on the next write: put fresh writable memory back; the caller copies instead.
+    again = libc.mmap(addr, length, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE | _MAP_FIXED | _MAP_ANONYMOUS, -1, 0)
+    if again != addr:
+        raise OSError(ctypes.get_errno(), "could not restore a KV table's memory after a failed file mapping")
+    return 0
