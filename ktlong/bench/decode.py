@@ -1,14 +1,18 @@
 """Hybrid decode on random LLaMA-3.1-8B-shape weights, GPU capped at 24 GiB, DRAM cache filled
-with random KV of each context length (decode speed does not depend on the values).
+with random KV of each context length (decode speed does not depend on the values). On a
+machine without a GPU (or with --device cpu) the same rows but CUDA graphs, on the tiny shape
+by default, float32.
 
 python -m ktlong.bench decode [--contexts 32k,128k,512k] [--tokens 32] [--set key=value] [--modes ...]
+    [--shape llama-3.1-8b|tiny] [--device auto|cpu|cuda]
 
 Rows: all blocks on the CPU (dense), sparse with every token on the CPU (no device window),
 and hybrid (device window + CPU sparse blocks). Times per token: total, CPU operator,
 selection, waiting for q from the device, and the rest (device work after the CPU part,
 merge, Python). Beside them the two floors of a token, measured in the same run: the K/V
 bytes the CPU operator read at the host's streaming-read rate (a Numba read of 1 GiB on the
-decode threads), and the weights a token reads at the GPU's copy rate (1 GiB device to device).
+decode threads), and the weights a token reads at the device's copy rate (1 GiB device to
+device; on the CPU, a copy in DRAM).
 """
 
 from __future__ import annotations
@@ -19,13 +23,14 @@ import time
 
 import torch
 
-from ktlong.bench.common import parse_lengths, print_table, require_cuda
+from ktlong.bench.common import parse_lengths, print_table
 from ktlong.config import load_config, parse_set
+from ktlong.device import resolve_device
 from ktlong.decode.hybrid import HybridDecoder
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import kv_layout
 from ktlong.kv.memory_plan import GIB
-from ktlong.models.random_model import random_config, random_model
+from ktlong.models.random_model import SHAPES, random_config, random_model
 from ktlong.parallel.group import join_ranks, quiet_unless_main
 from ktlong.session.plan import resolve_kv_type
 from ktlong.session.settings import selection_settings
@@ -58,6 +63,11 @@ MODES = {"dense": "dense (all blocks on CPU)", "cpu": "sparse, CPU only", "hybri
          "graphs": "hybrid + CUDA graphs", "graphs-cpu-scoring": "hybrid + CUDA graphs, CPU scoring"}
 
 
+def synchronize(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def weight_bytes_per_token(model) -> int:
     """Bytes of the weights one decode step reads: every layer's projections and the output
     head (the embedding table gives one row; the norms are negligible)."""
@@ -68,11 +78,16 @@ def weight_bytes_per_token(model) -> int:
 
 
 def device_copy_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
-    """HBM rate: bytes read plus written per second by a device-to-device copy (median of 9)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
+    """The device memory's rate: bytes read plus written per second by a copy (median of 9)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.zeros_like(src)
     times = []
     for _ in range(10):
+        if device.type != "cuda":
+            start = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - start)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         dst.copy_(src)
@@ -89,29 +104,40 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=32, help="decode steps timed per row (after 4 warm-up steps)")
     p.add_argument("--gpu_cap_gb", type=float, default=24.0)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--modes", default="dense,cpu,hybrid,graphs,graphs-cpu-scoring",
-                   help="rows to run, comma-separated, of: " + ", ".join(MODES))
+    p.add_argument("--modes", default=None,
+                   help="rows to run, comma-separated, of: " + ", ".join(MODES) + " (default: all; on the CPU "
+                   "those without graphs)")
+    p.add_argument("--shape", default=None, choices=sorted(SHAPES), help="default: llama-3.1-8b on a GPU, tiny on the CPU")
+    p.add_argument("--device", default="auto")
     p.add_argument("--tensor_parallel", type=int, default=1, metavar="N",
                    help="split heads and MLP columns over N ranks; start with torchrun --nproc_per_node N")
     args = p.parse_args(argv)
     quiet_unless_main()
-    unknown = set(args.modes.split(",")) - set(MODES)
+    device = resolve_device(args.device)
+    cuda = device.type == "cuda"
+    modes = (args.modes or ",".join(m for m in MODES if cuda or not m.startswith("graphs"))).split(",")
+    unknown = set(modes) - set(MODES)
     if unknown:
         p.error(f"unknown mode {', '.join(sorted(unknown))}; choose from {', '.join(MODES)}")
+    if not cuda and any(m.startswith("graphs") for m in modes):
+        p.error("the graphs modes replay CUDA graphs: run them on a GPU, or leave them out of --modes")
     config = load_config(overrides=parse_set(args.set), write_user_file=False)
     contexts = parse_lengths(args.contexts)
-    require_cuda("the decode benchmark")
-    tp, device = join_ranks(args.tensor_parallel, random_config("llama-3.1-8b"), torch.device("cuda"))
-    device = torch.device("cuda", torch.cuda.current_device())
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap_gb * GIB / total), device)
-    model = random_model("llama-3.1-8b", device, torch.bfloat16, tp=tp)
+    shape = args.shape or ("llama-3.1-8b" if cuda else "tiny")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    tp, device = join_ranks(args.tensor_parallel, random_config(shape), device)
+    if cuda:
+        device = torch.device("cuda", torch.cuda.current_device())
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap_gb * GIB / total), device)
+    model = random_model(shape, device, dtype, tp=tp)
     c = model.config
     from cpu_ops.threads import set_decode_threads
 
     ranks = f"tensor parallel {tp.world}, per rank: " if tp is not None else ""
-    print(f"{ranks}{torch.cuda.get_device_name(device)} + {set_decode_threads(config.threads_num)} CPU threads; llama-3.1-8b random "
-          f"bf16, GPU cap {args.gpu_cap_gb} GiB; kv {config.kv_type}, block {config.block_size}, top-k "
+    where = f"{torch.cuda.get_device_name(device)}, GPU cap {args.gpu_cap_gb} GiB" if cuda else "CPU only"
+    print(f"{ranks}{where} + {set_decode_threads(config.threads_num)} CPU threads; {shape} random "
+          f"{str(dtype).removeprefix('torch.')}; kv {config.kv_type}, block {config.block_size}, top-k "
           f"{config.second_select_num}, local {config.local_windows_len}, anchors {config.anchor_type}, "
           f"{config.head_select_mode}, dense layers {config.dense_layer_num}, block scoring {config.block_scoring}; "
           f"ms per token, medians over "
@@ -128,12 +154,12 @@ def main(argv=None) -> int:
     settings = {"dense": (selection_settings(config, c.num_layers, "dense"), local, False),
                 "cpu": (sparse, 0, False), "hybrid": (sparse, local, False), "graphs": (sparse, local, True),
                 "graphs-cpu-scoring": (dataclasses.replace(sparse, block_scoring="cpu"), local, True)}
-    modes = [(MODES[m], *settings[m]) for m in args.modes.split(",")]
+    modes = [(MODES[m], *settings[m]) for m in modes]
     for context in contexts:
         layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size,
-                           context + 4 + args.tokens + 1, resolve_kv_type(config.kv_type, torch.bfloat16),
+                           context + 4 + args.tokens + 1, resolve_kv_type(config.kv_type, dtype),
                            anchor_type=config.anchor_type, anchor_num=config.anchor_num)
-        host = HostKVCache(layout, pin=True)
+        host = HostKVCache(layout, pin=cuda)
         fill_random(host, context)
         for name, settings, local, graphs in modes:
             if name.startswith("dense") and context > 128 * 1024:
@@ -145,12 +171,12 @@ def main(argv=None) -> int:
             for t in range(4):
                 decoder.step(t)
             decoder.times = type(decoder.times)()
-            torch.cuda.synchronize()
+            synchronize(device)
             per_token = []
             for t in range(args.tokens):
                 t0 = time.perf_counter()
                 decoder.step(100 + t)
-                torch.cuda.synchronize()
+                synchronize(device)
                 per_token.append(time.perf_counter() - t0)
             per_token.sort()
             med = per_token[len(per_token) // 2]
@@ -162,13 +188,14 @@ def main(argv=None) -> int:
                          f"{sel * 1e3:.1f}", f"{wait * 1e3:.1f}", f"{(tm.total / n - cpu - sel - wait) * 1e3:.1f}",
                          f"{tm.kv_bytes / n / 1e6:.0f}", f"{kv_floor * 1e3:.1f}", f"{weight_floor * 1e3:.1f}",
                          f"{(kv_floor + weight_floor) * 1e3:.1f}",
-                         f"peak GPU {torch.cuda.max_memory_allocated(device) / GIB:.1f} GiB, "
-                         f"KV in DRAM {layout.num_layers * layout.layer_bytes() / GIB:.1f} GiB"])
+                         (f"peak GPU {torch.cuda.max_memory_allocated(device) / GIB:.1f} GiB, " if cuda else "")
+                         + f"KV in DRAM {layout.num_layers * layout.layer_bytes() / GIB:.1f} GiB"])
             print("partial:", " | ".join(map(str, row)), flush=True)
         del host, decoder
-        torch.cuda.empty_cache()
-    print(f"floors: K/V read at the host's stream of {stream_gbps:.1f} GB/s; {weight_bytes / 1e9:.1f} GB of weights "
-          f"read at the GPU's copy rate of {hbm_gbps:,.0f} GB/s = {weight_floor * 1e3:.1f} ms")
+        if cuda:
+            torch.cuda.empty_cache()
+    print(f"floors: K/V read at the host's stream of {stream_gbps:.1f} GB/s; {weight_bytes / 1e9:.2f} GB of weights "
+          f"read at the {'GPU' if cuda else 'DRAM'} copy rate of {hbm_gbps:,.0f} GB/s = {weight_floor * 1e3:.2f} ms")
     print_table(["context", "mode", "tok/s", "ms/token", "CPU attention", "selection", "wait for q",
                  "rest (GPU, merge, Python)", "K/V read MB", "K/V floor", "weights floor", "floors summed",
                  "note"], rows)
