@@ -32,6 +32,7 @@ def one_sentence_error(capsys, *needles):
     (["decode", "--set", "kv_type=int3"], ["kv_type", "bf16, fp16"]),
     (["decode", "--contexts", "0"], ["'0'"]),
     (["decode-op", "--contexts", "big"], ["'big'"]),
+    (["decode", "--device", "cpu", "--modes", "hybrid,graphs"], ["graphs modes", "need a GPU"]),
 ])
 def test_bench_errors_are_one_sentence(no_user_file, capsys, argv, needles):
     assert bench(argv) == 2
@@ -39,7 +40,7 @@ def test_bench_errors_are_one_sentence(no_user_file, capsys, argv, needles):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a CPU-only machine gives")
-@pytest.mark.parametrize("name", ["decode", "attention"])
+@pytest.mark.parametrize("name", ["attention"])
 def test_gpu_benches_say_they_need_a_gpu(no_user_file, capsys, name):
     assert bench([name]) == 2
     one_sentence_error(capsys, "needs a CUDA GPU")

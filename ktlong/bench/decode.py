@@ -26,6 +26,7 @@ import torch
 from ktlong.bench.common import parse_lengths, print_table
 from ktlong.config import load_config, parse_set
 from ktlong.device import resolve_device
+from ktlong.errors import KtlongError
 from ktlong.decode.hybrid import HybridDecoder
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import kv_layout
@@ -120,7 +121,8 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown mode {', '.join(sorted(unknown))}; choose from {', '.join(MODES)}")
     if not cuda and any(m.startswith("graphs") for m in modes):
-        p.error("the graphs modes replay CUDA graphs: run them on a GPU, or leave them out of --modes")
+        raise KtlongError("The graphs modes replay CUDA graphs, which need a GPU; leave them out of --modes "
+                          "or run on a GPU.")
     config = load_config(overrides=parse_set(args.set), write_user_file=False)
     contexts = parse_lengths(args.contexts)
     shape = args.shape or ("llama-3.1-8b" if cuda else "tiny")
