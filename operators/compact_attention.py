@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from operators.block_selector import flashprefill_group_keep, select_blocks_flashprefill
+from operators.block_selector import flashprefill_group_keep
 from operators.block_union import (PageLists, build_page_lists, execution_groups, union_groups,
                                    union_query_blocks)
 from operators.paged_attention_reference import paged_attention_reference
@@ -59,32 +59,23 @@ class CompactAttention:
 
             self.executor = FlashInferPagedExecutor(device, backend)
 
-    def select(self, q: torch.Tensor, k_pages: torch.Tensor, pooled_keys: torch.Tensor,
-               start: int, final: bool = False) -> torch.Tensor:
-        """q: [T, H, D]; pooled_keys: [KV, >= start/B, D] -> keep [H, nqb, start/B] bool.
-        final: the chunk ends the prompt (its last queries are the question: tail_queries)."""
-        p, num_hist = self.params, start // self.block_size
-        if p.selector == "all" or num_hist == 0:
-            nqb = -(-q.shape[0] // self.block_size)
-            return torch.ones((self.num_heads, nqb, num_hist), dtype=torch.bool, device=q.device)
-        if p.selector == "flashprefill":
-            return select_blocks_flashprefill(q, pooled_keys[:, :num_hist], self.block_size, p.alpha,
-                                              self.scale, p.sink_blocks, p.window_blocks,
-                                              tail_queries=min(p.tail_queries, q.shape[0]) if final else 0)
-        keys = k_pages.view(k_pages.shape[0], -1, k_pages.shape[-1])[:, :start]
-        return select_blocks_xattention(q, keys, self.block_size, p.stride, p.threshold, self.scale,
-                                        p.sink_blocks, p.window_blocks)
-
     def group_keep(self, q: torch.Tensor, k_pages: torch.Tensor, pooled_keys: torch.Tensor,
                    start: int, final: bool = False) -> torch.Tensor:
-        """The history blocks each execution group reads: [G, start/B] bool, the Q-block and
-        group unions of select(). FlashPrefill's comes fused, in a few operations."""
+        """The history blocks each execution group reads: q: [T, H, D]; pooled_keys: [KV, >= start/B, D]
+        -> [G, start/B] bool. FlashPrefill's selection comes fused with the Q-block and group
+        unions; XAttention's per (head, query block) choice goes through the two unions. final:
+        the chunk ends the prompt (its last queries are the question: tail_queries)."""
         p, num_hist = self.params, start // self.block_size
-        if p.selector == "flashprefill" and num_hist:
+        if p.selector == "all" or num_hist == 0:
+            return torch.ones((self.groups.shape[0], num_hist), dtype=torch.bool, device=q.device)
+        if p.selector == "flashprefill":
             return flashprefill_group_keep(q, pooled_keys[:, :num_hist], self.block_size, p.alpha, self.scale,
                                            p.sink_blocks, p.window_blocks, self.groups.shape[1],
                                            tail_queries=min(p.tail_queries, q.shape[0]) if final else 0)
-        return union_groups(union_query_blocks(self.select(q, k_pages, pooled_keys, start, final)), self.groups)
+        keys = k_pages.view(k_pages.shape[0], -1, k_pages.shape[-1])[:, :start]
+        keep = select_blocks_xattention(q, keys, self.block_size, p.stride, p.threshold, self.scale,
+                                        p.sink_blocks, p.window_blocks)  # [H, nqb, start/B]
+        return union_groups(union_query_blocks(keep), self.groups)
 
     def page_lists(self, group_keep: torch.Tensor, start: int, end: int, blocks_per_head: int) -> PageLists | None:
         """The groups' page lists, or None when they would keep more than dense_above of the
