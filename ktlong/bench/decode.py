@@ -73,9 +73,7 @@ def weight_bytes_per_token(model) -> int:
     """Bytes of the weights one decode step reads: every layer's projections and the output
     head (the embedding table gives one row; the norms are negligible)."""
     c = model.config
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    per_layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
-    return (c.num_layers * per_layer + c.vocab_size * c.hidden_size) * model.dtype.itemsize
+    return (c.num_layers * c.layer_matrix_elements + c.vocab_size * c.hidden_size) * model.dtype.itemsize
 
 
 def device_copy_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:

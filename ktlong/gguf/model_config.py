@@ -97,6 +97,12 @@ class ModelConfig:
         """Query heads per kv head."""
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def layer_matrix_elements(self) -> int:
+        """Elements of one layer's projection matrices: q, k, v, o and the MLP's gate, up, down."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return self.hidden_size * (2 * q + 2 * kv + 3 * self.intermediate_size)
+
     @classmethod
     def from_gguf(cls, gf: GGUFFile) -> "ModelConfig":
         arch = gf.architecture

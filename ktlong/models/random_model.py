@@ -24,8 +24,7 @@ def random_config(name: str) -> ModelConfig:
 
 
 def num_weight_elements(c: ModelConfig) -> int:
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    per_layer = 2 * c.hidden_size + c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
+    per_layer = 2 * c.hidden_size + c.layer_matrix_elements  # with the two norms
     head = c.vocab_size * c.hidden_size * (2 if c.has_output_head else 1)
     return c.num_layers * per_layer + head + c.hidden_size
 

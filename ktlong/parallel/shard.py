@@ -45,7 +45,5 @@ def shard_columns(w: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 def rank_weight_elements(c: ModelConfig, total: int, world: int) -> int:
     """Weight elements one rank holds: the sharded matrices split, the rest (embedding, head,
     norms) whole on every rank."""
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    per_layer = c.hidden_size * (2 * q + 2 * kv + 3 * c.intermediate_size)
-    sharded = c.num_layers * per_layer
+    sharded = c.num_layers * c.layer_matrix_elements
     return total - sharded + sharded // world
