@@ -16,7 +16,7 @@ from ktlong.gguf.registry import resolve_model_path
 from ktlong.models.llama import LlamaModel
 from ktlong.gguf.tokenizer import GGUFTokenizer
 from ktlong.gguf.weights import load_weights
-from ktlong.parallel.shard import rank_weight_elements, shard_config
+from ktlong.parallel.shard import rank_share
 
 if TYPE_CHECKING:
     from ktlong.parallel.group import TensorParallel
@@ -52,19 +52,15 @@ def load_model(name_or_path: str | None, device: str | torch.device = "cpu",
     start = time.perf_counter()
     device = torch.device(device)
     gf, config = open_model(name_or_path, rope)
-    shard = None
-    if tp is not None:
-        rank_config = shard_config(config, tp.world)  # refuses before any weight is read
-        shard = (tp.rank, tp.world)
+    rank_config, elements = config, gf.num_weight_elements
+    if tp is not None:  # refused here, before any weight is read, if it does not split
+        rank_config, elements = rank_share(config, elements, tp.world)
     tokenizer = GGUFTokenizer(gf)
-    weights = load_weights(gf, config, device, dtype or default_dtype(device), shard)
-    elements = gf.num_weight_elements
-    if tp is not None:
-        elements = rank_weight_elements(config, elements, tp.world)
-        config = rank_config
+    weights = load_weights(gf, config, device, dtype or default_dtype(device),
+                           (tp.rank, tp.world) if tp is not None else None)
     tok = tokenizer.token_text
     template = ChatTemplate(tokenizer.chat_template,
                             bos_token=tok(tokenizer.bos_id) if tokenizer.bos_id is not None else "",
                             eos_token=tok(tokenizer.eos_id) if tokenizer.eos_id is not None else "")
-    return LoadedModel(gf.path, config, tokenizer, template, LlamaModel(config, weights, tp),
+    return LoadedModel(gf.path, rank_config, tokenizer, template, LlamaModel(rank_config, weights, tp),
                        time.perf_counter() - start, elements)

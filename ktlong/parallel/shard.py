@@ -42,8 +42,9 @@ def shard_columns(w: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return w[:, rank_slice(w.shape[1], rank, world)].contiguous()
 
 
-def rank_weight_elements(c: ModelConfig, total: int, world: int) -> int:
-    """Weight elements one rank holds: the sharded matrices split, the rest (embedding, head,
-    norms) whole on every rank."""
+def rank_share(c: ModelConfig, total_elements: int, world: int) -> tuple[ModelConfig, int]:
+    """The model one rank sees (shard_config, refused before any weight is read if it does not
+    split) and the weight elements it holds: the sharded matrices split, the rest (embedding,
+    head, norms) whole on every rank."""
     sharded = c.num_layers * c.layer_matrix_elements
-    return total - sharded + sharded // world
+    return shard_config(c, world), total_elements - sharded + sharded // world

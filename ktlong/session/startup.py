@@ -95,7 +95,7 @@ def start(config: Config, log=None) -> Started:
     from ktlong.gguf.loader import load_model, open_model
     from ktlong.gguf.model_config import RopeOptions
     from ktlong.parallel.group import join_ranks
-    from ktlong.parallel.shard import rank_weight_elements, shard_config
+    from ktlong.parallel.shard import rank_share
     from ktlong.session.plan import apply_threads, plan_session
 
     log = log or sys.stderr
@@ -105,8 +105,7 @@ def start(config: Config, log=None) -> Started:
     tp, device = join_ranks(config.tensor_parallel, model_config, device)
     num_weight_elements = gf.num_weight_elements
     if tp is not None:
-        num_weight_elements = rank_weight_elements(model_config, gf.num_weight_elements, tp.world)
-        model_config = shard_config(model_config, tp.world)
+        model_config, num_weight_elements = rank_share(model_config, num_weight_elements, tp.world)
         print(f"[rank {tp.rank} of {tp.world}: {model_config.num_heads} heads, {model_config.num_kv_heads} kv "
               f"heads, {len(os.sched_getaffinity(0))} cores]", file=log)
     dtype = resolve_dtype(config.dtype, device)
