@@ -84,7 +84,7 @@ def quiet_unless_main():
     import sys
     import traceback
 
-    if int(os.environ.get("RANK", "0")) == 0:
+    if launched_rank() == 0:
         return
     sys.stdout = sys.stderr = open(os.devnull, "w")
     sys.excepthook = lambda kind, value, tb: traceback.print_exception(kind, value, tb, file=sys.__stderr__)
@@ -95,7 +95,7 @@ def print_error(error: Exception) -> None:
     torchrun may stop rank 0 before it prints when another rank fails first."""
     import sys
 
-    rank = int(os.environ.get("RANK", "0"))
+    rank = launched_rank()
     if rank == 0:
         print(f"error: {error}", file=sys.stderr, flush=True)
     else:
@@ -105,6 +105,11 @@ def print_error(error: Exception) -> None:
 def launched_world() -> int:
     """How many processes torchrun started (1 without torchrun)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def launched_rank() -> int:
+    """This process's rank among them (0 without torchrun)."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def start_tensor_parallel(size: int, device_type: str) -> TensorParallel | None:
@@ -118,7 +123,7 @@ def start_tensor_parallel(size: int, device_type: str) -> TensorParallel | None:
     if world != size:
         raise ConfigError(f"tensor_parallel is {size} but {world} process(es) were started; run "
                           f"`torchrun --nproc_per_node {size} ...` with --tensor_parallel {size}.")
-    rank = int(os.environ["RANK"])
+    rank = launched_rank()
     if device_type == "cuda":
         gpus = torch.cuda.device_count()
         if gpus < size:
