@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from ktlong.bench.common import parse_lengths, print_table
+from ktlong.bench.common import parse_lengths, print_table, time_cuda
 from ktlong.config import load_config, parse_set
 from ktlong.device import resolve_device
 from ktlong.errors import KtlongError
@@ -78,23 +78,16 @@ def weight_bytes_per_token(model) -> int:
 
 def device_copy_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
     """The device memory's rate: bytes read plus written per second by a copy (median of 9)."""
+    from ktlong.bench.decode_op import timed
+
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.zeros_like(src)
-    times = []
-    for _ in range(10):
-        if device.type != "cuda":
-            start = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - start)
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def copy():
         dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    times = sorted(times[1:])
-    return 2 * nbytes / times[len(times) // 2] / 1e9
+
+    seconds = time_cuda(copy, reps=9, warmup=1) if device.type == "cuda" else timed(copy, 9)
+    return 2 * nbytes / seconds / 1e9
 
 
 def main(argv=None) -> int:
