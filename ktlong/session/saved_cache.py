@@ -75,12 +75,15 @@ class SavedFile:
     """The file a session last saved to or loaded from, as it left it: what an append needs."""
     path: Path
     inode: int
-    size: int
     num_tokens: int
     whole_digest: str  # sha256 of the whole record's header, which appended records name
     whole_size: int
     appended: int = 0
     appended_size: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.whole_size + self.appended_size
 
 
 def _tensors(session, first_block: int, num_tokens: int, masses: dict[int, int] | None = None) -> dict[str, torch.Tensor]:
@@ -151,7 +154,6 @@ def save_cache(path: str | os.PathLike, session, fp: dict, turns: list) -> int:
             except BaseException:
                 f.truncate(state.size)  # best effort: readers would skip a cut record anyway
                 raise
-        state.size += size
         state.num_tokens, state.appended, state.appended_size = num_tokens, state.appended + 1, state.appended_size + size
         session.host.stable_tokens = num_tokens
         return size
@@ -173,7 +175,7 @@ def save_cache(path: str | os.PathLike, session, fp: dict, turns: list) -> int:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    session.saved_file = SavedFile(path.resolve(), path.stat().st_ino, size, num_tokens, digest, size)
+    session.saved_file = SavedFile(path.resolve(), path.stat().st_ino, num_tokens, digest, size)
     session.host.stable_tokens = num_tokens
     return size
 
@@ -273,6 +275,6 @@ def _load(path: Path, fd: int, mapped: mmap.mmap, session, fp: dict) -> list:
     session.host.stable_tokens = last["num_tokens"]
     session.ids = list(last["token_ids"])
     st = os.fstat(fd)
-    session.saved_file = SavedFile(path.resolve(), st.st_ino, records[-1].end, last["num_tokens"], records[0].digest,
-                                   records[0].end, len(records) - 1, records[-1].end - records[0].end)
+    session.saved_file = SavedFile(path.resolve(), st.st_ino, last["num_tokens"], records[0].digest, records[0].end,
+                                   len(records) - 1, records[-1].end - records[0].end)
     return [tuple(t) for t in last["turns"]]
