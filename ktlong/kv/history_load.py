@@ -71,17 +71,19 @@ class HistoryLoader:
         whatever used those buffers last (the layer two back: its compute and its copies to
         DRAM); returns the event that marks it done (None on the CPU, where it is done)."""
         if self.stream is None:
-            with self.timer():
-                self.bytes_to_device += load_history(self.layout, self.chunk_size, self.host, layer, self.history,
-                                                     *self._buffers(layer))
+            self._load_now(layer)
             return None
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.stream.wait_stream(self.copy_stream)
         with torch.cuda.stream(self.stream):
-            with self.timer():
-                self.bytes_to_device += load_history(self.layout, self.chunk_size, self.host, layer, self.history,
-                                                     *self._buffers(layer))
+            self._load_now(layer)
             return self.stream.record_event()
+
+    def _load_now(self, layer: int):
+        """Queue layer's history on the current stream, timed."""
+        with self.timer():
+            self.bytes_to_device += load_history(self.layout, self.chunk_size, self.host, layer, self.history,
+                                                 *self._buffers(layer))
 
     def take(self, layer: int) -> Buffers:
         """Layer's pages and pooled keys, loaded (or queued before anything that reads them);
