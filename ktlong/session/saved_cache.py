@@ -22,6 +22,7 @@ found while filling the cache leaves it empty, never half-loaded.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import mmap
 import os
@@ -40,8 +41,14 @@ MAX_APPENDED = 64
 
 
 def model_identity(path: Path) -> str:
-    """sha256 of a GGUF's size, its first 8 MiB (metadata, tokenizer, tensor index) and last 1 MiB."""
-    size = path.stat().st_size
+    """sha256 of a GGUF's size, its first 8 MiB (metadata, tokenizer, tensor index) and last 1 MiB;
+    read once per file version (every save and load of a chat asks again)."""
+    st = path.stat()
+    return _identity(str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _identity(path: str, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256(str(size).encode())
     with open(path, "rb") as f:
         digest.update(f.read(8 << 20))
