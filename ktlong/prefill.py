@@ -86,6 +86,9 @@ class _Run:
     host: HostKVCache
     stats: PrefillStats
     densities: list[float] = field(default_factory=list)  # CompactAttention's kept fraction, this layer
+    # (layer, [KV, blocks] on the device): decode's preselection masses, to the host after the
+    # last layer (fetching each as it is made would sync the host with the device every layer)
+    masses: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
 class _Timer:
@@ -191,6 +194,8 @@ class LayerMajorPrefill:
             for name, a, b in stats._events:
                 setattr(stats, name, getattr(stats, name) + a.elapsed_time(b) / 1e3)
             stats.peak_device_bytes = torch.cuda.max_memory_allocated(self.device)
+        for layer, mass in run.masses:
+            host.prompt_block_mass[layer] = mass.cpu().numpy()
         host.advance(len(token_ids))
         stats.seconds = time.perf_counter() - start
         return logits, stats
@@ -221,7 +226,7 @@ class LayerMajorPrefill:
         self.pages.write(s, k.to(self.layout.dtype), v.to(self.layout.dtype))
         if e == run.num_tokens and not self.layout.is_sliding(layer):  # every key of the layer is in pages
             mass = observation_block_mass(q[-OBSERVATION_QUERIES:], self.pages.k, e, model.scale)
-            run.host.prompt_block_mass[layer] = mass.cpu().numpy()
+            run.masses.append((layer, mass))
         with _Timer(run.stats, self.device):
             o = self._attention(layer, q.to(self.layout.dtype), s, e, run)
         self._offload(layer, q, s, e, run.host, run.stats)

@@ -70,3 +70,17 @@ def build_page_lists(group_keep: torch.Tensor, groups: torch.Tensor, num_heads: 
     indptr[1:] = counts.cumsum(0)
     last = chunk_tokens - (chunk_blocks - 1) * block_size
     return PageLists(indptr, indices, last, hist_counts, num_hist)
+
+
+def every_page_lists(num_groups: int, num_kv_heads: int, blocks_per_head: int, chunk_first_block: int,
+                     chunk_tokens: int, block_size: int, device: torch.device) -> PageLists:
+    """The page lists of every history block kept (dense through the paged path): what
+    build_page_lists gives for an all-true group_keep, with no host sync (the lengths are known)."""
+    chunk_blocks = -(-chunk_tokens // block_size)
+    per_group = chunk_first_block + chunk_blocks
+    kv_of_group = torch.arange(num_groups, device=device) // (num_groups // num_kv_heads)
+    indices = (kv_of_group[:, None] * blocks_per_head + torch.arange(per_group, device=device)).to(torch.int32)
+    indptr = torch.arange(num_groups + 1, dtype=torch.int32) * per_group
+    last = chunk_tokens - (chunk_blocks - 1) * block_size
+    return PageLists(indptr, indices.reshape(-1), last, torch.full((num_groups,), chunk_first_block),
+                     chunk_first_block)

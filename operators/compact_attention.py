@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from operators.block_selector import flashprefill_group_keep
-from operators.block_union import (PageLists, build_page_lists, execution_groups, union_groups,
-                                   union_query_blocks)
+from operators.block_union import (PageLists, build_page_lists, every_page_lists, execution_groups,
+                                   union_groups, union_query_blocks)
 from operators.paged_attention_reference import paged_attention_reference
 from operators.xattention_selector import select_blocks_xattention
 
@@ -99,6 +99,10 @@ class CompactAttention:
         """Attention of the chunk's queries (positions start..end) -> (out [T, H, D], page lists),
         or (None, None) when the selection keeps nearly everything: the caller runs it dense."""
         assert start % self.block_size == 0 and q.shape[0] == end - start
+        if self.params.selector == "all" or start == 0:  # nothing to select: no host sync
+            pages = every_page_lists(self.groups.shape[0], self.num_kv_heads, k_pages.shape[1],
+                                     start // self.block_size, end - start, self.block_size, q.device)
+            return self.execute(q, k_pages, v_pages, pages), pages
         keep = self.group_keep(q, k_pages, pooled_keys, start, final)
         pages = self.page_lists(keep, start, end, k_pages.shape[1])
         if pages is None:

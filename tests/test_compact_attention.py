@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from operators.block_selector import pool_query_blocks, select_blocks_flashprefill
-from operators.block_union import build_page_lists, execution_groups, union_groups, union_query_blocks
+from operators.block_union import (build_page_lists, every_page_lists, execution_groups, union_groups,
+                                   union_query_blocks)
 from operators.compact_attention import CompactAttention, CompactParams
 from tests.settings import compact_settings
 from operators.dense_attention import dense_attention
@@ -65,6 +66,20 @@ def test_page_lists_cover_every_selected_block_and_nothing_else(subgroup, seed):
         chunk_pages = [kv * nb + num_hist + t for t in range(3)]  # the chunk is always all there
         assert listed == [kv * nb + j for j in expected_hist] + chunk_pages
     assert pages.last_page_len == 3
+
+
+@pytest.mark.parametrize("num_heads,num_kv,subgroup,num_hist,chunk", [(8, 2, 8, 11, 2 * B + 3), (8, 2, 2, 0, B),
+                                                                     (4, 4, 1, 7, 1), (8, 1, 4, 5, 3 * B)])
+def test_every_page_lists_equal_the_page_lists_of_an_all_true_selection(num_heads, num_kv, subgroup, num_hist, chunk):
+    groups = execution_groups(num_heads, num_kv, subgroup)
+    expected = build_page_lists(torch.ones((groups.shape[0], num_hist), dtype=torch.bool), groups, num_heads,
+                                num_kv, 20, num_hist, chunk, B)
+    got = every_page_lists(groups.shape[0], num_kv, 20, num_hist, chunk, B, torch.device("cpu"))
+    assert torch.equal(got.indptr, expected.indptr) and got.indptr.dtype == expected.indptr.dtype
+    assert torch.equal(got.indices, expected.indices) and got.indices.dtype == expected.indices.dtype
+    assert torch.equal(got.num_hist_kept, expected.num_hist_kept)
+    assert (got.last_page_len, got.num_hist, got.density) == (expected.last_page_len, expected.num_hist,
+                                                               expected.density)
 
 
 def test_subgroups_split_large_groups():

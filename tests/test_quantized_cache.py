@@ -138,3 +138,32 @@ def test_the_plan_counts_the_bytes_the_quantised_cache_allocates(kv_type):
     assert nbytes(host.k + host.v + host.k_scales + host.v_scales) == plan.dram_kv
     # GGML's sizes: 34 bytes per 32 values (q8_0), 18 (q4_0)
     assert plan.dram_kv == 2 * 4 * 2 * layout.capacity * 128 // 32 * (34 if kv_type == "q8_0" else 18)
+
+
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
+def test_history_crossing_in_staged_pieces_widens_to_the_rows_as_stored(monkeypatch, kv_type):
+    """A follow-up's quantised history crosses to the device STAGED_TOKENS at a time into one
+    staging buffer reused piece after piece (on a GPU): every piece, the partial last one too,
+    widens to what the rows in DRAM widen to at once."""
+    from ktlong.bench.decode import fill_random
+    from ktlong.kv import history_load
+    from ktlong.kv.device_pages import DevicePages
+    from ktlong.kv.host_cache import HostKVCache
+    from ktlong.kv.layout import kv_layout
+
+    layout = kv_layout(2, 2, 64, 16, 256, kv_type, page_type="fp32")
+    host = HostKVCache(layout, pin=False)
+    fill_random(host, 256, seed=3)
+    history, layer = 150, 1
+    monkeypatch.setattr(history_load, "STAGED_TOKENS", 48)  # three whole pieces and a partial one
+    staging = history_load.Staging(layout, history, torch.device("cpu"))
+    assert staging.data.shape[1] == 48
+    pages, pooled = DevicePages(layout, torch.device("cpu")), torch.zeros(2, layout.num_blocks, 64)
+    moved = history_load.load_history(layout, 32, host, layer, history, pages, pooled, staging)
+    assert moved == 2 * history * 2 * layout.stored_row_bytes
+    for which, buf in (("k", pages.k), ("v", pages.v)):
+        rows = dequantize_kv(host.tokens(layer, which, 0, history).contiguous(),
+                             host.scale_tokens(layer, which, 0, history).contiguous(), kv_type, torch.float32)
+        assert torch.equal(pages.tokens(buf)[:, :history], rows)
+        assert not pages.tokens(buf)[:, history:].any()
+    assert torch.equal(pooled[:, :10], host.key_mean[layer][:, :10]) and not pooled[:, 10:].any()

@@ -1,20 +1,22 @@
 """Time to the first token of a follow-up question on a long document: re-prefill against reuse
 of the cache in DRAM against loading a saved cache from disk.
 
-python -m ktlong.bench follow-up --contexts 128k [--question 64] [--shape llama-3.1-8b]
+python -m ktlong.bench follow-up --contexts 128k [--question 64] [--repeats 3] [--shape llama-3.1-8b]
     [--folder DIR] [--set key=value]
 
 Random weights of a real shape, the long-context session local_chat runs (plan, prefill,
-decode), the same document and question for each row. Re-prefill: a fresh prefill of document
-+ question. Reuse: the question prefilled over the document already cached. Load: a fresh
-session reads the cache saved to --folder, then prefills the question. Also the save and load
-rates in GB/s.
+decode), the same document for each row. Re-prefill: a fresh prefill of document + question.
+Reuse: a question prefilled over the document already cached (a different question each
+repeat, each over the same history). Load: a fresh session reads the cache saved to --folder,
+then prefills the question. Re-prefill and reuse are medians of --repeats runs; load, save and
+their rates are one run each (the file is dropped from the page cache before the load).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 import time
 
@@ -98,6 +100,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ktlong.bench follow-up", description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="128k")
     p.add_argument("--question", type=int, default=64, help="tokens of the follow-up question")
+    p.add_argument("--repeats", type=int, default=3, help="runs of re-prefill and of reuse; medians are printed")
     p.add_argument("--shape", default=None, choices=sorted(SHAPES), help="default: llama-3.1-8b on a GPU, tiny on the CPU")
     p.add_argument("--folder", default=None, help="where the cache is saved (default: a temporary folder)")
     p.add_argument("--device", default="auto")
@@ -130,13 +133,24 @@ def main(argv=None) -> int:
     generator = torch.Generator().manual_seed(0)
     for n, plan in zip(contexts, plans):
         doc = torch.randint(0, c.vocab_size, (n,), generator=generator).tolist()
-        question = torch.randint(0, c.vocab_size, (args.question,), generator=generator).tolist()
+        questions = [torch.randint(0, c.vocab_size, (args.question,), generator=generator).tolist()
+                     for _ in range(args.repeats)]
+        question = questions[0]
         session = LongContextSession.from_config(model, config, plan)
-        _, reprefill = timed(lambda: session.prefill(doc + question))
+        reprefill = []
+        for _ in range(args.repeats):
+            session.reset()
+            reprefill.append(timed(lambda: session.prefill(doc + question))[1])
         session.reset()
         session.prefill(doc)
-        _, reuse = timed(lambda: session.prefill(doc + question))
-        history_s, setup_s = session.last_stats.history_seconds, session.last_decode_setup_seconds
+        reuse, history_s, setup_s = [], [], []
+        for q in questions:  # each over the document alone: the questions differ from their first token
+            assert session.reusable(doc + q) == n
+            reuse.append(timed(lambda: session.prefill(doc + q))[1])
+            history_s.append(session.last_stats.history_seconds)
+            setup_s.append(session.last_decode_setup_seconds)
+        kept, prefetched = session.last_follow_up
+        reprefill, reuse = statistics.median(reprefill), statistics.median(reuse)
         session.prefill(doc)  # the cache holds the document alone again (its last token prefilled anew)
         with tempfile.TemporaryDirectory(dir=args.folder) as folder:
             path = f"{folder}/doc.kv"
@@ -147,14 +161,15 @@ def main(argv=None) -> int:
             _, load_s = timed(lambda: load_cache(path, fresh, fp))
             _, after_load = timed(lambda: fresh.prefill(doc + question))
             del fresh
-        rows.append([f"{n // 1024}K", plan.kv_type, f"{reprefill:.2f}", f"{reuse:.3f}", f"{history_s:.3f}",
-                     f"{setup_s:.3f}", f"{reprefill / reuse:.0f}x",
+        rows.append([f"{n // 1024}K", plan.kv_type, f"{reprefill:.2f}", f"{reuse:.3f}",
+                     f"{statistics.median(history_s):.3f}", f"{statistics.median(setup_s):.3f}",
+                     "yes" if kept else "no", "yes" if prefetched else "no", f"{reprefill / reuse:.0f}x",
                      f"{load_s + after_load:.2f}", f"{nbytes / 1e9:.2f}", f"{nbytes / 1e9 / save_s:.2f}",
                      f"{nbytes / 1e9 / load_s:.2f}"])
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"{shape} random {dtype} weights on {where}; follow-up of {args.question} tokens; seconds to its first "
-          "token's logits")
+          f"token's logits; re-prefill and reuse: medians of {args.repeats} runs")
     print_table(["document", "kv", "re-prefill s", "reuse s", "of which history load s",
-                 "of which decode setup s", "reuse speedup", "load + prefill s", "file GB",
+                 "of which decode setup s", "decoder kept", "history prefetched", "reuse speedup", "load + prefill s", "file GB",
                  "save GB/s", "load GB/s"], rows)
     return 0

@@ -1,9 +1,9 @@
 """A follow-up's history, from the DRAM cache into the device pages, a layer at a time.
 
 Before a follow-up's new tokens run through layer l, the layer's pages receive the first
-`history` tokens' K/V from DRAM (one DMA per kv head; q8_0 / q4_0 cross quantised and are widened
-on the device a chunk at a time) and the pooled (mean) keys of their blocks, which the block
-selector reads. With `prefetch`, two sets of pages and pooled keys take turns: while layer l
+`history` tokens' K/V from DRAM (one DMA per kv head; q8_0 / q4_0 cross quantised, up to
+STAGED_TOKENS at a time, and are widened on the device a chunk at a time) and the pooled (mean)
+keys of their blocks, which the block selector reads. With `prefetch`, two sets of pages and pooled keys take turns: while layer l
 computes on one, layer l+1's history loads into the other on a stream of its own (one more
 layer of pages on the device). On the CPU the same turns run one after the other.
 """
@@ -23,10 +23,30 @@ from operators.kv_quant import dequantize_kv
 Buffers = tuple[DevicePages, torch.Tensor]  # pages, pooled keys [KV, NB, D] float32
 
 
+STAGED_TOKENS = 65536  # q8_0 / q4_0 history crosses to the device this many tokens at a time
+
+
+def staging_bytes(layout: KVLayout, history: int) -> int:
+    """Device bytes of the buffer quantised history crosses into (0 for bf16 / f16 caches)."""
+    return layout.num_kv_heads * min(history, STAGED_TOKENS) * layout.stored_row_bytes if layout.is_quantized else 0
+
+
+class Staging:
+    """Where a piece of quantised history lands on the device, one DMA per head, before it is
+    widened into the pages: [KV, STAGED_TOKENS, R] data and [KV, STAGED_TOKENS, D/32] scales."""
+
+    def __init__(self, layout: KVLayout, history: int, device: torch.device):
+        tokens = min(history, STAGED_TOKENS)
+        data, words = layout.stored_row
+        self.data = torch.empty((layout.num_kv_heads, tokens, data), dtype=layout.stored_dtype, device=device)
+        self.scales = torch.empty((layout.num_kv_heads, tokens, words), dtype=torch.int16, device=device)
+
+
 def load_history(layout: KVLayout, chunk_size: int, host: HostKVCache, layer: int, history: int,
-                 pages: DevicePages, pooled_keys: torch.Tensor) -> int:
+                 pages: DevicePages, pooled_keys: torch.Tensor, staging: Staging | None = None) -> int:
     """Queue layer's first `history` tokens and their blocks' pooled keys into pages and
-    pooled_keys on the current stream; returns the bytes that cross to the device."""
+    pooled_keys on the current stream; returns the bytes that cross to the device. staging:
+    for q8_0 / q4_0 on a GPU (on the CPU the host's rows are widened where they lie)."""
     device = pooled_keys.device
     for which, buf in (("k", pages.k), ("v", pages.v)):
         dst = pages.tokens(buf)
@@ -35,12 +55,17 @@ def load_history(layout: KVLayout, chunk_size: int, host: HostKVCache, layer: in
             for h in range(layout.num_kv_heads):
                 dst[h, :history].copy_(src[h], non_blocking=True)
             continue
-        for s in range(0, history, chunk_size):  # widened on the device a chunk at a time
-            e = min(history, s + chunk_size)
+        for s in range(0, history, STAGED_TOKENS):
+            e = min(history, s + STAGED_TOKENS)
             data, scales = host.tokens(layer, which, s, e), host.scale_tokens(layer, which, s, e)
-            data = torch.stack([data[h].to(device, non_blocking=True) for h in range(layout.num_kv_heads)])
-            scales = torch.stack([scales[h].to(device, non_blocking=True) for h in range(layout.num_kv_heads)])
-            dst[:, s:e] = dequantize_kv(data, scales, layout.kv_type, layout.dtype)
+            if staging is not None:  # one DMA per head and plane, reused piece after piece (one stream)
+                for h in range(layout.num_kv_heads):
+                    staging.data[h, :e - s].copy_(data[h], non_blocking=True)
+                    staging.scales[h, :e - s].copy_(scales[h], non_blocking=True)
+                data, scales = staging.data[:, :e - s], staging.scales[:, :e - s]
+            for a in range(0, e - s, chunk_size):  # widened a chunk at a time: float32 temporaries
+                b = min(e - s, a + chunk_size)
+                dst[:, s + a:s + b] = dequantize_kv(data[:, a:b], scales[:, a:b], layout.kv_type, layout.dtype)
     blocks = -(-history // layout.block_size)
     pooled_keys[:, :blocks] = host.key_mean[layer][:, :blocks].to(device, non_blocking=True)
     return 2 * history * layout.num_kv_heads * layout.stored_row_bytes
@@ -59,6 +84,8 @@ class HistoryLoader:
             pages, pooled = own
             self.buffers.append((DevicePages(layout, pooled.device), torch.zeros_like(pooled)))
         self.device = own[1].device
+        cuda = self.device.type == "cuda"
+        self.staging = Staging(layout, history, self.device) if cuda and layout.is_quantized else None
         self.stream = torch.cuda.Stream(self.device) if prefetch and copy_stream is not None else None
         self.bytes_to_device = 0
         self.loaded = self._load(0) if prefetch else None
@@ -83,7 +110,7 @@ class HistoryLoader:
         """Queue layer's history on the current stream, timed."""
         with self.timer():
             self.bytes_to_device += load_history(self.layout, self.chunk_size, self.host, layer, self.history,
-                                                 *self._buffers(layer))
+                                                 *self._buffers(layer), self.staging)
 
     def take(self, layer: int) -> Buffers:
         """Layer's pages and pooled keys, loaded (or queued before anything that reads them);
@@ -103,5 +130,5 @@ class HistoryLoader:
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
-        own, self.buffers = self.buffers[0], None
+        own, self.buffers, self.staging = self.buffers[0], None, None
         return own

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from ktlong.config import Config
 from ktlong.errors import Cancelled
+from ktlong.kv.history_load import staging_bytes
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import KVLayout
 from ktlong.kv.memory_plan import workspace_bytes
@@ -50,6 +51,7 @@ class LongContextSession:
         self.last_stats = None
         self.last_prefill_tokens = 0  # tokens the last prefill computed (the rest came from the cache)
         self.last_decode_setup_seconds = 0.0  # after the last prefill: the decoder built, its graphs captured
+        self.last_follow_up = (False, False)  # the last prefill's (decoder kept, history prefetched)
         self.saved_file = None  # the file this session last saved to or loaded from (saved_cache.SavedFile)
 
     @classmethod
@@ -112,6 +114,7 @@ class LongContextSession:
         # a follow-up that fits beside the decoder keeps it (and its graphs); otherwise the
         # device window goes before prefill needs the memory
         keep, prefetch = self._follow_up_room(len(prompt_ids) - history) if history else (False, False)
+        self.last_follow_up = (keep, prefetch)
         kept = self.decoder if keep else None
         self.decoder = None
         if history:
@@ -158,7 +161,8 @@ class LongContextSession:
         if self.follow_up_headroom is None:
             return has_decoder, on_gpu
         c, act = self.model.config, self.model.dtype.itemsize
-        need = workspace_bytes(c, min(num_new, self.engine.chunk_size), self.layout, act) + num_new * c.hidden_size * act
+        need = (workspace_bytes(c, min(num_new, self.engine.chunk_size), self.layout, act)
+                + num_new * c.hidden_size * act + staging_bytes(self.layout, len(self.ids)))
         return (has_decoder and need <= self.follow_up_headroom,
                 on_gpu and need + self.layout.page_bytes() <= self.follow_up_headroom)
 
