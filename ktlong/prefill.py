@@ -164,7 +164,7 @@ class LayerMajorPrefill:
                                        for s in range(first, num_tokens, self.chunk_size)]
         loader = None
         if history:
-            loader = HistoryLoader(self.layout, self.chunk_size, self.model.config.num_layers, host, history,
+            loader = HistoryLoader(self.layout, self.model.config.num_layers, host, history,
                                    (self.pages, self.pooled_keys), prefetch_history, self.copy_stream,
                                    lambda: _Timer(stats, self.device, "history_seconds"))
         for layer in range(self.model.config.num_layers):

@@ -50,13 +50,20 @@ def quantize_kv(x: torch.Tensor, kv_type: str) -> tuple[torch.Tensor, torch.Tens
     return data, scales
 
 
-def dequantize_kv(data: torch.Tensor, scales: torch.Tensor, kv_type: str, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of quantize_kv up to the format's rounding: -> [..., D] of dtype."""
+def dequantize_kv(data: torch.Tensor, scales: torch.Tensor, kv_type: str, dtype: torch.dtype,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of quantize_kv up to the format's rounding: -> [..., D] of dtype, or written
+    into out (its dtype; the last dimension contiguous). Each value is its integer times the
+    block's scale in float32, rounded once to the output type, in one pass (q4_0: one per half)."""
     d = scales.view(torch.float16).float()[..., None]  # [..., D/32, 1]
+    blocks = data.shape[-1] // (QBLOCK if kv_type == "q8_0" else QBLOCK // 2)
+    if out is None:
+        out = torch.empty((*data.shape[:-1], blocks * QBLOCK), dtype=dtype, device=data.device)
+    values = out.view(*out.shape[:-1], blocks, QBLOCK)
     if kv_type == "q8_0":
-        values = data.float().reshape(*data.shape[:-1], -1, QBLOCK)
+        torch.mul(data.reshape(*data.shape[:-1], blocks, QBLOCK), d, out=values)
     else:
-        packed = data.reshape(*data.shape[:-1], -1, QBLOCK // 2)
-        low, high = (packed & 0xF).float() - 8, (packed >> 4).float() - 8
-        values = torch.cat([low, high], -1)
-    return (values * d).reshape(*data.shape[:-1], -1).to(dtype)
+        packed = data.reshape(*data.shape[:-1], blocks, QBLOCK // 2)
+        torch.mul((packed & 0xF).to(torch.int8) - 8, d, out=values[..., :QBLOCK // 2])
+        torch.mul((packed >> 4).to(torch.int8) - 8, d, out=values[..., QBLOCK // 2:])
+    return out

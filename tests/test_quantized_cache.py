@@ -159,7 +159,7 @@ def test_history_crossing_in_staged_pieces_widens_to_the_rows_as_stored(monkeypa
     staging = history_load.Staging(layout, history, torch.device("cpu"))
     assert staging.data.shape[1] == 48
     pages, pooled = DevicePages(layout, torch.device("cpu")), torch.zeros(2, layout.num_blocks, 64)
-    moved = history_load.load_history(layout, 32, host, layer, history, pages, pooled, staging)
+    moved = history_load.load_history(layout, host, layer, history, pages, pooled, staging)
     assert moved == 2 * history * 2 * layout.stored_row_bytes
     for which, buf in (("k", pages.k), ("v", pages.v)):
         rows = dequantize_kv(host.tokens(layer, which, 0, history).contiguous(),

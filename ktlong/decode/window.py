@@ -13,6 +13,7 @@ import torch
 
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import KVLayout
+from ktlong.kv.pinned import copy_heads
 from operators.kv_quant import dequantize_kv
 
 SINK_BLOCKS = 1  # blocks at the start of the context the device always attends to
@@ -55,11 +56,12 @@ class DeviceWindow:
         """q8_0 / q4_0 widen on the device: the quantised bytes cross, the window holds dtype."""
         data = host.tokens(layer, which, start, end)
         if not self.layout.is_quantized:
-            dst.copy_(data, non_blocking=True)
+            copy_heads(dst, data)
             return
         scales = host.scale_tokens(layer, which, start, end)
-        dst.copy_(dequantize_kv(data.to(self.device, non_blocking=True), scales.to(self.device, non_blocking=True),
-                                self.layout.kv_type, self.layout.dtype))
+        if self.device.type != "cpu":  # the quantised rows cross, head by head
+            data, scales = _on_device(data, self.device), _on_device(scales, self.device)
+        dequantize_kv(data, scales, self.layout.kv_type, self.layout.dtype, out=dst)
 
     def advance(self):
         self.end += 1
@@ -88,3 +90,9 @@ class DeviceWindow:
         """Blocks [first, last) that live only in DRAM: after the sinks, before the window."""
         first = -(-min(self.sink_tokens, self.window_start) // self.block_size)
         return first, self.window_start // self.block_size
+
+
+def _on_device(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    out = torch.empty(rows.shape, dtype=rows.dtype, device=device)
+    copy_heads(out, rows)
+    return out

@@ -2,7 +2,7 @@
 
 Before a follow-up's new tokens run through layer l, the layer's pages receive the first
 `history` tokens' K/V from DRAM (one DMA per kv head; q8_0 / q4_0 cross quantised, up to
-STAGED_TOKENS at a time, and are widened on the device a chunk at a time) and the pooled (mean)
+STAGED_TOKENS at a time, and are widened on the device a piece at a time) and the pooled (mean)
 keys of their blocks, which the block selector reads. With `prefetch`, two sets of pages and pooled keys take turns: while layer l
 computes on one, layer l+1's history loads into the other on a stream of its own (one more
 layer of pages on the device). On the CPU the same turns run one after the other.
@@ -18,6 +18,7 @@ import torch
 from ktlong.kv.device_pages import DevicePages
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import KVLayout
+from ktlong.kv.pinned import copy_heads
 from operators.kv_quant import dequantize_kv
 
 Buffers = tuple[DevicePages, torch.Tensor]  # pages, pooled keys [KV, NB, D] float32
@@ -27,8 +28,11 @@ STAGED_TOKENS = 65536  # q8_0 / q4_0 history crosses to the device this many tok
 
 
 def staging_bytes(layout: KVLayout, history: int) -> int:
-    """Device bytes of the buffer quantised history crosses into (0 for bf16 / f16 caches)."""
-    return layout.num_kv_heads * min(history, STAGED_TOKENS) * layout.stored_row_bytes if layout.is_quantized else 0
+    """Device bytes of the buffer quantised history crosses into, and of its scales widened to
+    float32 (0 for bf16 / fp16 caches)."""
+    if not layout.is_quantized:
+        return 0
+    return layout.num_kv_heads * min(history, STAGED_TOKENS) * (layout.stored_row_bytes + 4 * layout.stored_row[1])
 
 
 class Staging:
@@ -42,42 +46,36 @@ class Staging:
         self.scales = torch.empty((layout.num_kv_heads, tokens, words), dtype=torch.int16, device=device)
 
 
-def load_history(layout: KVLayout, chunk_size: int, host: HostKVCache, layer: int, history: int,
+def load_history(layout: KVLayout, host: HostKVCache, layer: int, history: int,
                  pages: DevicePages, pooled_keys: torch.Tensor, staging: Staging | None = None) -> int:
     """Queue layer's first `history` tokens and their blocks' pooled keys into pages and
     pooled_keys on the current stream; returns the bytes that cross to the device. staging:
     for q8_0 / q4_0 on a GPU (on the CPU the host's rows are widened where they lie)."""
-    device = pooled_keys.device
     for which, buf in (("k", pages.k), ("v", pages.v)):
         dst = pages.tokens(buf)
         if not layout.is_quantized:  # one DMA per head, no staging
-            src = host.tokens(layer, which, 0, history)
-            for h in range(layout.num_kv_heads):
-                dst[h, :history].copy_(src[h], non_blocking=True)
+            copy_heads(dst[:, :history], host.tokens(layer, which, 0, history))
             continue
         for s in range(0, history, STAGED_TOKENS):
             e = min(history, s + STAGED_TOKENS)
             data, scales = host.tokens(layer, which, s, e), host.scale_tokens(layer, which, s, e)
             if staging is not None:  # one DMA per head and plane, reused piece after piece (one stream)
-                for h in range(layout.num_kv_heads):
-                    staging.data[h, :e - s].copy_(data[h], non_blocking=True)
-                    staging.scales[h, :e - s].copy_(scales[h], non_blocking=True)
+                copy_heads(staging.data[:, :e - s], data)
+                copy_heads(staging.scales[:, :e - s], scales)
                 data, scales = staging.data[:, :e - s], staging.scales[:, :e - s]
-            for a in range(0, e - s, chunk_size):  # widened a chunk at a time: float32 temporaries
-                b = min(e - s, a + chunk_size)
-                dst[:, s + a:s + b] = dequantize_kv(data[:, a:b], scales[:, a:b], layout.kv_type, layout.dtype)
+            dequantize_kv(data, scales, layout.kv_type, layout.dtype, out=dst[:, s:e])
     blocks = -(-history // layout.block_size)
-    pooled_keys[:, :blocks] = host.key_mean[layer][:, :blocks].to(device, non_blocking=True)
+    copy_heads(pooled_keys[:, :blocks], host.key_mean[layer][:, :blocks])
     return 2 * history * layout.num_kv_heads * layout.stored_row_bytes
 
 
 class HistoryLoader:
-    def __init__(self, layout: KVLayout, chunk_size: int, num_layers: int, host: HostKVCache, history: int,
+    def __init__(self, layout: KVLayout, num_layers: int, host: HostKVCache, history: int,
                  own: Buffers, prefetch: bool, copy_stream: torch.cuda.Stream | None,
                  timer: Callable[[], AbstractContextManager]):
         """own: the engine's pages and pooled keys; copy_stream: where the engine copies the
         pages to DRAM (None on the CPU); timer: times one layer's load."""
-        self.layout, self.chunk_size, self.num_layers = layout, chunk_size, num_layers
+        self.layout, self.num_layers = layout, num_layers
         self.host, self.history, self.timer, self.copy_stream = host, history, timer, copy_stream
         self.buffers = [own]
         if prefetch:
@@ -109,7 +107,7 @@ class HistoryLoader:
     def _load_now(self, layer: int):
         """Queue layer's history on the current stream, timed."""
         with self.timer():
-            self.bytes_to_device += load_history(self.layout, self.chunk_size, self.host, layer, self.history,
+            self.bytes_to_device += load_history(self.layout, self.host, layer, self.history,
                                                  *self._buffers(layer), self.staging)
 
     def take(self, layer: int) -> Buffers:

@@ -27,6 +27,15 @@ def advise_huge_pages(t: torch.Tensor):
     libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(MADV_HUGEPAGE))
 
 
+def copy_heads(dst: torch.Tensor, src: torch.Tensor):
+    """Copy [heads, ...] views head by head, each a contiguous range of a head-major table,
+    asynchronously. One copy of the whole view would not be: torch first gathers a strided host
+    tensor into pageable memory, and a copy from pageable memory holds the host until the
+    stream reaches it (behind every DMA queued before it)."""
+    for h in range(src.shape[0]):
+        dst[h].copy_(src[h], non_blocking=True)
+
+
 def pin_in_place(t: torch.Tensor):
     """Page-lock a tensor's own memory for asynchronous copies. torch's pinned allocator rounds
     every allocation up to a power of two, so a layer of 1 GiB + one block would take 2 GiB;
