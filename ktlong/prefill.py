@@ -27,6 +27,7 @@ from ktlong.kv.device_pages import DevicePages
 from ktlong.kv.history_load import HistoryLoader
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import KVLayout
+from ktlong.kv.pinned import copy_heads
 from ktlong.models.llama import LlamaModel
 from operators.block_summary import anchor_keys, block_summaries, token_importance
 from operators.chunk_attention import chunk_attention, flashinfer_available
@@ -281,7 +282,7 @@ class LayerMajorPrefill:
         self._copy_kv(layer, s, e, host, stats)
         with self._after_compute():
             for dst, values in tables:
-                dst.copy_(values, non_blocking=True)
+                copy_heads(dst, values)  # block ranges of head-major tables: one range per head
                 if self.cuda:
                     values.record_stream(self.copy_stream)
         stats.bytes_to_host += sum(values.numel() * 4 for _, values in tables)
@@ -308,8 +309,7 @@ class LayerMajorPrefill:
                     data, scales = quantize_kv(src, layout.kv_type)
                     planes = [(host.tokens(layer, which, s, e), data), (host.scale_tokens(layer, which, s, e), scales)]
                 for dst, values in planes:
-                    for h in range(layout.num_kv_heads):  # one contiguous range per head
-                        dst[h].copy_(values[h], non_blocking=True)
+                    copy_heads(dst, values)
                     if self.cuda and values is not src:
                         values.record_stream(self.copy_stream)
         stats.bytes_to_host += 2 * (e - s) * layout.num_kv_heads * layout.stored_row_bytes

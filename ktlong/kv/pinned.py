@@ -28,10 +28,10 @@ def advise_huge_pages(t: torch.Tensor):
 
 
 def copy_heads(dst: torch.Tensor, src: torch.Tensor):
-    """Copy [heads, ...] views head by head, each a contiguous range of a head-major table,
-    asynchronously. One copy of the whole view would not be: torch first gathers a strided host
-    tensor into pageable memory, and a copy from pageable memory holds the host until the
-    stream reaches it (behind every DMA queued before it)."""
+    """Copy [heads, ...] views between host and device head by head, each a contiguous range of
+    a head-major table, asynchronously. One copy of the whole view would not be: torch goes
+    through a contiguous pageable host tensor, and a copy to or from pageable memory holds the
+    host until the stream reaches it (behind everything queued before it)."""
     for h in range(src.shape[0]):
         dst[h].copy_(src[h], non_blocking=True)
 
