@@ -82,12 +82,12 @@ class HybridDecoder:
         graphs (building and capturing them again is most of a short follow-up's setup). The
         window loads again, the anchors of the rewritten blocks are rebuilt (host and device
         copies), and selection starts over with the new prompt's preselection."""
-        self.window.load_from_host(self.host)
         self.selector.build_all(self.host.num_tokens, self.global_layers, first_block)
-        if self.device_anchors is not None:
+        if self.device_anchors is not None:  # small copies from pageable memory: before the window's DMA
             last = -(-self.host.num_tokens // self.block_size)
             for layer in self.global_layers:
                 self.device_anchors.update(layer, first_block, last)
+        self.window.load_from_host(self.host)  # queued; crosses while the host preselects
         self._preselect()
         self.step_index = 0
 
