@@ -1,7 +1,7 @@
 """Time to the first token of a follow-up question on a long document: re-prefill against reuse
 of the cache in DRAM against loading a saved cache from disk.
 
-python -m ktlong.bench follow-up --contexts 128k [--question 64] [--repeats 3] [--shape llama-3.1-8b]
+python -m ktlong.bench follow-up --contexts 128k [--question 64] [--repeats 3] [--profile] [--shape llama-3.1-8b]
     [--folder DIR] [--set key=value]
 
 Random weights of a real shape, the long-context session local_chat runs (plan, prefill,
@@ -96,11 +96,27 @@ def io_rates(contexts, plans, fp, folder, model_config, device, dtype, question:
     return 0
 
 
+def profile_reuse(fn):
+    """torch.profiler's tables of one reuse: the operators by host time (a copy that holds the
+    host shows as cudaMemcpyAsync or aten::to here) and by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        timed(fn)
+    table = prof.key_averages()
+    print(table.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=50))
+    if torch.cuda.is_available():
+        print(table.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=50))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ktlong.bench follow-up", description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="128k")
     p.add_argument("--question", type=int, default=64, help="tokens of the follow-up question")
     p.add_argument("--repeats", type=int, default=3, help="runs of re-prefill and of reuse; medians are printed")
+    p.add_argument("--profile", action="store_true", help="after the timed runs, profile one more reuse with "
+                   "torch.profiler and print where its host and device time went")
     p.add_argument("--shape", default=None, choices=sorted(SHAPES), help="default: llama-3.1-8b on a GPU, tiny on the CPU")
     p.add_argument("--folder", default=None, help="where the cache is saved (default: a temporary folder)")
     p.add_argument("--device", default="auto")
@@ -150,6 +166,9 @@ def main(argv=None) -> int:
             history_s.append(session.last_stats.history_seconds)
             setup_s.append(session.last_decode_setup_seconds)
         kept, prefetched = session.last_follow_up
+        if args.profile:
+            q = torch.randint(0, c.vocab_size, (args.question,), generator=generator).tolist()
+            profile_reuse(lambda: session.prefill(doc + q))
         reprefill, reuse = statistics.median(reprefill), statistics.median(reuse)
         session.prefill(doc)  # the cache holds the document alone again (its last token prefilled anew)
         with tempfile.TemporaryDirectory(dir=args.folder) as folder:
