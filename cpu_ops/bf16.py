@@ -10,7 +10,7 @@ import numba as nb
 import numpy as np
 from llvmlite import ir
 from numba.core import types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 
 def to_bf16(x: np.ndarray, rounding: str = "nearest") -> np.ndarray:
@@ -47,3 +47,21 @@ def bits_as_float32(typingctx, bits):
 def bf16_value(word):
     """One uint16 bfloat16 word -> float32."""
     return bits_as_float32(np.uint32(word) << 16)
+
+
+def as_float32(x):
+    """A stored element as float32 inside a kernel: uint16 words are bfloat16 (widened by a
+    shift), float32 stays. Kernels written with it run straight on bfloat16 blocks, with no
+    widened copy in between (the fp16 words, also uint16, go through load_block instead)."""
+    return np.float32(x)
+
+
+@overload(as_float32, inline="always")
+def _as_float32(x):
+    if isinstance(x, types.Integer) and x.bitwidth == 16 and not x.signed:
+        return lambda x: bits_as_float32(np.uint32(x) << 16)
+    if isinstance(x, types.Float):
+        return lambda x: x
+    # other stored types (q8_0 / q4_0 bytes) are widened by load_block; this only lets a kernel
+    # that branches on the storage kind type-check for them
+    return lambda x: np.float32(x)

@@ -13,6 +13,7 @@ import math
 import numba as nb
 import numpy as np
 
+from cpu_ops.bf16 import as_float32
 from cpu_ops.kv_storage import KIND, StoredKV, decode, load_block
 from cpu_ops.prefetch import prefetch
 
@@ -42,8 +43,9 @@ def exp_inplace(x, n, bits_i32, bits_f32):
 
 @nb.njit(inline="always", cache=True, fastmath=True)
 def _block_logits(q, first_head, group, block, valid, scale, logits):
-    """logits[g, t] = scale * q[first_head + g] . block[t]. Four query heads share one pass over
-    each key row (four vector accumulators), so a widened key is loaded once per four heads."""
+    """logits[g, t] = scale * q[first_head + g] . block[t]; block: float32 rows, or bfloat16
+    words read as they are stored (as_float32). Four query heads share one pass over each key
+    row (four vector accumulators), so a key is loaded once per four heads."""
     dim = q.shape[1]
     g = 0
     while g + 4 <= group:
@@ -52,7 +54,7 @@ def _block_logits(q, first_head, group, block, valid, scale, logits):
             row = block[t]
             s0 = s1 = s2 = s3 = np.float32(0.0)
             for c in range(dim):
-                x = row[c]
+                x = as_float32(row[c])
                 s0 += q0[c] * x
                 s1 += q1[c] * x
                 s2 += q2[c] * x
@@ -66,15 +68,16 @@ def _block_logits(q, first_head, group, block, valid, scale, logits):
             row = block[t]
             s0 = np.float32(0.0)
             for c in range(dim):
-                s0 += qg[c] * row[c]
+                s0 += qg[c] * as_float32(row[c])
             logits[g, t] = s0 * scale
         g += 1
 
 
 @nb.njit(inline="always", cache=True, fastmath=True)
 def _accumulate_values(acc, p, group, block, valid):
-    """acc[g] += sum_t p[g, t] block[t], four value rows per pass so that each accumulator row is
-    loaded and stored once per four tokens rather than once per token."""
+    """acc[g] += sum_t p[g, t] block[t] (block as in _block_logits), four value rows per pass so
+    that each accumulator row is loaded and stored once per four tokens rather than once per
+    token."""
     dim = acc.shape[1]
     for g in range(group):
         a, pg = acc[g], p[g]
@@ -83,12 +86,13 @@ def _accumulate_values(acc, p, group, block, valid):
             p0, p1, p2, p3 = pg[t], pg[t + 1], pg[t + 2], pg[t + 3]
             r0, r1, r2, r3 = block[t], block[t + 1], block[t + 2], block[t + 3]
             for c in range(dim):
-                a[c] += p0 * r0[c] + p1 * r1[c] + p2 * r2[c] + p3 * r3[c]
+                a[c] += (p0 * as_float32(r0[c]) + p1 * as_float32(r1[c]) + p2 * as_float32(r2[c])
+                         + p3 * as_float32(r3[c]))
             t += 4
         while t < valid:
             p0, r0 = pg[t], block[t]
             for c in range(dim):
-                a[c] += p0 * r0[c]
+                a[c] += p0 * as_float32(r0[c])
             t += 1
 
 
@@ -132,8 +136,11 @@ def _partial_attention(kind, k_data, k_scales, v_data, v_scales, q, blocks, coun
                 if idx + 1 < hi:  # the next block streams in while this one is computed
                     prefetch(k_data[h, blocks[h, idx + 1]])
                     prefetch(v_data[h, blocks[h, idx + 1]])
-                load_block(kind, k_data, k_scales, h, b, valid, block_u32, block)
-                _block_logits(q, h * group, group, block, valid, scale, logits)
+                if kind == 0:  # bfloat16: read where it lies, no widened copy
+                    _block_logits(q, h * group, group, k_data[h, b], valid, scale, logits)
+                else:
+                    load_block(kind, k_data, k_scales, h, b, valid, block_u32, block)
+                    _block_logits(q, h * group, group, block, valid, scale, logits)
                 for g in range(group):  # online softmax: rescale what came before to the new max
                     row_p = logits[g]
                     block_max = -np.inf
@@ -152,8 +159,11 @@ def _partial_attention(kind, k_data, k_scales, v_data, v_scales, q, blocks, coun
                     for t in range(valid):
                         s += row_p[t]
                     l[g] += s
-                load_block(kind, v_data, v_scales, h, b, valid, block_u32, block)
-                _accumulate_values(acc, logits, group, block, valid)
+                if kind == 0:
+                    _accumulate_values(acc, logits, group, v_data[h, b], valid)
+                else:
+                    load_block(kind, v_data, v_scales, h, b, valid, block_u32, block)
+                    _accumulate_values(acc, logits, group, block, valid)
             for g in range(group):
                 part_m[h, i, g] = m[g]
                 part_l[h, i, g] = l[g]
