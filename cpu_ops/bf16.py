@@ -52,7 +52,7 @@ def bf16_value(word):
 def as_float32(x):
     """A stored element as float32 inside a kernel: uint16 words are bfloat16 (widened by a
     shift), float32 stays. Kernels written with it run straight on bfloat16 blocks, with no
-    widened copy in between (the fp16 words, also uint16, go through load_block instead)."""
+    widened copy in between (the fp16 words, also uint16, are widened by load_rows instead)."""
     return np.float32(x)
 
 
@@ -62,6 +62,6 @@ def _as_float32(x):
         return lambda x: bits_as_float32(np.uint32(x) << 16)
     if isinstance(x, types.Float):
         return lambda x: x
-    # other stored types (q8_0 / q4_0 bytes) are widened by load_block; this only lets a kernel
+    # other stored types (q8_0 / q4_0 bytes) are widened by load_rows; this only lets a kernel
     # that branches on the storage kind type-check for them
     return lambda x: np.float32(x)

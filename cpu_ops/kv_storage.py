@@ -137,7 +137,7 @@ def load_row(kind, data, scales, h, b, t, out_u32, out_f32):
 
 
 @nb.njit(inline="always", cache=True)
-def load_block(kind, data, scales, h, b, valid, out_u32, out_f32):
-    """Widen the first `valid` rows of block (h, b) into out_f32 [B, D] (out_u32 aliases it)."""
-    for t in range(valid):
-        load_row(kind, data, scales, h, b, t, out_u32[t], out_f32[t])
+def load_rows(kind, data, scales, h, b, first, n, out_u32, out_f32):
+    """Widen rows first..first+n-1 of block (h, b) into out_f32[:n] (out_u32 aliases it)."""
+    for t in range(n):
+        load_row(kind, data, scales, h, b, first + t, out_u32[t], out_f32[t])

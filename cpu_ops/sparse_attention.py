@@ -14,11 +14,12 @@ import numba as nb
 import numpy as np
 
 from cpu_ops.bf16 import as_float32
-from cpu_ops.kv_storage import KIND, StoredKV, decode, load_block
+from cpu_ops.kv_storage import KIND, StoredKV, decode, load_rows
 from cpu_ops.prefetch import prefetch
 
 
 LOG2E = np.float32(1.4426950408889634)
+ROWS = 4  # rows of a q8_0 / q4_0 / fp16 block widened at a time: a whole block (64 KiB) would leave L1
 
 
 @nb.njit(inline="always", cache=True, fastmath=True)
@@ -111,8 +112,8 @@ def _partial_attention(kind, k_data, k_scales, v_data, v_scales, q, blocks, coun
     per = (total + items - 1) // items
     for i in nb.prange(items):
         start, stop = i * per, min(total, (i + 1) * per)
-        block_u32 = np.empty((block_size, dim), np.uint32)
-        block = block_u32.view(np.float32)  # one widened K or V block, reused
+        rows_u32 = np.empty((ROWS, dim), np.uint32)
+        rows = rows_u32.view(np.float32)  # a few widened K or V rows (not bfloat16), reused
         logits = np.empty((group, block_size), np.float32)
         pow_i32 = np.empty(block_size, np.int32)
         pow_f32 = pow_i32.view(np.float32)
@@ -138,9 +139,11 @@ def _partial_attention(kind, k_data, k_scales, v_data, v_scales, q, blocks, coun
                     prefetch(v_data[h, blocks[h, idx + 1]])
                 if kind == 0:  # bfloat16: read where it lies, no widened copy
                     _block_logits(q, h * group, group, k_data[h, b], valid, scale, logits)
-                else:
-                    load_block(kind, k_data, k_scales, h, b, valid, block_u32, block)
-                    _block_logits(q, h * group, group, block, valid, scale, logits)
+                else:  # widened ROWS rows at a time into a buffer that stays in L1
+                    for t in range(0, valid, ROWS):
+                        n = min(ROWS, valid - t)
+                        load_rows(kind, k_data, k_scales, h, b, t, n, rows_u32, rows)
+                        _block_logits(q, h * group, group, rows, n, scale, logits[:, t:t + n])
                 for g in range(group):  # online softmax: rescale what came before to the new max
                     row_p = logits[g]
                     block_max = -np.inf
@@ -162,8 +165,10 @@ def _partial_attention(kind, k_data, k_scales, v_data, v_scales, q, blocks, coun
                 if kind == 0:
                     _accumulate_values(acc, logits, group, v_data[h, b], valid)
                 else:
-                    load_block(kind, v_data, v_scales, h, b, valid, block_u32, block)
-                    _accumulate_values(acc, logits, group, block, valid)
+                    for t in range(0, valid, ROWS):
+                        n = min(ROWS, valid - t)
+                        load_rows(kind, v_data, v_scales, h, b, t, n, rows_u32, rows)
+                        _accumulate_values(acc, logits[:, t:t + n], group, rows, n)
             for g in range(group):
                 part_m[h, i, g] = m[g]
                 part_l[h, i, g] = l[g]

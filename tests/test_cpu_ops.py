@@ -9,7 +9,7 @@ import pytest
 from cpu_ops.anchors import stored_anchors
 from cpu_ops.bf16 import from_bf16, to_bf16
 from cpu_ops.block_select import QUEST, block_scores, score_blocks, select_blocks, select_blocks_reference
-from cpu_ops.kv_storage import KIND, KV_TYPES, decode, encode, half_value, load_block
+from cpu_ops.kv_storage import KIND, KV_TYPES, decode, encode, half_value, load_rows
 from cpu_ops.sparse_attention import sparse_attention, sparse_attention_reference
 from tests.anchors_reference import build_anchors_reference
 
@@ -230,11 +230,14 @@ def test_vectorised_exp_matches_numpy():
 
 @numba.njit
 def _widen_all(kind, data, scales, out):
-    """Every row of a stored [KV, NB, B, D] tensor through the kernels' own widening."""
+    """Every row of a stored [KV, NB, B, D] tensor through the kernels' own widening, in runs of
+    rows that start anywhere in a block (as the decode operator reads them)."""
     words = out.view(np.uint32)
     for h in range(out.shape[0]):
         for b in range(out.shape[1]):
-            load_block(kind, data, scales, h, b, out.shape[2], words[h, b], out[h, b])
+            for t in range(0, out.shape[2], 3):
+                n = min(3, out.shape[2] - t)
+                load_rows(kind, data, scales, h, b, t, n, words[h, b, t:], out[h, b, t:])
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp16", "q8_0", "q4_0"])
