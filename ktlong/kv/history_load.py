@@ -3,9 +3,10 @@
 Before a follow-up's new tokens run through layer l, the layer's pages receive the first
 `history` tokens' K/V from DRAM (one DMA per kv head; q8_0 / q4_0 cross quantised, up to
 STAGED_TOKENS at a time, and are widened on the device a piece at a time) and the pooled (mean)
-keys of their blocks, which the block selector reads. With `prefetch`, two sets of pages and pooled keys take turns: while layer l
-computes on one, layer l+1's history loads into the other on a stream of its own (one more
-layer of pages on the device). On the CPU the same turns run one after the other.
+keys of their blocks, which the block selector reads. With `prefetch`, two sets of pages and
+pooled keys take turns: while layer l computes on one, layer l+1's history loads into the other
+on a stream of its own (one more layer of pages on the device). On the CPU the same turns run
+one after the other.
 """
 
 from __future__ import annotations
@@ -28,11 +29,14 @@ STAGED_TOKENS = 65536  # q8_0 / q4_0 history crosses to the device this many tok
 
 
 def staging_bytes(layout: KVLayout, history: int) -> int:
-    """Device bytes of the buffer quantised history crosses into, and of its scales widened to
-    float32 (0 for bf16 / fp16 caches)."""
+    """Device bytes of the buffer quantised history crosses into, and of what widening a piece
+    holds besides: its scales as float32, and for q4_0 two byte planes of nibbles (0 for bf16 /
+    fp16 caches)."""
     if not layout.is_quantized:
         return 0
-    return layout.num_kv_heads * min(history, STAGED_TOKENS) * (layout.stored_row_bytes + 4 * layout.stored_row[1])
+    data, words = layout.stored_row
+    nibbles = 2 * data if layout.kv_type == "q4_0" else 0
+    return layout.num_kv_heads * min(history, STAGED_TOKENS) * (layout.stored_row_bytes + 4 * words + nibbles)
 
 
 class Staging:
@@ -82,8 +86,8 @@ class HistoryLoader:
             pages, pooled = own
             self.buffers.append((DevicePages(layout, pooled.device), torch.zeros_like(pooled)))
         self.device = own[1].device
-        cuda = self.device.type == "cuda"
-        self.staging = Staging(layout, history, self.device) if cuda and layout.is_quantized else None
+        on_gpu = self.device.type == "cuda"
+        self.staging = Staging(layout, history, self.device) if on_gpu and layout.is_quantized else None
         self.stream = torch.cuda.Stream(self.device) if prefetch and copy_stream is not None else None
         self.bytes_to_device = 0
         self.loaded = self._load(0) if prefetch else None
