@@ -99,15 +99,24 @@ def io_rates(contexts, plans, fp, folder, model_config, device, dtype, question:
 def profile_reuse(fn):
     """torch.profiler's tables of one reuse: the operators by host time (a copy that holds the
     host shows as cudaMemcpyAsync or aten::to here) and by device time."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
-        timed(fn)
+        _, wall = timed(fn)
     table = prof.key_averages()
     print(table.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=50))
     if torch.cuda.is_available():
         print(table.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=50))
+        # each stream's kernels and copies: which of compute, history load and copies to DRAM
+        # bounds the follow-up (busy close to the wall), and which waits
+        busy: dict[int, float] = {}
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA:
+                busy[e.device_resource_id] = busy.get(e.device_resource_id, 0.0) + e.time_range.elapsed_us() / 1e3
+        shown = ", ".join(f"stream {s}: {ms:.1f} ms" for s, ms in sorted(busy.items(), key=lambda kv: -kv[1]))
+        print(f"device busy per stream over {wall * 1e3:.1f} ms of wall clock (profiled): {shown}")
 
 
 def main(argv=None) -> int:
