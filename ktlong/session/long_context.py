@@ -97,11 +97,9 @@ class LongContextSession:
         answer's first). Models with sliding-window layers keep only a tail in DRAM: 0."""
         if self.layout.sliding:
             return 0
-        common = 0
-        for a, b in zip(self.ids, prompt_ids):
-            if a != b:
-                break
-            common += 1
+        common = min(len(self.ids), len(prompt_ids))
+        if self.ids[:common] != prompt_ids[:common]:  # one C-level comparison when they agree (a follow-up)
+            common = next(i for i, (a, b) in enumerate(zip(self.ids, prompt_ids)) if a != b)
         return min(common, len(prompt_ids) - 1)
 
     def prefill(self, prompt_ids: list[int], show_progress: bool = False,
