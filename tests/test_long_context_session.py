@@ -291,3 +291,15 @@ def test_evaluation_arms_make_each_stage_sparse_or_dense(tiny, tmp_path, arm, sp
     prompt = [int(t) for t in np.random.default_rng(5).integers(0, 300, size=200)]
     session.prefill(prompt)
     assert bool(session.last_stats.density_per_layer) == sparse_prefill
+
+
+@pytest.mark.parametrize("cached,prompt,expected", [
+    ([1, 2, 3], [1, 2, 3, 4, 5], 3),  # a follow-up: the whole cache
+    ([1, 2, 3, 4], [1, 2, 9, 4, 5], 2),  # an edited conversation: up to the first difference
+    ([1, 2, 3], [1, 2, 3], 2),  # asked again: the last token is computed anew for its logits
+    ([1, 2, 3, 4], [1, 2], 1),  # shorter than the cache
+    ([], [7, 8], 0), ([5], [6], 0), ([], [], 0)])
+def test_the_cached_prefix_leaves_the_prompts_last_token_to_compute(cached, prompt, expected):
+    from ktlong.session.prefix import cached_prefix
+
+    assert cached_prefix(cached, prompt) == expected

@@ -10,6 +10,7 @@ from tqdm import tqdm
 from ktlong.errors import Cancelled
 from ktlong.kv.dense_cache import DenseKVCache
 from ktlong.models.llama import LlamaModel
+from ktlong.session.prefix import cached_prefix
 
 
 class DenseSession:
@@ -26,12 +27,7 @@ class DenseSession:
 
     def reusable(self, prompt_ids: list[int]) -> int:
         """How many leading tokens of prompt_ids the cache holds, leaving the last to compute."""
-        common = 0
-        for a, b in zip(self.ids, prompt_ids[:-1]):
-            if a != b:
-                break
-            common += 1
-        return common
+        return cached_prefix(self.ids, prompt_ids)
 
     def prefill(self, prompt_ids: list[int], show_progress: bool = False,
                 should_stop: Callable[[], bool] | None = None) -> torch.Tensor:

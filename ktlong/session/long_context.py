@@ -25,6 +25,7 @@ from ktlong.decode.selection import SelectionSettings
 from ktlong.decode.hybrid import HybridDecoder
 from ktlong.decode.warm_up import compile_decode_kernels
 from ktlong.session.plan import SessionPlan
+from ktlong.session.prefix import cached_prefix
 from ktlong.session.settings import compact_params, selection_settings, split_arm
 from operators.compact_attention import CompactParams
 
@@ -95,12 +96,7 @@ class LongContextSession:
         """How many leading tokens of prompt_ids the cache already holds: the common prefix
         with the conversation so far, leaving at least one token to prefill (its logits are the
         answer's first). Models with sliding-window layers keep only a tail in DRAM: 0."""
-        if self.layout.sliding:
-            return 0
-        common = min(len(self.ids), len(prompt_ids))
-        if self.ids[:common] != prompt_ids[:common]:  # one C-level comparison when they agree (a follow-up)
-            common = next(i for i, (a, b) in enumerate(zip(self.ids, prompt_ids)) if a != b)
-        return min(common, len(prompt_ids) - 1)
+        return 0 if self.layout.sliding else cached_prefix(self.ids, prompt_ids)
 
     def prefill(self, prompt_ids: list[int], show_progress: bool = False,
                 should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
