@@ -13,6 +13,7 @@ from operators.block_union import (build_page_lists, every_page_lists, execution
 from operators.compact_attention import CompactAttention, CompactParams
 from tests.settings import compact_settings
 from operators.dense_attention import dense_attention
+from operators.paged_attention_reference import paged_attention_reference
 from operators.xattention_selector import select_blocks_xattention
 
 B = 16
@@ -223,3 +224,47 @@ def test_only_the_prompts_last_chunk_scores_its_tail_queries(monkeypatch):
     engine = LayerMajorPrefill(model, layout, 64, "torch", True, compact=compact_settings(tail_queries=24))
     engine.run(list(range(200)), HostKVCache(layout, pin=False))  # chunks 0-64 (no history), 64-128, 128-192, 192-200
     assert seen == [0, 0, 8] * c.num_layers  # the last chunk has 8 queries: all of them
+
+
+class _RecordingExecutor:
+    """Stands in for FlashInfer: run() executes the page lists of the last plan() with the torch
+    reference, so a plan reused for lists it was not made for gives a wrong result."""
+
+    def __init__(self, op):
+        self.op, self.plans, self.planned = op, 0, None
+
+    def plan(self, num_tokens, groups, pages, head_dim, block_size, scale, dtype):
+        self.plans += 1
+        self.planned = (num_tokens, pages)
+
+    def run(self, q, k_pages, v_pages, groups):
+        assert self.planned[0] == q.shape[0]
+        return paged_attention_reference(q, k_pages, v_pages, groups, self.planned[1], self.op.scale)
+
+
+def test_every_block_lists_are_planned_once_per_chunk_and_the_plan_serves_every_layer():
+    op = CompactAttention(CompactParams.keep_all(), 8, 2, B, 0.25, "torch", torch.device("cpu"))
+    op.executor = _RecordingExecutor(op)
+    chunks = [(0, 2 * B), (2 * B, 4 * B + 5), (4 * B + 5 - 5, 4 * B + 5)]  # the last: a follow-up's token tail
+    for c, (start, end) in enumerate(chunks):
+        start = start // B * B
+        for layer in range(3):  # layer after layer: other keys, same lists
+            q, k, v, pooled, _, _ = setup(seed=10 * c + layer, start=start, chunk=end - start)
+            out, _ = op(q, k, v, pooled, start, end)
+            expected = dense_attention(q, k.reshape(2, -1, 16)[:, :end], v.reshape(2, -1, 16)[:, :end], 0.25)
+            assert float((out - expected).abs().max() / expected.abs().max()) < 1e-5
+        assert op.executor.plans == c + 1  # one plan per chunk, not per layer
+
+
+def test_a_selective_plan_in_between_makes_the_every_block_lists_plan_again():
+    params = compact_settings(alpha=0.0)  # flashprefill keeping every block, through its own page lists
+    op = CompactAttention(params, 8, 2, B, 0.25, "torch", torch.device("cpu"))
+    op.executor = _RecordingExecutor(op)
+    q0, k0, v0, pooled0, _, _ = setup(seed=1, start=0, chunk=2 * B)
+    op(q0, k0, v0, pooled0, 0, 2 * B)  # no history: the every-block lists
+    q1, k1, v1, pooled1, start, end = setup(seed=2)
+    op(q1, k1, v1, pooled1, start, end)  # history: selected lists, planned
+    out, _ = op(q0, k0, v0, pooled0, 0, 2 * B)  # the first chunk's lists again: planned again
+    assert op.executor.plans == 3
+    expected = dense_attention(q0, k0.reshape(2, -1, 16)[:, :2 * B], v0.reshape(2, -1, 16)[:, :2 * B], 0.25)
+    assert float((out - expected).abs().max() / expected.abs().max()) < 1e-5
