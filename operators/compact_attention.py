@@ -20,6 +20,11 @@ from operators.paged_attention_reference import paged_attention_reference
 from operators.xattention_selector import select_blocks_xattention
 
 SELECTORS = ("flashprefill", "xattention", "all")
+# Chunks of at most this many queries (a follow-up's question) run on fa2 where the backend is
+# fa3: fa3's query tile is 128 rows and it gives each tile a whole request's keys, so a short
+# chunk over a long history keeps a few SMs busy; fa2 splits the keys across the SMs and merges
+# (FlashInfer falls back to fa2 the same way for short queries, flashinfer-ai/flashinfer#5188).
+SHORT_CHUNK = 64
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,14 +58,15 @@ class CompactAttention:
         self.params, self.block_size, self.scale, self.backend = params, block_size, scale, backend
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.groups = execution_groups(num_heads, num_kv_heads, params.subgroup_size)
-        self.executor = None
-        # (chunk, pages) of the every-block lists the executor was last planned for: layer after
+        self.executor = self.short_executor = None
+        # (chunk, pages) of the every-block lists an executor was last planned for: layer after
         # layer a chunk's lists are the same, and one plan serves them all
         self.planned_every: tuple[tuple, PageLists] | None = None
         if backend != "torch":
             from operators.flashinfer_paged import FlashInferPagedExecutor
 
             self.executor = FlashInferPagedExecutor(device, backend)
+            self.short_executor = FlashInferPagedExecutor(device, "fa2") if backend == "fa3" else self.executor
 
     def group_keep(self, q: torch.Tensor, k_pages: torch.Tensor, pooled_keys: torch.Tensor,
                    start: int, final: bool = False) -> torch.Tensor:
@@ -96,10 +102,11 @@ class CompactAttention:
         """planned: the executor was last planned for these very lists (and this q shape)."""
         if self.executor is None:
             return paged_attention_reference(q, k_pages, v_pages, self.groups, pages, self.scale)
+        executor = self.short_executor if q.shape[0] <= SHORT_CHUNK else self.executor
         if not planned:
             self.planned_every = None
-            self.executor.plan(q.shape[0], self.groups, pages, q.shape[-1], self.block_size, self.scale, q.dtype)
-        return self.executor.run(q, k_pages, v_pages, self.groups)
+            executor.plan(q.shape[0], self.groups, pages, q.shape[-1], self.block_size, self.scale, q.dtype)
+        return executor.run(q, k_pages, v_pages, self.groups)
 
     def __call__(self, q, k_pages, v_pages, pooled_keys, start: int, end: int, final: bool = False):
         """Attention of the chunk's queries (positions start..end) -> (out [T, H, D], page lists),

@@ -16,13 +16,20 @@ from operators.block_union import PageLists
 WORKSPACE_BYTES = 128 << 20
 
 
+@functools.lru_cache(maxsize=None)
+def float_workspace(device: torch.device) -> torch.Tensor:
+    """The scratch every executor on a device shares: FlashInfer keeps a plan in each wrapper's
+    own int buffers and uses the float workspace only while it runs, and prefill runs one
+    attention at a time on one stream."""
+    return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+
+
 class FlashInferPagedExecutor:
     def __init__(self, device: torch.device, backend: str):
         import flashinfer
 
         assert backend in ("fa2", "fa3", "auto")
-        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=backend)
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(float_workspace(device), "NHD", backend=backend)
 
     def plan(self, num_tokens: int, groups: torch.Tensor, pages: PageLists, head_dim: int,
              block_size: int, scale: float, dtype: torch.dtype):

@@ -244,7 +244,7 @@ class _RecordingExecutor:
 
 def test_every_block_lists_are_planned_once_per_chunk_and_the_plan_serves_every_layer():
     op = CompactAttention(CompactParams.keep_all(), 8, 2, B, 0.25, "torch", torch.device("cpu"))
-    op.executor = _RecordingExecutor(op)
+    op.executor = op.short_executor = _RecordingExecutor(op)
     chunks = [(0, 2 * B), (2 * B, 4 * B + 5), (4 * B + 5 - 5, 4 * B + 5)]  # the last: a follow-up's token tail
     for c, (start, end) in enumerate(chunks):
         start = start // B * B
@@ -259,7 +259,7 @@ def test_every_block_lists_are_planned_once_per_chunk_and_the_plan_serves_every_
 def test_a_selective_plan_in_between_makes_the_every_block_lists_plan_again():
     params = compact_settings(alpha=0.0)  # flashprefill keeping every block, through its own page lists
     op = CompactAttention(params, 8, 2, B, 0.25, "torch", torch.device("cpu"))
-    op.executor = _RecordingExecutor(op)
+    op.executor = op.short_executor = _RecordingExecutor(op)
     q0, k0, v0, pooled0, _, _ = setup(seed=1, start=0, chunk=2 * B)
     op(q0, k0, v0, pooled0, 0, 2 * B)  # no history: the every-block lists
     q1, k1, v1, pooled1, start, end = setup(seed=2)
@@ -268,3 +268,16 @@ def test_a_selective_plan_in_between_makes_the_every_block_lists_plan_again():
     assert op.executor.plans == 3
     expected = dense_attention(q0, k0.reshape(2, -1, 16)[:, :2 * B], v0.reshape(2, -1, 16)[:, :2 * B], 0.25)
     assert float((out - expected).abs().max() / expected.abs().max()) < 1e-5
+
+
+def test_short_chunks_run_on_the_short_chunk_executor_and_long_ones_on_the_main_one():
+    from operators.compact_attention import SHORT_CHUNK
+
+    op = CompactAttention(CompactParams.keep_all(), 8, 2, B, 0.25, "torch", torch.device("cpu"))
+    op.executor, op.short_executor = _RecordingExecutor(op), _RecordingExecutor(op)
+    for chunk in (SHORT_CHUNK, SHORT_CHUNK + 1, 1):
+        q, k, v, pooled, start, end = setup(seed=chunk, start=2 * B, chunk=chunk, capacity_blocks=12)
+        out, _ = op(q, k, v, pooled, start, end)
+        expected = dense_attention(q, k.reshape(2, -1, 16)[:, :end], v.reshape(2, -1, 16)[:, :end], 0.25)
+        assert float((out - expected).abs().max() / expected.abs().max()) < 1e-5
+    assert (op.short_executor.plans, op.executor.plans) == (2, 1)

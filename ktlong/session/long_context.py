@@ -74,13 +74,16 @@ class LongContextSession:
     def warm_up(self, log=sys.stderr):
         """Compile what compiles on first use before anything is timed: the Numba decode kernels
         (later processes load them from Numba's cache) and, on a GPU, FlashInfer's kernels for
-        this model, by a prefill of one block that is then forgotten."""
+        this model, by a prefill of one block and a short follow-up over it, then forgotten."""
         print("[kernels that compile on first use:", end="", file=log, flush=True)
         report = compile_decode_kernels(self.layout, self.selection, self.model.config.num_heads, self.model.scale)
         seconds = report.seconds
         if self.model.device.type == "cuda":
             start = time.perf_counter()
-            self.engine.run([0] * min(self.layout.block_size, self.max_seq_len), self.host)
+            first = min(self.layout.block_size, self.max_seq_len)
+            self.engine.run([0] * first, self.host)
+            if not self.layout.sliding and first + 8 <= self.max_seq_len:  # a follow-up's short chunk
+                self.engine.run([0] * 8, self.host, history=first)  # (fa2 where fa3 runs long ones)
             self.reset()
             seconds += time.perf_counter() - start
         done = (f" compiled {report.compiled} CPU kernels, once (later runs load them from Numba's cache)"
