@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
 import time
 
 import torch
 
-from ktlong.bench.common import parse_lengths, print_table
+from ktlong.bench.common import median, parse_lengths, print_table
 from ktlong.config import load_config, parse_set
 from ktlong.device import resolve_device
 from ktlong.kv.memory_plan import GIB
@@ -178,7 +177,7 @@ def main(argv=None) -> int:
         if args.profile:
             q = torch.randint(0, c.vocab_size, (args.question,), generator=generator).tolist()
             profile_reuse(lambda: session.prefill(doc + q))
-        reprefill, reuse = statistics.median(reprefill), statistics.median(reuse)
+        reprefill, reuse = median(reprefill), median(reuse)
         session.prefill(doc)  # the cache holds the document alone again (its last token prefilled anew)
         with tempfile.TemporaryDirectory(dir=args.folder) as folder:
             path = f"{folder}/doc.kv"
@@ -190,7 +189,7 @@ def main(argv=None) -> int:
             _, after_load = timed(lambda: fresh.prefill(doc + question))
             del fresh
         rows.append([f"{n // 1024}K", plan.kv_type, f"{reprefill:.2f}", f"{reuse:.3f}",
-                     f"{statistics.median(history_s):.3f}", f"{statistics.median(setup_s):.3f}",
+                     f"{median(history_s):.3f}", f"{median(setup_s):.3f}",
                      "yes" if kept else "no", "yes" if prefetched else "no", f"{reprefill / reuse:.0f}x",
                      f"{load_s + after_load:.2f}", f"{nbytes / 1e9:.2f}", f"{nbytes / 1e9 / save_s:.2f}",
                      f"{nbytes / 1e9 / load_s:.2f}"])
