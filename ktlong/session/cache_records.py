@@ -55,12 +55,12 @@ def pieces(nbytes: int) -> list[tuple[int, int]]:
     return [(s, min(nbytes, s + PIECE)) for s in range(0, nbytes, PIECE)] or [(0, 0)]
 
 
-def _as_bytes(t: torch.Tensor) -> np.ndarray:
-    return t.contiguous().view(torch.uint8).reshape(-1).numpy()
-
-
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).view(-1)
+
+
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    return _flat_bytes(t.contiguous()).numpy()
 
 
 def encode_record(magic: bytes, header: dict, tensors: dict[str, torch.Tensor],
