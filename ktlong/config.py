@@ -125,6 +125,11 @@ class Config:
                 (self.device.startswith("cuda:") and self.device[5:].isdigit())):
             self._fail("device", "must be auto, cpu, cuda or cuda:N")
 
+    def with_overrides(self, overrides: dict[str, tuple[object, str]]) -> "Config":
+        """This config with parse_set's {key: (value, where)} set over it, checked again."""
+        values = {k: v for k, (v, _) in overrides.items()}
+        return dataclasses.replace(self, **values, sources={**self.sources, **{k: w for k, (_, w) in overrides.items()}})
+
     def where(self, key: str) -> str:
         return self.sources.get(key, "default")
 

@@ -243,7 +243,7 @@ class LayerMajorPrefill:
             return chunk_attention(q, keys, values, self.model.scale, self.backend, window)
         paged = s % self.layout.block_size == 0  # a follow-up's first chunk may start mid-block
         if self.compact is not None and paged:
-            o, pages = self.compact(q, self.pages.k, self.pages.v, self.pooled_keys, s, e, final=e == run.num_tokens)
+            o, pages = self.compact(q, self.pages.k, self.pages.v, self.pooled_keys, s, e, prompt_end=run.num_tokens)
             if o is not None:
                 if pages.num_hist:
                     run.densities.append(pages.density)

@@ -7,10 +7,12 @@ Scores are computed tile by tile over history blocks in two passes (max, then th
 so memory is [H, query blocks, tile] floats, never [H, chunk, history].
 
 A block mean dilutes what a few queries ask for: a question at the end of a prompt is a
-handful of tokens in a 128-token query block, and the block holding its answer is one key
-among 128. With `tail_queries`, the chunk's last queries also score every block one by one
-(a block is kept when its score is within alpha of that query's best), and the chunk keeps
-what any of them keeps (the Q-block union takes every query block's blocks anyway).
+handful of tokens in a 128-token query block, and the key that answers it is one token among
+128 in its block. With `tail_queries`, the prompt's last queries also score every history
+token one by one; a block is kept when its best token is within alpha of that query's best
+token outside the sinks and the window (those are kept anyway, and a sink token often takes
+most of a query's attention, which would set the bar too high). The chunk keeps what any of
+them keeps (the Q-block union takes every query block's blocks anyway).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import math
 import torch
 
 TILE_BLOCKS = 4096
+TAIL_SCORE_BYTES = 64 << 20  # one tile of the tail queries' token scores
 
 
 def pool_query_blocks(q: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -63,12 +66,38 @@ def _within_margin(queries: torch.Tensor, pooled_keys: torch.Tensor, scale: floa
     return keep
 
 
+def tail_block_keep(tail_q: torch.Tensor, keys: torch.Tensor, block_size: int, scale: float, margin: float,
+                    sink_blocks: int, window_blocks: int, tile_tokens: int = 0) -> torch.Tensor:
+    """tail_q: [t, H, D] the prompt's last queries; keys: [KV, num_hist * block_size, D] the
+    history -> [H, num_hist] bool: the blocks holding a token within margin of some tail query's
+    best token among the blocks that are not always kept. Scores are taken in the keys' dtype,
+    tile by tile ([H, t, tile] at most TAIL_SCORE_BYTES)."""
+    num_t, num_heads, dim = tail_q.shape
+    num_kv, num_keys, _ = keys.shape
+    num_hist = num_keys // block_size
+    rows = tail_q.to(keys.dtype).transpose(0, 1).reshape(num_kv, -1, dim)  # [KV, G * t, D]
+    if not tile_tokens:
+        tile_tokens = TAIL_SCORE_BYTES // (num_heads * num_t * keys.element_size())
+    tile = max(tile_tokens // block_size, 1) * block_size
+    block_best = torch.empty((num_kv, rows.shape[1], num_hist), dtype=torch.float32, device=keys.device)
+    for t0 in range(0, num_keys, tile):
+        t1 = min(t0 + tile, num_keys)
+        s = torch.bmm(rows, keys[:, t0:t1].transpose(1, 2))  # [KV, G * t, tile]
+        block_best[..., t0 // block_size:t1 // block_size] = s.view(num_kv, rows.shape[1], -1, block_size).amax(-1)
+    block_best *= scale
+    candidate = ~always_kept(num_hist, sink_blocks, window_blocks, keys.device)
+    best = block_best.masked_fill(~candidate, float("-inf")).amax(-1, keepdim=True)
+    keep = (block_best >= best + margin) & candidate
+    return keep.view(num_heads, num_t, num_hist).any(1)
+
+
 def select_blocks_flashprefill(q: torch.Tensor, pooled_keys: torch.Tensor, block_size: int, alpha: float,
                                scale: float, sink_blocks: int, window_blocks: int,
-                               tile_blocks: int = TILE_BLOCKS, tail_queries: int = 0) -> torch.Tensor:
+                               tile_blocks: int = TILE_BLOCKS, tail_queries: int = 0,
+                               keys: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D]; pooled_keys: [KV, num_hist, D] -> keep: [H, num_query_blocks, num_hist] bool.
-    tail_queries: the last queries that also score blocks one by one (their keeps join the last
-    query block's)."""
+    tail_queries: how many of the chunk's last queries are the prompt's tail, which also score the
+    history's tokens (keys: [KV, num_hist * block_size, D]); their keeps join the last query block's."""
     num_heads = q.shape[1]
     num_kv, num_hist, _ = pooled_keys.shape
     group = num_heads // num_kv
@@ -78,32 +107,29 @@ def select_blocks_flashprefill(q: torch.Tensor, pooled_keys: torch.Tensor, block
     margin = math.log(alpha) if alpha > 0 else float("-inf")
     keep = _within_margin(qb, pooled_keys, scale, margin, tile_blocks).view(num_heads, num_qb, num_hist)
     if tail_queries:
-        tail = q[-tail_queries:].float().transpose(0, 1)  # [H, t, D]
-        t = tail.shape[1]
-        per_query = _within_margin(tail.reshape(num_kv, group * t, -1), pooled_keys, scale, margin, tile_blocks)
-        keep[:, -1] |= per_query.view(num_heads, t, num_hist).any(1)
+        keep[:, -1] |= tail_block_keep(q[-tail_queries:], keys, block_size, scale, margin, sink_blocks, window_blocks)
     keep |= always_kept(num_hist, sink_blocks, window_blocks, q.device)
     return keep
 
 
 def flashprefill_group_keep(q: torch.Tensor, pooled_keys: torch.Tensor, block_size: int, alpha: float,
                             scale: float, sink_blocks: int, window_blocks: int, group_size: int,
-                            tail_queries: int = 0, tile_blocks: int = TILE_BLOCKS) -> torch.Tensor:
+                            tail_queries: int = 0, keys: torch.Tensor | None = None,
+                            tile_blocks: int = TILE_BLOCKS) -> torch.Tensor:
     """select_blocks_flashprefill followed by the Q-block union and the union over each execution
     group (group_size consecutive heads), in a handful of operations for the GPU: the pooled
-    query blocks and the tail queries are rows of one score matrix per kv head, the unions one
-    any() over the rows of a group's heads, and the sinks and window two slices (a block kept for
-    every query block is kept by the union). q: [T, H, D]; pooled_keys: [KV, num_hist, D] ->
-    [H / group_size, num_hist] bool."""
+    query blocks of one kv head are rows of one score matrix, the unions one any() over the rows
+    of a group's heads, and the sinks and window two slices (a block kept for every query block
+    is kept by the union). q: [T, H, D]; pooled_keys: [KV, num_hist, D] -> [H / group_size, num_hist] bool."""
     num_heads = q.shape[1]
     num_kv, num_hist, dim = pooled_keys.shape
     rows = pool_query_blocks(q, block_size)  # [H, nqb, D]
-    if tail_queries:
-        rows = torch.cat([rows, q[-tail_queries:].float().transpose(0, 1)], dim=1)  # [H, nqb + t, D]
-    per_head = rows.shape[1]
     margin = math.log(alpha) if alpha > 0 else float("-inf")
     keep = _within_margin(rows.reshape(num_kv, -1, dim), pooled_keys, scale, margin, tile_blocks)  # [KV, rows, nh]
-    keep = keep.view(num_heads // group_size, group_size * per_head, num_hist).any(1)
+    if tail_queries:
+        tail = tail_block_keep(q[-tail_queries:], keys, block_size, scale, margin, sink_blocks, window_blocks)
+        keep = torch.cat([keep.view(num_heads, -1, num_hist), tail[:, None]], dim=1)
+    keep = keep.view(num_heads // group_size, -1, num_hist).any(1)
     keep[:, :sink_blocks] = True
     if window_blocks:
         keep[:, max(0, num_hist - window_blocks):] = True

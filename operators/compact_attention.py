@@ -39,7 +39,7 @@ class CompactParams:
     window_blocks: int
     subgroup_size: int
     dense_above: float  # a chunk keeping more of its history than this runs dense (1: never)
-    tail_queries: int  # flashprefill: the prompt's last queries also score blocks one by one
+    tail_queries: int  # flashprefill: the prompt's last queries also score history tokens one by one
 
     def __post_init__(self):
         assert self.selector in SELECTORS, self.selector
@@ -69,19 +69,19 @@ class CompactAttention:
             self.short_executor = FlashInferPagedExecutor(device, "fa2") if backend == "fa3" else self.executor
 
     def group_keep(self, q: torch.Tensor, k_pages: torch.Tensor, pooled_keys: torch.Tensor,
-                   start: int, final: bool = False) -> torch.Tensor:
+                   start: int, tail: int = 0) -> torch.Tensor:
         """The history blocks each execution group reads: q: [T, H, D]; pooled_keys: [KV, >= start/B, D]
         -> [G, start/B] bool. FlashPrefill's selection comes fused with the Q-block and group
-        unions; XAttention's per (head, query block) choice goes through the two unions. final:
-        the chunk ends the prompt (its last queries are the question: tail_queries)."""
+        unions; XAttention's per (head, query block) choice goes through the two unions. tail: how
+        many of the chunk's last queries are the prompt's last tail_queries (the question)."""
         p, num_hist = self.params, start // self.block_size
         if p.selector == "all" or num_hist == 0:
             return torch.ones((self.groups.shape[0], num_hist), dtype=torch.bool, device=q.device)
+        keys = k_pages.view(k_pages.shape[0], -1, k_pages.shape[-1])[:, :start]
         if p.selector == "flashprefill":
             return flashprefill_group_keep(q, pooled_keys[:, :num_hist], self.block_size, p.alpha, self.scale,
                                            p.sink_blocks, p.window_blocks, self.groups.shape[1],
-                                           tail_queries=min(p.tail_queries, q.shape[0]) if final else 0)
-        keys = k_pages.view(k_pages.shape[0], -1, k_pages.shape[-1])[:, :start]
+                                           tail_queries=tail, keys=keys)
         keep = select_blocks_xattention(q, keys, self.block_size, p.stride, p.threshold, self.scale,
                                         p.sink_blocks, p.window_blocks)  # [H, nqb, start/B]
         return union_groups(union_query_blocks(keep), self.groups)
@@ -108,9 +108,10 @@ class CompactAttention:
             executor.plan(q.shape[0], self.groups, pages, q.shape[-1], self.block_size, self.scale, q.dtype)
         return executor.run(q, k_pages, v_pages, self.groups)
 
-    def __call__(self, q, k_pages, v_pages, pooled_keys, start: int, end: int, final: bool = False):
+    def __call__(self, q, k_pages, v_pages, pooled_keys, start: int, end: int, prompt_end: int = 0):
         """Attention of the chunk's queries (positions start..end) -> (out [T, H, D], page lists),
-        or (None, None) when the selection keeps nearly everything: the caller runs it dense."""
+        or (None, None) when the selection keeps nearly everything: the caller runs it dense.
+        prompt_end: where the prompt ends (its last tail_queries queries score history tokens)."""
         assert start % self.block_size == 0 and q.shape[0] == end - start
         if self.params.selector == "all" or start == 0:  # nothing to select: no host sync
             chunk = (start, end, k_pages.shape[1], q.shape[1:], q.dtype, q.device)
@@ -122,7 +123,8 @@ class CompactAttention:
             if self.executor is not None:
                 self.planned_every = (chunk, pages)
             return out, pages
-        keep = self.group_keep(q, k_pages, pooled_keys, start, final)
+        tail = min(max(end - (prompt_end - self.params.tail_queries), 0), q.shape[0]) if self.params.tail_queries else 0
+        keep = self.group_keep(q, k_pages, pooled_keys, start, tail)
         pages = self.page_lists(keep, start, end, k_pages.shape[1])
         if pages is None:
             return None, None

@@ -167,26 +167,52 @@ def test_xattention_mass_matches_direct_softmax_and_tiling():
 
 
 def test_tail_queries_keep_the_block_one_query_asks_for():
-    """A block mean dilutes one query's question: 15 queries like every block alike, the last
-    asks for block 7 alone. Pooled, block 7 scores below the margin and is dropped; scored one
-    by one, the last query keeps it. Tail scoring only adds blocks."""
+    """A block mean dilutes one query's question and one key's answer: 15 queries like every
+    token alike, the last asks for one token of block 7, the other 15 tokens of which look like
+    every other block. Pooled, block 7 scores below the margin and is dropped; with the last
+    query scoring tokens, it is kept. Tail scoring only adds blocks."""
     B, D = 16, 16
     e0, e1 = torch.eye(D)[0], torch.eye(D)[1]
-    pooled = e0.repeat(1, 10, 1)  # [KV=1, 10 blocks, D]
-    pooled[0, 7] = 3 * e1
-    q = (2 * e0).repeat(B, 1, 1)  # [T=16, H=1, D]
+    keys = e0.repeat(1, 10 * B, 1)  # [KV=1, 10 blocks of B tokens, D]
+    keys[0, 7 * B + 5] = 3 * e1
+    pooled = keys.view(1, 10, B, D).mean(2)
+    q = (20 * e0).repeat(B, 1, 1)  # [T=16, H=1, D]
     q[-1, 0] = 4 * e1
     plain = select_blocks_flashprefill(q, pooled, B, 0.5, 1.0, 0, 0)
     assert not plain[0, 0, 7] and plain[0, 0, :7].all()
     for tail in (1, 4, 16):
-        with_tail = select_blocks_flashprefill(q, pooled, B, 0.5, 1.0, 0, 0, tail_queries=tail)
+        with_tail = select_blocks_flashprefill(q, pooled, B, 0.5, 1.0, 0, 0, tail_queries=tail, keys=keys)
         assert with_tail[0, 0, 7] and (with_tail | ~plain).all()
-    tiled = select_blocks_flashprefill(q, pooled, B, 0.5, 1.0, 0, 0, tile_blocks=3, tail_queries=1)
-    assert torch.equal(tiled, select_blocks_flashprefill(q, pooled, B, 0.5, 1.0, 0, 0, tail_queries=1))
+
+
+def test_tail_block_keep_equals_a_direct_computation():
+    """Each tail query's best token per block against its best outside sinks and window, in
+    float64 by loops; tiles of any size give the same blocks, and the sinks and window never set
+    the bar: a sink token far above every other token does not drop the blocks."""
+    from operators.block_selector import tail_block_keep
+
+    g = torch.Generator().manual_seed(3)
+    num_kv, group, dim, nh, t = 2, 3, 8, 9, 5
+    keys = torch.randn(num_kv, nh * B, dim, generator=g)
+    keys[:, 2] = 40.0  # a sink token every query attends to
+    tail = torch.randn(t, num_kv * group, dim, generator=g).abs()
+    scale, alpha, sink, window = 0.5, 0.2, 1, 2
+    expected = torch.zeros(num_kv * group, nh, dtype=torch.bool)
+    for h in range(num_kv * group):
+        for i in range(t):
+            s = (keys[h // group].double() @ tail[i, h].double()).view(nh, B).amax(1) * scale
+            best = s[sink:nh - window].max()
+            for j in range(sink, nh - window):
+                expected[h, j] |= bool(s[j] >= best + math.log(alpha))
+    for tile in (B, 3 * B, 0):
+        got = tail_block_keep(tail, keys, B, scale, math.log(alpha), sink, window, tile_tokens=tile)
+        assert torch.equal(got, expected)
+    assert 0 < int(expected.sum()) < expected.numel()  # some kept, some dropped
+    assert not expected[:, :sink].any() and not expected[:, nh - window:].any()
 
 
 @pytest.mark.parametrize("subgroup,tail,sink,window,tile,chunk", [
-    (1, 0, 0, 0, 4096, 3 * B + 5), (2, 0, 1, 2, 3, 3 * B), (4, 7, 2, 3, 4096, 2 * B + 1), (8, 5, 0, 1, 4, 3 * B + 5)])
+    (1, 0, 0, 0, 4096, 3 * B + 5), (2, 0, 1, 2, 3, 3 * B), (4, 2, 2, 3, 4096, 2 * B + 1), (8, 1, 0, 1, 4, 3 * B + 5)])
 def test_fused_group_selection_equals_selection_then_unions(subgroup, tail, sink, window, tile, chunk):
     """flashprefill_group_keep (what CompactAttention runs) is select_blocks_flashprefill
     followed by the Q-block union and the union over each group's heads, exactly."""
@@ -197,17 +223,19 @@ def test_fused_group_selection_equals_selection_then_unions(subgroup, tail, sink
         q, k, v, pooled, start, end = setup(seed=10 + seed, chunk=chunk)
         groups = execution_groups(8, 2, subgroup)
         alpha = (0.3, 0.8, 0.99)[seed]
+        keys = k.reshape(2, -1, 16)[:, :start]
         expected = union_groups(union_query_blocks(select_blocks_flashprefill(
-            q, pooled[:, :10], B, alpha, 4.0, sink, window, tile_blocks=tile, tail_queries=tail)), groups)
+            q, pooled[:, :10], B, alpha, 4.0, sink, window, tile_blocks=tile, tail_queries=tail, keys=keys)), groups)
         got = flashprefill_group_keep(q, pooled[:, :10], B, alpha, 4.0, sink, window, groups.shape[1],
-                                      tail_queries=tail, tile_blocks=tile)
+                                      tail_queries=tail, keys=keys, tile_blocks=tile)
         assert torch.equal(got, expected)
         selective |= 0 < int(got.sum()) < got.numel()
     assert selective  # some blocks dropped, some kept: the comparison means something
 
 
-def test_only_the_prompts_last_chunk_scores_its_tail_queries(monkeypatch):
-    """The engine marks the final chunk; CompactAttention passes tail_queries there only."""
+def test_the_prompts_last_queries_score_tokens_wherever_their_chunks_end(monkeypatch):
+    """The engine tells CompactAttention where the prompt ends; the last tail_queries queries
+    score tokens, also where they straddle two chunks."""
     import operators.compact_attention as ca
     from ktlong.kv.host_cache import HostKVCache
     from ktlong.kv.layout import kv_layout
@@ -223,7 +251,7 @@ def test_only_the_prompts_last_chunk_scores_its_tail_queries(monkeypatch):
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 200, "fp32")
     engine = LayerMajorPrefill(model, layout, 64, "torch", True, compact=compact_settings(tail_queries=24))
     engine.run(list(range(200)), HostKVCache(layout, pin=False))  # chunks 0-64 (no history), 64-128, 128-192, 192-200
-    assert seen == [0, 0, 8] * c.num_layers  # the last chunk has 8 queries: all of them
+    assert seen == [0, 16, 8] * c.num_layers  # queries 176-199: 16 in the third chunk, 8 in the last
 
 
 class _RecordingExecutor:

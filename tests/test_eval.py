@@ -139,3 +139,31 @@ def test_prefill_rows_compare_each_arm_with_dense():
     assert by_arm["sparse"]["speedup"] == "2.00x" and by_arm["sparse"]["attention speedup"] == "5.00x"
     assert by_arm["sparse"]["density"] == "40%"
     assert by_arm["transformers"]["attention s"] == "-" and by_arm["transformers"]["speedup"] == "5.00x"
+
+
+def test_an_arm_with_options_of_its_own_runs_with_them(monkeypatch):
+    """'sparse@selector=xattention@threshold=0.95' is the sparse arm over the config with those
+    two options set, checked like --set; the other arms keep the config as it was."""
+    import ktlong.eval.runner as runner
+    from ktlong.config import default_config
+    from ktlong.errors import ConfigError
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_session(lm, config, arm, max_seq_len):
+        seen.append((arm, config.selector, config.threshold, config.where("threshold")))
+        raise Stop
+
+    monkeypatch.setattr(runner, "make_session", fake_session)
+    monkeypatch.setattr(runner, "Conversation", lambda *a: None)
+    config = default_config()
+    lm = type("LM", (), {"tokenizer": None, "chat_template": None})()
+    for attention in ("sparse@selector=xattention@threshold=0.95", "dense"):
+        with pytest.raises(Stop):
+            runner.run_task(lm, config, "passkey", [1024], [0.5], 1, [attention], seed=0)
+    assert seen == [("sparse", "xattention", 0.95, "--attention sparse@selector=xattention@threshold=0.95"), ("dense", "flashprefill", 0.9, "default")]
+    with pytest.raises(ConfigError, match="threshold"):
+        runner.variant_config(config, "sparse@threshold=2")

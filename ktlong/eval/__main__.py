@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -27,7 +28,8 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default="dense,sparse",
                    help="arms, comma-separated: dense, sparse (CompactAttention prefill and sparse decode), "
                         "sparse-prefill or sparse-decode (one stage sparse, to tell which loses an answer), "
-                        "transformers (the same GGUF run by transformers, SDPA: the dense arm's reference)")
+                        "transformers (the same GGUF run by transformers, SDPA: the dense arm's reference); "
+                        "an arm with options of its own: sparse@selector=xattention@threshold=0.95")
     p.add_argument("--depths", default=None, help="needle depths in [0, 1]; default 0.5 (needle: 0,.25,.5,.75,1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results", help="folder for results.json (and heatmaps)")
@@ -41,7 +43,7 @@ def main(argv=None) -> int:
     from ktlong.device import resolve_device, resolve_dtype
     from ktlong.errors import KtlongError
     from ktlong.eval.report import needle_heatmap, prefill_rows, summary_rows
-    from ktlong.eval.runner import as_dicts, run_task, same_answers
+    from ktlong.eval.runner import as_dicts, run_task, same_answers, split_variant, variant_config
     from ktlong.gguf.loader import load_model, open_model
     from ktlong.gguf.model_config import RopeOptions
     from ktlong.parallel.group import join_ranks, print_error, quiet_unless_main
@@ -59,9 +61,16 @@ def main(argv=None) -> int:
             overrides["tensor_parallel"] = (args.tensor_parallel, "--tensor_parallel")
         config = load_config(overrides=overrides)
         attentions = [a.strip() for a in args.attention.split(",")]
-        if not set(attentions) <= set(ARMS) | {"transformers"}:
+        arms = [split_variant(a) for a in attentions]
+        if not {arm for arm, _ in arms} <= set(ARMS) | {"transformers"}:
             raise KtlongError(f"--attention {args.attention!r}: use arms of {', '.join(ARMS)} and transformers, "
                               "e.g. dense,sparse.")
+        if any(arm == "transformers" and settings for arm, settings in arms):
+            raise KtlongError(f"--attention {args.attention!r}: the transformers arm takes no options of its own.")
+        if len(set(attentions)) < len(attentions):
+            raise KtlongError(f"--attention {args.attention!r} names an arm twice; name each once.")
+        for attention in attentions:
+            variant_config(config, attention)  # a bad option is refused before the model loads
         default_depths = "0,0.25,0.5,0.75,1" if args.task == "needle" else "0.5"
         try:
             depths = [float(d) for d in (args.depths or default_depths).split(",")]
@@ -103,7 +112,8 @@ def main(argv=None) -> int:
                                                   "results": as_dicts(results)}, indent=1))
     if args.task == "needle":
         for attention in attentions:
-            needle_heatmap(results, attention, str(out / f"needle_{attention}.png"))
+            name = re.sub(r"[^A-Za-z0-9_.-]", "_", attention)  # sparse@selector=xattention: sparse_selector_xattention
+            needle_heatmap(results, attention, str(out / f"needle_{name}.png"))
     print(f"wrote {out / 'results.json'}")
     return 0
 

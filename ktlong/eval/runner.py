@@ -7,7 +7,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from ktlong.config import Config
+from ktlong.config import Config, parse_set
 from ktlong.chat.conversation import Conversation
 from ktlong.eval.tasks import first_integer, make_sample, score
 from ktlong.chat.generate import generate
@@ -37,6 +37,19 @@ class Result:
     prefill_attention_seconds: float = 0.0  # of which attention (0 where not measured: transformers)
 
 
+def split_variant(attention: str) -> tuple[str, list[str]]:
+    """An arm with settings of its own, 'sparse@selector=xattention@threshold=0.95' ->
+    ('sparse', ['selector=xattention', 'threshold=0.95']): several settings compared in one run."""
+    arm, *settings = attention.split("@")
+    return arm, settings
+
+
+def variant_config(config: Config, attention: str) -> Config:
+    """The config an arm runs with: its own options set over it (their source: the arm)."""
+    overrides = parse_set(split_variant(attention)[1])
+    return config.with_overrides({k: (v, f"--attention {attention}") for k, (v, _) in overrides.items()})
+
+
 def make_session(lm: LoadedModel, config: Config, attention: str, max_seq_len: int) -> LongContextSession:
     device = lm.model.device
     plan = plan_session(config, lm.config, lm.num_weight_elements, max_seq_len, device, lm.model.dtype)
@@ -57,7 +70,7 @@ def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], dep
 
             session = TransformersSession(lm, max_seq_len)
         else:
-            session = make_session(lm, config, attention, max_seq_len)
+            session = make_session(lm, variant_config(config, attention), split_variant(attention)[0], max_seq_len)
         for length in lengths:
             for depth in depths:
                 for i in range(samples):
