@@ -39,7 +39,7 @@ RANGES = {
     "max_seq_len": (0, None, False), "gpu_memory_budget_gb": (0, None, True),
     "rope_scale": (0, None, False), "yarn_orig_ctx": (0, None, False),
     "chunk_size": (1, None, False), "alpha": (0, 1, False), "threshold": (0, 1, True),
-    "dense_above": (0, 1, True), "tail_queries": (0, None, False),
+    "dense_above": (0, 1, True), "tail_queries": (0, None, False), "dense_tail": (0, None, False),
     "stride": (1, None, False), "sink_blocks": (0, None, False), "window_blocks": (0, None, False),
     "subgroup_size": (1, None, False), "block_size": (16, 4096, False),
     "local_windows_len": (0, None, False), "second_select_num": (0, None, False),
@@ -76,6 +76,7 @@ class Config:
     subgroup_size: int
     dense_above: float
     tail_queries: int
+    dense_tail: int
     attention_backend: str
     block_size: int
     kv_type: str

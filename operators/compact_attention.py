@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from operators.block_selector import flashprefill_group_keep
+from operators.chunk_attention import chunk_attention
 from operators.block_union import (PageLists, build_page_lists, every_page_lists, execution_groups,
                                    union_groups, union_query_blocks)
 from operators.paged_attention_reference import paged_attention_reference
@@ -40,6 +41,7 @@ class CompactParams:
     subgroup_size: int
     dense_above: float  # a chunk keeping more of its history than this runs dense (1: never)
     tail_queries: int  # flashprefill: the prompt's last queries also score history tokens one by one
+    dense_tail: int  # the prompt's last queries attend to every history block
 
     def __post_init__(self):
         assert self.selector in SELECTORS, self.selector
@@ -49,7 +51,7 @@ class CompactParams:
         """Every block kept: dense attention through the paged path. With nothing selected the
         heads of a kv group share one page list, so each group is one request."""
         return cls(selector="all", alpha=0.0, threshold=1.0, stride=1, sink_blocks=0, window_blocks=0,
-                   subgroup_size=1 << 30, dense_above=1.0, tail_queries=0)
+                   subgroup_size=1 << 30, dense_above=1.0, tail_queries=0, dense_tail=0)
 
 
 class CompactAttention:
@@ -108,10 +110,11 @@ class CompactAttention:
             executor.plan(q.shape[0], self.groups, pages, q.shape[-1], self.block_size, self.scale, q.dtype)
         return executor.run(q, k_pages, v_pages, self.groups)
 
-    def __call__(self, q, k_pages, v_pages, pooled_keys, start: int, end: int, prompt_end: int = 0):
+    def __call__(self, q, k_pages, v_pages, pooled_keys, start: int, end: int, prompt_end: int | None = None):
         """Attention of the chunk's queries (positions start..end) -> (out [T, H, D], page lists),
         or (None, None) when the selection keeps nearly everything: the caller runs it dense.
-        prompt_end: where the prompt ends (its last tail_queries queries score history tokens)."""
+        prompt_end: where the prompt ends (its last tail_queries queries score history tokens, and
+        its last dense_tail queries attend to every block); None: not in this chunk's prompt."""
         assert start % self.block_size == 0 and q.shape[0] == end - start
         if self.params.selector == "all" or start == 0:  # nothing to select: no host sync
             chunk = (start, end, k_pages.shape[1], q.shape[1:], q.dtype, q.device)
@@ -123,9 +126,19 @@ class CompactAttention:
             if self.executor is not None:
                 self.planned_every = (chunk, pages)
             return out, pages
-        tail = min(max(end - (prompt_end - self.params.tail_queries), 0), q.shape[0]) if self.params.tail_queries else 0
+        tail = prompt_tail(start, end, prompt_end, self.params.tail_queries)
         keep = self.group_keep(q, k_pages, pooled_keys, start, tail)
         pages = self.page_lists(keep, start, end, k_pages.shape[1])
         if pages is None:
             return None, None
-        return self.execute(q, k_pages, v_pages, pages), pages
+        out = self.execute(q, k_pages, v_pages, pages)
+        dense = prompt_tail(start, end, prompt_end, self.params.dense_tail)
+        if dense:  # the question: as dense prefill computes it, at the cost of a few rows over the history
+            keys, values = (x.view(x.shape[0], -1, x.shape[-1])[:, :end] for x in (k_pages, v_pages))
+            out[-dense:] = chunk_attention(q[-dense:], keys, values, self.scale, self.backend)
+        return out, pages
+
+
+def prompt_tail(start: int, end: int, prompt_end: int | None, n: int) -> int:
+    """How many of the queries start..end are among the prompt's last n (the prompt ends at prompt_end)."""
+    return min(max(end - (prompt_end - n), 0), end - start) if n and prompt_end is not None else 0

@@ -125,6 +125,40 @@ def test_result_equals_dense_restricted_to_kept_blocks(subgroup):
     assert float((out.double() - expected).abs().max() / expected.abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("dense_tail,prompt_end", [(7, None), (7, 0), (12, 3)])
+def test_the_prompts_last_queries_attend_to_every_block(dense_tail, prompt_end):
+    """dense_tail: the prompt's last queries (here the chunk's last 7, or the last 9 when the
+    prompt ends 3 queries after this chunk) equal dense attention over the whole history; the
+    others equal dense attention restricted to the kept blocks. No prompt end: nothing changes."""
+    q, k, v, pooled, start, end = setup(seed=3, chunk=B + 5)
+    strength = torch.linspace(0.2, 3.0, 20)[torch.randperm(20, generator=torch.Generator().manual_seed(9))]
+    k = k * strength[None, :, None, None]
+    pooled = k.mean(2)
+    settings = dict(alpha=0.9, sink_blocks=1, window_blocks=1, subgroup_size=8)
+    plain = CompactAttention(compact_settings(dense_tail=0, **settings), 8, 2, B, 0.25, "torch", torch.device("cpu"))
+    op = CompactAttention(compact_settings(dense_tail=dense_tail, **settings), 8, 2, B, 0.25, "torch",
+                          torch.device("cpu"))
+    expected_sparse, pages = plain(q, k, v, pooled, start, end)
+    assert 0 < pages.density < 1
+    out, _ = op(q, k, v, pooled, start, end, None if prompt_end is None else end + prompt_end)
+    rows = 0 if prompt_end is None else dense_tail - prompt_end
+    dense = dense_attention(q, k.reshape(2, -1, 16)[:, :end], v.reshape(2, -1, 16)[:, :end], 0.25)
+    n = q.shape[0] - rows
+    assert torch.equal(out[:n], expected_sparse[:n])
+    if rows:
+        assert float((out[n:] - dense[n:]).abs().max() / dense.abs().max()) < 1e-5
+        assert float((expected_sparse[n:] - dense[n:]).abs().max()) > 1e-3  # the selection did change them
+
+
+def test_prompt_tail_counts_the_chunks_queries_among_the_prompts_last():
+    from operators.compact_attention import prompt_tail
+
+    assert prompt_tail(64, 128, 200, 24) == 0  # the prompt's last 24 are 176..199
+    assert prompt_tail(128, 192, 200, 24) == 16 and prompt_tail(192, 200, 200, 24) == 8
+    assert prompt_tail(192, 200, 200, 100) == 8 and prompt_tail(192, 200, 200, 0) == 0
+    assert prompt_tail(192, 200, None, 24) == 0
+
+
 def test_flashprefill_keeps_blocks_within_alpha_of_the_best():
     q, k, v, pooled, start, end = setup(seed=5)
     alpha = 0.3

@@ -167,3 +167,45 @@ def test_an_arm_with_options_of_its_own_runs_with_them(monkeypatch):
     assert seen == [("sparse", "xattention", 0.95, "--attention sparse@selector=xattention@threshold=0.95"), ("dense", "flashprefill", 0.9, "default")]
     with pytest.raises(ConfigError, match="threshold"):
         runner.variant_config(config, "sparse@threshold=2")
+
+
+def test_results_are_saved_after_every_sample(monkeypatch, tmp_path):
+    """A run cut short keeps what it measured: on_result sees the results after each sample,
+    and write_json replaces results.json whole (no temporary file left beside it)."""
+    import json
+    import types
+
+    import ktlong.eval.runner as runner
+    from ktlong.config import default_config
+
+    class Session:
+        last_stats = None
+
+        def reset(self):
+            pass
+
+    class Conv:
+        def __init__(self, *a):
+            pass
+
+        def render_ids(self, history, text):
+            return list(range(len(text.split())))
+
+    monkeypatch.setattr(runner, "make_session", lambda *a: Session())
+    monkeypatch.setattr(runner, "Conversation", Conv)
+    monkeypatch.setattr(runner, "generate", lambda session, ids, *a: types.SimpleNamespace(
+        text="12345", prefill_seconds=1.0, decode_tokens_per_second=2.0))
+    lm = types.SimpleNamespace(tokenizer=types.SimpleNamespace(stop_ids=[], decode=str), chat_template=None)
+    path, seen = tmp_path / "results.json", []
+
+    def save(results):
+        seen.append(len(results))
+        runner.write_json(path, runner.as_dicts(results))
+
+    runner.run_task(lm, default_config(), "passkey", [300, 400], [0.5], 2, ["dense", "sparse"], seed=0,
+                    log=open(tmp_path / "log", "w"), on_result=save)
+    assert seen == list(range(1, 9))
+    saved = json.loads(path.read_text())
+    assert [(r["attention"], r["length"], r["sample"]) for r in saved] == [
+        (a, n, i) for a in ("dense", "sparse") for n in (300, 400) for i in (0, 1)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log", "results.json"]

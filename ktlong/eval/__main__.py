@@ -9,7 +9,6 @@ hybrid decode, with the model's chat template, dense and sparse on the same prom
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
@@ -43,7 +42,7 @@ def main(argv=None) -> int:
     from ktlong.device import resolve_device, resolve_dtype
     from ktlong.errors import KtlongError
     from ktlong.eval.report import needle_heatmap, prefill_rows, summary_rows
-    from ktlong.eval.runner import as_dicts, run_task, same_answers, split_variant, variant_config
+    from ktlong.eval.runner import as_dicts, run_task, same_answers, split_variant, variant_config, write_json
     from ktlong.gguf.loader import load_model, open_model
     from ktlong.gguf.model_config import RopeOptions
     from ktlong.parallel.group import join_ranks, print_error, quiet_unless_main
@@ -91,14 +90,22 @@ def main(argv=None) -> int:
         if max(lengths) > lm.config.context_length:
             raise KtlongError(f"--lengths up to {max(lengths)} exceed the model's context of "
                               f"{lm.config.context_length} tokens; use shorter lengths.")
-        results = run_task(lm, config, args.task, lengths, depths, args.samples, attentions, args.seed)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        main_rank = tp is None or tp.is_main
+
+        def save(results):  # after every sample: a run cut short keeps what it measured
+            if main_rank:
+                write_json(out / "results.json", {"task": args.task, "model": lm.path.name, "device": str(device),
+                                                  "results": as_dicts(results)})
+
+        results = run_task(lm, config, args.task, lengths, depths, args.samples, attentions, args.seed,
+                           on_result=save)
     except KtlongError as e:
         print_error(e)
         return 2
     if tp is not None and not tp.is_main:
         return 0  # rank 0 reports
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     headers, rows = summary_rows(results)
     print(f"{args.task} on {lm.path.name} ({device}), {args.samples} samples per cell")
     print_table(headers, rows)
@@ -108,8 +115,6 @@ def main(argv=None) -> int:
     if {"dense", "transformers"} <= set(attentions):
         for length, (same, total) in same_answers(results, "dense", "transformers").items():
             print(f"dense and transformers gave the same answer on {same}/{total} prompts at {length:,} tokens")
-    (out / "results.json").write_text(json.dumps({"task": args.task, "model": lm.path.name, "device": str(device),
-                                                  "results": as_dicts(results)}, indent=1))
     if args.task == "needle":
         for attention in attentions:
             name = re.sub(r"[^A-Za-z0-9_.-]", "_", attention)  # sparse@selector=xattention: sparse_selector_xattention

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from ktlong.config import Config, parse_set
 from ktlong.chat.conversation import Conversation
@@ -58,7 +62,9 @@ def make_session(lm: LoadedModel, config: Config, attention: str, max_seq_len: i
 
 
 def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], depths: list[float],
-             samples: int, attentions: list[str], seed: int, log=sys.stderr) -> list[Result]:
+             samples: int, attentions: list[str], seed: int, log=sys.stderr, on_result=None) -> list[Result]:
+    """on_result(results so far) after every sample (the CLI rewrites results.json there, so a
+    run cut short keeps what it measured)."""
     conversation = Conversation(lm.tokenizer, lm.chat_template if config.use_chat_template else None)
     count = lambda text: len(conversation.render_ids([], text))
     max_new = MAX_NEW_TOKENS[task]
@@ -88,6 +94,8 @@ def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], dep
                                sum(densities) / len(densities) if densities else 1.0, gen.prefill_seconds,
                                stats.attention_seconds if stats else 0.0)
                     results.append(r)
+                    if on_result is not None:
+                        on_result(results)
                     print(f"[{task} {attention} {length} depth {depth:.2f} #{i}] {'ok ' if r.correct else 'MISS'} "
                           f"expected {r.answer!r} got {gen.text.strip()[:60]!r} ({time.perf_counter() - t0:.1f}s)",
                           file=log, flush=True)
@@ -113,3 +121,15 @@ def same_answers(results: list[Result], a: str, b: str) -> dict[int, tuple[int, 
 
 def as_dicts(results: list[Result]) -> list[dict]:
     return [dataclasses.asdict(r) for r in results]
+
+
+def write_json(path: Path, value) -> None:
+    """Written to a temporary file beside path and renamed over it: a reader never sees half a file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(value, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
