@@ -64,6 +64,7 @@ class Config:
     yarn_orig_ctx: int
     gpu_memory_budget_gb: float
     use_cuda_graph: bool | str  # True, False or "auto"
+    resident_history: bool
     tensor_parallel: int
     chunk_size: int
     prefill_attention: str

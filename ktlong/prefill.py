@@ -28,6 +28,7 @@ from ktlong.kv.history_load import HistoryLoader
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import KVLayout
 from ktlong.kv.pinned import copy_heads
+from ktlong.kv.resident import ResidentHistory
 from ktlong.models.llama import LlamaModel
 from operators.block_summary import anchor_keys, block_summaries, token_importance
 from operators.chunk_attention import chunk_attention, flashinfer_available
@@ -141,11 +142,12 @@ class LayerMajorPrefill:
 
     @torch.inference_mode()
     def run(self, token_ids: list[int], host: HostKVCache, progress=None, history: int = 0,
-            prefetch_history: bool = False) -> tuple[torch.Tensor, PrefillStats]:
+            prefetch_history: bool = False, resident: ResidentHistory | None = None) -> tuple[torch.Tensor, PrefillStats]:
         """Prefill token_ids at positions history.. into `host`, which holds the first `history`
         tokens (0: a new prompt; more: a follow-up over the cache). Returns the last token's
         logits [vocab] and stats. prefetch_history: a follow-up loads layer l+1's history into
-        a second set of pages while layer l computes (one more layer of pages on the device)."""
+        a second set of pages while layer l computes (one more layer of pages on the device).
+        resident: layers whose history the device keeps between turns (ktlong/kv/resident.py)."""
         num_tokens = history + len(token_ids)
         assert history < num_tokens <= self.layout.capacity and host.num_tokens == history
         assert not (history and self.layout.sliding), "sliding-window layers keep only a tail: re-prefill"
@@ -167,7 +169,7 @@ class LayerMajorPrefill:
         if history:
             loader = HistoryLoader(self.layout, self.model.config.num_layers, host, history,
                                    (self.pages, self.pooled_keys), prefetch_history, self.copy_stream,
-                                   lambda: _Timer(stats, self.device, "history_seconds"))
+                                   lambda: _Timer(stats, self.device, "history_seconds"), resident)
         for layer in range(self.model.config.num_layers):
             if self.cuda:  # the pages are about to be overwritten: last layer's copies must be done
                 torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)

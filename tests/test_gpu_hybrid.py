@@ -105,3 +105,33 @@ def test_graphs_kept_across_a_follow_up_decode_as_graphs_captured_after_it():
     for t in range(80):  # past a block boundary and a window slide
         a, b = kept.step(10 + t), rebuilt.step(10 + t)
         assert torch.equal(a, b), t
+
+
+@pytest.mark.parametrize("kv_type", ["bf16", "q8_0"])
+def test_follow_ups_over_resident_history_on_gpu_equal_follow_ups_over_dram(kv_type):
+    """On the GPU, with prefetching and CUDA graphs: a session that keeps every layer's history
+    on the device gives, follow-up after follow-up (a decoded answer between them), exactly the
+    logits of one that moves every layer from DRAM, while fewer bytes cross."""
+    model = random_model("tiny", torch.device("cuda"), torch.bfloat16)
+    c = model.config
+    chosen = selection(second_select_num=1000, preselect_block=False)
+    layout = with_anchors(kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 64, 1600, kv_type), chosen)
+
+    def session(resident):
+        return LongContextSession(model, layout, chunk_size=256, backend="auto", hidden_on_device=True,
+                                  compact=None, selection=chosen, local_windows_len=128, use_cuda_graph=True,
+                                  follow_up_headroom=8 << 30, resident_history=resident)
+
+    g = torch.Generator().manual_seed(4)
+    doc, q1, q2 = (torch.randint(0, 1000, (n,), generator=g).tolist() for n in (700, 40, 70))
+    a, b = session(True), session(False)
+    conversation = doc + q1
+    for s in (a, b):
+        s.prefill(doc)
+    assert torch.equal(a.prefill(conversation), b.prefill(conversation))
+    assert a.resident.layers == list(range(c.num_layers)) and a.last_follow_up == (True, True)
+    for t in (5, 6, 7):
+        assert torch.equal(a.step(t), b.step(t))
+        conversation.append(t)
+    assert torch.equal(a.prefill(conversation + q2), b.prefill(conversation + q2))
+    assert a.last_stats.bytes_to_device < b.last_stats.bytes_to_device

@@ -20,6 +20,7 @@ from ktlong.kv.device_pages import DevicePages
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import KVLayout
 from ktlong.kv.pinned import copy_heads
+from ktlong.kv.resident import ResidentHistory
 from operators.kv_quant import dequantize_kv
 
 Buffers = tuple[DevicePages, torch.Tensor]  # pages, pooled keys [KV, NB, D] float32
@@ -51,10 +52,16 @@ class Staging:
 
 
 def load_history(layout: KVLayout, host: HostKVCache, layer: int, history: int,
-                 pages: DevicePages, pooled_keys: torch.Tensor, staging: Staging | None = None) -> int:
+                 pages: DevicePages, pooled_keys: torch.Tensor, staging: Staging | None = None,
+                 resident: ResidentHistory | None = None) -> int:
     """Queue layer's first `history` tokens and their blocks' pooled keys into pages and
     pooled_keys on the current stream; returns the bytes that cross to the device. staging:
-    for q8_0 / q4_0 on a GPU (on the CPU the host's rows are widened where they lie)."""
+    for q8_0 / q4_0 on a GPU (on the CPU the host's rows are widened where they lie); resident:
+    device copies of some layers' rows, read for the tokens they hold and brought up to date."""
+    if resident is not None and layer in resident.rows:
+        crossed = _load_resident(layout, host, layer, history, pages, resident)
+        _load_pooled_keys(layout, host, layer, history, pooled_keys)
+        return crossed
     for which, buf in (("k", pages.k), ("v", pages.v)):
         dst = pages.tokens(buf)
         if not layout.is_quantized:  # one DMA per head, no staging
@@ -68,17 +75,43 @@ def load_history(layout: KVLayout, host: HostKVCache, layer: int, history: int,
                 copy_heads(staging.scales[:, :e - s], scales)
                 data, scales = staging.data[:, :e - s], staging.scales[:, :e - s]
             dequantize_kv(data, scales, layout.kv_type, layout.dtype, out=dst[:, s:e])
+    _load_pooled_keys(layout, host, layer, history, pooled_keys)
+    return 2 * history * layout.num_kv_heads * layout.stored_row_bytes
+
+
+def _load_pooled_keys(layout: KVLayout, host: HostKVCache, layer: int, history: int, pooled_keys: torch.Tensor):
     blocks = -(-history // layout.block_size)
     copy_heads(pooled_keys[:, :blocks], host.key_mean[layer][:, :blocks])
-    return 2 * history * layout.num_kv_heads * layout.stored_row_bytes
+
+
+def _load_resident(layout: KVLayout, host: HostKVCache, layer: int, history: int, pages: DevicePages,
+                   resident: ResidentHistory) -> int:
+    """The rows the device copy lacks cross into it (one DMA per head and plane), then the pages
+    are widened (q8_0 / q4_0, a staged piece at a time) or copied from it on the device."""
+    rows, start = resident.rows[layer], min(resident.valid[layer], history)
+    for which, buf in (("k", pages.k), ("v", pages.v)):
+        dst, data = pages.tokens(buf), rows[which]
+        copy_heads(data[:, start:history], host.tokens(layer, which, start, history))
+        if not layout.is_quantized:
+            dst[:, :history].copy_(data[:, :history])
+            continue
+        scales = rows[f"{which}_scales"]
+        copy_heads(scales[:, start:history], host.scale_tokens(layer, which, start, history))
+        for s in range(0, history, STAGED_TOKENS):  # widening's float32 scales: one piece at a time
+            e = min(history, s + STAGED_TOKENS)
+            dequantize_kv(data[:, s:e], scales[:, s:e], layout.kv_type, layout.dtype, out=dst[:, s:e])
+    resident.valid[layer] = history
+    return 2 * (history - start) * layout.num_kv_heads * layout.stored_row_bytes
 
 
 class HistoryLoader:
     def __init__(self, layout: KVLayout, num_layers: int, host: HostKVCache, history: int,
                  own: Buffers, prefetch: bool, copy_stream: torch.cuda.Stream | None,
-                 timer: Callable[[], AbstractContextManager]):
+                 timer: Callable[[], AbstractContextManager], resident: ResidentHistory | None = None):
         """own: the engine's pages and pooled keys; copy_stream: where the engine copies the
-        pages to DRAM (None on the CPU); timer: times one layer's load."""
+        pages to DRAM (None on the CPU); timer: times one layer's load; resident: layers whose
+        rows the device keeps between turns."""
+        self.resident = resident
         self.layout, self.num_layers = layout, num_layers
         self.host, self.history, self.timer, self.copy_stream = host, history, timer, copy_stream
         self.buffers = [own]
@@ -112,7 +145,7 @@ class HistoryLoader:
         """Queue layer's history on the current stream, timed."""
         with self.timer():
             self.bytes_to_device += load_history(self.layout, self.host, layer, self.history,
-                                                 *self._buffers(layer), self.staging)
+                                                 *self._buffers(layer), self.staging, self.resident)
 
     def take(self, layer: int) -> Buffers:
         """Layer's pages and pooled keys, loaded (or queued before anything that reads them);

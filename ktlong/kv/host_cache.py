@@ -58,6 +58,9 @@ into when the tables are not pinned (maps_files).
         # global layer -> [KV, blocks] float32: attention mass the last prompt queries put on each
         # block, measured by prefill, read by decode's preselection
         self.prompt_block_mass: dict[int, np.ndarray] = {}
+        # device copies of some layers' rows kept between turns (ktlong/kv/resident.py): cut
+        # wherever this cache is cut, so that they never outlive the rows they were made from
+        self.resident = None
 
     def advance(self, num_new: int):
         """num_new more tokens are in the cache (their K/V and side tables written)."""
@@ -67,6 +70,8 @@ into when the tables are not pinned (maps_files).
     def reset(self):
         self.num_tokens = self.stable_tokens = 0
         self.prompt_block_mass = {}
+        if self.resident is not None:
+            self.resident.truncate(0)
 
     def truncate(self, num_tokens: int):
         """Keep the first num_tokens tokens (a follow-up diverges there); what lies after is
@@ -74,6 +79,8 @@ into when the tables are not pinned (maps_files).
         assert num_tokens <= self.num_tokens and not self.layout.sliding
         self.num_tokens = num_tokens
         self.stable_tokens = min(self.stable_tokens, num_tokens)
+        if self.resident is not None:
+            self.resident.truncate(num_tokens)
 
     def place_tails(self, num_tokens: int):
         """Before a prefill of num_tokens: sliding layers keep the blocks that end the prompt."""

@@ -19,6 +19,7 @@ from ktlong.kv.history_load import staging_bytes
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import KVLayout
 from ktlong.kv.memory_plan import workspace_bytes
+from ktlong.kv.resident import ResidentHistory
 from ktlong.models.llama import LlamaModel
 from ktlong.prefill import LayerMajorPrefill
 from ktlong.decode.selection import SelectionSettings
@@ -29,13 +30,20 @@ from ktlong.session.prefix import cached_prefix
 from ktlong.session.settings import compact_params, selection_settings, split_arm
 from operators.compact_attention import CompactParams
 
+# device memory resident history leaves unused: the plan counts the decoder's buffers, not what
+# the allocator rounds up or CUDA graphs keep besides
+RESIDENT_MARGIN = 1 << 30
+
+
 class LongContextSession:
     def __init__(self, model: LlamaModel, layout: KVLayout, *, chunk_size: int, backend: str,
                  hidden_on_device: bool, compact: CompactParams | None, selection: SelectionSettings,
-                 local_windows_len: int, use_cuda_graph: bool, follow_up_headroom: int | None = None):
+                 local_windows_len: int, use_cuda_graph: bool, follow_up_headroom: int | None = None,
+                 resident_history: bool = True):
         """follow_up_headroom: device bytes the plan leaves beside a decoder (its window, anchors
         and graphs), within which a follow-up's prefill runs while the decoder stays; None: no
-        limit (the CPU)."""
+        limit (the CPU). resident_history: what a follow-up leaves of that room keeps layers'
+        history on the device for the next one (ktlong/kv/resident.py)."""
         window = model.config.sliding_window
         assert not window or local_windows_len >= window, "Config.check_local_window"
         assert tuple(layout.sliding) == tuple(model.config.sliding_layers), "use model_kv_layout"
@@ -48,6 +56,9 @@ class LongContextSession:
         self.max_seq_len = layout.capacity
         self.engine = LayerMajorPrefill(model, layout, chunk_size, backend, hidden_on_device, compact)
         self.host = HostKVCache(layout, pin=model.device.type == "cuda")
+        self.resident = None
+        if resident_history and follow_up_headroom is not None and not layout.sliding:
+            self.resident = self.host.resident = ResidentHistory(layout, model.device)
         self.ids: list[int] = []
         self.last_stats = None
         self.last_prefill_tokens = 0  # tokens the last prefill computed (the rest came from the cache)
@@ -67,7 +78,8 @@ class LongContextSession:
                       hidden_on_device=plan.memory.hidden_on_device, compact=compact_params(config, prefill),
                       selection=selection_settings(config, model.config.num_layers, decode),
                       local_windows_len=config.local_windows_len, use_cuda_graph=plan.use_cuda_graph,
-                      follow_up_headroom=plan.budget_bytes - plan.memory.decode_device if plan.is_gpu else None)
+                      follow_up_headroom=plan.budget_bytes - plan.memory.decode_device if plan.is_gpu else None,
+                      resident_history=config.resident_history)
         session.warm_up()
         return session
 
@@ -110,8 +122,10 @@ class LongContextSession:
         history = self.reusable(prompt_ids)
         # a follow-up that fits beside the decoder keeps it (and its graphs); otherwise the
         # device window goes before prefill needs the memory
-        keep, prefetch = self._follow_up_room(len(prompt_ids) - history) if history else (False, False)
+        keep, prefetch, room = self._follow_up_room(len(prompt_ids) - history) if history else (False, False, 0)
         self.last_follow_up = (keep, prefetch)
+        if self.resident is not None:  # a new prompt's prefill needs all of it: nothing stays
+            self.resident.fit(room)
         kept = self.decoder if keep else None
         self.decoder = None
         if history:
@@ -125,7 +139,7 @@ class LongContextSession:
         progress = _ScaledProgress(bar, 1.0 / layers, should_stop)
         self.last_prefill_tokens = len(new)
         try:
-            logits, self.last_stats = self.engine.run(new, self.host, progress, history, prefetch)
+            logits, self.last_stats = self.engine.run(new, self.host, progress, history, prefetch, self.resident)
         except Cancelled:
             self.reset()
             raise
@@ -148,20 +162,24 @@ class LongContextSession:
         self.last_decode_setup_seconds = time.perf_counter() - start
         return logits
 
-    def _follow_up_room(self, num_new: int) -> tuple[bool, bool]:
-        """(keep the decoder, prefetch the history) for a follow-up of num_new tokens: the
-        decoder stays if the follow-up's prefill (its hidden states, one chunk's workspace) fits
-        the device memory the plan leaves beside it; the next layer's history loads ahead on a
-        GPU if a second layer of pages fits too (beside the decoder, whether it stays or not:
-        without it there is more room). The CPU has no limit and nothing to overlap."""
+    def _follow_up_room(self, num_new: int) -> tuple[bool, bool, int]:
+        """(keep the decoder, prefetch the history, bytes left for resident history) for a
+        follow-up of num_new tokens: the decoder stays if the follow-up's prefill (its hidden
+        states, one chunk's workspace) fits the device memory the plan leaves beside it; the
+        next layer's history loads ahead on a GPU if a second layer of pages fits too (beside
+        the decoder, whether it stays or not: without it there is more room); what is left
+        after both keeps layers' history on the device. The CPU has no limit and nothing to
+        overlap."""
         has_decoder, on_gpu = self.decoder is not None, self.model.device.type == "cuda"
         if self.follow_up_headroom is None:
-            return has_decoder, on_gpu
+            return has_decoder, on_gpu, 0
         c, act = self.model.config, self.model.dtype.itemsize
         need = (workspace_bytes(c, min(num_new, self.engine.chunk_size), self.layout, act)
                 + num_new * c.hidden_size * act + staging_bytes(self.layout, len(self.ids)))
-        return (has_decoder and need <= self.follow_up_headroom,
-                on_gpu and need + self.layout.page_bytes() <= self.follow_up_headroom)
+        keep = has_decoder and need <= self.follow_up_headroom
+        prefetch = on_gpu and need + self.layout.page_bytes() <= self.follow_up_headroom
+        room = self.follow_up_headroom - need - (self.layout.page_bytes() if prefetch else 0) - RESIDENT_MARGIN
+        return keep, prefetch, room
 
     def step(self, token_id: int) -> torch.Tensor:
         logits = self.decoder.step(token_id)

@@ -1,0 +1,61 @@
+"""Some layers' history kept on the device between turns, as DRAM stores it.
+
+A follow-up moves every layer's history from DRAM to the device, and that crossing is most of
+its time (at 128K, 9 GB of q8_0 take 0.19 s over PCIe on the H100). Memory the plan leaves free
+beside the decoder can hold some layers' stored rows (int8 and scales for q8_0 / q4_0, the
+values themselves for bf16 / fp16): a follow-up then reads those layers on the device, and only
+the rows added since they were filled (the last answer and the new question) cross.
+
+A token's stored row never changes once written, so the copy of a layer stays valid up to
+`valid[layer]` tokens; the host cache cuts that where it is cut itself (a new prompt, an edited
+conversation, a loaded file), so a copy never outlives the rows it was made from.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ktlong.kv.layout import KVLayout
+
+
+def resident_layer_bytes(layout: KVLayout) -> int:
+    """Device bytes of one layer's K and V rows for the whole capacity, as stored."""
+    return 2 * layout.num_kv_heads * layout.capacity * layout.stored_row_bytes
+
+
+class ResidentHistory:
+    def __init__(self, layout: KVLayout, device: torch.device):
+        self.layout, self.device = layout, device
+        self.rows: dict[int, dict[str, torch.Tensor]] = {}  # layer -> {"k", "v", "k_scales", "v_scales"}
+        self.valid: dict[int, int] = {}  # layer -> leading tokens whose rows the copy holds
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.rows)
+
+    @property
+    def bytes(self) -> int:
+        return len(self.rows) * resident_layer_bytes(self.layout)
+
+    def fit(self, room: int):
+        """Hold as many layers as `room` bytes allow, the first layers first (a follow-up's first
+        layer is the one whose load nothing can overlap); layers beyond it are freed."""
+        layout = self.layout
+        candidates = [i for i in range(layout.num_layers) if not layout.is_sliding(i)]
+        count = min(len(candidates), max(room, 0) // resident_layer_bytes(layout))
+        wanted = set(candidates[:count])
+        for layer in [i for i in self.rows if i not in wanted]:
+            del self.rows[layer], self.valid[layer]
+        data, words = layout.stored_row
+        shape = (layout.num_kv_heads, layout.capacity)
+        for layer in sorted(wanted - set(self.rows)):
+            rows = {w: torch.empty(shape + (data,), dtype=layout.stored_dtype, device=self.device) for w in "kv"}
+            if layout.is_quantized:
+                rows.update({f"{w}_scales": torch.empty(shape + (words,), dtype=torch.int16, device=self.device)
+                             for w in "kv"})
+            self.rows[layer], self.valid[layer] = rows, 0
+
+    def truncate(self, num_tokens: int):
+        """The host keeps only its first num_tokens tokens: what follows is written over."""
+        for layer in self.valid:
+            self.valid[layer] = min(self.valid[layer], num_tokens)
