@@ -91,6 +91,7 @@ class _Run:
     # (layer, [KV, blocks] on the device): decode's preselection masses, to the host after the
     # last layer (fetching each as it is made would sync the host with the device every layer)
     masses: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    resident: ResidentHistory | None = None  # layers whose rows also go to device copies
 
 
 class _Timer:
@@ -152,7 +153,7 @@ class LayerMajorPrefill:
         assert history < num_tokens <= self.layout.capacity and host.num_tokens == history
         assert not (history and self.layout.sliding), "sliding-window layers keep only a tail: re-prefill"
         stats = PrefillStats(num_tokens=len(token_ids))
-        run = _Run(num_tokens, host, stats)
+        run = _Run(num_tokens, host, stats, resident=resident)
         if not history:
             host.place_tails(num_tokens)
         if self.cuda:
@@ -232,7 +233,7 @@ class LayerMajorPrefill:
             run.masses.append((layer, mass))
         with _Timer(run.stats, self.device):
             o = self._attention(layer, q.to(self.layout.dtype), s, e, run)
-        self._offload(layer, q, s, e, run.host, run.stats)
+        self._offload(layer, q, s, e, run)
         return model.residual_block(layer, x, o)
 
     def _attention(self, layer, q, s, e, run: _Run) -> torch.Tensor:
@@ -257,14 +258,15 @@ class LayerMajorPrefill:
         keys, values = self.pages.tokens(self.pages.k)[:, :e], self.pages.tokens(self.pages.v)[:, :e]
         return chunk_attention(q, keys, values, self.model.scale, self.backend)
 
-    def _offload(self, layer, q, s, e, host: HostKVCache, stats):
+    def _offload(self, layer, q, s, e, run: _Run):
         """Summarise the chunk's blocks and copy its K/V and side tables to DRAM. Sliding-window
         layers copy only their DRAM tail, what the decoder's device window loads (no side tables)."""
+        host, stats = run.host, run.stats
         if self.layout.is_sliding(layer):
             s = max(s, host.first_token(layer))
             if s >= e:
                 return
-            self._copy_kv(layer, s, e, host, stats)
+            self._copy_kv(layer, s, e, run)
             return
         B = self.layout.block_size
         b0, b1 = s // B, -(-e // B)
@@ -281,7 +283,7 @@ class LayerMajorPrefill:
                 importance = token_importance(q[-IMPORTANCE_QUERIES:], keys, self.model.scale)  # [KV, valid]
             anchors = anchor_keys(k_blocks, valid, self.layout.anchor_type, self.layout.anchor_num, importance)
             tables.append((host.anchor_keys[layer][:, b0:b1], anchors))
-        self._copy_kv(layer, s, e, host, stats)
+        self._copy_kv(layer, s, e, run)
         with self._after_compute():
             for dst, values in tables:
                 copy_heads(dst, values)  # block ranges of head-major tables: one range per head
@@ -299,10 +301,12 @@ class LayerMajorPrefill:
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         return torch.cuda.stream(self.copy_stream)
 
-    def _copy_kv(self, layer, s, e, host: HostKVCache, stats):
+    def _copy_kv(self, layer, s, e, run: _Run):
         """K/V of positions s..e to DRAM in its stored type: q8_0 / q4_0 are quantised here, on the
-        device, so that the copy moves the quantised bytes."""
-        layout = self.layout
+        device, so that the copy moves the quantised bytes. A resident layer's device copy gets
+        the same rows."""
+        layout, host = self.layout, run.host
+        resident = run.resident if run.resident is not None and layer in run.resident.rows else None
         with self._after_compute():
             for which, pages in (("k", self.pages.k), ("v", self.pages.v)):
                 src = self.pages.tokens(pages)[:, s:e]  # [KV, e-s, D]
@@ -314,4 +318,8 @@ class LayerMajorPrefill:
                     copy_heads(dst, values)
                     if self.cuda and values is not src:
                         values.record_stream(self.copy_stream)
-        stats.bytes_to_host += 2 * (e - s) * layout.num_kv_heads * layout.stored_row_bytes
+                if resident is not None:
+                    resident.write(layer, which, s, e, *(values for _, values in planes))
+        if resident is not None:
+            resident.extend(layer, s, e)
+        run.stats.bytes_to_host += 2 * (e - s) * layout.num_kv_heads * layout.stored_row_bytes

@@ -107,8 +107,8 @@ def test_graphs_kept_across_a_follow_up_decode_as_graphs_captured_after_it():
         assert torch.equal(a, b), t
 
 
-@pytest.mark.parametrize("kv_type", ["bf16", "q8_0"])
-def test_follow_ups_over_resident_history_on_gpu_equal_follow_ups_over_dram(kv_type):
+@pytest.mark.parametrize("kv_type,room_at_prefill", [("bf16", True), ("q8_0", True), ("q8_0", False)])
+def test_follow_ups_over_resident_history_on_gpu_equal_follow_ups_over_dram(kv_type, room_at_prefill):
     """On the GPU, with prefetching and CUDA graphs: a session that keeps every layer's history
     on the device gives, follow-up after follow-up (a decoded answer between them), exactly the
     logits of one that moves every layer from DRAM, while fewer bytes cross."""
@@ -120,7 +120,8 @@ def test_follow_ups_over_resident_history_on_gpu_equal_follow_ups_over_dram(kv_t
     def session(resident):
         return LongContextSession(model, layout, chunk_size=256, backend="auto", hidden_on_device=True,
                                   compact=None, selection=chosen, local_windows_len=128, use_cuda_graph=True,
-                                  follow_up_headroom=8 << 30, resident_history=resident)
+                                  follow_up_headroom=8 << 30, prefill_headroom=(8 << 30) if room_at_prefill else None,
+                                  resident_history=resident)
 
     g = torch.Generator().manual_seed(4)
     doc, q1, q2 = (torch.randint(0, 1000, (n,), generator=g).tolist() for n in (700, 40, 70))

@@ -18,31 +18,36 @@ def tiny(tmp_path_factory):  # head_dim 32: one q8_0 block per row
     return tiny_model(tmp_path_factory.mktemp("m"), TinySpec(num_layers=3, hidden=128, head_dim=32), seed=17)
 
 
-def session(lm, kv_type, resident_history, headroom):
+def session(lm, kv_type, resident_history, headroom, prefill_headroom=None):
     c = lm.config
     chosen = selection(second_select_num=1000, preselect_block=False)
     layout = with_anchors(kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 400, kv_type, page_type="fp32"),
                           chosen)
     return LongContextSession(lm.model, layout, chunk_size=32, backend="torch", hidden_on_device=True, compact=None,
                               selection=chosen, local_windows_len=24, use_cuda_graph=False,
-                              follow_up_headroom=headroom, resident_history=resident_history)
+                              follow_up_headroom=headroom, prefill_headroom=prefill_headroom,
+                              resident_history=resident_history)
 
 
 @pytest.mark.parametrize("kv_type", ["fp32", "q8_0"])
-def test_follow_ups_over_resident_layers_equal_follow_ups_over_dram(tiny, kv_type, monkeypatch):
-    """Two of three layers fit the room (each counted as 1 GB here): they are filled by the first
-    follow-up, and later ones move only the tokens added since (the answer, the question) for
-    them. A decoded answer, an edited conversation and a new prompt keep the copies honest:
-    logits and decoded steps equal the other session's exactly."""
+@pytest.mark.parametrize("room_at_prefill", [True, False])
+def test_follow_ups_over_resident_layers_equal_follow_ups_over_dram(tiny, kv_type, room_at_prefill, monkeypatch):
+    """Two of three layers fit the room (each counted as 1 GB here). Their copies are filled as
+    the document is prefilled (when the plan leaves room beside a prefill) or else by the first
+    follow-up's load, and take every prefilled row after; a follow-up then moves only the rows
+    decode added (the answer). A decoded answer, an edited conversation and a new prompt keep
+    the copies honest: logits and decoded steps equal the other session's exactly."""
     import ktlong.kv.resident as resident_module
 
     monkeypatch.setattr(resident_module, "resident_layer_bytes", lambda layout: GB)
     rng = np.random.default_rng(5)
     tokens = lambda n: [int(t) for t in rng.integers(0, 300, size=n)]
     headroom = int(2.5 * GB) + RESIDENT_MARGIN  # two layers and a half beside the margin
-    a = session(tiny, kv_type, True, headroom=headroom)
-    b = session(tiny, kv_type, False, headroom=headroom)
+    at_prefill = headroom if room_at_prefill else None
+    a = session(tiny, kv_type, True, headroom, at_prefill)
+    b = session(tiny, kv_type, False, headroom, at_prefill)
     assert a.resident is not None and b.resident is None
+    row = a.layout.stored_row_bytes * a.layout.num_kv_heads * 2  # K and V of one token, one layer
 
     def both(fn):
         x, y = fn(a), fn(b)
@@ -51,29 +56,29 @@ def test_follow_ups_over_resident_layers_equal_follow_ups_over_dram(tiny, kv_typ
 
     doc = tokens(150)
     both(lambda s: s.prefill(doc))
-    assert a.resident.layers == []  # a new prompt's prefill keeps nothing back
+    assert a.resident.valid == ({0: 150, 1: 150} if room_at_prefill else {})
     conversation = doc + tokens(20)
-    both(lambda s: s.prefill(conversation))  # fills layers 0 and 1 with the document
-    assert a.resident.layers == [0, 1] and a.resident.valid == {0: 150, 1: 150}
+    both(lambda s: s.prefill(conversation))
+    assert a.resident.layers == [0, 1] and a.resident.valid == {0: 170, 1: 170}
+    first_crossed = b.last_stats.bytes_to_device - a.last_stats.bytes_to_device
+    assert first_crossed == (2 * 150 * row if room_at_prefill else 0)
     for t in range(5):  # an answer: DRAM gains rows the copies do not have
         both(lambda s: s.step(7 + t))
         conversation.append(7 + t)
     follow = conversation + tokens(9)
     both(lambda s: s.prefill(follow))
-    crossed_a, crossed_b = a.last_stats.bytes_to_device, b.last_stats.bytes_to_device
-    assert a.resident.valid == {0: len(conversation), 1: len(conversation)}
-    row = a.layout.stored_row_bytes * a.layout.num_kv_heads * 2
-    assert crossed_b - crossed_a == 2 * 150 * row  # the document's rows stayed on the device for two layers
+    assert a.resident.valid == {0: 184, 1: 184}
+    assert b.last_stats.bytes_to_device - a.last_stats.bytes_to_device == 2 * 170 * row  # only the answer crossed
     edited = follow[:60] + tokens(30)  # diverges inside the document: the copies are cut there
     both(lambda s: s.prefill(edited))
-    assert a.resident.valid == {0: 60, 1: 60}
+    assert a.resident.valid == {0: 90, 1: 90}
     both(lambda s: s.step(3))
     other = tokens(120)  # a new prompt, then a follow-up over it
     both(lambda s: s.prefill(other))
-    assert a.resident.layers == [] and all(v == 0 for v in a.resident.valid.values())
+    assert a.resident.valid == ({0: 120, 1: 120} if room_at_prefill else {})
     again = other + tokens(4)
     both(lambda s: s.prefill(again))
-    assert a.resident.valid == {0: 120, 1: 120}
+    assert a.resident.valid == {0: 124, 1: 124}
 
 
 def test_the_room_left_decides_how_many_layers_stay(tiny, monkeypatch):

@@ -55,6 +55,19 @@ class ResidentHistory:
                              for w in "kv"})
             self.rows[layer], self.valid[layer] = rows, 0
 
+    def write(self, layer: int, which: str, start: int, end: int, data: torch.Tensor,
+              scales: torch.Tensor | None = None):
+        """Rows start..end of K ("k") or V ("v") as stored, from the device ([KV, end-start, R])."""
+        rows = self.rows[layer]
+        rows[which][:, start:end].copy_(data)
+        if scales is not None:
+            rows[f"{which}_scales"][:, start:end].copy_(scales)
+
+    def extend(self, layer: int, start: int, end: int):
+        """Both K and V of start..end are written: the copy holds them if it held what precedes."""
+        if self.valid[layer] == start:
+            self.valid[layer] = end
+
     def truncate(self, num_tokens: int):
         """The host keeps only its first num_tokens tokens: what follows is written over."""
         for layer in self.valid:

@@ -39,11 +39,12 @@ class LongContextSession:
     def __init__(self, model: LlamaModel, layout: KVLayout, *, chunk_size: int, backend: str,
                  hidden_on_device: bool, compact: CompactParams | None, selection: SelectionSettings,
                  local_windows_len: int, use_cuda_graph: bool, follow_up_headroom: int | None = None,
-                 resident_history: bool = True):
+                 prefill_headroom: int | None = None, resident_history: bool = True):
         """follow_up_headroom: device bytes the plan leaves beside a decoder (its window, anchors
         and graphs), within which a follow-up's prefill runs while the decoder stays; None: no
-        limit (the CPU). resident_history: what a follow-up leaves of that room keeps layers'
-        history on the device for the next one (ktlong/kv/resident.py)."""
+        limit (the CPU). prefill_headroom: what the plan leaves beside a new prompt's prefill.
+        resident_history: what a prefill leaves of that room keeps layers' history on the device
+        for the next follow-up (ktlong/kv/resident.py)."""
         window = model.config.sliding_window
         assert not window or local_windows_len >= window, "Config.check_local_window"
         assert tuple(layout.sliding) == tuple(model.config.sliding_layers), "use model_kv_layout"
@@ -51,6 +52,7 @@ class LongContextSession:
             layout.capacity, local_windows_len + layout.block_size), "the DRAM tail must cover the device window"
         self.selection, self.local_windows_len = selection, local_windows_len
         self.use_cuda_graph, self.follow_up_headroom = use_cuda_graph, follow_up_headroom
+        self.prefill_headroom = prefill_headroom
         self.decoder: HybridDecoder | None = None
         self.model, self.layout = model, layout
         self.max_seq_len = layout.capacity
@@ -79,6 +81,7 @@ class LongContextSession:
                       selection=selection_settings(config, model.config.num_layers, decode),
                       local_windows_len=config.local_windows_len, use_cuda_graph=plan.use_cuda_graph,
                       follow_up_headroom=plan.budget_bytes - plan.memory.decode_device if plan.is_gpu else None,
+                      prefill_headroom=plan.budget_bytes - plan.memory.prefill_device if plan.is_gpu else None,
                       resident_history=config.resident_history)
         session.warm_up()
         return session
@@ -124,7 +127,9 @@ class LongContextSession:
         # device window goes before prefill needs the memory
         keep, prefetch, room = self._follow_up_room(len(prompt_ids) - history) if history else (False, False, 0)
         self.last_follow_up = (keep, prefetch)
-        if self.resident is not None:  # a new prompt's prefill needs all of it: nothing stays
+        if self.resident is not None:  # rows prefilled now go to the copies too
+            if not history:
+                room = self.prefill_headroom - RESIDENT_MARGIN if self.prefill_headroom is not None else 0
             self.resident.fit(room)
         kept = self.decoder if keep else None
         self.decoder = None
