@@ -53,7 +53,18 @@ class DeviceWindow:
                     self._load(sink[layer, :, :sinks], host, layer, which, 0, sinks)
 
     def _load(self, dst: torch.Tensor, host: HostKVCache, layer: int, which: str, start: int, end: int):
-        """q8_0 / q4_0 widen on the device: the quantised bytes cross, the window holds dtype."""
+        """q8_0 / q4_0 widen on the device: the quantised bytes cross, the window holds dtype. A
+        layer whose rows the device keeps between turns (host.resident) is read there."""
+        resident = host.resident
+        if resident is not None and layer in resident.rows and resident.valid[layer] >= end:
+            rows = resident.rows[layer]
+            data = rows[which][:, start:end]
+            if self.layout.is_quantized:
+                dequantize_kv(data, rows[f"{which}_scales"][:, start:end], self.layout.kv_type, self.layout.dtype,
+                              out=dst)
+            else:
+                dst.copy_(data)
+            return
         data = host.tokens(layer, which, start, end)
         if not self.layout.is_quantized:
             copy_heads(dst, data)
