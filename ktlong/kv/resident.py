@@ -3,8 +3,9 @@
 A follow-up moves every layer's history from DRAM to the device, and that crossing is most of
 its time (at 128K, 9 GB of q8_0 take 0.19 s over PCIe on the H100). Memory the plan leaves free
 beside the decoder can hold some layers' stored rows (int8 and scales for q8_0 / q4_0, the
-values themselves for bf16 / fp16): a follow-up then reads those layers on the device, and only
-the rows added since they were filled (the last answer and the new question) cross.
+values themselves for bf16 / fp16), filled as they are prefilled (or by the first follow-up's
+load): a follow-up then reads those layers on the device, and only the rows decode added since
+(the last answer) cross.
 
 A token's stored row never changes once written, so the copy of a layer stays valid up to
 `valid[layer]` tokens; the host cache cuts that where it is cut itself (a new prompt, an edited
@@ -32,10 +33,6 @@ class ResidentHistory:
     @property
     def layers(self) -> list[int]:
         return sorted(self.rows)
-
-    @property
-    def bytes(self) -> int:
-        return len(self.rows) * resident_layer_bytes(self.layout)
 
     def fit(self, room: int):
         """Hold as many layers as `room` bytes allow, the first layers first (a follow-up's first
