@@ -57,13 +57,7 @@ class DeviceWindow:
         layer whose rows the device keeps between turns (host.resident) is read there."""
         resident = host.resident
         if resident is not None and layer in resident.rows and resident.valid[layer] >= end:
-            rows = resident.rows[layer]
-            data = rows[which][:, start:end]
-            if self.layout.is_quantized:
-                dequantize_kv(data, rows[f"{which}_scales"][:, start:end], self.layout.kv_type, self.layout.dtype,
-                              out=dst)
-            else:
-                dst.copy_(data)
+            resident.widen(layer, which, start, end, dst)
             return
         data = host.tokens(layer, which, start, end)
         if not self.layout.is_quantized:

@@ -90,16 +90,10 @@ def _load_resident(layout: KVLayout, host: HostKVCache, layer: int, history: int
     are widened (q8_0 / q4_0, a staged piece at a time) or copied from it on the device."""
     rows, start = resident.rows[layer], min(resident.valid[layer], history)
     for which, buf in (("k", pages.k), ("v", pages.v)):
-        dst, data = pages.tokens(buf), rows[which]
-        copy_heads(data[:, start:history], host.tokens(layer, which, start, history))
-        if not layout.is_quantized:
-            dst[:, :history].copy_(data[:, :history])
-            continue
-        scales = rows[f"{which}_scales"]
-        copy_heads(scales[:, start:history], host.scale_tokens(layer, which, start, history))
-        for s in range(0, history, STAGED_TOKENS):  # widening's float32 scales: one piece at a time
-            e = min(history, s + STAGED_TOKENS)
-            dequantize_kv(data[:, s:e], scales[:, s:e], layout.kv_type, layout.dtype, out=dst[:, s:e])
+        copy_heads(rows[which][:, start:history], host.tokens(layer, which, start, history))
+        if layout.is_quantized:
+            copy_heads(rows[f"{which}_scales"][:, start:history], host.scale_tokens(layer, which, start, history))
+        resident.widen(layer, which, 0, history, pages.tokens(buf)[:, :history], STAGED_TOKENS)
     resident.valid[layer] = history
     return 2 * (history - start) * layout.num_kv_heads * layout.stored_row_bytes
 

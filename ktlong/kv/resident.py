@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ktlong.kv.layout import KVLayout
+from operators.kv_quant import dequantize_kv
 
 
 def resident_layer_bytes(layout: KVLayout) -> int:
@@ -64,6 +65,21 @@ class ResidentHistory:
         """Both K and V of start..end are written: the copy holds them if it held what precedes."""
         if self.valid[layer] == start:
             self.valid[layer] = end
+
+    def widen(self, layer: int, which: str, start: int, end: int, dst: torch.Tensor, piece: int = 0):
+        """Rows start..end of K ("k") or V ("v") into dst ([KV, end-start, D], the pages' dtype):
+        q8_0 / q4_0 widened `piece` tokens at a time (0: at once), which bounds the float32
+        scales widening holds; other types copied."""
+        rows = self.rows[layer]
+        data = rows[which]
+        if not self.layout.is_quantized:
+            dst.copy_(data[:, start:end])
+            return
+        scales, piece = rows[f"{which}_scales"], piece or max(end - start, 1)
+        for s in range(start, end, piece):
+            e = min(end, s + piece)
+            dequantize_kv(data[:, s:e], scales[:, s:e], self.layout.kv_type, self.layout.dtype,
+                          out=dst[:, s - start:e - start])
 
     def truncate(self, num_tokens: int):
         """The host keeps only its first num_tokens tokens: what follows is written over."""
