@@ -31,13 +31,13 @@ def observation_block_mass(q: torch.Tensor, k_pages: torch.Tensor, num_tokens: i
         b1 = min(num_blocks, b0 + slice_blocks)
         keys = k_pages[:, b0:b1].reshape(num_kv, -1, dim)
         logits = torch.bmm(qg, keys.transpose(1, 2)).float() * scale  # [KV, G*Tq, n]
-        m = None
-        if b1 * block > num_tokens - num_q + 1:  # the slice holds keys after the first query: causal mask
+        masked = b1 * block > num_tokens - num_q + 1  # the slice holds keys after the first query
+        if masked:
             k_pos = torch.arange(b0 * block, b1 * block, device=q.device)
             logits.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-            m = logits.amax(-1, keepdim=True)
+        m = logits.amax(-1, keepdim=True)
+        if masked:
             m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # a slice wholly after a query
-        m = logits.amax(-1, keepdim=True) if m is None else m
         maxima.append(m)
         sums.append(torch.exp(logits - m).view(num_kv, group * num_q, b1 - b0, block).sum(-1))
     top = torch.stack(maxima).amax(0)  # [KV, G*Tq, 1]
