@@ -79,7 +79,7 @@ class CompactAttention:
         p, num_hist = self.params, start // self.block_size
         if p.selector == "all" or num_hist == 0:
             return torch.ones((self.groups.shape[0], num_hist), dtype=torch.bool, device=q.device)
-        keys = k_pages.view(k_pages.shape[0], -1, k_pages.shape[-1])[:, :start]
+        keys = token_rows(k_pages)[:, :start]
         if p.selector == "flashprefill":
             return flashprefill_group_keep(q, pooled_keys[:, :num_hist], self.block_size, p.alpha, self.scale,
                                            p.sink_blocks, p.window_blocks, self.groups.shape[1],
@@ -134,9 +134,14 @@ class CompactAttention:
         out = self.execute(q, k_pages, v_pages, pages)
         dense = prompt_tail(start, end, prompt_end, self.params.dense_tail)
         if dense:  # the question: as dense prefill computes it, at the cost of a few rows over the history
-            keys, values = (x.view(x.shape[0], -1, x.shape[-1])[:, :end] for x in (k_pages, v_pages))
+            keys, values = token_rows(k_pages)[:, :end], token_rows(v_pages)[:, :end]
             out[-dense:] = chunk_attention(q[-dense:], keys, values, self.scale, self.backend)
         return out, pages
+
+
+def token_rows(pages: torch.Tensor) -> torch.Tensor:
+    """Head-major pages [KV, NB, B, D] as token rows [KV, NB * B, D] (a view)."""
+    return pages.view(pages.shape[0], -1, pages.shape[-1])
 
 
 def prompt_tail(start: int, end: int, prompt_end: int | None, n: int) -> int:

@@ -23,7 +23,7 @@ from ktlong.errors import KtlongError
 from ktlong.session.settings import compact_params
 from operators.block_union import build_page_lists
 from operators.chunk_attention import chunk_attention, flashinfer_available
-from operators.compact_attention import CompactAttention
+from operators.compact_attention import CompactAttention, token_rows
 
 B = 128
 
@@ -64,7 +64,7 @@ def measure(q, k, v, start, backend, keep_groups, op: CompactAttention, pooled, 
 def dense_time(q, k, v, start, backend, op_all):
     end = start + q.shape[0]
     if backend == "fa2":
-        keys, values = k.view(k.shape[0], -1, k.shape[-1])[:, :end], v.view(v.shape[0], -1, v.shape[-1])[:, :end]
+        keys, values = token_rows(k)[:, :end], token_rows(v)[:, :end]
         return time_cuda(lambda: chunk_attention(q, keys, values, op_all.scale, "fa2"))
     keep = torch.ones(op_all.groups.shape[0], start // B, dtype=torch.bool, device=q.device)
     pages = build_page_lists(keep, op_all.groups, op_all.num_heads, op_all.num_kv_heads, k.shape[1],
