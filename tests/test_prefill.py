@@ -274,3 +274,17 @@ def test_a_follow_up_that_prefetches_its_history_equals_one_that_does_not(tmp_pa
     for layer in range(c.num_layers):
         assert torch.equal(host_a.tokens(layer, "k", 0, 260), host_b.tokens(layer, "k", 0, 260))
         assert torch.equal(host_a.key_mean[layer], host_b.key_mean[layer])
+
+
+def test_copy_rows_2d_declines_without_a_gpu_and_copy_heads_copies_each_head():
+    from ktlong.kv.copy_2d import _row_bytes, copy_rows_2d
+    from ktlong.kv.pinned import copy_heads
+
+    table = torch.arange(4 * 10 * 6, dtype=torch.float32).view(4, 10, 6)
+    assert _row_bytes(table[:, 2:7]) == 5 * 6 * 4  # a token range of each head: contiguous rows
+    assert _row_bytes(table[:, :, :3]) is None  # a column slice: not one range per head
+    assert _row_bytes(table[:, 3:4]) == 6 * 4
+    out = torch.zeros(4, 5, 6)
+    assert not copy_rows_2d(out, table[:, 2:7])  # nothing on a GPU
+    copy_heads(out, table[:, 2:7])
+    assert torch.equal(out, table[:, 2:7])

@@ -69,6 +69,7 @@ def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], dep
     count = lambda text: len(conversation.render_ids([], text))
     max_new = MAX_NEW_TOKENS[task]
     results = []
+    prompts = {}  # (length, depth, i) -> (sample, ids): every arm gets the same prompts, built once
     for attention in attentions:
         max_seq_len = max(lengths) + max_new + 1
         if attention == "transformers":
@@ -80,9 +81,11 @@ def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], dep
         for length in lengths:
             for depth in depths:
                 for i in range(samples):
-                    sample = make_sample(task, length, depth, seed * 100003 + length * 7 + int(depth * 1000) * 13 + i,
-                                         count)
-                    ids = conversation.render_ids([], sample.prompt)
+                    if (length, depth, i) not in prompts:
+                        sample = make_sample(task, length, depth,
+                                             seed * 100003 + length * 7 + int(depth * 1000) * 13 + i, count)
+                        prompts[length, depth, i] = sample, conversation.render_ids([], sample.prompt)
+                    sample, ids = prompts[length, depth, i]
                     session.reset()
                     t0 = time.perf_counter()
                     gen = generate(session, ids, max_new, Sampler(), lm.tokenizer.stop_ids, lm.tokenizer.decode)

@@ -8,6 +8,7 @@ import sys
 import torch
 
 from ktlong.errors import KtlongError
+from ktlong.kv.copy_2d import copy_rows_2d
 
 
 HUGE_PAGE = 2 << 20
@@ -28,10 +29,14 @@ def advise_huge_pages(t: torch.Tensor):
 
 
 def copy_heads(dst: torch.Tensor, src: torch.Tensor):
-    """Copy [heads, ...] views between host and device head by head, each a contiguous range of
-    a head-major table, asynchronously. One copy of the whole view would not be: torch goes
+    """Copy [heads, ...] views between host and device, each head a contiguous range of a
+    head-major table, asynchronously. One torch copy of the whole view would not be: torch goes
     through a contiguous pageable host tensor, and a copy to or from pageable memory holds the
-    host until the stream reaches it (behind everything queued before it)."""
+    host until the stream reaches it (behind everything queued before it). So the heads cross as
+    the rows of one 2-D copy on the current stream (ktlong/kv/copy_2d.py), or one copy each
+    where that does not apply (the CPU, a view whose heads are not contiguous ranges)."""
+    if copy_rows_2d(dst, src):
+        return
     for h in range(src.shape[0]):
         dst[h].copy_(src[h], non_blocking=True)
 

@@ -1,0 +1,117 @@
+"""One asynchronous 2-D copy (cuMemcpy2DAsync) for a [rows, ...] view whose rows are contiguous
+ranges a fixed pitch apart, between pinned host memory and a GPU or within a GPU.
+
+A head-major table's block or token range is such a view: one range per kv head. torch copies
+it either through a contiguous pageable host tensor (which holds the host until the stream gets
+there) or, row by row, as one copy call each; a follow-up made about 120 of those per layer,
+and at 128K their host time was a large part of it (torch.profiler on the H100). The driver's
+2-D copy moves every row in one call, on the current stream, as the row-by-row copies did.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+MEMORYTYPE_HOST, MEMORYTYPE_DEVICE = 1, 2
+DEVICE_ATTRIBUTE_MAX_PITCH = 11
+
+
+class _Memcpy2D(ctypes.Structure):  # CUDA_MEMCPY2D of cuda.h
+    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
+                ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+                ("srcPitch", ctypes.c_size_t),
+                ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int),
+                ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
+                ("dstPitch", ctypes.c_size_t),
+                ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t)]
+
+
+class _Driver:
+    """The CUDA driver's 2-D copy, loaded once; None where there is no driver."""
+
+    def __init__(self):
+        lib = ctypes.CDLL("libcuda.so.1")
+        self.copy = lib.cuMemcpy2DAsync_v2
+        self.copy.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
+        self.copy.restype = ctypes.c_int
+        self.attribute = lib.cuDeviceGetAttribute
+        self.attribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+        self.attribute.restype = ctypes.c_int
+        self.max_pitch: dict[int, int] = {}
+
+    def pitch_limit(self, device: int) -> int:
+        if device not in self.max_pitch:
+            value = ctypes.c_int(0)
+            err = self.attribute(ctypes.byref(value), DEVICE_ATTRIBUTE_MAX_PITCH, device)
+            self.max_pitch[device] = value.value if err == 0 else 0
+        return self.max_pitch[device]
+
+
+_driver: _Driver | None = None
+_driver_tried = False
+
+
+def _get_driver() -> _Driver | None:
+    global _driver, _driver_tried
+    if not _driver_tried:
+        _driver_tried = True
+        try:
+            _driver = _Driver()
+        except (OSError, AttributeError):
+            _driver = None
+    return _driver
+
+
+def _row_bytes(t: torch.Tensor) -> int | None:
+    """Bytes of one row (t[i]) when each row is one contiguous range, else None."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != expected:
+            return None
+        expected *= size
+    return math.prod(t.shape[1:]) * t.element_size()
+
+
+def copy_rows_2d(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Queue dst[i] = src[i] for every row as one 2-D copy on the current stream of the GPU side;
+    False (nothing queued) where it does not apply: no GPU side, a host side that is not pinned,
+    rows that are not contiguous ranges, no driver, a pitch past the device's limit."""
+    if src.shape != dst.shape or src.dtype != dst.dtype or src.dim() < 2 or src.shape[0] < 2:
+        return False
+    gpu = dst if dst.is_cuda else src if src.is_cuda else None
+    if gpu is None or (dst.is_cuda and src.is_cuda and dst.device != src.device):
+        return False
+    width, src_width = _row_bytes(dst), _row_bytes(src)
+    if width is None or src_width != width or width == 0:
+        return False
+    size = dst.element_size()
+    dst_pitch, src_pitch = dst.stride(0) * size, src.stride(0) * size
+    if dst_pitch < width or src_pitch < width:  # rows that overlap (a broadcast view)
+        return False
+    host = None if (dst.is_cuda and src.is_cuda) else (src if dst.is_cuda else dst)
+    if host is not None and not host.is_pinned():  # pageable: a driver copy would hold the host
+        return False
+    driver = _get_driver()
+    device = gpu.device.index if gpu.device.index is not None else torch.cuda.current_device()
+    if driver is None or max(dst_pitch, src_pitch) > driver.pitch_limit(device):
+        return False
+    p = _Memcpy2D()
+    p.WidthInBytes, p.Height = width, src.shape[0]
+    p.srcPitch, p.dstPitch = src_pitch, dst_pitch
+    for side, t in (("src", src), ("dst", dst)):
+        if t.is_cuda:
+            setattr(p, f"{side}MemoryType", MEMORYTYPE_DEVICE)
+            setattr(p, f"{side}Device", t.data_ptr())
+        else:
+            setattr(p, f"{side}MemoryType", MEMORYTYPE_HOST)
+            setattr(p, f"{side}Host", t.data_ptr())
+    with torch.cuda.device(gpu.device):
+        stream = torch.cuda.current_stream(gpu.device).cuda_stream
+        err = driver.copy(ctypes.byref(p), ctypes.c_void_p(stream))
+    if err != 0:
+        raise RuntimeError(f"cuMemcpy2DAsync failed with CUDA error {err} ({tuple(src.shape)}, pitches "
+                           f"{src_pitch} -> {dst_pitch})")
+    return True
