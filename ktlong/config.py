@@ -40,6 +40,7 @@ RANGES = {
     "rope_scale": (0, None, False), "yarn_orig_ctx": (0, None, False),
     "chunk_size": (1, None, False), "alpha": (0, 1, False), "threshold": (0, 1, True),
     "dense_above": (0, 1, True), "tail_queries": (0, None, False), "dense_tail": (0, None, False),
+    "prefill_dense_layer_num": (0, None, False),
     "stride": (1, None, False), "sink_blocks": (0, None, False), "window_blocks": (0, None, False),
     "subgroup_size": (1, None, False), "block_size": (16, 4096, False),
     "local_windows_len": (0, None, False), "second_select_num": (0, None, False),
@@ -78,6 +79,7 @@ class Config:
     dense_above: float
     tail_queries: int
     dense_tail: int
+    prefill_dense_layer_num: int
     attention_backend: str
     block_size: int
     kv_type: str
@@ -140,9 +142,10 @@ class Config:
 
     def check_against_model(self, num_layers: int, context_length: int) -> int:
         """Refuse settings that cannot work with this model; return the effective max_seq_len."""
-        if self.dense_layer_num > num_layers:
-            raise ConfigError(f"dense_layer_num ({self.dense_layer_num}) exceeds the model's "
-                              f"{num_layers} layers; set it to at most {num_layers}.")
+        for key in ("dense_layer_num", "prefill_dense_layer_num"):
+            if getattr(self, key) > num_layers:
+                raise ConfigError(f"{key} ({getattr(self, key)}, from {self.where(key)}) exceeds the model's "
+                                  f"{num_layers} layers; set it to at most {num_layers}.")
         return self.max_seq_len or context_length
 
     def check_local_window(self, max_seq_len: int, sliding_window: int):

@@ -245,7 +245,10 @@ class LayerMajorPrefill:
             keys, values = self.pages.tokens(self.pages.k)[:, lo:e], self.pages.tokens(self.pages.v)[:, lo:e]
             return chunk_attention(q, keys, values, self.model.scale, self.backend, window)
         paged = s % self.layout.block_size == 0  # a follow-up's first chunk may start mid-block
-        if self.compact is not None and paged:
+        if self.compact is not None and layer < self.compact.params.prefill_dense_layer_num:
+            if s:
+                run.densities.append(1.0)
+        elif self.compact is not None and paged:
             o, pages = self.compact(q, self.pages.k, self.pages.v, self.pooled_keys, s, e, prompt_end=run.num_tokens)
             if o is not None:
                 if pages.num_hist:

@@ -42,6 +42,7 @@ class CompactParams:
     dense_above: float  # a chunk keeping more of its history than this runs dense (1: never)
     tail_queries: int  # flashprefill: the prompt's last queries also score history tokens one by one
     dense_tail: int  # the prompt's last queries attend to every history block
+    prefill_dense_layer_num: int  # first layers that never select (the prefill runs them dense)
 
     def __post_init__(self):
         assert self.selector in SELECTORS, self.selector
@@ -51,7 +52,8 @@ class CompactParams:
         """Every block kept: dense attention through the paged path. With nothing selected the
         heads of a kv group share one page list, so each group is one request."""
         return cls(selector="all", alpha=0.0, threshold=1.0, stride=1, sink_blocks=0, window_blocks=0,
-                   subgroup_size=1 << 30, dense_above=1.0, tail_queries=0, dense_tail=0)
+                   subgroup_size=1 << 30, dense_above=1.0, tail_queries=0, dense_tail=0,
+                   prefill_dense_layer_num=0)
 
 
 class CompactAttention:

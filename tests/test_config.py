@@ -114,9 +114,10 @@ def test_model_checks_run_before_weights(user_file):
                                               "max_seq_len=4096"]))
     with pytest.raises(ConfigError, match="local_windows_len .* longer than max_seq_len"):
         config.check_local_window(config.check_against_model(num_layers=30, context_length=8192), 0)
-    config = load_config(overrides=parse_set(["dense_layer_num=40"]))
-    with pytest.raises(ConfigError, match="at most 30"):
-        config.check_against_model(num_layers=30, context_length=8192)
+    for key in ("dense_layer_num", "prefill_dense_layer_num"):
+        config = load_config(overrides=parse_set([f"{key}=40"]))
+        with pytest.raises(ConfigError, match=f"^{key} \\(40, from --set {key}\\) .* at most 30"):
+            config.check_against_model(num_layers=30, context_length=8192)
     assert load_config().check_against_model(30, 8192) == 8192  # 0 means the model's length
 
 

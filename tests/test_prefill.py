@@ -288,3 +288,27 @@ def test_copy_rows_2d_declines_without_a_gpu_and_copy_heads_copies_each_head():
     assert not copy_rows_2d(out, table[:, 2:7])  # nothing on a GPU
     copy_heads(out, table[:, 2:7])
     assert torch.equal(out, table[:, 2:7])
+
+
+def test_first_layers_named_by_prefill_dense_layer_num_never_select(tiny):
+    """prefill_dense_layer_num: those layers run dense attention whatever the selector would keep;
+    the layers after them select as before. All of them dense is dense prefill."""
+    ids = list(np.random.default_rng(10).integers(0, 300, size=256))
+    expected, _ = dense(tiny, ids)
+    c = tiny.config
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 256, "fp32")
+
+    def run(num_dense):
+        params = compact_settings(alpha=0.9, sink_blocks=0, window_blocks=0, prefill_dense_layer_num=num_dense)
+        return LayerMajorPrefill(tiny.model, layout, 32, "torch", True, compact=params).run(
+            ids, HostKVCache(layout, pin=False))
+
+    _, selecting = run(0)
+    assert all(d < 1 for d in selecting.density_per_layer)
+    first_dense_logits, first_dense = run(1)
+    assert first_dense.density_per_layer[0] == 1.0
+    assert first_dense.density_per_layer[1:] != [1.0] * (c.num_layers - 1)
+    assert float((first_dense_logits - expected).abs().max() / expected.abs().max()) > 1e-3  # later layers select
+    all_dense_logits, all_dense = run(c.num_layers)
+    assert all_dense.density_per_layer == [1.0] * c.num_layers
+    assert float((all_dense_logits - expected).abs().max() / expected.abs().max()) < 1e-5
