@@ -58,3 +58,20 @@ def test_views_that_do_not_fit_fall_back_to_head_by_head_copies():
     copy_heads(device[:, :, 16:], host.clone()[:, :, 16:])
     torch.cuda.synchronize()
     assert torch.equal(device.cpu(), host)
+
+
+def test_the_kv_caches_registered_tables_cross_as_2d_copies():
+    """The host cache's tables are page-locked by cudaHostRegister on mappings of their own, which
+    torch's is_pinned() did not report as pinned; the driver does, and they take the 2-D path."""
+    from ktlong.kv.host_cache import HostKVCache
+    from ktlong.kv.layout import kv_layout
+
+    host = HostKVCache(kv_layout(2, 8, 128, 128, 4096, "q8_0"), pin=True)
+    rows = host.tokens(1, "k", 100, 900)  # [KV, 800, 128] int8, one range per head
+    rows.copy_(random_table(tuple(rows.shape), torch.int8, 3))
+    device = torch.zeros(rows.shape, dtype=torch.int8, device="cuda")
+    assert copy_rows_2d(device, rows)
+    back = host.tokens(0, "k", 1000, 1800)
+    assert copy_rows_2d(back, device)
+    torch.cuda.synchronize()
+    assert torch.equal(back, rows) and torch.equal(device.cpu(), rows)

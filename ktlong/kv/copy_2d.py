@@ -17,6 +17,7 @@ import torch
 
 MEMORYTYPE_HOST, MEMORYTYPE_DEVICE = 1, 2
 DEVICE_ATTRIBUTE_MAX_PITCH = 11
+POINTER_ATTRIBUTE_MEMORY_TYPE = 2
 
 
 class _Memcpy2D(ctypes.Structure):  # CUDA_MEMCPY2D of cuda.h
@@ -40,7 +41,17 @@ class _Driver:
         self.attribute = lib.cuDeviceGetAttribute
         self.attribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
         self.attribute.restype = ctypes.c_int
+        self.pointer_attribute = lib.cuPointerGetAttribute
+        self.pointer_attribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+        self.pointer_attribute.restype = ctypes.c_int
         self.max_pitch: dict[int, int] = {}
+
+    def is_page_locked(self, address: int) -> bool:
+        """Host memory the driver knows as page-locked (cudaHostAlloc'd or cudaHostRegister'ed).
+        Asked of the driver: torch's is_pinned() said False for the KV cache's registered tables."""
+        kind = ctypes.c_uint(0)
+        err = self.pointer_attribute(ctypes.byref(kind), POINTER_ATTRIBUTE_MEMORY_TYPE, address)
+        return err == 0 and kind.value == MEMORYTYPE_HOST
 
     def pitch_limit(self, device: int) -> int:
         if device not in self.max_pitch:
@@ -91,12 +102,12 @@ def copy_rows_2d(dst: torch.Tensor, src: torch.Tensor) -> bool:
     dst_pitch, src_pitch = dst.stride(0) * size, src.stride(0) * size
     if dst_pitch < width or src_pitch < width:  # rows that overlap (a broadcast view)
         return False
-    host = None if (dst.is_cuda and src.is_cuda) else (src if dst.is_cuda else dst)
-    if host is not None and not host.is_pinned():  # pageable: a driver copy would hold the host
-        return False
     driver = _get_driver()
     device = gpu.device.index if gpu.device.index is not None else torch.cuda.current_device()
     if driver is None or max(dst_pitch, src_pitch) > driver.pitch_limit(device):
+        return False
+    host = None if (dst.is_cuda and src.is_cuda) else (src if dst.is_cuda else dst)
+    if host is not None and not driver.is_page_locked(host.data_ptr()):  # pageable: the copy would hold the host
         return False
     p = _Memcpy2D()
     p.WidthInBytes, p.Height = width, src.shape[0]
