@@ -1,5 +1,6 @@
 """Layer-major chunked prefill equals the plain dense forward, and fills the DRAM cache right."""
 
+import functools
 import numpy as np
 import pytest
 import torch
@@ -200,18 +201,23 @@ def test_compact_prefill_logs_density_per_layer(tiny):
     assert all(0 < d <= 1 for d in stats.density_per_layer) and min(stats.density_per_layer) < 1
 
 
+def selective_prefill(lm, ids, **options):
+    """A compact prefill that selects hard (alpha 0.9, no sinks or window), chunk 32, block 16."""
+    c = lm.config
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, len(ids), "fp32")
+    params = compact_settings(alpha=0.9, sink_blocks=0, window_blocks=0, **options)
+    return LayerMajorPrefill(lm.model, layout, 32, "torch", True, compact=params).run(ids, HostKVCache(layout, pin=False))
+
+
 def test_chunks_that_keep_nearly_everything_run_dense(tiny):
     """dense_above: a chunk whose union keeps more of its history than the threshold runs the
     dense path; those below it stay compact."""
     ids = list(np.random.default_rng(10).integers(0, 300, size=256))
     expected, _ = dense(tiny, ids)
     c = tiny.config
-    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 256, "fp32")
 
     def run(dense_above):
-        params = compact_settings(alpha=0.9, sink_blocks=0, window_blocks=0, dense_above=dense_above)
-        return LayerMajorPrefill(tiny.model, layout, 32, "torch", True, compact=params).run(
-            ids, HostKVCache(layout, pin=False))
+        return selective_prefill(tiny, ids, dense_above=dense_above)
 
     sparse_logits, sparse = run(1.0)
     chosen = sparse.density_per_layer
@@ -294,21 +300,15 @@ def test_first_layers_named_by_prefill_dense_layer_num_never_select(tiny):
     """prefill_dense_layer_num: those layers run dense attention whatever the selector would keep;
     the layers after them select as before. All of them dense is dense prefill."""
     ids = list(np.random.default_rng(10).integers(0, 300, size=256))
+    num_layers = tiny.config.num_layers
     expected, _ = dense(tiny, ids)
-    c = tiny.config
-    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 256, "fp32")
-
-    def run(num_dense):
-        params = compact_settings(alpha=0.9, sink_blocks=0, window_blocks=0, prefill_dense_layer_num=num_dense)
-        return LayerMajorPrefill(tiny.model, layout, 32, "torch", True, compact=params).run(
-            ids, HostKVCache(layout, pin=False))
-
-    _, selecting = run(0)
+    run = functools.partial(selective_prefill, tiny, ids)
+    _, selecting = run(prefill_dense_layer_num=0)
     assert all(d < 1 for d in selecting.density_per_layer)
-    first_dense_logits, first_dense = run(1)
+    first_dense_logits, first_dense = run(prefill_dense_layer_num=1)
     assert first_dense.density_per_layer[0] == 1.0
-    assert first_dense.density_per_layer[1:] != [1.0] * (c.num_layers - 1)
+    assert first_dense.density_per_layer[1:] != [1.0] * (num_layers - 1)
     assert float((first_dense_logits - expected).abs().max() / expected.abs().max()) > 1e-3  # later layers select
-    all_dense_logits, all_dense = run(c.num_layers)
-    assert all_dense.density_per_layer == [1.0] * c.num_layers
+    all_dense_logits, all_dense = run(prefill_dense_layer_num=num_layers)
+    assert all_dense.density_per_layer == [1.0] * num_layers
     assert float((all_dense_logits - expected).abs().max() / expected.abs().max()) < 1e-5
