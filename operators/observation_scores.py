@@ -17,30 +17,38 @@ def observation_block_mass(q: torch.Tensor, k_pages: torch.Tensor, num_tokens: i
                            slice_blocks: int = 128) -> torch.Tensor:
     """q: [Tq, H, D], the queries of positions num_tokens-Tq..num_tokens-1; k_pages:
     [KV, NB, B, D] holding at least num_tokens keys -> [KV, ceil(num_tokens / B)] float32, the
-    attention mass on each block summed over the queries and the heads of each group."""
+    attention mass on each block summed over the queries and the heads of each group.
+
+    Each slice leaves its rows' max and its blocks' sums of exp(logit - that max) in buffers
+    made once; one pass over all slices at the end weighs them to the overall max. A follow-up
+    runs this in every layer, so its cost is mostly kernel launches: a handful per slice and
+    a handful in all, not a handful per slice twice over."""
     num_q, num_heads, dim = q.shape
     num_kv, _, block, _ = k_pages.shape
     group = num_heads // num_kv
     num_blocks = -(-num_tokens // block)
+    num_slices = -(-num_blocks // slice_blocks)
+    rows = group * num_q
     # [KV, G*Tq, D]: rows are (head in group, query)
-    qg = q.view(num_q, num_kv, group, dim).permute(1, 2, 0, 3).reshape(num_kv, group * num_q, dim)
+    qg = q.view(num_q, num_kv, group, dim).permute(1, 2, 0, 3).reshape(num_kv, rows, dim)
     qg = qg.to(k_pages.dtype)
     q_pos = (torch.arange(num_q, device=q.device) + num_tokens - num_q).repeat(group)  # [G*Tq]
-    maxima, sums = [], []
-    for b0 in range(0, num_blocks, slice_blocks):
-        b1 = min(num_blocks, b0 + slice_blocks)
+    maxima = torch.empty((num_slices, num_kv, rows, 1), device=q.device)
+    sums = torch.zeros((num_slices, num_kv, rows, slice_blocks), device=q.device)  # a short last slice: zeros
+    for i in range(num_slices):
+        b0, b1 = i * slice_blocks, min(num_blocks, (i + 1) * slice_blocks)
         keys = k_pages[:, b0:b1].reshape(num_kv, -1, dim)
-        logits = torch.bmm(qg, keys.transpose(1, 2)).float() * scale  # [KV, G*Tq, n]
-        masked = b1 * block > num_tokens - num_q + 1  # the slice holds keys after the first query
-        if masked:
+        logits = torch.bmm(qg, keys.transpose(1, 2)).float().mul_(scale)  # [KV, G*Tq, n]
+        if b1 * block > num_tokens - num_q + 1:  # the slice holds keys after the first query
             k_pos = torch.arange(b0 * block, b1 * block, device=q.device)
             logits.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        m = logits.amax(-1, keepdim=True)
-        if masked:
-            m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # a slice wholly after a query
-        maxima.append(m)
-        sums.append(torch.exp(logits - m).view(num_kv, group * num_q, b1 - b0, block).sum(-1))
-    top = torch.stack(maxima).amax(0)  # [KV, G*Tq, 1]
-    scaled = [s * torch.exp(m - top) for m, s in zip(maxima, sums)]
-    total = sum(s.sum(-1, keepdim=True) for s in scaled)
-    return (torch.cat(scaled, -1) / total).sum(1)
+            m = logits.amax(-1, keepdim=True)
+            maxima[i] = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # a slice wholly after a query
+        else:
+            torch.amax(logits, -1, keepdim=True, out=maxima[i])
+        exp = logits.sub_(maxima[i]).exp_().view(num_kv, rows, b1 - b0, block)
+        torch.sum(exp, -1, out=sums[i, :, :, :b1 - b0])
+    weighted = sums * torch.exp(maxima - maxima.amax(0))  # [S, KV, G*Tq, slice]
+    total = weighted.sum((0, 3))  # [KV, G*Tq]
+    mass = (weighted / total[None, :, :, None]).sum(2)  # [S, KV, slice]
+    return mass.transpose(0, 1).reshape(num_kv, -1)[:, :num_blocks]
