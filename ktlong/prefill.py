@@ -38,6 +38,7 @@ from operators.observation_scores import observation_block_mass
 
 IMPORTANCE_QUERIES = 64  # last queries of each chunk that score its keys for DYNAMIC anchors
 OBSERVATION_QUERIES = 32  # last prompt queries that score blocks for decode-time preselection
+JOINT_QUANTIZE_TOKENS = 1024  # a chunk this short (a follow-up's question) quantises K and V in one pass
 
 
 def resolve_backend(requested: str, device: torch.device, head_dim: int, dtype: torch.dtype) -> str:
@@ -311,11 +312,16 @@ class LayerMajorPrefill:
         layout, host = self.layout, run.host
         resident = run.resident if run.resident is not None and layer in run.resident.rows else None
         with self._after_compute():
-            for which, pages in (("k", self.pages.k), ("v", self.pages.v)):
-                src = self.pages.tokens(pages)[:, s:e]  # [KV, e-s, D]
+            sources = [self.pages.tokens(self.pages.k)[:, s:e], self.pages.tokens(self.pages.v)[:, s:e]]  # [KV, e-s, D]
+            if layout.is_quantized and e - s <= JOINT_QUANTIZE_TOKENS:  # one pass: a few rows, launches dominate
+                quantized = list(zip(*quantize_kv(torch.stack(sources), layout.kv_type)))
+            elif layout.is_quantized:  # a whole chunk: one plane at a time, as the plan counts its workspace
+                quantized = [quantize_kv(src, layout.kv_type) for src in sources]
+            for i, which in enumerate("kv"):
+                src = sources[i]
                 planes = [(host.tokens(layer, which, s, e), src)]
                 if layout.is_quantized:
-                    data, scales = quantize_kv(src, layout.kv_type)
+                    data, scales = quantized[i]
                     planes = [(host.tokens(layer, which, s, e), data), (host.scale_tokens(layer, which, s, e), scales)]
                 for dst, values in planes:
                     copy_heads(dst, values)

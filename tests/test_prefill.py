@@ -312,3 +312,23 @@ def test_first_layers_named_by_prefill_dense_layer_num_never_select(tiny):
     all_dense_logits, all_dense = run(prefill_dense_layer_num=num_layers)
     assert all_dense.density_per_layer == [1.0] * num_layers
     assert float((all_dense_logits - expected).abs().max() / expected.abs().max()) < 1e-5
+
+
+def test_quantising_k_and_v_in_one_pass_stores_the_bytes_of_one_pass_each(tiny32, monkeypatch):
+    """Short chunks (a follow-up's question) quantise K and V together; the bytes in DRAM are those
+    of quantising each plane on its own, as whole chunks still do."""
+    import ktlong.prefill as prefill_module
+
+    ids = list(np.random.default_rng(12).integers(0, 300, size=150))
+    c = tiny32.config
+    tables = []
+    for joint in (0, 1024):
+        monkeypatch.setattr(prefill_module, "JOINT_QUANTIZE_TOKENS", joint)
+        layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 150, "q8_0")
+        host = HostKVCache(layout, pin=False)
+        LayerMajorPrefill(tiny32.model, layout, 32, "torch", True).run(ids, host)
+        tables.append([(host.tokens(l, w, 0, 150).clone(), host.scale_tokens(l, w, 0, 150).clone())
+                       for l in range(c.num_layers) for w in "kv"])
+    for (data_a, scales_a), (data_b, scales_b) in zip(*tables):
+        assert torch.equal(data_a, data_b) and torch.equal(scales_a, scales_b)
+    assert any(bool(data.any()) for data, _ in tables[0])
