@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from ktlong.bench.call_sites import CallSites, print_call_sites
 from ktlong.bench.common import median, parse_lengths, print_table
 from ktlong.config import load_config, parse_set
 from ktlong.device import resolve_device
@@ -125,7 +126,8 @@ def main(argv=None) -> int:
     p.add_argument("--question", type=int, default=64, help="tokens of the follow-up question")
     p.add_argument("--repeats", type=int, default=3, help="runs of re-prefill and of reuse; medians are printed")
     p.add_argument("--profile", action="store_true", help="after the timed runs, profile one more reuse with "
-                   "torch.profiler and print where its host and device time went")
+                   "torch.profiler and print where its host and device time went, then count the torch "
+                   "calls of another by the line that made them")
     p.add_argument("--shape", default=None, choices=sorted(SHAPES), help="default: llama-3.1-8b on a GPU, tiny on the CPU")
     p.add_argument("--folder", default=None, help="where the cache is saved (default: a temporary folder)")
     p.add_argument("--device", default="auto")
@@ -180,6 +182,10 @@ def main(argv=None) -> int:
         if args.profile:
             q = torch.randint(0, c.vocab_size, (args.question,), generator=generator).tolist()
             profile_reuse(lambda: session.prefill(doc + q))
+            q = torch.randint(0, c.vocab_size, (args.question,), generator=generator).tolist()
+            with CallSites() as sites:  # one more reuse: which lines its launches come from
+                session.prefill(doc + q)
+            print_call_sites(sites.counts, c.num_layers, "layer")
         reprefill, reuse = median(reprefill), median(reuse)
         session.prefill(doc)  # the cache holds the document alone again (its last token prefilled anew)
         with tempfile.TemporaryDirectory(dir=args.folder) as folder:
