@@ -3,9 +3,9 @@ ranges a fixed pitch apart, between pinned host memory and a GPU or within a GPU
 
 A head-major table's block or token range is such a view: one range per kv head. torch copies
 it either through a contiguous pageable host tensor (which holds the host until the stream gets
-there) or, row by row, as one copy call each; a follow-up made about 120 of those per layer,
-and at 128K their host time was a large part of it (torch.profiler on the H100). The driver's
-2-D copy moves every row in one call, on the current stream, as the row-by-row copies did.
+there) or, row by row, as one copy call each, which a 128K follow-up made about 120 times a
+layer. The driver's 2-D copy moves every row in one call, on the current stream, as the
+row-by-row copies did.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class _Memcpy2D(ctypes.Structure):  # CUDA_MEMCPY2D of cuda.h
 
 
 class _Driver:
-    """The CUDA driver's 2-D copy, loaded once; None where there is no driver."""
+    """The CUDA driver's 2-D copy and the queries it needs (_get_driver loads it once, or gives None)."""
 
     def __init__(self):
         lib = ctypes.CDLL("libcuda.so.1")
