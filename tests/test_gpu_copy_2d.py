@@ -12,8 +12,7 @@ pytestmark = pytest.mark.gpu
 
 def random_table(shape, dtype, seed):
     g = torch.Generator().manual_seed(seed)
-    t = (torch.randn(shape, generator=g) * 50).to(dtype)
-    return t
+    return (torch.randn(shape, generator=g) * 50).to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8, torch.float32, torch.int16])

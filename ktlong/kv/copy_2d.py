@@ -11,6 +11,7 @@ row-by-row copies did.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 
 import torch
@@ -61,19 +62,12 @@ class _Driver:
         return self.max_pitch[device]
 
 
-_driver: _Driver | None = None
-_driver_tried = False
-
-
+@functools.cache
 def _get_driver() -> _Driver | None:
-    global _driver, _driver_tried
-    if not _driver_tried:
-        _driver_tried = True
-        try:
-            _driver = _Driver()
-        except (OSError, AttributeError):
-            _driver = None
-    return _driver
+    try:
+        return _Driver()
+    except (OSError, AttributeError):  # no CUDA driver here
+        return None
 
 
 def _row_bytes(t: torch.Tensor) -> int | None:
