@@ -5,12 +5,16 @@ After the last prefill chunk of a layer, every key of the layer is still in the 
 pages. The last Tq queries attend to all of them, causally; the softmax mass each query puts
 on each block, summed over the queries and the query heads of a kv group, scores the block.
 Keys go through in slices with a per-slice max, rescaled at the end, so memory stays
-O(slice) at any context length.
+O(slice) at any context length. On a GPU the same mass comes from one Triton kernel
+(observation_kernel.py); this torch version is its reference and the CPU's path.
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
+
 
 
 def observation_block_mass(q: torch.Tensor, k_pages: torch.Tensor, num_tokens: int, scale: float,
@@ -23,6 +27,17 @@ def observation_block_mass(q: torch.Tensor, k_pages: torch.Tensor, num_tokens: i
     made once; one pass over all slices at the end weighs them to the overall max. A follow-up
     runs this in every layer, so its cost is mostly kernel launches: a handful per slice and
     a handful in all, not a handful per slice twice over."""
+    if q.is_cuda and importlib.util.find_spec("triton") is not None:
+        from operators.observation_kernel import kernel_applies, observation_block_mass_kernel
+
+        if kernel_applies(k_pages):
+            return observation_block_mass_kernel(q, k_pages, num_tokens, scale)
+    return observation_block_mass_reference(q, k_pages, num_tokens, scale, slice_blocks)
+
+
+def observation_block_mass_reference(q: torch.Tensor, k_pages: torch.Tensor, num_tokens: int, scale: float,
+                                     slice_blocks: int = 128) -> torch.Tensor:
+    """observation_block_mass in plain torch (the CPU's path, and the kernel's reference)."""
     num_q, num_heads, dim = q.shape
     num_kv, _, block, _ = k_pages.shape
     group = num_heads // num_kv

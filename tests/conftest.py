@@ -5,7 +5,13 @@ from functools import cache
 
 import pytest
 
+import torch
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if not torch.cuda.is_available():
+    # Triton kernels run in Triton's interpreter on the CPU; it reads this once, when triton is
+    # first imported, so it is set before any test imports it
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _model_path(name):
