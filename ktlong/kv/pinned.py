@@ -35,7 +35,7 @@ def copy_heads(dst: torch.Tensor, src: torch.Tensor):
     host until the stream reaches it (behind everything queued before it). So the heads cross as
     the rows of one 2-D copy on the current stream (ktlong/kv/copy_2d.py), or one copy each
     where that does not apply (the CPU, a view whose heads are not contiguous ranges)."""
-    if copy_rows_2d(dst, src):
+    if src.numel() == 0 or copy_rows_2d(dst, src):  # empty: a resident layer's rows, usually
         return
     for h in range(src.shape[0]):
         dst[h].copy_(src[h], non_blocking=True)
