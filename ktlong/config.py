@@ -23,7 +23,7 @@ ENUMS = {
     "mode": ("normal", "long_context"),
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "prefill_attention": ("dense", "compact"),
-    "selector": ("flashprefill", "xattention"),
+    "selector": ("flashprefill", "xattention", "topk"),
     "attention_backend": ("auto", "fa2", "fa3", "torch"),
     "kv_type": ("auto", "bf16", "fp16", "fp32", "q8_0", "q4_0"),
     "rope_scaling": ("auto", "none", "linear", "yarn"),
@@ -38,7 +38,7 @@ SECRETS = ("api_key",)
 RANGES = {
     "max_seq_len": (0, None, False), "gpu_memory_budget_gb": (0, None, True),
     "rope_scale": (0, None, False), "yarn_orig_ctx": (0, None, False),
-    "chunk_size": (1, None, False), "alpha": (0, 1, False), "threshold": (0, 1, True),
+    "chunk_size": (1, None, False), "alpha": (0, 1, False), "keep_fraction": (0, 1, True), "threshold": (0, 1, True),
     "dense_above": (0, 1, True), "tail_queries": (0, None, False), "dense_tail": (0, None, False),
     "prefill_dense_layer_num": (0, None, False),
     "stride": (1, None, False), "sink_blocks": (0, None, False), "window_blocks": (0, None, False),
@@ -71,6 +71,7 @@ class Config:
     prefill_attention: str
     selector: str
     alpha: float
+    keep_fraction: float
     threshold: float
     stride: int
     sink_blocks: int

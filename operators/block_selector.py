@@ -6,6 +6,11 @@ times the best block's. Sink blocks and the blocks next to the chunk are always 
 Scores are computed tile by tile over history blocks in two passes (max, then threshold),
 so memory is [H, query blocks, tile] floats, never [H, chunk, history].
 
+The `topk` variant keeps the same number of blocks for every execution group: each block's
+score is its best margin to the row's best over the group's pooled query blocks, and each
+group keeps its num_keep best. Equal page counts in every layer of a chunk let one FlashInfer
+plan serve all the chunk's layers, and no host sync is needed to learn the counts.
+
 A block mean dilutes what a few queries ask for: a question at the end of a prompt is a
 handful of tokens in a 128-token query block, and the key that answers it is one token among
 128 in its block. With `tail_queries`, the prompt's last queries also score every history
@@ -134,3 +139,23 @@ def flashprefill_group_keep(q: torch.Tensor, pooled_keys: torch.Tensor, block_si
     if window_blocks:
         keep[:, max(0, num_hist - window_blocks):] = True
     return keep
+
+
+def topk_group_blocks(q: torch.Tensor, pooled_keys: torch.Tensor, block_size: int, scale: float, num_keep: int,
+                      sink_blocks: int, window_blocks: int, group_size: int) -> torch.Tensor:
+    """The num_keep history blocks each execution group (group_size consecutive heads) reads:
+    the sinks, the window, then the blocks whose pooled-key score comes closest to the best
+    score of some pooled query block of one of the group's heads (FlashPrefill's margin, ranked
+    instead of cut at alpha). q: [T, H, D]; pooled_keys: [KV, num_hist, D] -> [H / group_size,
+    num_keep] int64 block ids, in no particular order."""
+    num_heads = q.shape[1]
+    num_kv, num_hist, dim = pooled_keys.shape
+    assert sink_blocks + window_blocks <= num_keep <= num_hist or num_keep == num_hist, (num_keep, num_hist)
+    rows = pool_query_blocks(q, block_size).reshape(num_kv, -1, dim)  # [KV, group * nqb, D]
+    scores = torch.bmm(rows, pooled_keys.float().transpose(1, 2)) * scale  # [KV, group * nqb, num_hist]
+    margin = scores - scores.amax(-1, keepdim=True)  # <= 0; 0 at each row's best block
+    group_margin = margin.view(num_heads // group_size, -1, num_hist).amax(1)  # [G, num_hist]
+    group_margin[:, :sink_blocks] = float("inf")
+    if window_blocks:
+        group_margin[:, max(0, num_hist - window_blocks):] = float("inf")
+    return group_margin.topk(num_keep, dim=1, sorted=False).indices

@@ -84,3 +84,25 @@ def every_page_lists(num_groups: int, num_kv_heads: int, blocks_per_head: int, c
     last = chunk_tokens - (chunk_blocks - 1) * block_size
     return PageLists(indptr, indices.reshape(-1), last, torch.full((num_groups,), chunk_first_block),
                      chunk_first_block)
+
+
+def fixed_page_lists(block_ids: torch.Tensor, num_kv_heads: int, blocks_per_head: int, chunk_first_block: int,
+                     chunk_tokens: int, block_size: int, out: torch.Tensor | None = None) -> PageLists:
+    """Page lists of the same length for every group: block_ids [G, K] (history blocks in any
+    order; attention over them does not depend on it) followed by the chunk's blocks. The lengths
+    are known on the host, so nothing waits for the device. out: an int32 tensor of G * (K +
+    chunk blocks) to write the indices into (an executor planned for these lengths reads it)."""
+    device = block_ids.device
+    num_groups, num_keep = block_ids.shape
+    chunk_blocks = -(-chunk_tokens // block_size)
+    kv_of_group = torch.arange(num_groups, device=device) // (num_groups // num_kv_heads)
+    chunk = torch.arange(chunk_first_block, chunk_first_block + chunk_blocks, device=device)
+    blocks = torch.cat([block_ids, chunk.expand(num_groups, -1)], dim=1)  # [G, K + chunk blocks]
+    indices = (kv_of_group[:, None] * blocks_per_head + blocks).view(-1)
+    if out is None:
+        out = torch.empty(indices.shape, dtype=torch.int32, device=device)
+    out.copy_(indices)
+    per_group = num_keep + chunk_blocks
+    indptr = torch.arange(num_groups + 1, dtype=torch.int32) * per_group
+    last = chunk_tokens - (chunk_blocks - 1) * block_size
+    return PageLists(indptr, out, last, torch.full((num_groups,), num_keep), chunk_first_block)

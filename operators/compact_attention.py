@@ -9,18 +9,19 @@ With nothing dropped (alpha = 0, threshold = 1) the result is dense attention.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from operators.block_selector import flashprefill_group_keep
+from operators.block_selector import flashprefill_group_keep, topk_group_blocks
 from operators.chunk_attention import chunk_attention
 from operators.block_union import (PageLists, build_page_lists, every_page_lists, execution_groups,
-                                   union_groups, union_query_blocks)
+                                   fixed_page_lists, union_groups, union_query_blocks)
 from operators.paged_attention_reference import paged_attention_reference
 from operators.xattention_selector import select_blocks_xattention
 
-SELECTORS = ("flashprefill", "xattention", "all")
+SELECTORS = ("flashprefill", "xattention", "topk", "all")
 # Chunks of at most this many queries (a follow-up's question) run on fa2 where the backend is
 # fa3: fa3's query tile is 128 rows and it gives each tile a whole request's keys, so a short
 # chunk over a long history keeps a few SMs busy; fa2 splits the keys across the SMs and merges
@@ -32,8 +33,9 @@ SHORT_CHUNK = 64
 class CompactParams:
     """The prefill options of configs/default.yaml, same names (ktlong builds them from its config,
     which holds the defaults and checks the values)."""
-    selector: str  # flashprefill | xattention | all (keep every block: dense)
+    selector: str  # flashprefill | xattention | topk | all (keep every block: dense)
     alpha: float
+    keep_fraction: float  # topk: the share of history blocks every group keeps
     threshold: float
     stride: int
     sink_blocks: int
@@ -51,7 +53,7 @@ class CompactParams:
     def keep_all(cls) -> "CompactParams":
         """Every block kept: dense attention through the paged path. With nothing selected the
         heads of a kv group share one page list, so each group is one request."""
-        return cls(selector="all", alpha=0.0, threshold=1.0, stride=1, sink_blocks=0, window_blocks=0,
+        return cls(selector="all", alpha=0.0, keep_fraction=1.0, threshold=1.0, stride=1, sink_blocks=0, window_blocks=0,
                    subgroup_size=1 << 30, dense_above=1.0, tail_queries=0, dense_tail=0,
                    prefill_dense_layer_num=0)
 
@@ -63,14 +65,20 @@ class CompactAttention:
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.groups = execution_groups(num_heads, num_kv_heads, params.subgroup_size)
         self.executor = self.short_executor = None
-        # (chunk, pages) of the every-block lists an executor was last planned for: layer after
-        # layer a chunk's lists are the same, and one plan serves them all
-        self.planned_every: tuple[tuple, PageLists] | None = None
+        # (what, pages) the executors were last planned for: one plan serves every layer of a
+        # chunk whose page lists have the same lengths (every block kept; topk's fixed counts)
+        self.planned: tuple[tuple, PageLists] | None = None
         if backend != "torch":
             from operators.flashinfer_paged import FlashInferPagedExecutor
 
             self.executor = FlashInferPagedExecutor(device, backend)
             self.short_executor = FlashInferPagedExecutor(device, "fa2") if backend == "fa3" else self.executor
+
+    def num_keep(self, num_hist: int) -> int:
+        """topk: history blocks every group keeps (at least the sinks and the window)."""
+        p = self.params
+        fixed = min(num_hist, p.sink_blocks + p.window_blocks)
+        return min(num_hist, max(fixed, math.ceil(p.keep_fraction * num_hist)))
 
     def group_keep(self, q: torch.Tensor, k_pages: torch.Tensor, pooled_keys: torch.Tensor,
                    start: int, tail: int = 0) -> torch.Tensor:
@@ -102,14 +110,20 @@ class CompactAttention:
         return build_page_lists(group_keep, self.groups, self.num_heads, self.num_kv_heads, blocks_per_head,
                                 start // self.block_size, end - start, self.block_size, counts)
 
-    def execute(self, q, k_pages, v_pages, pages: PageLists, planned: bool = False) -> torch.Tensor:
-        """planned: the executor was last planned for these very lists (and this q shape)."""
+    def execute(self, q, k_pages, v_pages, pages: PageLists, what: tuple | None = None) -> torch.Tensor:
+        """what: a key for the lengths of these page lists (None: plan anew); when the executor was
+        last planned for the same key, it runs on that plan, and pages must be the planned lists,
+        their indices rewritten in place."""
         if self.executor is None:
             return paged_attention_reference(q, k_pages, v_pages, self.groups, pages, self.scale)
         executor = self.short_executor if q.shape[0] <= SHORT_CHUNK else self.executor
-        if not planned:
-            self.planned_every = None
+        what = None if what is None else (*what, id(executor))
+        if what is None or self.planned is None or self.planned[0] != what:
             executor.plan(q.shape[0], self.groups, pages, q.shape[-1], self.block_size, self.scale, q.dtype)
+            # FlashInfer keeps a device tensor of indices as it is; a copy could not be rewritten in place
+            self.planned = (what, pages) if what is not None and executor.reads_indices_from(pages.indices) else None
+        else:
+            assert self.planned[1] is pages
         return executor.run(q, k_pages, v_pages, self.groups)
 
     def __call__(self, q, k_pages, v_pages, pooled_keys, start: int, end: int, prompt_end: int | None = None):
@@ -118,23 +132,37 @@ class CompactAttention:
         prompt_end: where the prompt ends (its last tail_queries queries score history tokens, and
         its last dense_tail queries attend to every block); None: not in this chunk's prompt."""
         assert start % self.block_size == 0 and q.shape[0] == end - start
-        if self.params.selector == "all" or start == 0:  # nothing to select: no host sync
-            chunk = (start, end, k_pages.shape[1], q.shape[1:], q.dtype, q.device)
-            if self.planned_every is not None and self.planned_every[0] == chunk:
-                return self.execute(q, k_pages, v_pages, self.planned_every[1], planned=True), self.planned_every[1]
-            pages = every_page_lists(self.groups.shape[0], self.num_kv_heads, k_pages.shape[1],
-                                     start // self.block_size, end - start, self.block_size, q.device)
+        p, num_hist = self.params, start // self.block_size
+        shape = (start, end, k_pages.shape[1], tuple(q.shape), q.dtype, q.device)
+        if p.selector == "all" or start == 0:  # nothing to select: no host sync
+            what = ("every", *shape)
+            if self.planned is not None and self.planned[0][:-1] == what:
+                pages = self.planned[1]
+            else:
+                pages = every_page_lists(self.groups.shape[0], self.num_kv_heads, k_pages.shape[1],
+                                         num_hist, end - start, self.block_size, q.device)
+            return self.execute(q, k_pages, v_pages, pages, what), pages
+        if p.selector == "topk":
+            num_keep = self.num_keep(num_hist)
+            if num_keep > p.dense_above * num_hist:
+                return None, None
+            ids = topk_group_blocks(q, pooled_keys[:, :num_hist], self.block_size, self.scale, num_keep,
+                                    p.sink_blocks, p.window_blocks, self.groups.shape[1])
+            what = ("topk", num_keep, *shape)
+            planned = self.planned is not None and self.planned[0][:-1] == what
+            pages = fixed_page_lists(ids, self.num_kv_heads, k_pages.shape[1], num_hist, end - start,
+                                     self.block_size, out=self.planned[1].indices if planned else None)
+            if planned:
+                pages = self.planned[1]
+            out = self.execute(q, k_pages, v_pages, pages, what)
+        else:
+            tail = prompt_tail(start, end, prompt_end, p.tail_queries)
+            keep = self.group_keep(q, k_pages, pooled_keys, start, tail)
+            pages = self.page_lists(keep, start, end, k_pages.shape[1])
+            if pages is None:
+                return None, None
             out = self.execute(q, k_pages, v_pages, pages)
-            if self.executor is not None:
-                self.planned_every = (chunk, pages)
-            return out, pages
-        tail = prompt_tail(start, end, prompt_end, self.params.tail_queries)
-        keep = self.group_keep(q, k_pages, pooled_keys, start, tail)
-        pages = self.page_lists(keep, start, end, k_pages.shape[1])
-        if pages is None:
-            return None, None
-        out = self.execute(q, k_pages, v_pages, pages)
-        dense = prompt_tail(start, end, prompt_end, self.params.dense_tail)
+        dense = prompt_tail(start, end, prompt_end, p.dense_tail)
         if dense:  # the question: as dense prefill computes it, at the cost of a few rows over the history
             keys, values = token_rows(k_pages)[:, :end], token_rows(v_pages)[:, :end]
             out[-dense:] = chunk_attention(q[-dense:], keys, values, self.scale, self.backend)

@@ -40,6 +40,13 @@ class FlashInferPagedExecutor:
                           head_dim_qk=head_dim, page_size=block_size, causal=True, sm_scale=scale,
                           q_data_type=dtype, kv_data_type=dtype)
 
+    def reads_indices_from(self, indices: torch.Tensor) -> bool:
+        """Whether the plan reads the page indices from this very tensor: FlashInfer keeps a
+        device tensor of the right dtype as given (torch's .to returns it), so indices rewritten
+        there in place serve the next run on the same plan, as its CUDA-graph buffers do."""
+        held = getattr(self.wrapper, "_paged_kv_indices_buf", None)
+        return held is not None and held.data_ptr() == indices.data_ptr()
+
     def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
             groups: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D] -> [T, H, D]; call plan() first for this chunk's page lists."""

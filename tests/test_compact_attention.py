@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from operators.block_selector import pool_query_blocks, select_blocks_flashprefill
+from operators.block_selector import pool_query_blocks, select_blocks_flashprefill, topk_group_blocks
 from operators.block_union import (build_page_lists, every_page_lists, execution_groups, union_groups,
                                    union_query_blocks)
 from operators.compact_attention import CompactAttention, CompactParams
@@ -89,11 +89,11 @@ def test_subgroups_split_large_groups():
     assert execution_groups(14, 2, 4).shape == (2, 7)  # 7 heads do not split into 4s: whole group
 
 
-@pytest.mark.parametrize("selector", ["flashprefill", "xattention", "all"])
+@pytest.mark.parametrize("selector", ["flashprefill", "xattention", "topk", "all"])
 def test_keeping_everything_equals_dense_attention(selector):
     q, k, v, pooled, start, end = setup()
     params = (CompactParams.keep_all() if selector == "all" else
-              compact_settings(selector=selector, alpha=0.0, threshold=1.0, stride=4))
+              compact_settings(selector=selector, alpha=0.0, threshold=1.0, keep_fraction=1.0, stride=4))
     op = CompactAttention(params, 8, 2, B, 0.25, "torch", torch.device("cpu"))
     out, pages = op(q, k, v, pooled, start, end)
     keys = k.reshape(2, -1, 16)[:, :end]
@@ -299,6 +299,9 @@ class _RecordingExecutor:
         self.plans += 1
         self.planned = (num_tokens, pages)
 
+    def reads_indices_from(self, indices):  # as FlashInfer: the planned lists' own indices tensor
+        return self.planned[1].indices.data_ptr() == indices.data_ptr()
+
     def run(self, q, k_pages, v_pages, groups):
         assert self.planned[0] == q.shape[0]
         return paged_attention_reference(q, k_pages, v_pages, groups, self.planned[1], self.op.scale)
@@ -343,3 +346,81 @@ def test_short_chunks_run_on_the_short_chunk_executor_and_long_ones_on_the_main_
         expected = dense_attention(q, k.reshape(2, -1, 16)[:, :end], v.reshape(2, -1, 16)[:, :end], 0.25)
         assert float((out - expected).abs().max() / expected.abs().max()) < 1e-5
     assert (op.short_executor.plans, op.executor.plans) == (2, 1)
+
+
+def reference_topk(q, pooled, block_size, scale, num_keep, sink, window, group_size):
+    """Per execution group, the set of kept history blocks, in float64 with loops: sinks and
+    window, then the best margins (a block's score minus its row's best, maximised over the
+    group's heads and pooled query blocks)."""
+    num_q, num_heads, _ = q.shape
+    num_kv, num_hist, _ = pooled.shape
+    kept = []
+    for g in range(num_heads // group_size):
+        margin = np.full(num_hist, -np.inf)
+        for h in range(g * group_size, (g + 1) * group_size):
+            for b0 in range(0, num_q, block_size):
+                qb = q[b0:b0 + block_size, h].double().mean(0)
+                scores = (pooled[h // (num_heads // num_kv)].double() @ qb * scale).numpy()
+                margin = np.maximum(margin, scores - scores.max())
+        forced = set(range(min(sink, num_hist))) | set(range(max(0, num_hist - window), num_hist))
+        ranked = [j for j in np.argsort(-margin) if j not in forced]
+        kept.append(forced | set(ranked[:num_keep - len(forced)]))
+    return kept
+
+
+def kept_per_head(op, pages, num_hist, blocks_per_head):
+    keep = torch.zeros(op.num_heads, num_hist, dtype=torch.bool)
+    indptr = pages.indptr.tolist()
+    for g, heads in enumerate(op.groups.tolist()):
+        kv = heads[0] // (op.num_heads // op.num_kv_heads)
+        for page in pages.indices[indptr[g]:indptr[g + 1]].tolist():
+            j = page - kv * blocks_per_head
+            if j < num_hist:
+                keep[heads, j] = True
+    return keep
+
+
+@pytest.mark.parametrize("subgroup,fraction,sink,window,chunk", [(2, 0.3, 1, 2, 2 * B + 5), (4, 0.5, 0, 0, B),
+                                                                  (1, 0.1, 1, 1, 3 * B)])
+def test_topk_keeps_each_groups_best_blocks_and_the_same_count_in_every_group(subgroup, fraction, sink, window, chunk):
+    q, k, v, pooled, start, end = setup(seed=5, chunk=chunk)
+    strength = torch.linspace(0.2, 3.0, 20)[torch.randperm(20, generator=torch.Generator().manual_seed(4))]
+    k = k * strength[None, :, None, None]
+    pooled = k.mean(2)
+    op = CompactAttention(compact_settings(selector="topk", keep_fraction=fraction, sink_blocks=sink,
+                                           window_blocks=window, subgroup_size=subgroup),
+                          8, 2, B, 0.25, "torch", torch.device("cpu"))
+    out, pages = op(q, k, v, pooled, start, end)
+    num_hist = start // B
+    num_keep = max(math.ceil(fraction * num_hist), sink + window)
+    chunk_blocks = -(-chunk // B)
+    assert pages.indptr.tolist() == [g * (num_keep + chunk_blocks) for g in range(op.groups.shape[0] + 1)]
+    assert pages.density == pytest.approx(num_keep / num_hist)
+    keep = kept_per_head(op, pages, num_hist, k.shape[1])
+    expected_sets = reference_topk(q, pooled[:, :num_hist], B, 0.25, num_keep, sink, window, op.groups.shape[1])
+    for g, heads in enumerate(op.groups.tolist()):
+        assert set(torch.nonzero(keep[heads[0]]).view(-1).tolist()) == expected_sets[g]
+    expected = masked_dense(q, k, v, start, end, keep, 0.25)
+    assert float((out.double() - expected).abs().max() / expected.abs().max()) < 1e-5
+
+
+def test_topk_plans_once_per_chunk_and_each_layer_reads_its_own_blocks():
+    """The plan serves every layer of a chunk (equal counts); the indices it reads are rewritten
+    in place, so each layer attends to its own selection, not the first layer's."""
+    op = CompactAttention(compact_settings(selector="topk", keep_fraction=0.6), 8, 2, B, 0.25, "torch",
+                          torch.device("cpu"))
+    op.executor = op.short_executor = _RecordingExecutor(op)
+    selections = []
+    for layer in range(3):
+        q, k, v, pooled, start, end = setup(seed=20 + layer)
+        out, pages = op(q, k, v, pooled, start, end)
+        keep = kept_per_head(op, pages, start // B, k.shape[1])
+        selections.append(keep)
+        expected = masked_dense(q, k, v, start, end, keep, 0.25)
+        assert float((out.double() - expected).abs().max() / expected.abs().max()) < 1e-5
+        num_keep = math.ceil(0.6 * (start // B))
+        ids = topk_group_blocks(q, pooled[:, :start // B], B, 0.25, num_keep, 1, 2, 4)
+        for g, heads in enumerate(op.groups.tolist()):
+            assert set(torch.nonzero(keep[heads[0]]).view(-1).tolist()) == set(ids[g].tolist())
+    assert op.executor.plans == 1
+    assert not all(torch.equal(selections[0], s) for s in selections[1:])  # the layers did select differently

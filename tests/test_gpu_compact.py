@@ -55,3 +55,27 @@ def test_compact_with_alpha_zero_equals_dense_in_bf16(backend):
     values = v.view(8, -1, 128)[:, :start + chunk].double()
     expected = dense_attention(q.double(), keys, values, 128 ** -0.5)
     assert pages.density == 1.0 and rel(out, expected) < 2e-2
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_topk_plan_serves_every_layer_of_a_chunk_and_each_layer_reads_its_own_pages(backend):
+    """Three layers of one 1024-token chunk over 64 history blocks through FlashInfer: one plan,
+    the page indices rewritten in place for each layer, each output equal to the torch reference
+    over that layer's own page lists (a stale plan would attend to the first layer's)."""
+    if backend == "fa3" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("fa3 needs Hopper")
+    start, chunk = 64 * B, 1024
+    params = compact_settings(selector="topk", keep_fraction=0.25)
+    op = CompactAttention(params, 32, 8, B, 128 ** -0.5, backend, torch.device("cuda"))
+    plans = []
+    plan = op.executor.plan
+    op.executor.plan = lambda *a, **kw: (plans.append(1), plan(*a, **kw))[1]
+    selected = []
+    for layer in range(3):
+        q, k, v = data(start, chunk, seed=10 + layer)
+        out, pages = op(q, k, v, k.float().mean(2), start, start + chunk)
+        selected.append(pages.indices.clone())
+        expected = paged_attention_reference(q.double(), k.double(), v.double(), op.groups, pages, 128 ** -0.5)
+        assert pages.density == 16 / 64 and rel(out, expected) < 2e-2
+    assert len(plans) == 1
+    assert not torch.equal(selected[0], selected[1])

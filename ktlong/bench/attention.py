@@ -1,11 +1,14 @@
 """Prefill attention of one chunk over a long history: FlashInfer dense vs CompactAttention.
 
 python -m ktlong.bench attention [--chunks 1024,4096] [--histories 32k,128k,512k]
-    [--densities 0.1,0.2,0.3] [--backends fa2,fa3] [--captured captured.npz]
+    [--densities 0.1,0.2,0.3] [--backends fa2,fa3] [--selectors flashprefill,topk] [--layers 32]
+    [--captured captured.npz]
 
 CompactAttention time is split into selection with its Q-block and group unions (the FlashPrefill
 selector on pooled keys, fused), page lists (one host sync), FlashInfer plan, and execution. Fixed densities keep a random
 set of history blocks per group (random data makes every selector keep almost everything);
+the topk selector keeps that share itself (keep_fraction), with page lists of equal lengths and
+no host sync, and one plan serves the chunk's --layers layers (its plan column is per layer);
 --captured runs the selectors on q/k/v captured from a real model's prefill (see
 `python -m ktlong.bench capture`) and reports the density they choose.
 """
@@ -21,7 +24,8 @@ from ktlong.bench.common import parse_lengths, print_table, require_cuda, time_c
 from ktlong.config import default_config
 from ktlong.errors import KtlongError
 from ktlong.session.settings import compact_params
-from operators.block_union import build_page_lists
+from operators.block_selector import topk_group_blocks
+from operators.block_union import build_page_lists, fixed_page_lists
 from operators.chunk_attention import chunk_attention, flashinfer_available
 from operators.compact_attention import CompactAttention, token_rows
 
@@ -61,6 +65,29 @@ def measure(q, k, v, start, backend, keep_groups, op: CompactAttention, pooled, 
             f"{(select_s + pages_s + plan_s) / dense_s:.1%}"]
 
 
+def measure_topk(q, k, v, start, backend, density, op: CompactAttention, pooled, dense_s, num_layers):
+    """The topk selector at keep_fraction = density: selection, page lists written into the
+    planned indices, one plan per chunk shared by num_layers layers, execution."""
+    end, num_hist = start + q.shape[0], start // B
+    p = op.params
+    num_keep = max(round(density * num_hist), p.sink_blocks + p.window_blocks)
+    select = lambda: topk_group_blocks(q, pooled[:, :num_hist], B, op.scale, num_keep, p.sink_blocks,
+                                       p.window_blocks, op.groups.shape[1])
+    select_s = time_cuda(select)
+    ids = select()
+    pages = fixed_page_lists(ids, op.num_kv_heads, k.shape[1], num_hist, end - start, B)
+    pages_s = time_cuda(lambda: fixed_page_lists(ids, op.num_kv_heads, k.shape[1], num_hist, end - start, B,
+                                                 out=pages.indices))
+    plan_s = time_cuda(lambda: op.executor.plan(q.shape[0], op.groups, pages, q.shape[-1], B, op.scale,
+                                                q.dtype)) / num_layers
+    exec_s = time_cuda(lambda: op.executor.run(q, k, v, op.groups))
+    total = select_s + pages_s + plan_s + exec_s
+    us = lambda s: f"{s * 1e6:,.0f}"
+    return [f"{backend} topk", q.shape[0], f"{start // 1024}K", us(dense_s), f"{pages.density:.0%}", us(select_s),
+            us(pages_s), us(plan_s), us(exec_s), us(total), f"{dense_s / total:.2f}x",
+            f"{(select_s + pages_s + plan_s) / dense_s:.1%}"]
+
+
 def dense_time(q, k, v, start, backend, op_all):
     end = start + q.shape[0]
     if backend == "fa2":
@@ -88,8 +115,11 @@ def synthetic_rows(args, device):
                 pooled = k.float().mean(2)
                 dense_s = dense_time(q, k, v, start, backend, op)
                 for density in [float(d) for d in args.densities.split(",")]:
-                    keep = fixed_density_keep(op.groups.shape[0], start // B, density, 1, 2, device)
-                    rows.append(measure(q, k, v, start, backend, keep, op, pooled, dense_s))
+                    if "flashprefill" in args.selectors.split(","):
+                        keep = fixed_density_keep(op.groups.shape[0], start // B, density, 1, 2, device)
+                        rows.append(measure(q, k, v, start, backend, keep, op, pooled, dense_s))
+                    if "topk" in args.selectors.split(","):
+                        rows.append(measure_topk(q, k, v, start, backend, density, op, pooled, dense_s, args.layers))
                 del k, v, q, pooled
                 torch.cuda.empty_cache()
     return rows
@@ -122,6 +152,9 @@ def main(argv=None) -> int:
     p.add_argument("--histories", default="32k,128k,512k")
     p.add_argument("--densities", default="0.1,0.2,0.3")
     p.add_argument("--backends", default="fa2,fa3")
+    p.add_argument("--selectors", default="flashprefill,topk", help="flashprefill: its selection timed, the "
+                   "fixed density's random blocks executed; topk: its own selection at each density")
+    p.add_argument("--layers", type=int, default=32, help="layers that share one topk plan per chunk")
     p.add_argument("--captured", help="npz of q/k/v captured by `python -m ktlong.bench capture`")
     args = p.parse_args(argv)
     require_cuda("the attention benchmark")
