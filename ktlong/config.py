@@ -38,10 +38,10 @@ SECRETS = ("api_key",)
 RANGES = {
     "max_seq_len": (0, None, False), "gpu_memory_budget_gb": (0, None, True),
     "rope_scale": (0, None, False), "yarn_orig_ctx": (0, None, False),
-    "chunk_size": (1, None, False), "alpha": (0, 1, False), "keep_fraction": (0, 1, True), "threshold": (0, 1, True),
+    "chunk_size": (1, None, False), "alpha": (0, 1, False), "threshold": (0, 1, True),
     "dense_above": (0, 1, True), "tail_queries": (0, None, False), "dense_tail": (0, None, False),
     "prefill_dense_layer_num": (0, None, False),
-    "stride": (1, None, False), "sink_blocks": (0, None, False), "window_blocks": (0, None, False),
+    "keep_blocks": (1, None, False), "stride": (1, None, False), "sink_blocks": (0, None, False), "window_blocks": (0, None, False),
     "subgroup_size": (1, None, False), "block_size": (16, 4096, False),
     "local_windows_len": (0, None, False), "second_select_num": (0, None, False),
     "anchor_num": (1, None, False), "dense_layer_num": (0, None, False),
@@ -71,7 +71,7 @@ class Config:
     prefill_attention: str
     selector: str
     alpha: float
-    keep_fraction: float
+    keep_blocks: int
     threshold: float
     stride: int
     sink_blocks: int

@@ -9,7 +9,6 @@ With nothing dropped (alpha = 0, threshold = 1) the result is dense attention.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +34,7 @@ class CompactParams:
     which holds the defaults and checks the values)."""
     selector: str  # flashprefill | xattention | topk | all (keep every block: dense)
     alpha: float
-    keep_fraction: float  # topk: the share of history blocks every group keeps
+    keep_blocks: int  # topk: history blocks every group keeps
     threshold: float
     stride: int
     sink_blocks: int
@@ -53,7 +52,7 @@ class CompactParams:
     def keep_all(cls) -> "CompactParams":
         """Every block kept: dense attention through the paged path. With nothing selected the
         heads of a kv group share one page list, so each group is one request."""
-        return cls(selector="all", alpha=0.0, keep_fraction=1.0, threshold=1.0, stride=1, sink_blocks=0, window_blocks=0,
+        return cls(selector="all", alpha=0.0, keep_blocks=1 << 30, threshold=1.0, stride=1, sink_blocks=0, window_blocks=0,
                    subgroup_size=1 << 30, dense_above=1.0, tail_queries=0, dense_tail=0,
                    prefill_dense_layer_num=0)
 
@@ -77,8 +76,7 @@ class CompactAttention:
     def num_keep(self, num_hist: int) -> int:
         """topk: history blocks every group keeps (at least the sinks and the window)."""
         p = self.params
-        fixed = min(num_hist, p.sink_blocks + p.window_blocks)
-        return min(num_hist, max(fixed, math.ceil(p.keep_fraction * num_hist)))
+        return min(num_hist, max(p.keep_blocks, p.sink_blocks + p.window_blocks))
 
     def group_keep(self, q: torch.Tensor, k_pages: torch.Tensor, pooled_keys: torch.Tensor,
                    start: int, tail: int = 0) -> torch.Tensor:
@@ -123,7 +121,7 @@ class CompactAttention:
             # FlashInfer keeps a device tensor of indices as it is; a copy could not be rewritten in place
             self.planned = (what, pages) if what is not None and executor.reads_indices_from(pages.indices) else None
         else:
-            assert self.planned[1] is pages
+            assert self.planned[1].indices is pages.indices  # rewritten in place
         return executor.run(q, k_pages, v_pages, self.groups)
 
     def __call__(self, q, k_pages, v_pages, pooled_keys, start: int, end: int, prompt_end: int | None = None):
@@ -148,12 +146,11 @@ class CompactAttention:
                 return None, None
             ids = topk_group_blocks(q, pooled_keys[:, :num_hist], self.block_size, self.scale, num_keep,
                                     p.sink_blocks, p.window_blocks, self.groups.shape[1])
-            what = ("topk", num_keep, *shape)
+            # the lengths, not the chunk's place: every full chunk of every layer past keep_blocks shares one plan
+            what = ("topk", num_keep, end - start, k_pages.shape[1], q.shape[1:], q.dtype, q.device)
             planned = self.planned is not None and self.planned[0][:-1] == what
             pages = fixed_page_lists(ids, self.num_kv_heads, k_pages.shape[1], num_hist, end - start,
                                      self.block_size, out=self.planned[1].indices if planned else None)
-            if planned:
-                pages = self.planned[1]
             out = self.execute(q, k_pages, v_pages, pages, what)
         else:
             tail = prompt_tail(start, end, prompt_end, p.tail_queries)

@@ -65,7 +65,7 @@ def test_topk_plan_serves_every_layer_of_a_chunk_and_each_layer_reads_its_own_pa
     if backend == "fa3" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("fa3 needs Hopper")
     start, chunk = 64 * B, 1024
-    params = compact_settings(selector="topk", keep_fraction=0.25)
+    params = compact_settings(selector="topk", keep_blocks=16)
     op = CompactAttention(params, 32, 8, B, 128 ** -0.5, backend, torch.device("cuda"))
     plans = []
     plan = op.executor.plan

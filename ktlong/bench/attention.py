@@ -7,8 +7,9 @@ python -m ktlong.bench attention [--chunks 1024,4096] [--histories 32k,128k,512k
 CompactAttention time is split into selection with its Q-block and group unions (the FlashPrefill
 selector on pooled keys, fused), page lists (one host sync), FlashInfer plan, and execution. Fixed densities keep a random
 set of history blocks per group (random data makes every selector keep almost everything);
-the topk selector keeps that share itself (keep_fraction), with page lists of equal lengths and
-no host sync, and one plan serves the chunk's --layers layers (its plan column is per layer);
+the topk selector keeps that share itself (keep_blocks), with page lists of equal lengths and
+no host sync, and one plan serves at least the chunk's --layers layers (its plan column is the
+plan's time over that many; in a prefill every chunk of that length shares it too);
 --captured runs the selectors on q/k/v captured from a real model's prefill (see
 `python -m ktlong.bench capture`) and reports the density they choose.
 """
@@ -66,7 +67,7 @@ def measure(q, k, v, start, backend, keep_groups, op: CompactAttention, pooled, 
 
 
 def measure_topk(q, k, v, start, backend, density, op: CompactAttention, pooled, dense_s, num_layers):
-    """The topk selector at keep_fraction = density: selection, page lists written into the
+    """The topk selector keeping density of the history: selection, page lists written into the
     planned indices, one plan per chunk shared by num_layers layers, execution."""
     end, num_hist = start + q.shape[0], start // B
     p = op.params
