@@ -109,7 +109,7 @@ def test_result_equals_dense_restricted_to_kept_blocks(subgroup):
     strength = torch.linspace(0.2, 3.0, 20)[torch.randperm(20, generator=torch.Generator().manual_seed(9))]
     k = k * strength[None, :, None, None]  # some history blocks matter far more than others
     pooled = k.mean(2)
-    op = CompactAttention(compact_settings(alpha=0.9, sink_blocks=1, window_blocks=1, subgroup_size=subgroup),
+    op = CompactAttention(compact_settings(selector="flashprefill", alpha=0.9, sink_blocks=1, window_blocks=1, subgroup_size=subgroup),
                           8, 2, B, 0.25, "torch", torch.device("cpu"))
     out, pages = op(q, k, v, pooled, start, end)
     assert 0 < pages.density < 1
@@ -134,7 +134,7 @@ def test_the_prompts_last_queries_attend_to_every_block(dense_tail, prompt_end):
     strength = torch.linspace(0.2, 3.0, 20)[torch.randperm(20, generator=torch.Generator().manual_seed(9))]
     k = k * strength[None, :, None, None]
     pooled = k.mean(2)
-    settings = dict(alpha=0.9, sink_blocks=1, window_blocks=1, subgroup_size=8)
+    settings = dict(selector="flashprefill", alpha=0.9, sink_blocks=1, window_blocks=1, subgroup_size=8)
     plain = CompactAttention(compact_settings(dense_tail=0, **settings), 8, 2, B, 0.25, "torch", torch.device("cpu"))
     op = CompactAttention(compact_settings(dense_tail=dense_tail, **settings), 8, 2, B, 0.25, "torch",
                           torch.device("cpu"))
@@ -283,7 +283,7 @@ def test_the_prompts_last_queries_score_tokens_wherever_their_chunks_end(monkeyp
     model = random_model("tiny", torch.device("cpu"), torch.float32)
     c = model.config
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 200, "fp32")
-    engine = LayerMajorPrefill(model, layout, 64, "torch", True, compact=compact_settings(tail_queries=24))
+    engine = LayerMajorPrefill(model, layout, 64, "torch", True, compact=compact_settings(selector="flashprefill", tail_queries=24))
     engine.run(list(range(200)), HostKVCache(layout, pin=False))  # chunks 0-64 (no history), 64-128, 128-192, 192-200
     assert seen == [0, 16, 8] * c.num_layers  # queries 176-199: 16 in the third chunk, 8 in the last
 
@@ -322,7 +322,7 @@ def test_every_block_lists_are_planned_once_per_chunk_and_the_plan_serves_every_
 
 
 def test_a_selective_plan_in_between_makes_the_every_block_lists_plan_again():
-    params = compact_settings(alpha=0.0)  # flashprefill keeping every block, through its own page lists
+    params = compact_settings(selector="flashprefill", alpha=0.0)  # flashprefill keeping every block, through its own page lists
     op = CompactAttention(params, 8, 2, B, 0.25, "torch", torch.device("cpu"))
     op.executor = op.short_executor = _RecordingExecutor(op)
     q0, k0, v0, pooled0, _, _ = setup(seed=1, start=0, chunk=2 * B)

@@ -164,7 +164,7 @@ def test_an_arm_with_options_of_its_own_runs_with_them(monkeypatch):
     for attention in ("sparse@selector=xattention@threshold=0.95", "dense"):
         with pytest.raises(Stop):
             runner.run_task(lm, config, "passkey", [1024], [0.5], 1, [attention], seed=0)
-    assert seen == [("sparse", "xattention", 0.95, "--attention sparse@selector=xattention@threshold=0.95"), ("dense", "flashprefill", 0.9, "default")]
+    assert seen == [("sparse", "xattention", 0.95, "--attention sparse@selector=xattention@threshold=0.95"), ("dense", "topk", 0.9, "default")]
     with pytest.raises(ConfigError, match="threshold"):
         runner.variant_config(config, "sparse@threshold=2")
 

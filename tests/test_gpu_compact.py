@@ -49,7 +49,7 @@ def test_compact_with_alpha_zero_equals_dense_in_bf16(backend):
         pytest.skip("fa3 needs Hopper")
     start, chunk = 64 * B, 1024
     q, k, v = data(start, chunk, seed=2)
-    op = CompactAttention(compact_settings(alpha=0.0), 32, 8, B, 128 ** -0.5, backend, torch.device("cuda"))
+    op = CompactAttention(compact_settings(selector="flashprefill", alpha=0.0), 32, 8, B, 128 ** -0.5, backend, torch.device("cuda"))
     out, pages = op(q, k, v, k.float().mean(2), start, start + chunk)
     keys = k.view(8, -1, 128)[:, :start + chunk].double()
     values = v.view(8, -1, 128)[:, :start + chunk].double()

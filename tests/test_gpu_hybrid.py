@@ -59,7 +59,7 @@ def test_follow_up_on_gpu_follows_a_re_prefill(kv_type, compact):
 
     def session():
         return LongContextSession(model, layout, chunk_size=256, backend="auto", hidden_on_device=True,
-                                  compact=compact_settings(alpha=0.0) if compact else None, selection=chosen,
+                                  compact=compact_settings(selector="flashprefill", alpha=0.0) if compact else None, selection=chosen,
                                   local_windows_len=128, use_cuda_graph=True)
 
     g = torch.Generator().manual_seed(3)

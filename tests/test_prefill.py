@@ -195,7 +195,7 @@ def test_compact_prefill_logs_density_per_layer(tiny):
     c = tiny.config
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 256, "fp32")
     engine = LayerMajorPrefill(tiny.model, layout, 32, "torch", True,
-                               compact=compact_settings(alpha=0.9, sink_blocks=0, window_blocks=0))
+                               compact=compact_settings(selector="flashprefill", alpha=0.9, sink_blocks=0, window_blocks=0))
     logits, stats = engine.run(ids, HostKVCache(layout, pin=False))
     assert len(stats.density_per_layer) == c.num_layers
     assert all(0 < d <= 1 for d in stats.density_per_layer) and min(stats.density_per_layer) < 1
@@ -205,7 +205,7 @@ def selective_prefill(lm, ids, **options):
     """A compact prefill that selects hard (alpha 0.9, no sinks or window), chunk 32, block 16."""
     c = lm.config
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, len(ids), "fp32")
-    params = compact_settings(alpha=0.9, sink_blocks=0, window_blocks=0, **options)
+    params = compact_settings(selector="flashprefill", alpha=0.9, sink_blocks=0, window_blocks=0, **options)
     return LayerMajorPrefill(lm.model, layout, 32, "torch", True, compact=params).run(ids, HostKVCache(layout, pin=False))
 
 
@@ -243,7 +243,7 @@ def test_paged_dense_route_runs_dense_and_mid_block_chunks_too(tiny):
     c = tiny.config
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 200, "fp32")
     engine = LayerMajorPrefill(tiny.model, layout, 32, "torch", True,
-                               compact=compact_settings(alpha=0.9, dense_above=1e-6))
+                               compact=compact_settings(selector="flashprefill", alpha=0.9, dense_above=1e-6))
     engine.dense_paged = CompactAttention(CompactParams.keep_all(), c.num_heads, c.num_kv_heads, 16,
                                           tiny.model.scale, "torch", tiny.model.device)
     calls = []
@@ -268,7 +268,7 @@ def test_a_follow_up_that_prefetches_its_history_equals_one_that_does_not(tmp_pa
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 300, "fp32")
     results = []
     for prefetch in (False, True):
-        engine = LayerMajorPrefill(lm.model, layout, 64, "torch", True, compact=compact_settings(alpha=0.9, window_blocks=1))
+        engine = LayerMajorPrefill(lm.model, layout, 64, "torch", True, compact=compact_settings(selector="flashprefill", alpha=0.9, window_blocks=1))
         own_pages = engine.pages
         host = HostKVCache(layout, pin=False)
         engine.run(ids[:192], host)
