@@ -8,8 +8,8 @@ so memory is [H, query blocks, tile] floats, never [H, chunk, history].
 
 The `topk` variant keeps the same number of blocks for every execution group: each block's
 score is its best margin to the row's best over the group's pooled query blocks, and each
-group keeps its num_keep best. Equal page counts in every layer of a chunk let one FlashInfer
-plan serve all the chunk's layers, and no host sync is needed to learn the counts.
+group keeps its num_keep best. Equal page counts let one FlashInfer plan serve every full chunk
+of every layer, and no host sync is needed to learn the counts.
 
 A block mean dilutes what a few queries ask for: a question at the end of a prompt is a
 handful of tokens in a 128-token query block, and the key that answers it is one token among

@@ -52,8 +52,8 @@ class CompactParams:
     def keep_all(cls) -> "CompactParams":
         """Every block kept: dense attention through the paged path. With nothing selected the
         heads of a kv group share one page list, so each group is one request."""
-        return cls(selector="all", alpha=0.0, keep_blocks=1 << 30, threshold=1.0, stride=1, sink_blocks=0, window_blocks=0,
-                   subgroup_size=1 << 30, dense_above=1.0, tail_queries=0, dense_tail=0,
+        return cls(selector="all", alpha=0.0, keep_blocks=1 << 30, threshold=1.0, stride=1, sink_blocks=0,
+                   window_blocks=0, subgroup_size=1 << 30, dense_above=1.0, tail_queries=0, dense_tail=0,
                    prefill_dense_layer_num=0)
 
 
