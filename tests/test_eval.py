@@ -61,7 +61,7 @@ def test_needle_heatmap_writes_a_png(tmp_path):
     assert grid[1, 0] == float((2048 + 2) % 3 == 0)
 
 
-SPARSE = ["chunk_size=256", "local_windows_len=256", "block_size=64", "second_select_num=4",
+SPARSE = ["chunk_size=256", "local_windows_len=256", "block_size=64", "keep_blocks=8", "second_select_num=4",
           "preselect_block_count=8"]
 
 
