@@ -2,7 +2,7 @@
 
 python -m ktlong.bench attention [--chunks 1024,4096] [--histories 32k,128k,512k]
     [--densities 0.1,0.2,0.3] [--backends fa2,fa3] [--selectors flashprefill,topk] [--layers 32]
-    [--captured captured.npz]
+    [--shape llama-3.1-8b|qwen2.5-0.5b] [--captured captured.npz]
 
 CompactAttention time is split into selection with its Q-block and group unions (the FlashPrefill
 selector on pooled keys, fused), page lists (one host sync), FlashInfer plan, and execution. Fixed densities keep a random
@@ -24,6 +24,7 @@ import torch
 from ktlong.bench.common import parse_lengths, print_table, require_cuda, time_cuda
 from ktlong.config import default_config
 from ktlong.errors import KtlongError
+from ktlong.models.random_model import SHAPES, random_config
 from ktlong.session.settings import compact_params
 from operators.block_selector import topk_group_blocks
 from operators.block_union import build_page_lists, fixed_page_lists
@@ -103,16 +104,17 @@ def dense_time(q, k, v, start, backend, op_all):
 
 def synthetic_rows(args, device):
     rows = []
+    c = random_config(args.shape)
     params = compact_params(default_config(prefill_attention="compact"))
     for backend in args.backends.split(","):
-        op = CompactAttention(params, 32, 8, B, 128 ** -0.5, backend, device)
+        op = CompactAttention(params, c.num_heads, c.num_kv_heads, B, c.head_dim ** -0.5, backend, device)
         for chunk in parse_lengths(args.chunks):
             for start in parse_lengths(args.histories):
                 nb = (start + chunk) // B
                 g = torch.Generator(device=device).manual_seed(0)
-                k = torch.randn(8, nb, B, 128, device=device, dtype=torch.bfloat16, generator=g)
-                v = torch.randn(8, nb, B, 128, device=device, dtype=torch.bfloat16, generator=g)
-                q = torch.randn(chunk, 32, 128, device=device, dtype=torch.bfloat16, generator=g)
+                k = torch.randn(c.num_kv_heads, nb, B, c.head_dim, device=device, dtype=torch.bfloat16, generator=g)
+                v = torch.randn(c.num_kv_heads, nb, B, c.head_dim, device=device, dtype=torch.bfloat16, generator=g)
+                q = torch.randn(chunk, c.num_heads, c.head_dim, device=device, dtype=torch.bfloat16, generator=g)
                 pooled = k.float().mean(2)
                 dense_s = dense_time(q, k, v, start, backend, op)
                 for density in [float(d) for d in args.densities.split(",")]:
@@ -120,7 +122,8 @@ def synthetic_rows(args, device):
                         keep = fixed_density_keep(op.groups.shape[0], start // B, density, 1, 2, device)
                         rows.append(measure(q, k, v, start, backend, keep, op, pooled, dense_s))
                     if "topk" in args.selectors.split(","):
-                        rows.append(measure_topk(q, k, v, start, backend, density, op, pooled, dense_s, args.layers))
+                        rows.append(measure_topk(q, k, v, start, backend, density, op, pooled, dense_s,
+                                                args.layers or c.num_layers))
                 del k, v, q, pooled
                 torch.cuda.empty_cache()
     return rows
@@ -155,7 +158,10 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default="fa2,fa3")
     p.add_argument("--selectors", default="flashprefill,topk", help="flashprefill: its selection timed, the "
                    "fixed density's random blocks executed; topk: its own selection at each density")
-    p.add_argument("--layers", type=int, default=32, help="layers that share one topk plan per chunk")
+    p.add_argument("--layers", type=int, default=None, help="layers that share one topk plan per chunk "
+                   "(default: the shape's)")
+    p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES),
+                   help="the attention heads of this model (qwen2.5-0.5b: the evaluation's model)")
     p.add_argument("--captured", help="npz of q/k/v captured by `python -m ktlong.bench capture`")
     args = p.parse_args(argv)
     require_cuda("the attention benchmark")
@@ -163,7 +169,9 @@ def main(argv=None) -> int:
         raise KtlongError("the attention benchmark measures FlashInfer, which is not installed; "
                           "pip install flashinfer-python (pip install -e \".[gpu]\").")
     device = torch.device("cuda", torch.cuda.current_device())
-    print(f"{torch.cuda.get_device_name(device)}, bf16, 32 q heads / 8 kv heads / d 128, block {B}; "
+    c = random_config(args.shape)
+    print(f"{torch.cuda.get_device_name(device)}, bf16, {args.shape}: {c.num_heads} q heads / {c.num_kv_heads} kv "
+          f"heads / d {c.head_dim}, block {B}; "
           "times are medians of 20 runs in microseconds")
     print_table(["backend", "chunk", "history", "dense", "density", "select+unions", "page lists", "plan",
                  "execute", "compact total", "speedup", "overhead/dense"], synthetic_rows(args, device))

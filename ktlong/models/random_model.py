@@ -13,6 +13,10 @@ SHAPES = {
     "llama-3.1-8b": dict(num_layers=32, hidden_size=4096, intermediate_size=14336, num_heads=32,
                          num_kv_heads=8, head_dim=128, vocab_size=128256, context_length=131072,
                          rope=RopeConfig(base=500000.0, dim=128)),
+    # Qwen2.5-0.5B's attention (14 q / 2 kv heads of 64): the packaged long-context model's shape
+    "qwen2.5-0.5b": dict(num_layers=24, hidden_size=896, intermediate_size=4864, num_heads=14,
+                         num_kv_heads=2, head_dim=64, vocab_size=151936, context_length=131072,
+                         rope=RopeConfig(base=1000000.0, dim=64)),
     "tiny": dict(num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4,
                  num_kv_heads=2, head_dim=64, vocab_size=1000, context_length=1 << 20,
                  rope=RopeConfig(base=10000.0, dim=64)),
