@@ -201,6 +201,28 @@ def test_compact_prefill_logs_density_per_layer(tiny):
     assert all(0 < d <= 1 for d in stats.density_per_layer) and min(stats.density_per_layer) < 1
 
 
+def test_topk_prefill_keeps_keep_blocks_per_chunk_and_all_of_a_short_history_is_dense(tiny):
+    """topk in the prefill: each chunk past keep_blocks history blocks keeps exactly that many
+    (the density per layer is their share, averaged over the chunks with history); with
+    keep_blocks past the prompt every chunk keeps every block and the logits are dense prefill's."""
+    ids = list(np.random.default_rng(12).integers(0, 300, size=256))
+    c = tiny.config
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 256, "fp32")
+    expected, _ = dense(tiny, ids)
+
+    def run(keep_blocks):
+        params = compact_settings(selector="topk", keep_blocks=keep_blocks, sink_blocks=1, window_blocks=1)
+        return LayerMajorPrefill(tiny.model, layout, 32, "torch", True, compact=params).run(ids, HostKVCache(layout, pin=False))
+
+    logits, stats = run(3)
+    shares = [min(3, h) / h for h in range(2, 16, 2)]  # chunks of 2 blocks: history 2, 4, ..., 14 blocks
+    assert stats.density_per_layer == pytest.approx([sum(shares) / len(shares)] * c.num_layers)
+    assert float((logits - expected).abs().max() / expected.abs().max()) > 1e-3  # it did select
+    all_logits, everything = run(1 << 10)
+    assert everything.density_per_layer == [1.0] * c.num_layers
+    assert float((all_logits - expected).abs().max() / expected.abs().max()) < 1e-5
+
+
 def selective_prefill(lm, ids, **options):
     """A compact prefill that selects hard (alpha 0.9, no sinks or window), chunk 32, block 16."""
     c = lm.config
