@@ -34,8 +34,11 @@ def copy_heads(dst: torch.Tensor, src: torch.Tensor):
     through a contiguous pageable host tensor, and a copy to or from pageable memory holds the
     host until the stream reaches it (behind everything queued before it). So the heads cross as
     the rows of one 2-D copy on the current stream (ktlong/kv/copy_2d.py), or one copy each
-    where that does not apply (the CPU, a view whose heads are not contiguous ranges)."""
+    where that does not apply (a view whose heads are not contiguous ranges); on the CPU, one copy."""
     if src.numel() == 0 or copy_rows_2d(dst, src):  # empty: a resident layer's rows, usually
+        return
+    if not (src.is_cuda or dst.is_cuda):  # within DRAM: one copy, nothing to hold up
+        dst.copy_(src)
         return
     for h in range(src.shape[0]):
         dst[h].copy_(src[h], non_blocking=True)
