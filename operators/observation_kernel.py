@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from operators.observation_scores import query_rows
+
 MAX_ROW_TILE = 64  # query rows per program: [rows, head_dim] and [rows, keys] stay in registers
 MAX_KEY_TILE = 64  # keys per step inside a block
 
@@ -54,10 +56,6 @@ def _block_max_and_sum(q_ptr, k_ptr, max_ptr, sum_ptr, num_rows, num_q, num_bloc
     tl.store(sum_ptr + out, run_sum, mask=row_ok)
 
 
-def _next_power_of_two(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def kernel_applies(k_pages: torch.Tensor) -> bool:
     """Shapes the kernel takes: power-of-two head_dim and block_size of at least 16 (tl.dot's
     smallest tile), float16 / bfloat16 keys."""
@@ -78,10 +76,8 @@ def observation_block_mass_kernel(q: torch.Tensor, k_pages: torch.Tensor, num_to
     group = num_heads // num_kv
     num_rows, num_blocks = group * num_q, -(-num_tokens // block)
     assert num_blocks <= k_pages.shape[1]
-    # [KV, G*Tq, D]: rows are (head in group, query), in the keys' dtype
-    qg = q.view(num_q, num_kv, group, dim).permute(1, 2, 0, 3).reshape(num_kv, num_rows, dim)
-    qg = qg.to(k_pages.dtype).contiguous()
-    row_tile = min(MAX_ROW_TILE, max(16, _next_power_of_two(num_rows)))
+    qg = query_rows(q, num_kv, k_pages.dtype)  # [KV, G*Tq, D]
+    row_tile = min(MAX_ROW_TILE, max(16, triton.next_power_of_2(num_rows)))
     block_max = torch.empty((num_kv, num_blocks, num_rows), dtype=torch.float32, device=q.device)
     block_sum = torch.empty_like(block_max)
     grid = (num_kv, num_blocks, -(-num_rows // row_tile))

@@ -16,17 +16,20 @@ import importlib.util
 import torch
 
 
+def query_rows(q: torch.Tensor, num_kv: int, dtype: torch.dtype) -> torch.Tensor:
+    """q: [Tq, H, D] -> [KV, G*Tq, D] in dtype, contiguous: each kv group's queries as rows
+    (head in group, query), the order both paths score them in."""
+    num_q, num_heads, dim = q.shape
+    group = num_heads // num_kv
+    rows = q.view(num_q, num_kv, group, dim).permute(1, 2, 0, 3).reshape(num_kv, group * num_q, dim)
+    return rows.to(dtype).contiguous()
+
 
 def observation_block_mass(q: torch.Tensor, k_pages: torch.Tensor, num_tokens: int, scale: float,
                            slice_blocks: int = 128) -> torch.Tensor:
     """q: [Tq, H, D], the queries of positions num_tokens-Tq..num_tokens-1; k_pages:
     [KV, NB, B, D] holding at least num_tokens keys -> [KV, ceil(num_tokens / B)] float32, the
-    attention mass on each block summed over the queries and the heads of each group.
-
-    Each slice leaves its rows' max and its blocks' sums of exp(logit - that max) in buffers
-    made once; one pass over all slices at the end weighs them to the overall max. A follow-up
-    runs this in every layer, so its cost is mostly kernel launches: a handful per slice and
-    a handful in all, not a handful per slice twice over."""
+    attention mass on each block summed over the queries and the heads of each group."""
     if q.is_cuda and importlib.util.find_spec("triton") is not None:
         from operators.observation_kernel import kernel_applies, observation_block_mass_kernel
 
@@ -37,16 +40,18 @@ def observation_block_mass(q: torch.Tensor, k_pages: torch.Tensor, num_tokens: i
 
 def observation_block_mass_reference(q: torch.Tensor, k_pages: torch.Tensor, num_tokens: int, scale: float,
                                      slice_blocks: int = 128) -> torch.Tensor:
-    """observation_block_mass in plain torch (the CPU's path, and the kernel's reference)."""
+    """observation_block_mass in plain torch (the CPU's path, and the kernel's reference).
+
+    Each slice leaves its rows' max and its blocks' sums of exp(logit - that max) in buffers
+    made once; one pass over all slices at the end weighs them to the overall max, so the
+    launches are a handful per slice and a handful in all."""
     num_q, num_heads, dim = q.shape
     num_kv, _, block, _ = k_pages.shape
     group = num_heads // num_kv
     num_blocks = -(-num_tokens // block)
     num_slices = -(-num_blocks // slice_blocks)
     rows = group * num_q
-    # [KV, G*Tq, D]: rows are (head in group, query)
-    qg = q.view(num_q, num_kv, group, dim).permute(1, 2, 0, 3).reshape(num_kv, rows, dim)
-    qg = qg.to(k_pages.dtype)
+    qg = query_rows(q, num_kv, k_pages.dtype)  # [KV, G*Tq, D]
     q_pos = (torch.arange(num_q, device=q.device) + num_tokens - num_q).repeat(group)  # [G*Tq]
     maxima = torch.empty((num_slices, num_kv, rows, 1), device=q.device)
     sums = torch.zeros((num_slices, num_kv, rows, slice_blocks), device=q.device)  # a short last slice: zeros
