@@ -49,6 +49,15 @@ def always_kept(num_hist: int, sink_blocks: int, window_blocks: int, device) -> 
     return (j < sink_blocks) | (j >= num_hist - window_blocks)
 
 
+def set_always_kept(per_block: torch.Tensor, sink_blocks: int, window_blocks: int, value) -> torch.Tensor:
+    """per_block: [..., num_hist]; the sink and window blocks' entries set to value, in place
+    (two slices: fewer launches than always_kept's mask)."""
+    per_block[..., :sink_blocks] = value
+    if window_blocks:
+        per_block[..., max(0, per_block.shape[-1] - window_blocks):] = value
+    return per_block
+
+
 def _within_margin(queries: torch.Tensor, pooled_keys: torch.Tensor, scale: float, margin: float,
                    tile_blocks: int) -> torch.Tensor:
     """queries: [KV, rows, D] -> [KV, rows, num_hist] bool: each block whose score is within
@@ -135,10 +144,7 @@ def flashprefill_group_keep(q: torch.Tensor, pooled_keys: torch.Tensor, block_si
         tail = tail_block_keep(q[-tail_queries:], keys, block_size, scale, margin, sink_blocks, window_blocks)
         keep = torch.cat([keep.view(num_heads, -1, num_hist), tail[:, None]], dim=1)
     keep = keep.view(num_heads // group_size, -1, num_hist).any(1)
-    keep[:, :sink_blocks] = True
-    if window_blocks:
-        keep[:, max(0, num_hist - window_blocks):] = True
-    return keep
+    return set_always_kept(keep, sink_blocks, window_blocks, True)
 
 
 def topk_group_blocks(q: torch.Tensor, pooled_keys: torch.Tensor, block_size: int, scale: float, num_keep: int,
@@ -155,7 +161,5 @@ def topk_group_blocks(q: torch.Tensor, pooled_keys: torch.Tensor, block_size: in
     scores = torch.bmm(rows, pooled_keys.float().transpose(1, 2)) * scale  # [KV, group * nqb, num_hist]
     margin = scores - scores.amax(-1, keepdim=True)  # <= 0; 0 at each row's best block
     group_margin = margin.view(num_heads // group_size, -1, num_hist).amax(1)  # [G, num_hist]
-    group_margin[:, :sink_blocks] = float("inf")
-    if window_blocks:
-        group_margin[:, max(0, num_hist - window_blocks):] = float("inf")
+    set_always_kept(group_margin, sink_blocks, window_blocks, float("inf"))
     return group_margin.topk(num_keep, dim=1, sorted=False).indices
