@@ -45,6 +45,15 @@ def fixed_density_keep(num_groups, num_hist, density, sink, window, device, seed
     return keep
 
 
+def table_row(label, chunk, start, dense_s, density, select_s, pages_s, plan_s, exec_s) -> list:
+    """One row of the table: times in microseconds, the speedup over dense and the fixed cost
+    (selection, page lists, plan) as a share of the dense time."""
+    total = select_s + pages_s + plan_s + exec_s
+    us = lambda s: f"{s * 1e6:,.0f}"
+    return [label, chunk, f"{start // 1024}K", us(dense_s), f"{density:.0%}", us(select_s), us(pages_s), us(plan_s),
+            us(exec_s), us(total), f"{dense_s / total:.2f}x", f"{(select_s + pages_s + plan_s) / dense_s:.1%}"]
+
+
 def measure(q, k, v, start, backend, keep_groups, op: CompactAttention, pooled, dense_s):
     end = start + q.shape[0]
     num_hist = start // B
@@ -60,11 +69,7 @@ def measure(q, k, v, start, backend, keep_groups, op: CompactAttention, pooled, 
     plan_s = time_cuda(plan)
     plan()
     exec_s = time_cuda(lambda: op.executor.run(q, k, v, op.groups))
-    total = select_s + pages_s + plan_s + exec_s
-    us = lambda s: f"{s * 1e6:,.0f}"
-    return [backend, q.shape[0], f"{start // 1024}K", us(dense_s), f"{pages.density:.0%}", us(select_s),
-            us(pages_s), us(plan_s), us(exec_s), us(total), f"{dense_s / total:.2f}x",
-            f"{(select_s + pages_s + plan_s) / dense_s:.1%}"]
+    return table_row(backend, q.shape[0], start, dense_s, pages.density, select_s, pages_s, plan_s, exec_s)
 
 
 def measure_topk(q, k, v, start, backend, density, op: CompactAttention, pooled, dense_s, num_layers):
@@ -83,11 +88,7 @@ def measure_topk(q, k, v, start, backend, density, op: CompactAttention, pooled,
     plan_s = time_cuda(lambda: op.executor.plan(q.shape[0], op.groups, pages, q.shape[-1], B, op.scale,
                                                 q.dtype)) / num_layers
     exec_s = time_cuda(lambda: op.executor.run(q, k, v, op.groups))
-    total = select_s + pages_s + plan_s + exec_s
-    us = lambda s: f"{s * 1e6:,.0f}"
-    return [f"{backend} topk", q.shape[0], f"{start // 1024}K", us(dense_s), f"{pages.density:.0%}", us(select_s),
-            us(pages_s), us(plan_s), us(exec_s), us(total), f"{dense_s / total:.2f}x",
-            f"{(select_s + pages_s + plan_s) / dense_s:.1%}"]
+    return table_row(f"{backend} topk", q.shape[0], start, dense_s, pages.density, select_s, pages_s, plan_s, exec_s)
 
 
 def dense_time(q, k, v, start, backend, op_all):
