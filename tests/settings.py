@@ -21,6 +21,11 @@ def compact_settings(**options) -> CompactParams:
     return compact_params(default_config(prefill_attention="compact", **options))
 
 
+def flashprefill_settings(**options) -> CompactParams:
+    """compact_settings with the FlashPrefill selector (alpha of the best score), for tests of it."""
+    return compact_settings(selector="flashprefill", **options)
+
+
 def with_anchors(layout: KVLayout, settings: SelectionSettings) -> KVLayout:
     """The layout keeps the anchor keys these decode settings select with (as plan_session does)."""
     return dataclasses.replace(layout, anchor_type=settings.anchor_type, anchor_num=settings.anchor_num)

@@ -11,7 +11,7 @@ from operators.block_selector import pool_query_blocks, select_blocks_flashprefi
 from operators.block_union import (build_page_lists, every_page_lists, execution_groups, union_groups,
                                    union_query_blocks)
 from operators.compact_attention import CompactAttention, CompactParams
-from tests.settings import compact_settings
+from tests.settings import compact_settings, flashprefill_settings
 from operators.dense_attention import dense_attention
 from operators.paged_attention_reference import paged_attention_reference
 from operators.xattention_selector import select_blocks_xattention
@@ -109,19 +109,11 @@ def test_result_equals_dense_restricted_to_kept_blocks(subgroup):
     strength = torch.linspace(0.2, 3.0, 20)[torch.randperm(20, generator=torch.Generator().manual_seed(9))]
     k = k * strength[None, :, None, None]  # some history blocks matter far more than others
     pooled = k.mean(2)
-    op = CompactAttention(compact_settings(selector="flashprefill", alpha=0.9, sink_blocks=1, window_blocks=1, subgroup_size=subgroup),
+    op = CompactAttention(flashprefill_settings(alpha=0.9, sink_blocks=1, window_blocks=1, subgroup_size=subgroup),
                           8, 2, B, 0.25, "torch", torch.device("cpu"))
     out, pages = op(q, k, v, pooled, start, end)
     assert 0 < pages.density < 1
-    keep_head = torch.zeros(8, start // B, dtype=torch.bool)
-    indptr = pages.indptr.tolist()
-    for g, heads in enumerate(op.groups.tolist()):
-        kv = heads[0] // 4
-        for page in pages.indices[indptr[g]:indptr[g + 1]].tolist():
-            j = page - kv * k.shape[1]
-            if j < start // B:
-                keep_head[heads, j] = True
-    expected = masked_dense(q, k, v, start, end, keep_head, 0.25)
+    expected = masked_dense(q, k, v, start, end, kept_per_head(op, pages, start // B, k.shape[1]), 0.25)
     assert float((out.double() - expected).abs().max() / expected.abs().max()) < 1e-5
 
 
@@ -283,7 +275,7 @@ def test_the_prompts_last_queries_score_tokens_wherever_their_chunks_end(monkeyp
     model = random_model("tiny", torch.device("cpu"), torch.float32)
     c = model.config
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 200, "fp32")
-    engine = LayerMajorPrefill(model, layout, 64, "torch", True, compact=compact_settings(selector="flashprefill", tail_queries=24))
+    engine = LayerMajorPrefill(model, layout, 64, "torch", True, compact=flashprefill_settings(tail_queries=24))
     engine.run(list(range(200)), HostKVCache(layout, pin=False))  # chunks 0-64 (no history), 64-128, 128-192, 192-200
     assert seen == [0, 16, 8] * c.num_layers  # queries 176-199: 16 in the third chunk, 8 in the last
 
@@ -322,7 +314,7 @@ def test_every_block_lists_are_planned_once_per_chunk_and_the_plan_serves_every_
 
 
 def test_a_selective_plan_in_between_makes_the_every_block_lists_plan_again():
-    params = compact_settings(selector="flashprefill", alpha=0.0)  # flashprefill keeping every block, through its own page lists
+    params = flashprefill_settings(alpha=0.0)  # flashprefill keeping every block, through its own page lists
     op = CompactAttention(params, 8, 2, B, 0.25, "torch", torch.device("cpu"))
     op.executor = op.short_executor = _RecordingExecutor(op)
     q0, k0, v0, pooled0, _, _ = setup(seed=1, start=0, chunk=2 * B)
@@ -425,7 +417,7 @@ def test_topk_plans_once_and_each_layer_and_chunk_reads_its_own_blocks():
             out, pages = op(q, k, v, pooled, start, end)
             assert pages.num_hist == start // B and pages.density == pytest.approx(6 / (start // B))
             keep = kept_per_head(op, pages, start // B, k.shape[1])
-            selections.append(keep[:, :10 * B // B])
+            selections.append(keep[:, :10])  # the blocks both chunks can choose from
             expected = masked_dense(q, k, v, start, end, keep, 0.25)
             assert float((out.double() - expected).abs().max() / expected.abs().max()) < 1e-5
             ids = topk_group_blocks(q, pooled[:, :start // B], B, 0.25, 6, 1, 2, 4)

@@ -6,7 +6,7 @@ import torch
 from operators.block_union import build_page_lists, execution_groups
 from operators.chunk_attention import flashinfer_available
 from operators.compact_attention import CompactAttention
-from tests.settings import compact_settings
+from tests.settings import compact_settings, flashprefill_settings
 from operators.dense_attention import dense_attention
 from operators.paged_attention_reference import paged_attention_reference
 
@@ -49,7 +49,7 @@ def test_compact_with_alpha_zero_equals_dense_in_bf16(backend):
         pytest.skip("fa3 needs Hopper")
     start, chunk = 64 * B, 1024
     q, k, v = data(start, chunk, seed=2)
-    op = CompactAttention(compact_settings(selector="flashprefill", alpha=0.0), 32, 8, B, 128 ** -0.5, backend, torch.device("cuda"))
+    op = CompactAttention(flashprefill_settings(alpha=0.0), 32, 8, B, 128 ** -0.5, backend, torch.device("cuda"))
     out, pages = op(q, k, v, k.float().mean(2), start, start + chunk)
     keys = k.view(8, -1, 128)[:, :start + chunk].double()
     values = v.view(8, -1, 128)[:, :start + chunk].double()

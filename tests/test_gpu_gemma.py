@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.settings import compact_settings, selection, with_anchors
+from tests.settings import flashprefill_settings, selection, with_anchors
 from ktlong.session.dense import DenseSession
 from ktlong.kv.layout import model_kv_layout
 from ktlong.gguf.loader import load_model
@@ -62,7 +62,7 @@ def test_gemma3_long_context_on_gpu_follows_dense(tmp_path, prefill_attention):
     ids = [int(t) for t in np.random.default_rng(8).integers(0, 300, size=700)]
     chosen = selection(second_select_num=1000, preselect_block=False)
     layout = with_anchors(model_kv_layout(gpu.config, 64, 800, "bf16", local_windows_len=128), chosen)
-    compact = compact_settings(selector="flashprefill", alpha=0.0) if prefill_attention == "compact" else None  # alpha 0 keeps every block
+    compact = flashprefill_settings(alpha=0.0) if prefill_attention == "compact" else None  # alpha 0 keeps every block
     session = LongContextSession(gpu.model, layout, chunk_size=128, backend="fa2", hidden_on_device=True,
                                  compact=compact, selection=chosen,
                                  local_windows_len=128, use_cuda_graph=False)

@@ -50,7 +50,7 @@ def test_hybrid_decode_on_gpu_follows_dense_decode():
 def test_follow_up_on_gpu_follows_a_re_prefill(kv_type, compact):
     """A follow-up prefilled over the cache (history widened on the device, FlashInfer over it,
     CUDA graphs rebuilt after) gives the logits a re-prefill of the conversation gives."""
-    from tests.settings import compact_settings
+    from tests.settings import flashprefill_settings
 
     model = random_model("tiny", torch.device("cuda"), torch.bfloat16)
     c = model.config
@@ -59,7 +59,7 @@ def test_follow_up_on_gpu_follows_a_re_prefill(kv_type, compact):
 
     def session():
         return LongContextSession(model, layout, chunk_size=256, backend="auto", hidden_on_device=True,
-                                  compact=compact_settings(selector="flashprefill", alpha=0.0) if compact else None, selection=chosen,
+                                  compact=flashprefill_settings(alpha=0.0) if compact else None, selection=chosen,
                                   local_windows_len=128, use_cuda_graph=True)
 
     g = torch.Generator().manual_seed(3)

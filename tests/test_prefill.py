@@ -11,7 +11,7 @@ from ktlong.kv.dense_cache import DenseKVCache
 from ktlong.prefill import LayerMajorPrefill
 from operators.block_summary import anchor_keys, fixed_offsets
 from tests.anchors_reference import build_anchors_reference
-from tests.settings import compact_settings
+from tests.settings import compact_settings, flashprefill_settings
 from tests.tiny_gguf import TinySpec, tiny_model
 
 
@@ -181,7 +181,7 @@ def test_compact_prefill_keeping_everything_equals_dense(tiny):
     ids = list(np.random.default_rng(9).integers(0, 300, size=150))
     expected, _ = dense(tiny, ids)
     c = tiny.config
-    for params in (compact_settings(selector="flashprefill", alpha=0.0),
+    for params in (flashprefill_settings(alpha=0.0),
                    compact_settings(selector="xattention", threshold=1.0, stride=4)):
         layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 150, "fp32")
         engine = LayerMajorPrefill(tiny.model, layout, 32, "torch", True, compact=params)
@@ -195,13 +195,13 @@ def test_compact_prefill_logs_density_per_layer(tiny):
     c = tiny.config
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 256, "fp32")
     engine = LayerMajorPrefill(tiny.model, layout, 32, "torch", True,
-                               compact=compact_settings(selector="flashprefill", alpha=0.9, sink_blocks=0, window_blocks=0))
+                               compact=flashprefill_settings(alpha=0.9, sink_blocks=0, window_blocks=0))
     logits, stats = engine.run(ids, HostKVCache(layout, pin=False))
     assert len(stats.density_per_layer) == c.num_layers
     assert all(0 < d <= 1 for d in stats.density_per_layer) and min(stats.density_per_layer) < 1
 
 
-def test_topk_prefill_keeps_keep_blocks_per_chunk_and_all_of_a_short_history_is_dense(tiny):
+def test_topk_prefill_keeps_keep_blocks_per_chunk_and_keeping_every_block_is_dense_prefill(tiny):
     """topk in the prefill: each chunk past keep_blocks history blocks keeps exactly that many
     (the density per layer is their share, averaged over the chunks with history); with
     keep_blocks past the prompt every chunk keeps every block and the logits are dense prefill's."""
@@ -212,7 +212,8 @@ def test_topk_prefill_keeps_keep_blocks_per_chunk_and_all_of_a_short_history_is_
 
     def run(keep_blocks):
         params = compact_settings(selector="topk", keep_blocks=keep_blocks, sink_blocks=1, window_blocks=1)
-        return LayerMajorPrefill(tiny.model, layout, 32, "torch", True, compact=params).run(ids, HostKVCache(layout, pin=False))
+        engine = LayerMajorPrefill(tiny.model, layout, 32, "torch", True, compact=params)
+        return engine.run(ids, HostKVCache(layout, pin=False))
 
     logits, stats = run(3)
     shares = [min(3, h) / h for h in range(2, 16, 2)]  # chunks of 2 blocks: history 2, 4, ..., 14 blocks
@@ -227,8 +228,9 @@ def selective_prefill(lm, ids, **options):
     """A compact prefill that selects hard (alpha 0.9, no sinks or window), chunk 32, block 16."""
     c = lm.config
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, len(ids), "fp32")
-    params = compact_settings(selector="flashprefill", alpha=0.9, sink_blocks=0, window_blocks=0, **options)
-    return LayerMajorPrefill(lm.model, layout, 32, "torch", True, compact=params).run(ids, HostKVCache(layout, pin=False))
+    params = flashprefill_settings(alpha=0.9, sink_blocks=0, window_blocks=0, **options)
+    engine = LayerMajorPrefill(lm.model, layout, 32, "torch", True, compact=params)
+    return engine.run(ids, HostKVCache(layout, pin=False))
 
 
 def test_chunks_that_keep_nearly_everything_run_dense(tiny):
@@ -265,7 +267,7 @@ def test_paged_dense_route_runs_dense_and_mid_block_chunks_too(tiny):
     c = tiny.config
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 200, "fp32")
     engine = LayerMajorPrefill(tiny.model, layout, 32, "torch", True,
-                               compact=compact_settings(selector="flashprefill", alpha=0.9, dense_above=1e-6))
+                               compact=flashprefill_settings(alpha=0.9, dense_above=1e-6))
     engine.dense_paged = CompactAttention(CompactParams.keep_all(), c.num_heads, c.num_kv_heads, 16,
                                           tiny.model.scale, "torch", tiny.model.device)
     calls = []
@@ -290,7 +292,7 @@ def test_a_follow_up_that_prefetches_its_history_equals_one_that_does_not(tmp_pa
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 300, "fp32")
     results = []
     for prefetch in (False, True):
-        engine = LayerMajorPrefill(lm.model, layout, 64, "torch", True, compact=compact_settings(selector="flashprefill", alpha=0.9, window_blocks=1))
+        engine = LayerMajorPrefill(lm.model, layout, 64, "torch", True, compact=flashprefill_settings(alpha=0.9, window_blocks=1))
         own_pages = engine.pages
         host = HostKVCache(layout, pin=False)
         engine.run(ids[:192], host)
