@@ -114,8 +114,8 @@ class CompactAttention:
         their indices rewritten in place."""
         if self.executor is None:
             return paged_attention_reference(q, k_pages, v_pages, self.groups, pages, self.scale)
+        # q's length picks the executor, and every key holds that length: a key names one executor's plan
         executor = self.short_executor if q.shape[0] <= SHORT_CHUNK else self.executor
-        what = None if what is None else (*what, id(executor))
         if what is None or self.planned is None or self.planned[0] != what:
             executor.plan(q.shape[0], self.groups, pages, q.shape[-1], self.block_size, self.scale, q.dtype)
             # FlashInfer keeps a device tensor of indices as it is; a copy could not be rewritten in place
@@ -134,7 +134,7 @@ class CompactAttention:
         shape = (start, end, k_pages.shape[1], tuple(q.shape), q.dtype, q.device)
         if p.selector == "all" or start == 0:  # nothing to select: no host sync
             what = ("every", *shape)
-            if self.planned is not None and self.planned[0][:-1] == what:
+            if self.planned is not None and self.planned[0] == what:
                 pages = self.planned[1]
             else:
                 pages = every_page_lists(self.groups.shape[0], self.num_kv_heads, k_pages.shape[1],
@@ -148,7 +148,7 @@ class CompactAttention:
                                     p.sink_blocks, p.window_blocks, self.groups.shape[1])
             # the lengths, not the chunk's place: every full chunk of every layer past keep_blocks shares one plan
             what = ("topk", num_keep, end - start, k_pages.shape[1], q.shape[1:], q.dtype, q.device)
-            planned = self.planned is not None and self.planned[0][:-1] == what
+            planned = self.planned is not None and self.planned[0] == what
             pages = fixed_page_lists(ids, self.num_kv_heads, k_pages.shape[1], num_hist, end - start,
                                      self.block_size, out=self.planned[1].indices if planned else None)
             out = self.execute(q, k_pages, v_pages, pages, what)
