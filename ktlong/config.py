@@ -48,6 +48,7 @@ RANGES = {
     "anchor_num": (1, None, False), "dense_layer_num": (0, None, False),
     "preselect_block_count": (1, None, False), "layer_step": (1, None, False),
     "token_step": (1, None, False), "threads_num": (0, None, False),
+    "device_cache_blocks": (0, None, False),
     "max_new_tokens": (1, None, False), "temperature": (0, None, False), "top_p": (0, 1, True),
     "top_k": (0, None, False), "port": (1, 65535, False), "queue_size": (0, None, False),
     "tensor_parallel": (1, None, False),
@@ -96,6 +97,7 @@ class Config:
     layer_step: int
     token_step: int
     block_scoring: str
+    device_cache_blocks: int
     threads_num: int
     max_new_tokens: int
     temperature: float

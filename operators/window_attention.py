@@ -37,3 +37,19 @@ def masked_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.bmm(torch.exp(scores - lse[..., None]).to(v.dtype), v).float()
     return out.reshape(num_heads, dim), lse.reshape(num_heads)
+
+
+def attention_over_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float):
+    """q: [H, D]; k, v: [KV, N, D] of which each kv head's first valid[h] keys count (valid: [KV]
+    device tensor; 0 allowed) -> out [H, D] float32, lse [H] float32 (-inf, out 0 where nothing
+    counts). Fixed shapes, no sync."""
+    num_heads, dim = q.shape
+    num_kv, n, _ = k.shape
+    group = num_heads // num_kv
+    scores = torch.bmm(q.to(k.dtype).view(num_kv, group, dim), k.transpose(1, 2)).float() * scale
+    index = torch.arange(n, device=q.device)
+    scores = scores.masked_fill((index[None, :] >= valid[:, None])[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    out = torch.bmm(torch.exp(scores - finite[..., None]).to(v.dtype), v).float()
+    return out.reshape(num_heads, dim), lse.reshape(num_heads)

@@ -61,7 +61,8 @@ def fill_random(host: HostKVCache, num_tokens: int, seed: int = 0):
 
 
 MODES = {"dense": "dense (all blocks on CPU)", "cpu": "sparse, CPU only", "hybrid": "hybrid",
-         "graphs": "hybrid + CUDA graphs", "graphs-cpu-scoring": "hybrid + CUDA graphs, CPU scoring"}
+         "graphs": "hybrid + CUDA graphs", "graphs-cache": "hybrid + CUDA graphs + block cache",
+         "graphs-cpu-scoring": "hybrid + CUDA graphs, CPU scoring"}
 
 
 def synchronize(device: torch.device):
@@ -148,9 +149,11 @@ def main(argv=None) -> int:
     sparse = selection_settings(config, c.num_layers)
     sparse = dataclasses.replace(sparse, preselect_block=False)
     local = config.local_windows_len
-    settings = {"dense": (selection_settings(config, c.num_layers, "dense"), local, False),
-                "cpu": (sparse, 0, False), "hybrid": (sparse, local, False), "graphs": (sparse, local, True),
-                "graphs-cpu-scoring": (dataclasses.replace(sparse, block_scoring="cpu"), local, True)}
+    cache = config.device_cache_blocks
+    settings = {"dense": (selection_settings(config, c.num_layers, "dense"), local, False, 0),
+                "cpu": (sparse, 0, False, 0), "hybrid": (sparse, local, False, 0), "graphs": (sparse, local, True, 0),
+                "graphs-cache": (sparse, local, True, cache),
+                "graphs-cpu-scoring": (dataclasses.replace(sparse, block_scoring="cpu"), local, True, 0)}
     modes = [(MODES[m], *settings[m]) for m in modes]
     for context in contexts:
         layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size,
@@ -158,13 +161,13 @@ def main(argv=None) -> int:
                            anchor_type=config.anchor_type, anchor_num=config.anchor_num)
         host = HostKVCache(layout, pin=cuda)
         fill_random(host, context)
-        for name, settings, local, graphs in modes:
+        for name, settings, local, graphs, cache_blocks in modes:
             if name.startswith("dense") and context > 128 * 1024:
-                rows.append([f"{context // 1024}K", name, *["-"] * 10, "skipped (minutes per token)"])
+                rows.append([f"{context // 1024}K", name, *["-"] * 11, "skipped (minutes per token)"])
                 continue
             host.reset()  # the previous row's tokens go
             host.advance(context)
-            decoder = HybridDecoder(model, host, settings, local, use_cuda_graph=graphs)
+            decoder = HybridDecoder(model, host, settings, local, use_cuda_graph=graphs, cache_blocks=cache_blocks)
             for t in range(4):
                 decoder.step(t)
             decoder.times = type(decoder.times)()
@@ -185,6 +188,7 @@ def main(argv=None) -> int:
                          f"{sel * 1e3:.1f}", f"{wait * 1e3:.1f}", f"{(tm.total / n - cpu - sel - wait) * 1e3:.1f}",
                          f"{tm.kv_bytes / n / 1e6:.0f}", f"{kv_floor * 1e3:.1f}", f"{weight_floor * 1e3:.1f}",
                          f"{(kv_floor + weight_floor) * 1e3:.1f}",
+                         f"{tm.cached / tm.selected:.0%}" if tm.selected else "-",
                          (f"peak GPU {torch.cuda.max_memory_allocated(device) / GIB:.1f} GiB, " if cuda else "")
                          + f"KV in DRAM {layout.num_layers * layout.layer_bytes() / GIB:.1f} GiB"])
             print("partial:", " | ".join(map(str, row)), flush=True)
@@ -195,5 +199,5 @@ def main(argv=None) -> int:
           f"read at the {'GPU' if cuda else 'DRAM'} copy rate of {hbm_gbps:,.0f} GB/s = {weight_floor * 1e3:.2f} ms")
     print_table(["context", "mode", "tok/s", "ms/token", "CPU attention", "selection", "wait for q",
                  "rest (GPU, merge, Python)", "K/V read MB", "K/V floor", "weights floor", "floors summed",
-                 "note"], rows)
+                 "from block cache", "note"], rows)
     return 0

@@ -7,7 +7,8 @@ selected recently could stay in GPU memory and only the changed ones be read fro
 prefills a needle prompt of the evaluation (real prose), decodes greedily, and records every
 global layer's selected blocks per kv head at every token. Per layer it prints: of a token's
 selected blocks, the share the previous token also selected, the share any of the last W
-tokens selected (a cache of W tokens' blocks), and the new blocks per token and kv head.
+tokens selected (a cache of W tokens' blocks), and the new blocks per token and kv head; on a
+GPU, also the share the decoder's block cache (`device_cache_blocks`) served.
 """
 
 from __future__ import annotations
@@ -108,4 +109,9 @@ def main(argv=None) -> int:
     win = np.mean([float(r[3][:-1]) for r in rows])
     print(f"all layers: {prev:.0f}% of a token's blocks were the previous token's, {win:.0f}% were among "
           f"the last {args.window} tokens'")
+    t = decoder.times
+    if decoder.cache is not None and t.selected:  # what the device's block cache served of it (`device_cache_blocks`)
+        print(f"block cache of {decoder.cache.slots} blocks per kv head and layer: {t.cached / t.selected:.0%} of "
+              f"the selected blocks read on the device; {t.steps / t.total:.1f} tok/s, CPU attention "
+              f"{t.cpu_attention / t.steps * 1e3:.2f} ms per token")
     return 0

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from cpu_ops.sparse_attention import sparse_attention
+from ktlong.decode.block_cache import DeviceBlockCache, host_words
 from ktlong.decode.step import DecodeStep
 from ktlong.decode.selection import DecodeBlockSelector, SelectionSettings, stored_view
 from ktlong.decode.device_anchors import DeviceAnchors, scores_on_device
@@ -34,11 +35,15 @@ class DecodeTimes:
     selection: float = 0.0
     device_wait: float = 0.0  # waiting for q to reach the host (device work before it)
     kv_bytes: int = 0  # K/V bytes of the blocks the CPU operator read
+    selected: int = 0  # (kv head, block) pairs selected, beyond the window
+    cached: int = 0  # of them, read from the device's block cache
 
 
 class HybridDecoder:
     def __init__(self, model: LlamaModel, host: HostKVCache, settings: SelectionSettings,
-                 local_windows_len: int, use_cuda_graph: bool = False):
+                 local_windows_len: int, use_cuda_graph: bool = False, cache_blocks: int = 0):
+        """cache_blocks: blocks per kv head and global layer that the device keeps of recent
+        selections (ktlong/decode/block_cache.py); 0: the CPU reads every selected block."""
         self.model, self.host, self.settings = model, host, settings
         layout = host.layout
         self.layout, self.block_size = layout, layout.block_size
@@ -60,13 +65,15 @@ class HybridDecoder:
         self.times = DecodeTimes()
         self.cuda = model.device.type == "cuda"
         # the device part: one body, replayed from CUDA graphs or run eagerly (ktlong/decode/step.py)
+        self.cache = (DeviceBlockCache(layout, len(self.global_layers), cache_blocks, settings.second_select_num,
+                                       model.scale, model.device) if cache_blocks and settings.second_select_num else None)
         self.body = DecodeStep(model, self.window, self.global_layers, use_cuda_graph and self.cuda,
-                               self.device_anchors)
+                               self.device_anchors, self.cache)
         # numpy views of the exchange buffers, read and written once per layer per token: a numpy
         # assignment costs a tenth of a torch indexing and copy_ call
         body = self.body
-        self.new_kv = _words(body.kv_host)  # [global layers, 2, KV, R] as DRAM stores them
-        self.new_kv_scales = _words(body.kv_scales_host)
+        self.new_kv = host_words(body.kv_host)  # [global layers, 2, KV, R] as DRAM stores them
+        self.new_kv_scales = host_words(body.kv_scales_host)
         self.q_np, self.o_np, self.lse_np = body.q_host.numpy(), body.o_host.numpy(), body.lse_host.numpy()
 
     def _preselect(self):
@@ -83,6 +90,8 @@ class HybridDecoder:
         window loads again, the anchors of the rewritten blocks are rebuilt (host and device
         copies), and selection starts over with the new prompt's preselection."""
         self.selector.build_all(self.host.num_tokens, self.global_layers, first_block)
+        if self.cache is not None:
+            self.cache.invalidate(first_block)
         if self.device_anchors is not None:  # small copies from pageable memory: before the window's DMA
             last = -(-self.host.num_tokens // self.block_size)
             for layer in self.global_layers:
@@ -124,25 +133,50 @@ class HybridDecoder:
                 k_dram.scales[:, b, t], v_dram.scales[:, b, t] = self.new_kv_scales[j, 0], self.new_kv_scales[j, 1]
             if last > first:
                 scores = None if self.device_anchors is None else body.scores_host[j].numpy
-                self.o_np[j], self.lse_np[j] = self._cpu_part(layer, self.q_np[j], first, last, scores)
+                self._context_part(j, layer, first, last, scores)
             else:  # nothing in DRAM beyond the window yet
                 self.lse_np[j] = -np.inf
+                if self.cache is not None:
+                    self.cache.no_hits(j)
+                    body.replay_cached(j)
             body.replay(j + 1)
         window.copy_to_sink(pos)
         logits = body.logits.clone()
         self._end_step(pos, start)
         return logits
 
-    def _cpu_part(self, layer: int, q_host: np.ndarray, first: int, last: int, device_scores=None):
+    def _context_part(self, j: int, layer: int, first: int, last: int, device_scores=None):
+        """Global layer j's selected context blocks: those the device holds are attended there
+        (replayed now, while the CPU reads the rest from DRAM), the rest here; o_np / lse_np get
+        the CPU's state, the device keeps its own; the misses are then staged for the device."""
         t1 = time.perf_counter()
-        blocks, counts = self.selector.select(layer, self.step_index, q_host, first, last, device_scores)
+        blocks, counts = self.selector.select(layer, self.step_index, self.q_np[j], first, last, device_scores)
+        selected = int(counts.sum())
+        cache = self.cache
+        cached = cache is not None and cache.fits(blocks)
+        if cached:
+            blocks, counts = cache.split(j, blocks, counts, self.step_index)
+        elif cache is not None:
+            cache.no_hits(j)
+        if cache is not None:
+            self.body.replay_cached(j)
         t2 = time.perf_counter()
-        out = sparse_attention(q_host, self.k_stored[layer], self.v_stored[layer], blocks, counts,
-                               last * self.block_size, self.block_size, self.model.scale)
-        self.times.selection += t2 - t1
-        self.times.cpu_attention += time.perf_counter() - t2
-        self.times.kv_bytes += int(counts.sum()) * self.block_bytes
-        return out
+        misses = int(counts.sum())
+        if misses:
+            self.o_np[j], self.lse_np[j] = sparse_attention(self.q_np[j], self.k_stored[layer], self.v_stored[layer],
+                                                            blocks, counts, last * self.block_size, self.block_size,
+                                                            self.model.scale)
+        else:
+            self.lse_np[j] = -np.inf
+        t3 = time.perf_counter()
+        if cached:
+            self.body.staging_free()
+            cache.admit(j, self.step_index, self.k_stored[layer], self.v_stored[layer])
+        self.times.selection += t2 - t1 + time.perf_counter() - t3
+        self.times.cpu_attention += t3 - t2
+        self.times.kv_bytes += misses * self.block_bytes
+        self.times.selected += selected
+        self.times.cached += selected - misses
 
     def _end_step(self, pos: int, start: float):
         self.window.advance()
@@ -184,8 +218,3 @@ class HybridDecoder:
             return self.host.unquantized(layer, "k", start, start + B, torch.float32)[:, None]
         return self.host.k[layer][:, block:block + 1]
 
-
-def _words(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a host tensor with 16-bit values as uint16 words, as stored_view gives DRAM."""
-    sixteen = t.dtype in (torch.bfloat16, torch.float16, torch.int16)
-    return t.view(torch.int16).numpy().view(np.uint16) if sixteen else t.numpy()

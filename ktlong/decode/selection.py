@@ -37,6 +37,7 @@ class SelectionSettings:
     preselect_block: bool
     preselect_block_count: int
     block_scoring: str  # auto | device | cpu (ktlong/decode/device_anchors.py)
+    device_cache_blocks: int = 0  # GPU memory's cache of recently selected blocks (ktlong/decode/block_cache.py)
 
 
 def stored_view(host: HostKVCache, layer: int, which: str) -> StoredKV:

@@ -25,6 +25,7 @@ import sys
 
 import torch
 
+from ktlong.decode.block_cache import DeviceBlockCache
 from ktlong.decode.device_anchors import DeviceAnchors
 from ktlong.decode.window import DeviceWindow
 from ktlong.kv.pinned import PinnedTensors
@@ -36,10 +37,13 @@ from operators.window_attention import attention_with_lse, masked_window_attenti
 
 class DecodeStep:
     def __init__(self, model: LlamaModel, window: DeviceWindow, global_layers: list[int], capture: bool,
-                 anchors: DeviceAnchors | None = None):
+                 anchors: DeviceAnchors | None = None, cache: DeviceBlockCache | None = None):
         """capture: replay the segments from CUDA graphs; otherwise run them eagerly.
-        anchors: score every block of each global layer right after its q (`block_scoring`)."""
+        anchors: score every block of each global layer right after its q (`block_scoring`).
+        cache: attend each global layer's selected blocks that the device holds (`cached`, a part
+        of its own between segment j and j + 1, replayed while the CPU reads the other blocks)."""
         self.model, self.window, self.capturing, self.anchors = model, window, capture, anchors
+        self.cache = cache
         self.global_layers = global_layers
         c, layout, dev = model.config, window.layout, model.device
         self.num_layers = c.num_layers
@@ -68,6 +72,12 @@ class DecodeStep:
         self.x = torch.zeros((1, c.hidden_size), dtype=model.dtype, device=dev)
         self.o_dev = torch.zeros((n, c.num_heads, c.head_dim), device=dev)
         self.lse_dev = torch.zeros((n, c.num_heads), device=dev)
+        if cache is not None:  # q of each global layer, and the state of its cached blocks
+            self.q_dev = torch.zeros((n, c.num_heads, c.head_dim), dtype=model.dtype, device=dev)
+            self.o_hit = torch.zeros((n, c.num_heads, c.head_dim), device=dev)
+            self.lse_hit = torch.full((n, c.num_heads), float("-inf"), device=dev)
+            self.staged = torch.cuda.Event() if dev.type == "cuda" else None
+        self.cached_graphs: list[torch.cuda.CUDAGraph] = []
         self.logits = torch.zeros(c.vocab_size, device=dev)
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.replays = 0
@@ -88,7 +98,9 @@ class DecodeStep:
             layer = g[j - 1]
             self.o_cpu[j - 1].copy_(self.o_host[j - 1], non_blocking=True)  # written by the host before replay
             self.lse_cpu[j - 1].copy_(self.lse_host[j - 1], non_blocking=True)
-            o, _ = merge_states(self.o_dev[j - 1], self.lse_dev[j - 1], self.o_cpu[j - 1], self.lse_cpu[j - 1])
+            o, lse = merge_states(self.o_dev[j - 1], self.lse_dev[j - 1], self.o_cpu[j - 1], self.lse_cpu[j - 1])
+            if self.cache is not None:
+                o, _ = merge_states(o, lse, self.o_hit[j - 1], self.lse_hit[j - 1])
             self._finish(layer, o)
             start = layer + 1
         stop = g[j] if j < len(g) else self.num_layers
@@ -100,11 +112,19 @@ class DecodeStep:
             q = self._append(g[j], j)
             if self.anchors is not None:
                 self.scores_host[j].copy_(self.anchors.scores(g[j], q), non_blocking=True)
+            if self.cache is not None:
+                self.q_dev[j].copy_(q)
             o, lse = self._window_attention(g[j], q)
             self.o_dev[j].copy_(o)
             self.lse_dev[j].copy_(lse)
         else:
             self.logits.copy_(model.logits(self.x)[0])
+
+    def _cached(self, j: int):
+        """Global layer j's selected blocks that the device holds (the staged ones copied in first)."""
+        o, lse = self.cache.attend(j, self.q_dev[j])
+        self.o_hit[j].copy_(o)
+        self.lse_hit[j].copy_(lse)
 
     def _append(self, layer: int, j: int | None = None) -> torch.Tensor:
         q, k, v = self.model.qkv(layer, self.x, self.position)
@@ -147,6 +167,8 @@ class DecodeStep:
         with torch.cuda.stream(stream):
             for j in range(len(self.global_layers) + 1):  # warm-up: allocations, kernel choice
                 self._segment(j)
+                if self.cache is not None and j < len(self.global_layers):
+                    self._cached(j)
         torch.cuda.current_stream(self.model.device).wait_stream(stream)
         pool = None
         try:
@@ -156,8 +178,13 @@ class DecodeStep:
                     self._segment(j)
                 pool = graph.pool()
                 self.graphs.append(graph)
+                if self.cache is not None and j < len(self.global_layers):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._cached(j)
+                    self.cached_graphs.append(graph)
         except RuntimeError as e:  # e.g. a collective of tensor parallelism this build cannot capture
-            self.graphs, self.capturing = [], False
+            self.graphs, self.cached_graphs, self.capturing = [], [], False
             torch.cuda.synchronize(self.model.device)
             reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
             print(f"[CUDA graphs could not be captured ({reason}); decode runs eagerly]", file=sys.stderr)
@@ -181,6 +208,21 @@ class DecodeStep:
         """Until the last segment, and its copies to host memory, are done."""
         if self.model.device.type == "cuda":
             torch.cuda.current_stream(self.model.device).synchronize()
+
+    def replay_cached(self, j: int):
+        """The device's part over global layer j's cached blocks; the event marks when the staged
+        pages it copies in have left host memory (`staging_free`)."""
+        if self.capturing:
+            self.cached_graphs[j].replay()
+        else:
+            self._cached(j)
+        if self.staged is not None:
+            self.staged.record()
+
+    def staging_free(self):
+        """Until the last replay_cached has read the staging buffer, which the host writes next."""
+        if self.staged is not None:
+            self.staged.synchronize()
 
     def replay(self, j: int):
         if self.capturing:

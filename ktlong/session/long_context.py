@@ -39,12 +39,15 @@ class LongContextSession:
     def __init__(self, model: LlamaModel, layout: KVLayout, *, chunk_size: int, backend: str,
                  hidden_on_device: bool, compact: CompactParams | None, selection: SelectionSettings,
                  local_windows_len: int, use_cuda_graph: bool, follow_up_headroom: int | None = None,
-                 prefill_headroom: int | None = None, resident_history: bool = True):
+                 prefill_headroom: int | None = None, resident_history: bool = True,
+                 device_cache_blocks: int | None = None):
         """follow_up_headroom: device bytes the plan leaves beside a decoder (its window, anchors
         and graphs), within which a follow-up's prefill runs while the decoder stays; None: no
         limit (the CPU). prefill_headroom: what the plan leaves beside a new prompt's prefill.
         resident_history: what a prefill leaves of that room keeps layers' history on the device
-        for the next follow-up (ktlong/kv/resident.py)."""
+        for the next follow-up (ktlong/kv/resident.py). device_cache_blocks: the decoder's block
+        cache (ktlong/decode/block_cache.py); None: selection's `device_cache_blocks` on a GPU, none
+        on the CPU, where device and DRAM are one memory."""
         window = model.config.sliding_window
         assert not window or local_windows_len >= window, "Config.check_local_window"
         assert tuple(layout.sliding) == tuple(model.config.sliding_layers), "use model_kv_layout"
@@ -53,6 +56,9 @@ class LongContextSession:
         self.selection, self.local_windows_len = selection, local_windows_len
         self.use_cuda_graph, self.follow_up_headroom = use_cuda_graph, follow_up_headroom
         self.prefill_headroom = prefill_headroom
+        if device_cache_blocks is None:
+            device_cache_blocks = selection.device_cache_blocks if model.device.type == "cuda" else 0
+        self.device_cache_blocks = device_cache_blocks
         self.decoder: HybridDecoder | None = None
         self.model, self.layout = model, layout
         self.max_seq_len = layout.capacity
@@ -162,7 +168,7 @@ class LongContextSession:
             self.decoder = kept
         else:
             self.decoder = HybridDecoder(self.model, self.host, self.selection, self.local_windows_len,
-                                         self.use_cuda_graph)
+                                         self.use_cuda_graph, self.device_cache_blocks)
             self.decoder.capture_graphs()
         self.last_decode_setup_seconds = time.perf_counter() - start
         return logits

@@ -1,0 +1,87 @@
+"""The host's bookkeeping of a device cache of recently selected KV blocks (one global layer's
+share): which block each slot holds, which slot holds each block, when a slot was last read.
+
+Per kv head there are `slots` slots. A decode step's selected blocks split into hits (held in a
+slot: the device attends to them) and misses (the CPU attends to them from DRAM); afterwards the
+misses are admitted into the least recently used slots (never one read this step), and their
+pages gathered from DRAM into a staging buffer that the device copies into those slots before it
+next reads the layer's cache.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+
+@nb.njit(cache=True)
+def split_hits(blocks, counts, slot_of, last_used, step, stride, block_size, hit_index, hit_valid,
+               miss_blocks, miss_counts):
+    """blocks [KV, S] int32 (first counts[h] used); slot_of [KV, NB] int32 (-1: not held);
+    last_used [KV, C] int64, set to step for every slot hit. Writes, per kv head h, the hits as
+    rows h * stride + slot of the device cache (hit_index [KV, S'] int64, the rest of the row left
+    as it is) and their token count (hit_valid [KV] = hits x block_size), and the misses
+    (miss_blocks [KV, S] / miss_counts), each in the order of blocks."""
+    for h in range(blocks.shape[0]):
+        nh = 0
+        nm = 0
+        for i in range(counts[h]):
+            b = blocks[h, i]
+            s = slot_of[h, b]
+            if s >= 0:
+                hit_index[h, nh] = h * stride + s
+                last_used[h, s] = step
+                nh += 1
+            else:
+                miss_blocks[h, nm] = b
+                nm += 1
+        hit_valid[h] = nh * block_size
+        miss_counts[h] = nm
+
+
+@nb.njit(cache=True)
+def admit_misses(miss_blocks, miss_counts, slot_of, block_in, last_used, step, max_admit,
+                 admit_heads, admit_blocks, admit_slots):
+    """Give each miss the least recently used slot of its head that this step did not read, up
+    to max_admit in all (heads taken in turn, so one head's misses cannot take every admission).
+    Updates slot_of / block_in / last_used at once: from now on the block counts as held, so the
+    device must copy the staged pages in before it next reads this layer. Returns how many were
+    admitted; admit_*[:n] say which (head, block) went to which slot."""
+    num_kv, num_slots = block_in.shape
+    n = 0
+    taken = np.zeros(num_kv, np.int64)
+    progress = True
+    while progress and n < max_admit:
+        progress = False
+        for h in range(num_kv):
+            if taken[h] >= miss_counts[h] or n >= max_admit:
+                continue
+            victim = -1
+            oldest = step  # slots read this step (last_used == step) are never evicted
+            for s in range(num_slots):
+                if last_used[h, s] < oldest:
+                    oldest = last_used[h, s]
+                    victim = s
+            if victim < 0:
+                taken[h] = miss_counts[h]  # every slot was read this step: nothing to evict
+                continue
+            b = miss_blocks[h, taken[h]]
+            taken[h] += 1
+            old = block_in[h, victim]
+            if old >= 0:
+                slot_of[h, old] = -1
+            block_in[h, victim] = b
+            slot_of[h, b] = victim
+            last_used[h, victim] = step
+            admit_heads[n], admit_blocks[n], admit_slots[n] = h, b, victim
+            n += 1
+            progress = True
+    return n
+
+
+@nb.njit(cache=True, parallel=True)
+def gather_pages(src, heads, blocks, n, out):
+    """out[i] = src[heads[i], blocks[i]] for i < n: pages [B, R] of a head-major [KV, NB, B, R]
+    array, copied on the decode threads."""
+    for i in nb.prange(n):
+        out[i] = src[heads[i], blocks[i]]

@@ -1,0 +1,161 @@
+"""Recently selected DRAM blocks kept in device memory (`device_cache_blocks`), so decode reads
+most of a token's selected blocks at device speed and the CPU only the ones that changed.
+
+A token's top-k blocks are mostly the previous tokens' (README, "selection drift": 77-83% of them
+were the previous token's, 93-95% among the last 8 tokens', on Qwen at 8K and 32K). Per global
+layer and kv head the device holds `slots` blocks as DRAM stores them (bf16, or q8_0 / q4_0 with
+their scales, widened when read). Each step, per global layer:
+
+1. the host splits the selection into hits and misses (cpu_ops/block_cache.py) and writes the
+   hits' rows to a pinned buffer;
+2. the device (`attend`, replayed from a CUDA graph with graphs on) first copies in the pages
+   staged at the previous step, then attends to the hits, giving an (out, lse) state;
+3. the CPU attends to the misses from DRAM meanwhile;
+4. the misses are admitted into the least recently used slots and their pages gathered from
+   DRAM into the staging buffer (`admit`), for the device to copy at the next step.
+The window's state, the hits' and the misses' merge by log-sum-exp. Selection is unchanged: the
+hits and misses are the same blocks the CPU alone would read, so the result is the same up to
+the order of a float32 sum.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cpu_ops.block_cache import admit_misses, gather_pages, split_hits
+from cpu_ops.kv_storage import StoredKV
+from ktlong.kv.layout import KVLayout
+from ktlong.kv.pinned import PinnedTensors
+from operators.kv_quant import dequantize_kv
+from operators.window_attention import attention_over_prefix
+
+ADMIT_PER_HEAD = 4  # admissions per kv head and layer per step (the staging buffer's size)
+
+
+def block_cache_bytes(layout: KVLayout, slots: int) -> int:
+    """Device memory of the cache: K and V of slots + 1 (a scratch slot) blocks per kv head and
+    global layer, stored as DRAM stores them, plus the staging copy and one layer's widened hits."""
+    data, scales = layout.stored_row
+    page = layout.block_size * (data * layout.stored_dtype.itemsize + 2 * scales)
+    held = 2 * len(layout.global_layers) * layout.num_kv_heads * (slots + 1) * page
+    staging = 2 * ADMIT_PER_HEAD * layout.num_kv_heads * page
+    return held + staging + 2 * layout.num_kv_heads * slots * layout.block_size * layout.head_dim * 4 if slots else 0
+
+
+class DeviceBlockCache:
+    def __init__(self, layout: KVLayout, num_layers: int, slots: int, max_selected: int, scale: float,
+                 device: torch.device):
+        """num_layers: the global layers (indexed 0..num_layers-1 here); max_selected: the most
+        blocks a step selects per kv head (second_select_num): the device's hit buffer holds that."""
+        self.layout, self.slots, self.scale, self.device = layout, slots, scale, device
+        KV, B = layout.num_kv_heads, layout.block_size
+        self.num_kv, self.block_size, self.max_selected = KV, B, max_selected
+        self.stride = slots + 1  # rows per kv head; row h * stride + slots is scratch
+        self.scratch = slots  # what unused entries point at (head 0's scratch row)
+        self.max_admit = min(ADMIT_PER_HEAD * KV, slots * KV)
+        row, groups = layout.stored_row
+        dtype, quantized = layout.stored_dtype, layout.is_quantized
+        rows = KV * self.stride
+        # the held pages, [layer, K/V, kv head x slot, B, R]
+        self.data = torch.zeros((num_layers, 2, rows, B, row), dtype=dtype, device=device)
+        self.scales = torch.zeros((num_layers, 2, rows, B, groups), dtype=torch.int16, device=device) if quantized else None
+        # the host's side: which block each slot holds and the reverse, and when each was last read
+        self.slot_of = np.full((num_layers, KV, layout.num_blocks), -1, np.int32)
+        self.block_in = np.full((num_layers, KV, slots), -1, np.int32)
+        self.last_used = np.full((num_layers, KV, slots), -1, np.int64)
+        # exchange with the device, per layer: the hits' rows and token counts, the staged pages
+        self._pinned = PinnedTensors()
+        self.hit_index_host = self._host(torch.full((num_layers, KV, max_selected), self.scratch, dtype=torch.int64))
+        self.hit_valid_host = self._host(torch.zeros((num_layers, KV), dtype=torch.int64))
+        A = self.max_admit
+        self.stage_host = self._host(torch.zeros((num_layers, A, 2, B, row), dtype=dtype))
+        self.stage_scales_host = self._host(torch.zeros((num_layers, A, 2, B, groups), dtype=torch.int16))
+        self.stage_dest_host = self._host(torch.full((num_layers, A), self.scratch, dtype=torch.int64))
+        # the same on the device, one layer at a time (the graph segments run in stream order)
+        self.hit_index = torch.full((KV, max_selected), self.scratch, dtype=torch.int64, device=device)
+        self.hit_valid = torch.zeros(KV, dtype=torch.int64, device=device)
+        self.stage = torch.zeros((A, 2, B, row), dtype=dtype, device=device)
+        self.stage_scales = torch.zeros((A, 2, B, groups), dtype=torch.int16, device=device)
+        self.stage_dest = torch.full((A,), self.scratch, dtype=torch.int64, device=device)
+        # numpy views for the host's per-step writes
+        self.hit_index_np, self.hit_valid_np = self.hit_index_host.numpy(), self.hit_valid_host.numpy()
+        self.stage_np, self.stage_scales_np = host_words(self.stage_host), host_words(self.stage_scales_host)
+        self.stage_dest_np = self.stage_dest_host.numpy()
+        self.miss_blocks = np.zeros((KV, max(max_selected, 1)), np.int32)
+        self.miss_counts = np.zeros(KV, np.int32)
+        self.admitted = (np.zeros(A, np.int64), np.zeros(A, np.int32), np.zeros(A, np.int32))
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        return self._pinned.pin(t) if self.device.type == "cuda" else t
+
+    def fits(self, blocks: np.ndarray) -> bool:
+        """Whether a selection fits the hit buffer (dense layers read every block: CPU only)."""
+        return blocks.shape[1] <= self.max_selected
+
+    # ---- the host's part ---------------------------------------------------------------
+    def split(self, j: int, blocks: np.ndarray, counts: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """Layer j's selection -> the misses (blocks [KV, S], counts) the CPU attends to; the hits
+        go to the pinned buffers `attend` reads."""
+        split_hits(blocks, counts, self.slot_of[j], self.last_used[j], step, self.stride, self.block_size,
+                   self.hit_index_np[j], self.hit_valid_np[j], self.miss_blocks, self.miss_counts)
+        return self.miss_blocks, self.miss_counts
+
+    def no_hits(self, j: int):
+        """Layer j reads nothing from the cache this step."""
+        self.hit_valid_np[j] = 0
+
+    def admit(self, j: int, step: int, k: StoredKV, v: StoredKV):
+        """After the CPU read the misses of the last `split`: admit them into slots and gather
+        their pages from DRAM into layer j's staging buffer (copied in at the next `attend`)."""
+        heads, blocks, slots = self.admitted
+        n = admit_misses(self.miss_blocks, self.miss_counts, self.slot_of[j], self.block_in[j], self.last_used[j],
+                         step, self.max_admit, heads, blocks, slots)
+        dest = self.stage_dest_np[j]
+        dest[:] = self.scratch
+        dest[:n] = heads[:n] * self.stride + slots[:n]
+        if n:
+            stage, scales = self.stage_np[j], self.stage_scales_np[j]
+            for plane, stored in enumerate((k, v)):
+                gather_pages(stored.data, heads, blocks, n, stage[:, plane])
+                if self.scales is not None:
+                    gather_pages(stored.scales, heads, blocks, n, scales[:, plane])
+
+    def invalidate(self, first_block: int):
+        """Blocks first_block.. were rewritten (a follow-up's prefill): they are held no more."""
+        stale = self.block_in >= first_block
+        layers, heads, _ = np.nonzero(stale)
+        self.slot_of[layers, heads, self.block_in[stale]] = -1
+        self.block_in[stale] = -1
+        self.last_used[stale] = -1
+        self.stage_dest_np[:] = self.scratch
+
+    # ---- the device's part (captured in a CUDA graph with graphs on) -------------------
+    def attend(self, j: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy in layer j's staged pages, then attend q [H, D] to its hits -> (out [H, D], lse [H])."""
+        self.stage.copy_(self.stage_host[j], non_blocking=True)
+        self.stage_dest.copy_(self.stage_dest_host[j], non_blocking=True)
+        if self.scales is not None:
+            self.stage_scales.copy_(self.stage_scales_host[j], non_blocking=True)
+        for plane in range(2):
+            self.data[j, plane].index_copy_(0, self.stage_dest, self.stage[:, plane])
+            if self.scales is not None:
+                self.scales[j, plane].index_copy_(0, self.stage_dest, self.stage_scales[:, plane])
+        self.hit_index.copy_(self.hit_index_host[j], non_blocking=True)
+        self.hit_valid.copy_(self.hit_valid_host[j], non_blocking=True)
+        k, v = self._pages(j, 0), self._pages(j, 1)
+        return attention_over_prefix(q, k, v, self.hit_valid, self.scale)
+
+    def _pages(self, j: int, plane: int) -> torch.Tensor:
+        """The hit pages of layer j as token rows [KV, S * B, D] in the compute dtype."""
+        layout = self.layout
+        pages = self.data[j, plane][self.hit_index]  # [KV, S, B, R]
+        if self.scales is not None:
+            pages = dequantize_kv(pages, self.scales[j, plane][self.hit_index], layout.kv_type, layout.dtype)
+        return pages.view(self.num_kv, -1, layout.head_dim)
+
+
+def host_words(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a host tensor, 16-bit values as uint16 words (as stored_view gives DRAM)."""
+    sixteen = t.dtype in (torch.bfloat16, torch.float16, torch.int16)
+    return t.view(torch.int16).numpy().view(np.uint16) if sixteen else t.numpy()

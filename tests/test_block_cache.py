@@ -1,0 +1,137 @@
+"""The device's cache of recently selected blocks (ktlong/decode/block_cache.py): its bookkeeping
+against a plain LRU written here, its attention against attention over the valid keys, and decode
+with it against decode without it (the same blocks selected, so the same logits). On the CPU the
+"device" is the CPU and the parts run eagerly; tests/test_gpu_block_cache.py replays them."""
+
+import numpy as np
+import pytest
+import torch
+
+from cpu_ops.block_cache import admit_misses, gather_pages, split_hits
+from ktlong.kv.layout import model_kv_layout
+from ktlong.session.long_context import LongContextSession
+from operators.window_attention import attention_over_prefix, attention_with_lse
+from tests.settings import selection, with_anchors
+from tests.tiny_gguf import TinySpec, tiny_model
+
+
+class LruReference:
+    """One kv head's slots, least recently used evicted first, never a slot read this step."""
+
+    def __init__(self, slots):
+        self.held, self.used = [None] * slots, [-1] * slots
+
+    def step(self, selected, step, budget):
+        hits = [b for b in selected if b in self.held]
+        for b in hits:
+            self.used[self.held.index(b)] = step
+        misses = [b for b in selected if b not in self.held]
+        admitted = []
+        for b in misses[:budget]:
+            candidates = [s for s in range(len(self.held)) if self.used[s] < step]
+            if not candidates:
+                break
+            s = min(candidates, key=lambda s: (self.used[s], s))
+            self.held[s], self.used[s] = b, step
+            admitted.append((b, s))
+        return hits, misses, admitted
+
+
+def test_split_and_admission_follow_a_plain_lru():
+    rng = np.random.default_rng(0)
+    num_blocks, slots, k = 40, 6, 4
+    slot_of = np.full((1, num_blocks), -1, np.int32)
+    block_in = np.full((1, slots), -1, np.int32)
+    last_used = np.full((1, slots), -1, np.int64)
+    ref = LruReference(slots)
+    hit_index, hit_valid = np.zeros((1, k), np.int64), np.zeros(1, np.int64)
+    miss_blocks, miss_counts = np.zeros((1, k), np.int32), np.zeros(1, np.int32)
+    heads, blocks, where = np.zeros(8, np.int64), np.zeros(8, np.int32), np.zeros(8, np.int32)
+    recent = list(range(8))
+    for step in range(60):  # a slowly drifting selection: mostly hits, some misses
+        selected = list(rng.choice(recent, k, replace=False)) if step % 5 else list(rng.choice(num_blocks, k, replace=False))
+        recent = recent[1:] + [int(rng.integers(num_blocks))] if step % 3 == 0 else recent
+        chosen = np.array([selected], np.int32)
+        split_hits(chosen, np.array([k], np.int32), slot_of, last_used, step, slots + 1, 16, hit_index, hit_valid,
+                   miss_blocks, miss_counts)
+        n = admit_misses(miss_blocks, miss_counts, slot_of, block_in, last_used, step, 3, heads, blocks, where)
+        hits, misses, admitted = ref.step(selected, step, 3)
+        assert hit_valid[0] == 16 * len(hits)
+        assert [int(ref.held[s]) for s in hit_index[0, :len(hits)]] == hits or len(hits) == 0
+        assert list(miss_blocks[0, :miss_counts[0]]) == misses
+        assert list(zip(blocks[:n].tolist(), where[:n].tolist())) == admitted
+        assert [-1 if b is None else b for b in ref.held] == block_in[0].tolist()
+        held = {b: s for s, b in enumerate(ref.held) if b is not None}
+        assert {b: int(slot_of[0, b]) for b in np.nonzero(slot_of[0] >= 0)[0]} == held
+
+
+def test_admission_takes_heads_in_turn_and_gathers_their_pages():
+    slot_of, block_in = np.full((2, 20), -1, np.int32), np.full((2, 4), -1, np.int32)
+    last_used = np.full((2, 4), -1, np.int64)
+    miss_blocks = np.array([[3, 4, 5, 6], [7, 8, 0, 0]], np.int32)
+    heads, blocks, where = np.zeros(3, np.int64), np.zeros(3, np.int32), np.zeros(3, np.int32)
+    n = admit_misses(miss_blocks, np.array([4, 2], np.int32), slot_of, block_in, last_used, 0, 3, heads, blocks, where)
+    assert n == 3 and heads.tolist() == [0, 1, 0] and blocks.tolist() == [3, 7, 4]
+    src = np.arange(2 * 20 * 2 * 3, dtype=np.float32).reshape(2, 20, 2, 3)
+    out = np.zeros((3, 2, 3), np.float32)
+    gather_pages(src, heads, blocks, n, out)
+    np.testing.assert_array_equal(out, src[heads, blocks])
+
+
+def test_attention_over_prefix_equals_attention_over_each_heads_valid_keys():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(6, 16, generator=g), torch.randn(3, 40, 16, generator=g), torch.randn(3, 40, 16, generator=g)
+    valid = torch.tensor([40, 0, 17])
+    out, lse = attention_over_prefix(q, k, v, valid, 0.25)
+    for h, n in enumerate(valid.tolist()):
+        rows = slice(2 * h, 2 * h + 2)
+        if n == 0:  # nothing held: an empty state, merged away
+            assert torch.isinf(lse[rows]).all() and (out[rows] == 0).all()
+            continue
+        ref_out, ref_lse = attention_with_lse(q[rows], k[h:h + 1, :n], v[h:h + 1, :n], 0.25)
+        torch.testing.assert_close(out[rows], ref_out, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lse[rows], ref_lse, rtol=1e-5, atol=1e-6)
+
+
+def session(lm, cache_blocks, kv_type="fp32", **settings):
+    chosen = selection(preselect_block=False, dense_layer_num=0, **settings)
+    layout = with_anchors(model_kv_layout(lm.config, 16, 512, kv_type, local_windows_len=48,
+                                          page_type="fp32" if kv_type in ("q8_0", "q4_0") else None), chosen)
+    return LongContextSession(lm.model, layout, chunk_size=64, backend="torch", hidden_on_device=True, compact=None,
+                              selection=chosen, local_windows_len=48, use_cuda_graph=False,
+                              device_cache_blocks=cache_blocks)
+
+
+@pytest.mark.parametrize("kv_type, settings", [("fp32", {}), ("fp32", {"token_step": 3, "layer_step": 2}),
+                                               ("q8_0", {}), ("q4_0", {"head_select_mode": "SEPARATE"})])
+def test_decode_with_the_block_cache_equals_decode_without(tmp_path, kv_type, settings):
+    wide = kv_type != "fp32"  # q8_0 and q4_0 rows are 32 values
+    spec = TinySpec(num_layers=3, hidden=128 if wide else 64, num_heads=4, num_kv_heads=2, head_dim=32 if wide else 16)
+    lm = tiny_model(tmp_path, spec, seed=9)
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, 298, size=300)]
+    plain, cached = session(lm, 0, kv_type, second_select_num=4, **settings), session(lm, 6, kv_type, second_select_num=4, **settings)
+    a, b = plain.prefill(prompt), cached.prefill(prompt)
+    for _ in range(40):  # the window slides: context blocks join selection while the cache fills
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        token = int(a.argmax())
+        a, b = plain.step(token), cached.step(token)
+    times = cached.decoder.times
+    assert plain.decoder.cache is None and times.selected == plain.decoder.times.selected > 0
+    assert 0 < times.cached < times.selected  # some blocks came from the cache, some from DRAM
+    assert times.kv_bytes == plain.decoder.times.kv_bytes * (times.selected - times.cached) // times.selected
+
+
+def test_a_follow_up_drops_the_blocks_it_rewrote_from_the_cache(tmp_path):
+    lm = tiny_model(tmp_path, TinySpec(num_layers=2), seed=4)
+    s = session(lm, 6, second_select_num=4)
+    s.prefill([int(t) for t in np.random.default_rng(3).integers(0, 298, size=300)])
+    for t in range(20):
+        s.step(t + 1)
+    cache = s.decoder.cache
+    assert (cache.block_in >= 0).any()
+    first = int(cache.block_in.max())
+    cache.invalidate(first)
+    assert not (cache.block_in >= first).any() and not (cache.slot_of[..., first:] >= 0).any()
+    held = cache.block_in >= 0
+    layers, heads, slots = np.nonzero(held)  # what stays is still mapped both ways
+    assert (cache.slot_of[layers, heads, cache.block_in[held]] == slots).all()
