@@ -40,7 +40,8 @@ def block_cache_bytes(layout: KVLayout, slots: int) -> int:
     page = layout.block_size * (data * layout.stored_dtype.itemsize + 2 * scales)
     held = 2 * len(layout.global_layers) * layout.num_kv_heads * (slots + 1) * page
     staging = 2 * ADMIT_PER_HEAD * layout.num_kv_heads * page
-    return held + staging + 2 * layout.num_kv_heads * slots * layout.block_size * layout.head_dim * 4 if slots else 0
+    widened = 2 * layout.num_kv_heads * slots * layout.block_size * layout.head_dim * 4
+    return held + staging + widened if slots else 0
 
 
 class DeviceBlockCache:
@@ -69,14 +70,14 @@ class DeviceBlockCache:
         self.hit_index_host = self._host(torch.full((num_layers, KV, max_selected), self.scratch, dtype=torch.int64))
         self.hit_valid_host = self._host(torch.zeros((num_layers, KV), dtype=torch.int64))
         A = self.max_admit
-        self.stage_host = self._host(torch.zeros((num_layers, A, 2, B, row), dtype=dtype))
-        self.stage_scales_host = self._host(torch.zeros((num_layers, A, 2, B, groups), dtype=torch.int16))
+        self.stage_host = self._host(torch.zeros((num_layers, 2, A, B, row), dtype=dtype))
+        self.stage_scales_host = self._host(torch.zeros((num_layers, 2, A, B, groups), dtype=torch.int16))
         self.stage_dest_host = self._host(torch.full((num_layers, A), self.scratch, dtype=torch.int64))
         # the same on the device, one layer at a time (the graph segments run in stream order)
         self.hit_index = torch.full((KV, max_selected), self.scratch, dtype=torch.int64, device=device)
         self.hit_valid = torch.zeros(KV, dtype=torch.int64, device=device)
-        self.stage = torch.zeros((A, 2, B, row), dtype=dtype, device=device)
-        self.stage_scales = torch.zeros((A, 2, B, groups), dtype=torch.int16, device=device)
+        self.stage = torch.zeros((2, A, B, row), dtype=dtype, device=device)
+        self.stage_scales = torch.zeros((2, A, B, groups), dtype=torch.int16, device=device)
         self.stage_dest = torch.full((A,), self.scratch, dtype=torch.int64, device=device)
         # numpy views for the host's per-step writes
         self.hit_index_np, self.hit_valid_np = self.hit_index_host.numpy(), self.hit_valid_host.numpy()
@@ -117,9 +118,9 @@ class DeviceBlockCache:
         if n:
             stage, scales = self.stage_np[j], self.stage_scales_np[j]
             for plane, stored in enumerate((k, v)):
-                gather_pages(stored.data, heads, blocks, n, stage[:, plane])
+                gather_pages(stored.data, heads, blocks, n, stage[plane])
                 if self.scales is not None:
-                    gather_pages(stored.scales, heads, blocks, n, scales[:, plane])
+                    gather_pages(stored.scales, heads, blocks, n, scales[plane])
 
     def invalidate(self, first_block: int):
         """Blocks first_block.. were rewritten (a follow-up's prefill): they are held no more."""
@@ -132,27 +133,29 @@ class DeviceBlockCache:
 
     # ---- the device's part (captured in a CUDA graph with graphs on) -------------------
     def attend(self, j: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy in layer j's staged pages, then attend q [H, D] to its hits -> (out [H, D], lse [H])."""
+        """Copy in layer j's staged pages, then attend q [H, D] to its hits -> (out [H, D], lse [H]),
+        in float32 as the CPU attends to the misses (bf16 probabilities put the two parts far
+        enough apart to flip a later selection)."""
         self.stage.copy_(self.stage_host[j], non_blocking=True)
         self.stage_dest.copy_(self.stage_dest_host[j], non_blocking=True)
         if self.scales is not None:
             self.stage_scales.copy_(self.stage_scales_host[j], non_blocking=True)
         for plane in range(2):
-            self.data[j, plane].index_copy_(0, self.stage_dest, self.stage[:, plane])
+            self.data[j, plane].index_copy_(0, self.stage_dest, self.stage[plane])
             if self.scales is not None:
-                self.scales[j, plane].index_copy_(0, self.stage_dest, self.stage_scales[:, plane])
+                self.scales[j, plane].index_copy_(0, self.stage_dest, self.stage_scales[plane])
         self.hit_index.copy_(self.hit_index_host[j], non_blocking=True)
         self.hit_valid.copy_(self.hit_valid_host[j], non_blocking=True)
         k, v = self._pages(j, 0), self._pages(j, 1)
-        return attention_over_prefix(q, k, v, self.hit_valid, self.scale)
+        return attention_over_prefix(q.float(), k, v, self.hit_valid, self.scale)
 
     def _pages(self, j: int, plane: int) -> torch.Tensor:
-        """The hit pages of layer j as token rows [KV, S * B, D] in the compute dtype."""
+        """The hit pages of layer j as float32 token rows [KV, S * B, D]."""
         layout = self.layout
         pages = self.data[j, plane][self.hit_index]  # [KV, S, B, R]
         if self.scales is not None:
-            pages = dequantize_kv(pages, self.scales[j, plane][self.hit_index], layout.kv_type, layout.dtype)
-        return pages.view(self.num_kv, -1, layout.head_dim)
+            pages = dequantize_kv(pages, self.scales[j, plane][self.hit_index], layout.kv_type, torch.float32)
+        return pages.float().view(self.num_kv, -1, layout.head_dim)
 
 
 def host_words(t: torch.Tensor) -> np.ndarray:
