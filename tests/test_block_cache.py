@@ -72,10 +72,12 @@ def test_admission_takes_heads_in_turn_and_gathers_their_pages():
     heads, blocks, where = np.zeros(3, np.int64), np.zeros(3, np.int32), np.zeros(3, np.int32)
     n = admit_misses(miss_blocks, np.array([4, 2], np.int32), slot_of, block_in, last_used, 0, 3, heads, blocks, where)
     assert n == 3 and heads.tolist() == [0, 1, 0] and blocks.tolist() == [3, 7, 4]
-    src = np.arange(2 * 20 * 2 * 3, dtype=np.float32).reshape(2, 20, 2, 3)
-    out = np.zeros((3, 2, 3), np.float32)
-    gather_pages(src, heads, blocks, n, out)
-    np.testing.assert_array_equal(out, src[heads, blocks])
+    k = np.arange(2 * 20 * 2 * 3, dtype=np.float32).reshape(2, 20, 2, 3)
+    out = np.zeros((2, 4, 2, 3), np.float32)
+    gather_pages(k, -k, heads, blocks, n, out)
+    np.testing.assert_array_equal(out[0, :3], k[heads, blocks])
+    np.testing.assert_array_equal(out[1, :3], -k[heads, blocks])
+    assert not out[:, 3].any()
 
 
 def test_attention_over_prefix_equals_attention_over_each_heads_valid_keys():

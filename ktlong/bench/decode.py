@@ -7,7 +7,8 @@ python -m ktlong.bench decode [--contexts 32k,128k,512k] [--tokens 32] [--set ke
     [--shape llama-3.1-8b|tiny] [--device auto|cpu|cuda]
 
 Rows: all blocks on the CPU (dense), sparse with every token on the CPU (no device window),
-and hybrid (device window + CPU sparse blocks). Times per token: total, CPU operator,
+and hybrid (device window + CPU sparse blocks; `graphs-cache`: with the device's cache of
+recently selected blocks, `device_cache_blocks` or twice top-k, and the share it served). Times per token: total, CPU operator,
 selection, waiting for q from the device, and the rest (device work after the CPU part,
 merge, Python). Beside them the two floors of a token, measured in the same run: the K/V
 bytes the CPU operator read at the host's streaming-read rate (a Numba read of 1 GiB on the
@@ -149,7 +150,7 @@ def main(argv=None) -> int:
     sparse = selection_settings(config, c.num_layers)
     sparse = dataclasses.replace(sparse, preselect_block=False)
     local = config.local_windows_len
-    cache = config.device_cache_blocks
+    cache = config.device_cache_blocks or 2 * config.second_select_num  # graphs-cache: the option, else twice top-k
     settings = {"dense": (selection_settings(config, c.num_layers, "dense"), local, False, 0),
                 "cpu": (sparse, 0, False, 0), "hybrid": (sparse, local, False, 0), "graphs": (sparse, local, True, 0),
                 "graphs-cache": (sparse, local, True, cache),

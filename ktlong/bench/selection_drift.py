@@ -110,8 +110,9 @@ def main(argv=None) -> int:
     print(f"all layers: {prev:.0f}% of a token's blocks were the previous token's, {win:.0f}% were among "
           f"the last {args.window} tokens'")
     t = decoder.times
-    if decoder.cache is not None and t.selected:  # what the device's block cache served of it (`device_cache_blocks`)
-        print(f"block cache of {decoder.cache.slots} blocks per kv head and layer: {t.cached / t.selected:.0%} of "
-              f"the selected blocks read on the device; {t.steps / t.total:.1f} tok/s, CPU attention "
-              f"{t.cpu_attention / t.steps * 1e3:.2f} ms per token")
+    cache = (f"block cache of {decoder.cache.slots} blocks per kv head and layer served {t.cached / t.selected:.0%} "
+             "of the selected blocks" if decoder.cache is not None and t.selected else "no block cache")
+    print(f"decode: {t.steps / t.total:.1f} tok/s; per token CPU attention {t.cpu_attention / t.steps * 1e3:.2f} ms, "
+          f"selection {t.selection / t.steps * 1e3:.2f} ms, waiting for the device {t.device_wait / t.steps * 1e3:.2f} "
+          f"ms; {cache}")
     return 0

@@ -116,11 +116,9 @@ class DeviceBlockCache:
         dest[:] = self.scratch
         dest[:n] = heads[:n] * self.stride + slots[:n]
         if n:
-            stage, scales = self.stage_np[j], self.stage_scales_np[j]
-            for plane, stored in enumerate((k, v)):
-                gather_pages(stored.data, heads, blocks, n, stage[plane])
-                if self.scales is not None:
-                    gather_pages(stored.scales, heads, blocks, n, scales[plane])
+            gather_pages(k.data, v.data, heads, blocks, n, self.stage_np[j])
+            if self.scales is not None:
+                gather_pages(k.scales, v.scales, heads, blocks, n, self.stage_scales_np[j])
 
     def invalidate(self, first_block: int):
         """Blocks first_block.. were rewritten (a follow-up's prefill): they are held no more."""
