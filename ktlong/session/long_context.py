@@ -97,7 +97,8 @@ class LongContextSession:
         (later processes load them from Numba's cache) and, on a GPU, FlashInfer's kernels for
         this model, by a prefill of one block and a short follow-up over it, then forgotten."""
         print("[kernels that compile on first use:", end="", file=log, flush=True)
-        report = compile_decode_kernels(self.layout, self.selection, self.model.config.num_heads, self.model.scale)
+        report = compile_decode_kernels(self.layout, self.selection, self.model.config.num_heads, self.model.scale,
+                                        self.device_cache_blocks)
         seconds = report.seconds
         if self.model.device.type == "cuda":
             start = time.perf_counter()
