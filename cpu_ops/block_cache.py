@@ -2,10 +2,10 @@
 share): which block each slot holds, which slot holds each block, when a slot was last read.
 
 Per kv head there are `slots` slots. A decode step's selected blocks split into hits (held in a
-slot: the device attends to them) and misses (the CPU attends to them from DRAM); afterwards the
-misses are admitted into the least recently used slots (never one read this step), and their
-pages gathered from DRAM into a staging buffer that the device copies into those slots before it
-next reads the layer's cache.
+slot) and misses; misses, up to a bound, are admitted into the least recently used slots (never
+one read this step) and their pages gathered from DRAM into a staging buffer, which the device
+copies into those slots before it attends to the hits and the admitted blocks. The CPU attends to
+the misses left over, from DRAM.
 """
 
 from __future__ import annotations
@@ -40,21 +40,24 @@ def split_hits(blocks, counts, slot_of, last_used, step, stride, block_size, hit
 
 
 @nb.njit(cache=True)
-def admit_misses(miss_blocks, miss_counts, slot_of, block_in, last_used, step, max_admit,
-                 admit_heads, admit_blocks, admit_slots):
-    """Give each miss the least recently used slot of its head that this step did not read, up
-    to max_admit in all (heads taken in turn, so one head's misses cannot take every admission).
-    Updates slot_of / block_in / last_used at once: from now on the block counts as held, so the
-    device must copy the staged pages in before it next reads this layer. Returns how many were
-    admitted; admit_*[:n] say which (head, block) went to which slot."""
+def admit_misses(miss_blocks, miss_counts, slot_of, block_in, last_used, step, max_admit, stride, block_size,
+                 hit_index, hit_valid, admit_heads, admit_blocks, admit_slots):
+    """Give misses the least recently used slot of their head that this step did not read, up to
+    max_admit in all (heads taken in turn, each head's misses in order, so one head cannot take
+    every admission). An admitted block counts as held at once and joins this step's device
+    rows after the hits (hit_index / hit_valid, as split_hits wrote them): the device copies its
+    staged pages in before it attends. The misses left (not admitted) move to the front of
+    miss_blocks, miss_counts says how many: the CPU reads those. Returns how many were admitted;
+    admit_*[:n] say which (head, block) went to which slot."""
     num_kv, num_slots = block_in.shape
     n = 0
-    taken = np.zeros(num_kv, np.int64)
+    admitted = np.zeros(num_kv, np.int64)
+    full = np.zeros(num_kv, np.bool_)  # every slot of the head was read this step
     progress = True
     while progress and n < max_admit:
         progress = False
         for h in range(num_kv):
-            if taken[h] >= miss_counts[h] or n >= max_admit:
+            if full[h] or admitted[h] >= miss_counts[h] or n >= max_admit:
                 continue
             victim = -1
             oldest = step  # slots read this step (last_used == step) are never evicted
@@ -63,32 +66,45 @@ def admit_misses(miss_blocks, miss_counts, slot_of, block_in, last_used, step, m
                     oldest = last_used[h, s]
                     victim = s
             if victim < 0:
-                taken[h] = miss_counts[h]  # every slot was read this step: nothing to evict
+                full[h] = True
                 continue
-            b = miss_blocks[h, taken[h]]
-            taken[h] += 1
+            b = miss_blocks[h, admitted[h]]
+            admitted[h] += 1
             old = block_in[h, victim]
             if old >= 0:
                 slot_of[h, old] = -1
             block_in[h, victim] = b
             slot_of[h, b] = victim
             last_used[h, victim] = step
+            rows = hit_valid[h] // block_size
+            hit_index[h, rows] = h * stride + victim
+            hit_valid[h] += block_size
             admit_heads[n], admit_blocks[n], admit_slots[n] = h, b, victim
             n += 1
             progress = True
+    for h in range(num_kv):
+        left = miss_counts[h] - admitted[h]
+        for i in range(left):
+            miss_blocks[h, i] = miss_blocks[h, admitted[h] + i]
+        miss_counts[h] = left
     return n
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=True, parallel=True)
 def gather_pages(k, v, heads, blocks, n, out):
     """out[0, i] = k[heads[i], blocks[i]] and out[1, i] = v[...] for i < n: pages [B, R] of two
     head-major [KV, NB, B, R] arrays into a C-contiguous [2, A, B, R]. Each page is copied as one
-    flat run (a slice assignment of the 2-D page ran at a sixth of the speed); one thread, as a
-    step admits a few pages and waking the decode threads costs more than it saves."""
-    for plane in range(2):
-        src = k if plane == 0 else v
-        for i in range(n):
-            page = src[heads[i], blocks[i]].ravel()
-            dst = out[plane, i].ravel()
-            for t in range(page.size):
-                dst[t] = page[t]
+    flat run (a slice assignment of the 2-D page ran at a sixth of the speed), on the decode
+    threads."""
+    for item in nb.prange(2 * n):
+        i = item % n
+        if item < n:
+            _copy_flat(k[heads[i], blocks[i]].ravel(), out[0, i].ravel())
+        else:
+            _copy_flat(v[heads[i], blocks[i]].ravel(), out[1, i].ravel())
+
+
+@nb.njit(inline="always", cache=True)
+def _copy_flat(src, dst):
+    for t in range(src.size):
+        dst[t] = src[t]

@@ -22,6 +22,7 @@ class LruReference:
         self.held, self.used = [None] * slots, [-1] * slots
 
     def step(self, selected, step, budget):
+        """-> (hits, admitted [(block, slot)], misses left to the CPU)."""
         hits = [b for b in selected if b in self.held]
         for b in hits:
             self.used[self.held.index(b)] = step
@@ -34,12 +35,13 @@ class LruReference:
             s = min(candidates, key=lambda s: (self.used[s], s))
             self.held[s], self.used[s] = b, step
             admitted.append((b, s))
-        return hits, misses, admitted
+        return hits, admitted, misses[len(admitted):]
 
 
-def test_split_and_admission_follow_a_plain_lru():
+@pytest.mark.parametrize("slots", [3, 6])
+def test_split_and_admission_follow_a_plain_lru(slots):
     rng = np.random.default_rng(0)
-    num_blocks, slots, k = 40, 6, 4
+    num_blocks, k, budget = 40, 4, 3
     slot_of = np.full((1, num_blocks), -1, np.int32)
     block_in = np.full((1, slots), -1, np.int32)
     last_used = np.full((1, slots), -1, np.int64)
@@ -54,12 +56,14 @@ def test_split_and_admission_follow_a_plain_lru():
         chosen = np.array([selected], np.int32)
         split_hits(chosen, np.array([k], np.int32), slot_of, last_used, step, slots + 1, 16, hit_index, hit_valid,
                    miss_blocks, miss_counts)
-        n = admit_misses(miss_blocks, miss_counts, slot_of, block_in, last_used, step, 3, heads, blocks, where)
-        hits, misses, admitted = ref.step(selected, step, 3)
-        assert hit_valid[0] == 16 * len(hits)
-        assert [int(ref.held[s]) for s in hit_index[0, :len(hits)]] == hits or len(hits) == 0
-        assert list(miss_blocks[0, :miss_counts[0]]) == misses
+        n = admit_misses(miss_blocks, miss_counts, slot_of, block_in, last_used, step, budget, slots + 1, 16,
+                         hit_index, hit_valid, heads, blocks, where)
+        hits, admitted, left = ref.step(selected, step, budget)
+        device = hits + [b for b, _ in admitted]  # the device attends to the hits, then the admitted
+        assert hit_valid[0] == 16 * len(device)
+        assert [int(ref.held[s]) for s in hit_index[0, :len(device)]] == device
         assert list(zip(blocks[:n].tolist(), where[:n].tolist())) == admitted
+        assert list(miss_blocks[0, :miss_counts[0]]) == left  # what the CPU reads
         assert [-1 if b is None else b for b in ref.held] == block_in[0].tolist()
         held = {b: s for s, b in enumerate(ref.held) if b is not None}
         assert {b: int(slot_of[0, b]) for b in np.nonzero(slot_of[0] >= 0)[0]} == held
@@ -69,9 +73,14 @@ def test_admission_takes_heads_in_turn_and_gathers_their_pages():
     slot_of, block_in = np.full((2, 20), -1, np.int32), np.full((2, 4), -1, np.int32)
     last_used = np.full((2, 4), -1, np.int64)
     miss_blocks = np.array([[3, 4, 5, 6], [7, 8, 0, 0]], np.int32)
+    miss_counts = np.array([4, 2], np.int32)
+    hit_index, hit_valid = np.zeros((2, 4), np.int64), np.array([0, 16])  # head 1 already has one hit
     heads, blocks, where = np.zeros(3, np.int64), np.zeros(3, np.int32), np.zeros(3, np.int32)
-    n = admit_misses(miss_blocks, np.array([4, 2], np.int32), slot_of, block_in, last_used, 0, 3, heads, blocks, where)
+    n = admit_misses(miss_blocks, miss_counts, slot_of, block_in, last_used, 0, 3, 5, 16, hit_index, hit_valid,
+                     heads, blocks, where)
     assert n == 3 and heads.tolist() == [0, 1, 0] and blocks.tolist() == [3, 7, 4]
+    assert hit_valid.tolist() == [32, 32] and hit_index[0, :2].tolist() == [0, 1] and hit_index[1, 1] == 5 + 0
+    assert miss_counts.tolist() == [2, 1] and miss_blocks[0, :2].tolist() == [5, 6] and miss_blocks[1, 0] == 8
     k = np.arange(2 * 20 * 2 * 3, dtype=np.float32).reshape(2, 20, 2, 3)
     out = np.zeros((2, 4, 2, 3), np.float32)
     gather_pages(k, -k, heads, blocks, n, out)
@@ -107,11 +116,13 @@ def session(lm, cache_blocks, kv_type="fp32", **settings):
 @pytest.mark.parametrize("kv_type, settings", [("fp32", {}), ("fp32", {"token_step": 3, "layer_step": 2}),
                                                ("q8_0", {}), ("q4_0", {"head_select_mode": "SEPARATE"})])
 def test_decode_with_the_block_cache_equals_decode_without(tmp_path, kv_type, settings):
+    """3 slots for 4 selected blocks: every step the device attends to some (held or taken in),
+    the CPU to the rest."""
     wide = kv_type != "fp32"  # q8_0 and q4_0 rows are 32 values
     spec = TinySpec(num_layers=3, hidden=128 if wide else 64, num_heads=4, num_kv_heads=2, head_dim=32 if wide else 16)
     lm = tiny_model(tmp_path, spec, seed=9)
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, 298, size=300)]
-    plain, cached = session(lm, 0, kv_type, second_select_num=4, **settings), session(lm, 6, kv_type, second_select_num=4, **settings)
+    plain, cached = session(lm, 0, kv_type, second_select_num=4, **settings), session(lm, 3, kv_type, second_select_num=4, **settings)
     a, b = plain.prefill(prompt), cached.prefill(prompt)
     for _ in range(40):  # the window slides: context blocks join selection while the cache fills
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)

@@ -15,7 +15,8 @@ def test_replayed_decode_with_the_block_cache_follows_eager_decode_without(kv_ty
     model = random_model("tiny", torch.device("cuda"), torch.bfloat16)
     ids = torch.randint(0, 1000, (700,), generator=torch.Generator().manual_seed(7)).tolist()
     plain = session(model, False, kv_type, second_select_num=3, device_cache_blocks=0)
-    cached = session(model, True, kv_type, second_select_num=3, device_cache_blocks=6)
+    # 2 slots for 3 selected blocks: the device attends to two, the CPU to the third
+    cached = session(model, True, kv_type, second_select_num=3, device_cache_blocks=2)
     a, b = plain.prefill(ids), cached.prefill(ids)
     assert cached.decoder.cache is not None and len(cached.decoder.body.cached_graphs) == len(cached.decoder.global_layers)
     for i in range(100):  # past a window slide

@@ -6,14 +6,14 @@ were the previous token's, 93-95% among the last 8 tokens', on Qwen at 8K and 32
 layer and kv head the device holds `slots` blocks as DRAM stores them (bf16, or q8_0 / q4_0 with
 their scales, widened when read). Each step, per global layer:
 
-1. the host splits the selection into hits and misses (cpu_ops/block_cache.py) and writes the
-   hits' rows to a pinned buffer;
-2. the device (`attend`, replayed from a CUDA graph with graphs on) first copies in the pages
-   staged at the previous step, then attends to the hits, giving an (out, lse) state;
-3. the CPU attends to the misses from DRAM meanwhile;
-4. the misses are admitted into the least recently used slots and their pages gathered from
-   DRAM into the staging buffer (`admit`), for the device to copy at the next step.
-The window's state, the hits' and the misses' merge by log-sum-exp. Selection is unchanged: the
+1. the host splits the selection into hits and misses (`split`, cpu_ops/block_cache.py);
+2. misses, up to ADMIT_PER_HEAD per kv head on average, take the least recently used slots, and
+   their pages are gathered from DRAM into a pinned staging buffer (also `split`): a copy,
+   which costs the host a fraction of attending to them;
+3. the device (`attend`, replayed from a CUDA graph with graphs on) copies the staged pages into
+   their slots and attends to the hits and the admitted blocks, giving an (out, lse) state;
+4. the CPU attends to the misses left over (none once the selection settles) meanwhile.
+The window's state, the device's blocks' and the CPU's merge by log-sum-exp. Selection is unchanged: the
 hits and misses are the same blocks the CPU alone would read, so the result is the same up to
 the order of a float32 sum.
 """
@@ -30,7 +30,7 @@ from ktlong.kv.pinned import PinnedTensors
 from operators.kv_quant import dequantize_kv
 from operators.window_attention import attention_over_prefix
 
-ADMIT_PER_HEAD = 4  # admissions per kv head and layer per step (the staging buffer's size)
+ADMIT_PER_HEAD = 8  # admissions per kv head and layer per step (the staging buffer's size)
 
 
 def block_cache_bytes(layout: KVLayout, slots: int) -> int:
@@ -95,30 +95,30 @@ class DeviceBlockCache:
         return blocks.shape[1] <= self.max_selected
 
     # ---- the host's part ---------------------------------------------------------------
-    def split(self, j: int, blocks: np.ndarray, counts: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """Layer j's selection -> the misses (blocks [KV, S], counts) the CPU attends to; the hits
-        go to the pinned buffers `attend` reads."""
+    def split(self, j: int, blocks: np.ndarray, counts: np.ndarray, step: int, k: StoredKV,
+              v: StoredKV) -> tuple[np.ndarray, np.ndarray]:
+        """Layer j's selection -> the misses (blocks [KV, S], counts) left for the CPU. The hits,
+        and the misses admitted now (their pages staged from k, v: layer j's DRAM), go to the
+        pinned buffers `attend` reads."""
+        hit_index, hit_valid = self.hit_index_np[j], self.hit_valid_np[j]
         split_hits(blocks, counts, self.slot_of[j], self.last_used[j], step, self.stride, self.block_size,
-                   self.hit_index_np[j], self.hit_valid_np[j], self.miss_blocks, self.miss_counts)
+                   hit_index, hit_valid, self.miss_blocks, self.miss_counts)
+        heads, blocks_in, slots = self.admitted
+        n = admit_misses(self.miss_blocks, self.miss_counts, self.slot_of[j], self.block_in[j], self.last_used[j],
+                         step, self.max_admit, self.stride, self.block_size, hit_index, hit_valid,
+                         heads, blocks_in, slots)
+        dest = self.stage_dest_np[j]
+        dest[:] = self.scratch
+        dest[:n] = heads[:n] * self.stride + slots[:n]
+        if n:
+            gather_pages(k.data, v.data, heads, blocks_in, n, self.stage_np[j])
+            if self.scales is not None:
+                gather_pages(k.scales, v.scales, heads, blocks_in, n, self.stage_scales_np[j])
         return self.miss_blocks, self.miss_counts
 
     def no_hits(self, j: int):
         """Layer j reads nothing from the cache this step."""
         self.hit_valid_np[j] = 0
-
-    def admit(self, j: int, step: int, k: StoredKV, v: StoredKV):
-        """After the CPU read the misses of the last `split`: admit them into slots and gather
-        their pages from DRAM into layer j's staging buffer (copied in at the next `attend`)."""
-        heads, blocks, slots = self.admitted
-        n = admit_misses(self.miss_blocks, self.miss_counts, self.slot_of[j], self.block_in[j], self.last_used[j],
-                         step, self.max_admit, heads, blocks, slots)
-        dest = self.stage_dest_np[j]
-        dest[:] = self.scratch
-        dest[:n] = heads[:n] * self.stride + slots[:n]
-        if n:
-            gather_pages(k.data, v.data, heads, blocks, n, self.stage_np[j])
-            if self.scales is not None:
-                gather_pages(k.scales, v.scales, heads, blocks, n, self.stage_scales_np[j])
 
     def invalidate(self, first_block: int):
         """Blocks first_block.. were rewritten (a follow-up's prefill): they are held no more."""
@@ -131,7 +131,8 @@ class DeviceBlockCache:
 
     # ---- the device's part (captured in a CUDA graph with graphs on) -------------------
     def attend(self, j: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy in layer j's staged pages, then attend q [H, D] to its hits -> (out [H, D], lse [H]),
+        """Copy in layer j's staged pages, then attend q [H, D] to its held selected blocks -> (out
+        [H, D], lse [H]),
         in float32 as the CPU attends to the misses (bf16 probabilities put the two parts far
         enough apart to flip a later selection)."""
         self.stage.copy_(self.stage_host[j], non_blocking=True)

@@ -146,16 +146,16 @@ class HybridDecoder:
         return logits
 
     def _context_part(self, j: int, layer: int, first: int, last: int, device_scores=None):
-        """Global layer j's selected context blocks: those the device holds are attended there
-        (replayed now, while the CPU reads the rest from DRAM), the rest here; o_np / lse_np get
-        the CPU's state, the device keeps its own; the misses are then staged for the device."""
+        """Global layer j's selected context blocks: those the device holds, or takes in now, are
+        attended there (replayed now, while the CPU reads the rest from DRAM), the rest here;
+        o_np / lse_np get the CPU's state, the device keeps its own."""
         t1 = time.perf_counter()
         blocks, counts = self.selector.select(layer, self.step_index, self.q_np[j], first, last, device_scores)
         selected = int(counts.sum())
         cache = self.cache
         cached = cache is not None and cache.fits(blocks)
         if cached:
-            blocks, counts = cache.split(j, blocks, counts, self.step_index)
+            blocks, counts = cache.split(j, blocks, counts, self.step_index, self.k_stored[layer], self.v_stored[layer])
         elif cache is not None:
             cache.no_hits(j)
         if cache is not None:
@@ -169,10 +169,7 @@ class HybridDecoder:
         else:
             self.lse_np[j] = -np.inf
         t3 = time.perf_counter()
-        if cached:
-            self.body.staging_free()
-            cache.admit(j, self.step_index, self.k_stored[layer], self.v_stored[layer])
-        self.times.selection += t2 - t1 + time.perf_counter() - t3
+        self.times.selection += t2 - t1
         self.times.cpu_attention += t3 - t2
         self.times.kv_bytes += misses * self.block_bytes
         self.times.selected += selected

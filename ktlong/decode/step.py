@@ -76,7 +76,6 @@ class DecodeStep:
             self.q_dev = torch.zeros((n, c.num_heads, c.head_dim), dtype=model.dtype, device=dev)
             self.o_hit = torch.zeros((n, c.num_heads, c.head_dim), device=dev)
             self.lse_hit = torch.full((n, c.num_heads), float("-inf"), device=dev)
-            self.staged = torch.cuda.Event() if dev.type == "cuda" else None
         self.cached_graphs: list[torch.cuda.CUDAGraph] = []
         self.logits = torch.zeros(c.vocab_size, device=dev)
         self.graphs: list[torch.cuda.CUDAGraph] = []
@@ -210,19 +209,13 @@ class DecodeStep:
             torch.cuda.current_stream(self.model.device).synchronize()
 
     def replay_cached(self, j: int):
-        """The device's part over global layer j's cached blocks; the event marks when the staged
-        pages it copies in have left host memory (`staging_free`)."""
+        """The device's part over global layer j's cached blocks. It reads the staging buffer the
+        host wrote just before; the host writes it again only at the next step, after waiting for
+        this step's segments."""
         if self.capturing:
             self.cached_graphs[j].replay()
         else:
             self._cached(j)
-        if self.staged is not None:
-            self.staged.record()
-
-    def staging_free(self):
-        """Until the last replay_cached has read the staging buffer, which the host writes next."""
-        if self.staged is not None:
-            self.staged.synchronize()
 
     def replay(self, j: int):
         if self.capturing:

@@ -78,7 +78,6 @@ def compile_decode_kernels(layout: KVLayout, settings: SelectionSettings, num_he
     sparse_attention(q, k, v, blocks, counts, num_tokens, small.block_size, scale)
     if cache_blocks:  # its host side only: split a selection, admit the misses, gather their pages
         cache = DeviceBlockCache(small, 1, 1, 1, scale, torch.device("cpu"))
-        cache.split(0, blocks, counts, 0)
-        cache.admit(0, 0, k, v)
+        cache.split(0, blocks, counts, 0, k, v)
     compiled, loaded = _counts()
     return CompileReport(time.perf_counter() - start, compiled - compiled0, loaded - loaded0)
