@@ -8,8 +8,9 @@ python -m ktlong.bench decode [--contexts 32k,128k,512k] [--tokens 32] [--set ke
 
 Rows: all blocks on the CPU (dense), sparse with every token on the CPU (no device window),
 and hybrid (device window + CPU sparse blocks; `graphs-cache`: with the device's cache of
-recently selected blocks, `device_cache_blocks` or twice top-k, and the share it served). Times per token: total, CPU operator,
-selection, waiting for q from the device, and the rest (device work after the CPU part,
+recently selected blocks, `device_cache_blocks` or twice top-k, and the share it served).
+Times per token: total, CPU operator, selection (with the cache, also its split, admissions and
+page gathers), waiting for q from the device, and the rest (device work after the CPU part,
 merge, Python). Beside them the two floors of a token, measured in the same run: the K/V
 bytes the CPU operator read at the host's streaming-read rate (a Numba read of 1 GiB on the
 decode threads), and the weights a token reads at the device's copy rate (1 GiB device to

@@ -4,8 +4,10 @@ DRAM blocks, merged by log-sum-exp.
 Per global layer: the device computes q/k/v, appends k/v to its window, attends to the window
 and (with `block_scoring` on the device) scores every block, and hands q, k/v and the scores to
 the host (ktlong/decode/step.py); the host writes k/v through to DRAM, selects blocks and runs
-the CPU operator; the next device segment merges the two states and runs on. On a CPU-only
-machine both parts run on the CPU with the same code.
+the CPU operator; the next device segment merges the two states and runs on. With a block cache
+(`device_cache_blocks`, ktlong/decode/block_cache.py) the device attends to the selected blocks
+it holds or takes in, and the CPU only to the rest: three states merge. On a CPU-only machine
+both parts run on the CPU with the same code.
 """
 
 from __future__ import annotations

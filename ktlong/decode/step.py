@@ -6,7 +6,9 @@ written (and, with graphs, captured) as segments that end where the CPU takes ov
 layers up to the first global layer's q/k/v, window append and window attention; segment j
 merges the CPU result of global layer j-1 with its window part, finishes that layer and runs
 on to the next global layer; the last segment ends with the logits. Sliding-window layers
-live wholly inside a segment.
+live wholly inside a segment. With a block cache, global layer j also has a cached part, replayed
+after the host split its selection and before the CPU attends: it copies in the staged pages and
+attends to the blocks the device holds; segment j + 1 merges its state too.
 
 Each global layer's q, new K/V (and block scores) leave through host buffers, and the CPU's
 result comes back through others: pinned and read by the captured copies with graphs, plain
