@@ -132,19 +132,3 @@ def test_decode_with_the_block_cache_equals_decode_without(tmp_path, kv_type, se
     assert plain.decoder.cache is None and times.selected == plain.decoder.times.selected > 0
     assert 0 < times.cached < times.selected  # some blocks came from the cache, some from DRAM
     assert times.kv_bytes == plain.decoder.times.kv_bytes * (times.selected - times.cached) // times.selected
-
-
-def test_a_follow_up_drops_the_blocks_it_rewrote_from_the_cache(tmp_path):
-    lm = tiny_model(tmp_path, TinySpec(num_layers=2), seed=4)
-    s = session(lm, 6, second_select_num=4)
-    s.prefill([int(t) for t in np.random.default_rng(3).integers(0, 298, size=300)])
-    for t in range(20):
-        s.step(t + 1)
-    cache = s.decoder.cache
-    assert (cache.block_in >= 0).any()
-    first = int(cache.block_in.max())
-    cache.invalidate(first)
-    assert not (cache.block_in >= first).any() and not (cache.slot_of[..., first:] >= 0).any()
-    held = cache.block_in >= 0
-    layers, heads, slots = np.nonzero(held)  # what stays is still mapped both ways
-    assert (cache.slot_of[layers, heads, cache.block_in[held]] == slots).all()

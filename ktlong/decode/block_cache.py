@@ -120,13 +120,12 @@ class DeviceBlockCache:
         """Layer j reads nothing from the cache this step."""
         self.hit_valid_np[j] = 0
 
-    def invalidate(self, first_block: int):
-        """Blocks first_block.. were rewritten (a follow-up's prefill): they are held no more."""
-        stale = self.block_in >= first_block
-        layers, heads, _ = np.nonzero(stale)
-        self.slot_of[layers, heads, self.block_in[stale]] = -1
-        self.block_in[stale] = -1
-        self.last_used[stale] = -1
+    def clear(self):
+        """Hold nothing, as a new cache (a follow-up's prefill rewrote blocks, and a decoder kept
+        across it goes on exactly as a new one would)."""
+        self.slot_of[:] = -1
+        self.block_in[:] = -1
+        self.last_used[:] = -1
         self.stage_dest_np[:] = self.scratch
 
     # ---- the device's part (captured in a CUDA graph with graphs on) -------------------

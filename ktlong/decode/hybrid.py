@@ -92,8 +92,8 @@ class HybridDecoder:
         window loads again, the anchors of the rewritten blocks are rebuilt (host and device
         copies), and selection starts over with the new prompt's preselection."""
         self.selector.build_all(self.host.num_tokens, self.global_layers, first_block)
-        if self.cache is not None:  # as a new decoder's, so a kept decoder answers exactly as a new one
-            self.cache.invalidate(0)
+        if self.cache is not None:
+            self.cache.clear()
         if self.device_anchors is not None:  # small copies from pageable memory: before the window's DMA
             last = -(-self.host.num_tokens // self.block_size)
             for layer in self.global_layers:
