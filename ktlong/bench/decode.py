@@ -7,7 +7,7 @@ python -m ktlong.bench decode [--contexts 32k,128k,512k] [--tokens 32] [--set ke
     [--shape llama-3.1-8b|tiny] [--device auto|cpu|cuda]
 
 Rows: all blocks on the CPU (dense), sparse with every token on the CPU (no device window),
-and hybrid (device window + CPU sparse blocks; `graphs-cache`: with the device's cache of
+and hybrid (device window + CPU sparse blocks; `hybrid-cache`, `graphs-cache`: with the device's cache of
 recently selected blocks, `device_cache_blocks` or twice top-k, and the share it served).
 Times per token: total, CPU operator, selection (with the cache, also its split, admissions and
 page gathers), waiting for q from the device, and the rest (device work after the CPU part,
@@ -26,6 +26,7 @@ import time
 import torch
 
 from ktlong.bench.common import parse_lengths, print_table, time_cuda
+from ktlong.bench.drifting_selection import DriftingSelection
 from ktlong.config import load_config, parse_set
 from ktlong.device import resolve_device
 from ktlong.errors import KtlongError
@@ -63,6 +64,7 @@ def fill_random(host: HostKVCache, num_tokens: int, seed: int = 0):
 
 
 MODES = {"dense": "dense (all blocks on CPU)", "cpu": "sparse, CPU only", "hybrid": "hybrid",
+         "hybrid-cache": "hybrid + block cache",
          "graphs": "hybrid + CUDA graphs", "graphs-cache": "hybrid + CUDA graphs + block cache",
          "graphs-cpu-scoring": "hybrid + CUDA graphs, CPU scoring"}
 
@@ -108,6 +110,10 @@ def main(argv=None) -> int:
                    "those without graphs)")
     p.add_argument("--shape", default=None, choices=sorted(SHAPES), help="default: llama-3.1-8b on a GPU, tiny on the CPU")
     p.add_argument("--device", default="auto")
+    p.add_argument("--selection_drift", type=float, default=None, metavar="SHARE",
+                   help="keep each of the previous token's selected blocks with this probability, the rest "
+                        "from the real selection (random weights select nearly new blocks every token; real "
+                        "text keeps most: 0.72 at 128K on Qwen2.5, README); default: the real selection")
     p.add_argument("--tensor_parallel", type=int, default=1, metavar="N",
                    help="split heads and MLP columns over N ranks; start with torchrun --nproc_per_node N")
     args = p.parse_args(argv)
@@ -139,7 +145,8 @@ def main(argv=None) -> int:
     print(f"{ranks}{where} + {set_decode_threads(config.threads_num)} CPU threads; {shape} random "
           f"{str(dtype).removeprefix('torch.')}; kv {config.kv_type}, block {config.block_size}, top-k "
           f"{config.second_select_num}, local {config.local_windows_len}, anchors {config.anchor_type}, "
-          f"{config.head_select_mode}, dense layers {config.dense_layer_num}, block scoring {config.block_scoring}; "
+          f"{config.head_select_mode}, dense layers {config.dense_layer_num}, block scoring {config.block_scoring}, "
+          f"selection {'real' if args.selection_drift is None else f'drifting, {args.selection_drift:.0%} kept'}; "
           f"ms per token, medians over "
           f"{args.tokens} tokens")
     from ktlong.bench.decode_op import stream_read_gbps
@@ -153,7 +160,8 @@ def main(argv=None) -> int:
     local = config.local_windows_len
     cache = config.device_cache_blocks or 2 * config.second_select_num  # graphs-cache: the option, else twice top-k
     settings = {"dense": (selection_settings(config, c.num_layers, "dense"), local, False, 0),
-                "cpu": (sparse, 0, False, 0), "hybrid": (sparse, local, False, 0), "graphs": (sparse, local, True, 0),
+                "cpu": (sparse, 0, False, 0), "hybrid": (sparse, local, False, 0),
+                "hybrid-cache": (sparse, local, False, cache), "graphs": (sparse, local, True, 0),
                 "graphs-cache": (sparse, local, True, cache),
                 "graphs-cpu-scoring": (dataclasses.replace(sparse, block_scoring="cpu"), local, True, 0)}
     modes = [(MODES[m], *settings[m]) for m in modes]
@@ -170,6 +178,8 @@ def main(argv=None) -> int:
             host.reset()  # the previous row's tokens go
             host.advance(context)
             decoder = HybridDecoder(model, host, settings, local, use_cuda_graph=graphs, cache_blocks=cache_blocks)
+            if args.selection_drift is not None:
+                decoder.selector.select = DriftingSelection(decoder.selector.select, args.selection_drift)
             for t in range(4):
                 decoder.step(t)
             decoder.times = type(decoder.times)()
