@@ -130,10 +130,9 @@ class DeviceBlockCache:
 
     # ---- the device's part (captured in a CUDA graph with graphs on) -------------------
     def attend(self, j: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy in layer j's staged pages, then attend q [H, D] to its held selected blocks -> (out
-        [H, D], lse [H]),
-        in float32 as the CPU attends to the misses (bf16 probabilities put the two parts far
-        enough apart to flip a later selection)."""
+        """Copy in layer j's staged pages, then attend q [H, D] to the selected blocks it holds ->
+        (out [H, D], lse [H]), in float32 as the CPU attends to the rest (bf16 probabilities put
+        the two parts far enough apart to flip a later selection)."""
         self.stage.copy_(self.stage_host[j], non_blocking=True)
         self.stage_dest.copy_(self.stage_dest_host[j], non_blocking=True)
         if self.scales is not None:
