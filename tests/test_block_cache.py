@@ -132,3 +132,17 @@ def test_decode_with_the_block_cache_equals_decode_without(tmp_path, kv_type, se
     assert plain.decoder.cache is None and times.selected == plain.decoder.times.selected > 0
     assert 0 < times.cached < times.selected  # some blocks came from the cache, some from DRAM
     assert times.kv_bytes == plain.decoder.times.kv_bytes * (times.selected - times.cached) // times.selected
+
+
+@pytest.mark.parametrize("kv_type", ["bf16", "q8_0"])
+def test_the_plan_counts_the_bytes_the_cache_allocates(kv_type):
+    from ktlong.decode.block_cache import DeviceBlockCache, block_cache_bytes
+    from ktlong.kv.layout import kv_layout
+
+    layout = kv_layout(3, 2, 64, 16, 2048, kv_type)
+    cache = DeviceBlockCache(layout, len(layout.global_layers), 10, 4, 0.125, torch.device("cpu"))
+    held = [cache.data, cache.stage] + ([cache.scales, cache.stage_scales] if cache.scales is not None else [])
+    allocated = sum(t.nbytes for t in held)
+    widened = 2 * 2 * 10 * 16 * 64 * 4  # one layer's selected blocks as float32 K and V, at most the slots
+    assert block_cache_bytes(layout, 10) == allocated + widened
+    assert block_cache_bytes(layout, 0) == 0
