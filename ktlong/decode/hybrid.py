@@ -139,8 +139,7 @@ class HybridDecoder:
             else:  # nothing in DRAM beyond the window yet
                 self.lse_np[j] = -np.inf
                 if self.cache is not None:
-                    self.cache.no_hits(j)
-                    body.replay_cached(j)
+                    self._device_blocks(j, layer)
             body.replay(j + 1)
         window.copy_to_sink(pos)
         logits = body.logits.clone()
@@ -154,14 +153,8 @@ class HybridDecoder:
         t1 = time.perf_counter()
         blocks, counts = self.selector.select(layer, self.step_index, self.q_np[j], first, last, device_scores)
         selected = int(counts.sum())
-        cache = self.cache
-        cached = cache is not None and cache.fits(blocks)
-        if cached:
-            blocks, counts = cache.split(j, blocks, counts, self.step_index, self.k_stored[layer], self.v_stored[layer])
-        elif cache is not None:
-            cache.no_hits(j)
-        if cache is not None:
-            self.body.replay_cached(j)
+        if self.cache is not None:
+            blocks, counts = self._device_blocks(j, layer, blocks, counts)
         t2 = time.perf_counter()
         misses = int(counts.sum())
         if misses:
@@ -176,6 +169,18 @@ class HybridDecoder:
         self.times.kv_bytes += misses * self.block_bytes
         self.times.selected += selected
         self.times.cached += selected - misses
+
+    def _device_blocks(self, j: int, layer: int, blocks=None, counts=None):
+        """The device's share of global layer j's selected blocks (none when nothing is selected
+        or the selection is larger than the cache's buffers: a dense layer), replayed now ->
+        the blocks and counts left for the CPU."""
+        if blocks is not None and self.cache.fits(blocks):
+            blocks, counts = self.cache.split(j, blocks, counts, self.step_index, self.k_stored[layer],
+                                              self.v_stored[layer])
+        else:
+            self.cache.no_hits(j)
+        self.body.replay_cached(j)
+        return blocks, counts
 
     def _end_step(self, pos: int, start: float):
         self.window.advance()
