@@ -143,6 +143,9 @@ def test_the_plan_counts_the_bytes_the_cache_allocates(kv_type):
     cache = DeviceBlockCache(layout, len(layout.global_layers), 10, 4, 0.125, torch.device("cpu"))
     held = [cache.data, cache.stage] + ([cache.scales, cache.stage_scales] if cache.scales is not None else [])
     allocated = sum(t.nbytes for t in held)
-    widened = 2 * 2 * 10 * 16 * 64 * 4  # one layer's selected blocks as float32 K and V, at most the slots
-    assert block_cache_bytes(layout, 10) == allocated + widened
-    assert block_cache_bytes(layout, 0) == 0
+    # what attend gathers of one layer: the 4 selected blocks of 2 kv heads, K and V, as stored
+    # (the held pages' own rows) and widened to float32
+    page = cache.data[0, 0, 0].nbytes + (cache.scales[0, 0, 0].nbytes if cache.scales is not None else 0)
+    gathered = 2 * 2 * 4 * (page + 16 * 64 * 4)
+    assert block_cache_bytes(layout, 10, 4) == allocated + gathered
+    assert block_cache_bytes(layout, 0, 4) == 0

@@ -33,15 +33,16 @@ from operators.window_attention import attention_over_prefix
 ADMIT_PER_HEAD = 8  # admissions per kv head and layer per step (the staging buffer's size)
 
 
-def block_cache_bytes(layout: KVLayout, slots: int) -> int:
+def block_cache_bytes(layout: KVLayout, slots: int, selected: int) -> int:
     """Device memory of the cache: K and V of slots + 1 (a scratch slot) blocks per kv head and
-    global layer, stored as DRAM stores them, plus the staging copy and one layer's widened hits."""
+    global layer, stored as DRAM stores them, plus the staging copy and what `attend` gathers for
+    one layer: `selected` (second_select_num) blocks per kv head, as stored and widened to float32."""
     data, scales = layout.stored_row
     page = layout.block_size * (data * layout.stored_dtype.itemsize + 2 * scales)
     held = 2 * len(layout.global_layers) * layout.num_kv_heads * (slots + 1) * page
     staging = 2 * ADMIT_PER_HEAD * layout.num_kv_heads * page
-    widened = 2 * layout.num_kv_heads * slots * layout.block_size * layout.head_dim * 4
-    return held + staging + widened if slots else 0
+    gathered = 2 * layout.num_kv_heads * selected * (page + layout.block_size * layout.head_dim * 4)
+    return held + staging + gathered if slots else 0
 
 
 class DeviceBlockCache:

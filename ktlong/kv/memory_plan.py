@@ -101,9 +101,11 @@ def decode_anchor_bytes(layout: KVLayout, anchors_per_block: int) -> int:
 
 def plan_memory(c: ModelConfig, num_weight_elements: int, act_bytes: int, layout: KVLayout,
                 chunk_size: int, budget_bytes: int, device_is_gpu: bool, local_windows_len: int = 4096,
-                device_anchors_per_block: int = 0, device_cache_blocks: int = 0) -> MemoryPlan:
+                device_anchors_per_block: int = 0, device_cache_blocks: int = 0,
+                second_select_num: int = 0) -> MemoryPlan:
     """device_anchors_per_block: anchors per block when decode scores blocks on the GPU, else 0;
-    device_cache_blocks: the decode block cache's slots per kv head and layer (GPU only)."""
+    device_cache_blocks: the decode block cache's slots per kv head and layer (GPU only), which
+    reads up to second_select_num blocks per kv head and layer at a time."""
     weights = num_weight_elements * act_bytes
     kv_pages = layout.page_bytes()
     chunk = min(chunk_size, layout.capacity)
@@ -116,7 +118,7 @@ def plan_memory(c: ModelConfig, num_weight_elements: int, act_bytes: int, layout
         weights=weights, kv_pages=kv_pages, hidden=full_hidden if hidden_on_device else staging,
         workspace=workspace, decode_window=window,
         decode_anchors=decode_anchor_bytes(layout, device_anchors_per_block) if device_is_gpu else 0,
-        decode_cache=block_cache_bytes(layout, device_cache_blocks) if device_is_gpu else 0,
+        decode_cache=block_cache_bytes(layout, device_cache_blocks, second_select_num) if device_is_gpu else 0,
         hidden_on_device=hidden_on_device,
         dram_kv=layout.dram_kv_bytes(sliding=False), dram_kv_sliding=layout.dram_kv_bytes(sliding=True),
         dram_side_tables=layout.dram_side_table_bytes(),
