@@ -34,7 +34,7 @@ class DriftingSelection:
         rows = [self._drift(prev[0], blocks[0])] if shared else [self._drift(p, b) for p, b in zip(prev, blocks)]
         drifted = np.repeat(rows[0][None], len(blocks), 0) if shared else np.stack(rows)
         self.previous[layer] = drifted
-        return drifted.astype(np.int32), counts
+        return drifted, counts  # int32, as the rows it is built from
 
     def _drift(self, prev: np.ndarray, real: np.ndarray) -> np.ndarray:
         kept = prev[self.rng.random(len(prev)) < self.share]
