@@ -15,9 +15,10 @@ def selection(**options) -> SelectionSettings:
 
 
 def compact_settings(**options) -> CompactParams:
-    """CompactAttention settings; the paged path runs whatever it keeps (dense_above 1) unless a
-    test sets dense_above itself."""
+    """CompactAttention settings; the paged path runs whatever it keeps (dense_above 1) in every
+    layer (prefill_dense_layer_num 0) unless a test sets those itself."""
     options.setdefault("dense_above", 1.0)
+    options.setdefault("prefill_dense_layer_num", 0)
     return compact_params(default_config(prefill_attention="compact", **options))
 
 

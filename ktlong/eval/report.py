@@ -80,7 +80,7 @@ def needle_heatmap(results, attention: str, path: str):
     ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
-    ax.set_title(f"needle, {attention} attention")
+    ax.set_title("needle, " + attention.replace("@", "\n"), fontsize=9)  # an arm's options one per line
     for i in range(len(depths)):
         for j in range(len(lengths)):
             if not np.isnan(grid[i, j]):
