@@ -92,16 +92,17 @@ def admit_misses(miss_blocks, miss_counts, slot_of, block_in, last_used, step, m
 
 @nb.njit(cache=True, parallel=True)
 def gather_pages(k, v, heads, blocks, n, out):
-    """out[0, i] = k[heads[i], blocks[i]] and out[1, i] = v[...] for i < n: pages [B, R] of two
-    head-major [KV, NB, B, R] arrays into a C-contiguous [2, A, B, R]. Each page is copied as one
+    """out[i, 0] = k[heads[i], blocks[i]] and out[i, 1] = v[...] for i < n: pages [B, R] of two
+    head-major [KV, NB, B, R] arrays into a C-contiguous [A, 2, B, R] (the first n admissions'
+    K and V one run, which the device copies in one piece). Each page is copied as one
     flat run (a slice assignment of the 2-D page ran at a sixth of the speed), on the decode
     threads."""
     for item in nb.prange(2 * n):
         i = item % n
         if item < n:
-            _copy_flat(k[heads[i], blocks[i]].ravel(), out[0, i].ravel())
+            _copy_flat(k[heads[i], blocks[i]].ravel(), out[i, 0].ravel())
         else:
-            _copy_flat(v[heads[i], blocks[i]].ravel(), out[1, i].ravel())
+            _copy_flat(v[heads[i], blocks[i]].ravel(), out[i, 1].ravel())
 
 
 @nb.njit(inline="always", cache=True)

@@ -82,11 +82,11 @@ def test_admission_takes_heads_in_turn_and_gathers_their_pages():
     assert hit_valid.tolist() == [32, 32] and hit_index[0, :2].tolist() == [0, 1] and hit_index[1, 1] == 5 + 0
     assert miss_counts.tolist() == [2, 1] and miss_blocks[0, :2].tolist() == [5, 6] and miss_blocks[1, 0] == 8
     k = np.arange(2 * 20 * 2 * 3, dtype=np.float32).reshape(2, 20, 2, 3)
-    out = np.zeros((2, 4, 2, 3), np.float32)
+    out = np.zeros((4, 2, 2, 3), np.float32)
     gather_pages(k, -k, heads, blocks, n, out)
-    np.testing.assert_array_equal(out[0, :3], k[heads, blocks])
-    np.testing.assert_array_equal(out[1, :3], -k[heads, blocks])
-    assert not out[:, 3].any()
+    np.testing.assert_array_equal(out[:3, 0], k[heads, blocks])
+    np.testing.assert_array_equal(out[:3, 1], -k[heads, blocks])
+    assert not out[3].any()
 
 
 def test_attention_over_prefix_equals_attention_over_each_heads_valid_keys():

@@ -10,8 +10,9 @@ their scales, widened when read). Each step, per global layer:
 2. misses, up to ADMIT_PER_HEAD per kv head on average, take the least recently used slots, and
    their pages are gathered from DRAM into a pinned staging buffer (also `split`): a copy,
    which costs the host a fraction of attending to them;
-3. the device (`attend`, replayed from a CUDA graph with graphs on) copies the staged pages into
-   their slots and attends to the hits and the admitted blocks, giving an (out, lse) state;
+3. the staged pages cross to the device (`stage_in`: one copy of the admitted ones only, queued
+   by the host), then the device (`attend`, replayed from a CUDA graph with graphs on) puts them
+   into their slots and attends to the hits and the admitted blocks, giving an (out, lse) state;
 4. the CPU attends to the misses left over (none once the selection settles) meanwhile.
 The window's state, the device's blocks' and the CPU's merge by log-sum-exp. Selection is unchanged: the
 hits and misses are the same blocks the CPU alone would read, so the result is the same up to
@@ -71,14 +72,15 @@ class DeviceBlockCache:
         self.hit_index_host = self._host(torch.full((num_layers, KV, max_selected), self.scratch, dtype=torch.int64))
         self.hit_valid_host = self._host(torch.zeros((num_layers, KV), dtype=torch.int64))
         A = self.max_admit
-        self.stage_host = self._host(torch.zeros((num_layers, 2, A, B, row), dtype=dtype))
-        self.stage_scales_host = self._host(torch.zeros((num_layers, 2, A, B, groups), dtype=torch.int16))
+        self.stage_host = self._host(torch.zeros((num_layers, A, 2, B, row), dtype=dtype))
+        self.stage_scales_host = self._host(torch.zeros((num_layers, A, 2, B, groups), dtype=torch.int16))
         self.stage_dest_host = self._host(torch.full((num_layers, A), self.scratch, dtype=torch.int64))
         # the same on the device, one layer at a time (the graph segments run in stream order)
         self.hit_index = torch.full((KV, max_selected), self.scratch, dtype=torch.int64, device=device)
         self.hit_valid = torch.zeros(KV, dtype=torch.int64, device=device)
-        self.stage = torch.zeros((2, A, B, row), dtype=dtype, device=device)
-        self.stage_scales = torch.zeros((2, A, B, groups), dtype=torch.int16, device=device)
+        self.stage = torch.zeros((A, 2, B, row), dtype=dtype, device=device)
+        self.stage_scales = torch.zeros((A, 2, B, groups), dtype=torch.int16, device=device)
+        self.staged = [0] * num_layers  # admissions staged per layer this step
         self.stage_dest = torch.full((A,), self.scratch, dtype=torch.int64, device=device)
         # numpy views for the host's per-step writes
         self.hit_index_np, self.hit_valid_np = self.hit_index_host.numpy(), self.hit_valid_host.numpy()
@@ -111,6 +113,7 @@ class DeviceBlockCache:
         dest = self.stage_dest_np[j]
         dest[:] = self.scratch
         dest[:n] = heads[:n] * self.stride + slots[:n]
+        self.staged[j] = n
         if n:
             gather_pages(k.data, v.data, heads, blocks_in, n, self.stage_np[j])
             if self.scales is not None:
@@ -120,6 +123,17 @@ class DeviceBlockCache:
     def no_hits(self, j: int):
         """Layer j reads nothing from the cache this step."""
         self.hit_valid_np[j] = 0
+        self.stage_dest_np[j] = self.scratch
+        self.staged[j] = 0
+
+    def stage_in(self, j: int):
+        """Queue the copy of layer j's admitted pages (only those) to the device, before `attend`
+        puts them in place. Outside the captured part, as its size changes from step to step."""
+        n = self.staged[j]
+        if n:
+            self.stage[:n].copy_(self.stage_host[j, :n], non_blocking=True)
+            if self.scales is not None:
+                self.stage_scales[:n].copy_(self.stage_scales_host[j, :n], non_blocking=True)
 
     def clear(self):
         """Hold nothing, as a new cache (a follow-up's prefill rewrote blocks, and a decoder kept
@@ -128,20 +142,19 @@ class DeviceBlockCache:
         self.block_in[:] = -1
         self.last_used[:] = -1
         self.stage_dest_np[:] = self.scratch
+        self.staged = [0] * len(self.staged)
 
     # ---- the device's part (captured in a CUDA graph with graphs on) -------------------
     def attend(self, j: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy in layer j's staged pages, then attend q [H, D] to the selected blocks it holds ->
-        (out [H, D], lse [H]), in float32 as the CPU attends to the rest (bf16 probabilities put
-        the two parts far enough apart to flip a later selection)."""
-        self.stage.copy_(self.stage_host[j], non_blocking=True)
+        """Put layer j's staged pages (copied in by `stage_in`) into their slots, then attend q
+        [H, D] to the selected blocks it holds -> (out [H, D], lse [H]), in float32 as the CPU
+        attends to the rest (bf16 probabilities put the two parts far enough apart to flip a
+        later selection). Staging rows past this step's admissions go to the scratch slot."""
         self.stage_dest.copy_(self.stage_dest_host[j], non_blocking=True)
-        if self.scales is not None:
-            self.stage_scales.copy_(self.stage_scales_host[j], non_blocking=True)
         for plane in range(2):
-            self.data[j, plane].index_copy_(0, self.stage_dest, self.stage[plane])
+            self.data[j, plane].index_copy_(0, self.stage_dest, self.stage[:, plane])
             if self.scales is not None:
-                self.scales[j, plane].index_copy_(0, self.stage_dest, self.stage_scales[plane])
+                self.scales[j, plane].index_copy_(0, self.stage_dest, self.stage_scales[:, plane])
         self.hit_index.copy_(self.hit_index_host[j], non_blocking=True)
         self.hit_valid.copy_(self.hit_valid_host[j], non_blocking=True)
         k, v = self._pages(j, 0), self._pages(j, 1)

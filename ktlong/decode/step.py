@@ -3,9 +3,12 @@
 
 A decode step alternates device work and CPU attention, once per global layer, so it is
 written (and, with graphs, captured) as segments that end where the CPU takes over: segment 0 is the embedding and the
-layers up to the first global layer's q/k/v, window append and window attention; segment j
-merges the CPU result of global layer j-1 with its window part, finishes that layer and runs
-on to the next global layer; the last segment ends with the logits. Sliding-window layers
+layers up to the first global layer's q/k/v and window append; segment j merges the CPU result
+of global layer j-1 with its window part, finishes that layer and runs on to the next global
+layer; the last segment ends with the logits. A global layer's window attention is a part of its
+own, queued after the segment: the host waits only for the segment's copies to host memory (an
+event recorded between the two), so the device attends to the window while the CPU selects and
+attends to the context blocks. Sliding-window layers
 live wholly inside a segment. With a block cache, global layer j also has a cached part, replayed
 after the host split its selection and before the CPU attends: it copies in the staged pages and
 attends to the blocks the device holds; segment j + 1 merges its state too.
@@ -74,11 +77,15 @@ class DecodeStep:
         self.x = torch.zeros((1, c.hidden_size), dtype=model.dtype, device=dev)
         self.o_dev = torch.zeros((n, c.num_heads, c.head_dim), device=dev)
         self.lse_dev = torch.zeros((n, c.num_heads), device=dev)
-        if cache is not None:  # q of each global layer, and the state of its cached blocks
-            self.q_dev = torch.zeros((n, c.num_heads, c.head_dim), dtype=model.dtype, device=dev)
+        # q of each global layer, for its window part (and its cached blocks)
+        self.q_dev = torch.zeros((n, c.num_heads, c.head_dim), dtype=model.dtype, device=dev)
+        if cache is not None:  # the state of each global layer's cached blocks
             self.o_hit = torch.zeros((n, c.num_heads, c.head_dim), device=dev)
             self.lse_hit = torch.full((n, c.num_heads), float("-inf"), device=dev)
         self.cached_graphs: list[torch.cuda.CUDAGraph] = []
+        self.window_graphs: list[torch.cuda.CUDAGraph] = []
+        # recorded after each segment's copies to host memory: what the host waits for
+        self.copied = torch.cuda.Event() if dev.type == "cuda" else None
         self.logits = torch.zeros(c.vocab_size, device=dev)
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.replays = 0
@@ -113,13 +120,15 @@ class DecodeStep:
             q = self._append(g[j], j)
             if self.anchors is not None:
                 self.scores_host[j].copy_(self.anchors.scores(g[j], q), non_blocking=True)
-            if self.cache is not None:
-                self.q_dev[j].copy_(q)
-            o, lse = self._window_attention(g[j], q)
-            self.o_dev[j].copy_(o)
-            self.lse_dev[j].copy_(lse)
+            self.q_dev[j].copy_(q)
         else:
             self.logits.copy_(model.logits(self.x)[0])
+
+    def _window(self, j: int):
+        """Global layer j's window part: its q over its sinks and window -> o_dev, lse_dev."""
+        o, lse = self._window_attention(self.global_layers[j], self.q_dev[j])
+        self.o_dev[j].copy_(o)
+        self.lse_dev[j].copy_(lse)
 
     def _cached(self, j: int):
         """Global layer j's selected blocks that the device holds (the staged ones copied in first)."""
@@ -168,8 +177,10 @@ class DecodeStep:
         with torch.cuda.stream(stream):
             for j in range(len(self.global_layers) + 1):  # warm-up: allocations, kernel choice
                 self._segment(j)
-                if self.cache is not None and j < len(self.global_layers):
-                    self._cached(j)
+                if j < len(self.global_layers):
+                    self._window(j)
+                    if self.cache is not None:
+                        self._cached(j)
         torch.cuda.current_stream(self.model.device).wait_stream(stream)
         pool = None
         try:
@@ -179,16 +190,22 @@ class DecodeStep:
                     self._segment(j)
                 pool = graph.pool()
                 self.graphs.append(graph)
-                if self.cache is not None and j < len(self.global_layers):
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        self._cached(j)
-                    self.cached_graphs.append(graph)
+                if j < len(self.global_layers):
+                    self.window_graphs.append(self._capture_part(self._window, j, pool))
+                    if self.cache is not None:
+                        self.cached_graphs.append(self._capture_part(self._cached, j, pool))
         except RuntimeError as e:  # e.g. a collective of tensor parallelism this build cannot capture
-            self.graphs, self.cached_graphs, self.capturing = [], [], False
+            self.graphs, self.window_graphs, self.cached_graphs, self.capturing = [], [], [], False
             torch.cuda.synchronize(self.model.device)
             reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
             print(f"[CUDA graphs could not be captured ({reason}); decode runs eagerly]", file=sys.stderr)
+
+    @staticmethod
+    def _capture_part(part, j: int, pool) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            part(j)
+        return graph
 
     def set_step(self, token_id: int, position: int):
         w = self.window
@@ -206,22 +223,32 @@ class DecodeStep:
         return bool(self.graphs) or not self.capturing
 
     def wait(self):
-        """Until the last segment, and its copies to host memory, are done."""
-        if self.model.device.type == "cuda":
-            torch.cuda.current_stream(self.model.device).synchronize()
+        """Until the last segment's copies to host memory are done (its window part may still run)."""
+        if self.copied is not None:
+            self.copied.synchronize()
 
     def replay_cached(self, j: int):
         """The device's part over global layer j's cached blocks. It reads the staging buffer the
         host wrote just before; the host writes it again only at the next step, after waiting for
         this step's segments."""
+        self.cache.stage_in(j)
         if self.capturing:
             self.cached_graphs[j].replay()
         else:
             self._cached(j)
 
     def replay(self, j: int):
+        """Segment j, then (before the logits) global layer j's window part, with the event the
+        host waits for between them."""
+        window = j < len(self.global_layers)
         if self.capturing:
             self.graphs[j].replay()
         else:
             self._segment(j)
+        if self.copied is not None:
+            self.copied.record()
+        if window and self.capturing:
+            self.window_graphs[j].replay()
+        elif window:
+            self._window(j)
         self.replays += 1
