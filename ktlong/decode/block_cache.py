@@ -37,7 +37,8 @@ ADMIT_PER_HEAD = 8  # admissions per kv head and layer per step (the staging buf
 def block_cache_bytes(layout: KVLayout, slots: int, selected: int) -> int:
     """Device memory of the cache: K and V of slots + 1 (a scratch slot) blocks per kv head and
     global layer, stored as DRAM stores them, plus the staging copy and what `attend` gathers for
-    one layer: `selected` (second_select_num) blocks per kv head, as stored and widened to float32."""
+    one layer: `selected` (second_select_num) blocks per kv head, as stored and widened to float32
+    (the torch ops' need; the GPU kernel reads pages in place, so there the figure is an upper bound)."""
     data, scales = layout.stored_row
     page = layout.block_size * (data * layout.stored_dtype.itemsize + 2 * scales)
     held = 2 * len(layout.global_layers) * layout.num_kv_heads * (slots + 1) * page
@@ -86,6 +87,7 @@ class DeviceBlockCache:
         self.hit_index_np, self.hit_valid_np = self.hit_index_host.numpy(), self.hit_valid_host.numpy()
         self.stage_np, self.stage_scales_np = host_words(self.stage_host), host_words(self.stage_scales_host)
         self.stage_dest_np = self.stage_dest_host.numpy()
+        self.kernel = _attention_kernel(layout, device)
         self.miss_blocks = np.zeros((KV, max(max_selected, 1)), np.int32)
         self.miss_counts = np.zeros(KV, np.int32)
         self.admitted = (np.zeros(A, np.int64), np.zeros(A, np.int32), np.zeros(A, np.int32))
@@ -157,6 +159,10 @@ class DeviceBlockCache:
                 self.scales[j, plane].index_copy_(0, self.stage_dest, self.stage_scales[:, plane])
         self.hit_index.copy_(self.hit_index_host[j], non_blocking=True)
         self.hit_valid.copy_(self.hit_valid_host[j], non_blocking=True)
+        if self.kernel is not None:  # the pages read where they are held (operators/cached_blocks_kernel.py)
+            scales = self.scales[j] if self.scales is not None else (None, None)
+            return self.kernel(q.float(), self.data[j, 0], self.data[j, 1], scales[0], scales[1],
+                               self.hit_index, self.hit_valid, self.scale)
         k, v = self._pages(j, 0), self._pages(j, 1)
         return attention_over_prefix(q.float(), k, v, self.hit_valid, self.scale)
 
@@ -167,6 +173,18 @@ class DeviceBlockCache:
         if self.scales is not None:
             pages = dequantize_kv(pages, self.scales[j, plane][self.hit_index], layout.kv_type, torch.float32)
         return pages.float().view(self.num_kv, -1, layout.head_dim)
+
+
+def _attention_kernel(layout: KVLayout, device: torch.device):
+    """The Triton kernel for `attend` on a GPU where triton is installed and the format suits it;
+    None: the torch ops (gather, widen, masked attention)."""
+    if device.type != "cuda":
+        return None
+    try:
+        from operators.cached_blocks_kernel import cached_blocks_attention, kernel_applies
+    except ImportError:
+        return None
+    return cached_blocks_attention if kernel_applies(layout.kv_type, layout.block_size, layout.head_dim) else None
 
 
 def host_words(t: torch.Tensor) -> np.ndarray:

@@ -1,0 +1,106 @@
+"""Decode attention over the blocks a device block cache holds, in one Triton kernel, for GPUs.
+
+The torch version (ktlong/decode/block_cache.py: gather the hit pages, widen them to float32,
+then masked attention) writes the widened pages to memory and passes over them about twenty
+times a layer. Here one program takes one kv head's query group and a share of its hit blocks,
+reads each block where the cache holds it (bf16, fp16, fp32, or q8_0 with its scales, widened in
+registers), and keeps an online softmax; a few torch ops merge the shares by log-sum-exp. The
+arithmetic is float32 throughout (tl.dot in IEEE precision), as the CPU's operator attends to
+the rest of the selection: the two parts must agree to float32 rounding, or a later selection
+can flip.
+
+This module needs triton; block_cache.py imports it only on a GPU where triton is installed.
+The CPU's tests run the kernel in Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SHARES = 8  # programs per kv head: a share of its hit blocks each
+QBLOCK = 32  # values per q8_0 scale
+
+
+@triton.jit
+def _cached_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, index_ptr, valid_ptr, out_ptr, lse_ptr,
+                             group, max_selected, scale,
+                             stride_row, stride_token, stride_srow, stride_stoken,
+                             BLOCK: tl.constexpr, DIM: tl.constexpr, ROWS: tl.constexpr, PER_SHARE: tl.constexpr,
+                             QUANT: tl.constexpr):
+    """Kv head h's query rows (group of them, padded to ROWS) over its hit blocks
+    PER_SHARE * s .. PER_SHARE * (s + 1) - 1 that count (valid tokens) -> this share's out [ROWS,
+    DIM] (normalised by its own softmax sum) and lse [ROWS]; 0 and -inf where it holds none."""
+    h, share = tl.program_id(0), tl.program_id(1)
+    num_shares = tl.num_programs(1)
+    rows = tl.arange(0, ROWS)
+    dims = tl.arange(0, DIM)
+    tokens = tl.arange(0, BLOCK)
+    q = tl.load(q_ptr + (h * group + rows[:, None]) * DIM + dims[None, :], mask=(rows < group)[:, None], other=0.0)
+    valid_blocks = tl.load(valid_ptr + h) // BLOCK
+    run_max = tl.full((ROWS,), float("-inf"), tl.float32)
+    run_sum = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, DIM), tl.float32)
+    for i in range(0, PER_SHARE):
+        b = share * PER_SHARE + i
+        if b < valid_blocks:
+            row = tl.load(index_ptr + h * max_selected + b)
+            at = row * stride_row + tokens[:, None] * stride_token + dims[None, :]
+            keys = tl.load(k_ptr + at).to(tl.float32)  # [BLOCK, DIM]
+            values = tl.load(v_ptr + at).to(tl.float32)
+            if QUANT:
+                s_at = row * stride_srow + tokens[:, None] * stride_stoken + dims[None, :] // 32
+                keys = keys * tl.load(ks_ptr + s_at).to(tl.float16, bitcast=True).to(tl.float32)
+                values = values * tl.load(vs_ptr + s_at).to(tl.float16, bitcast=True).to(tl.float32)
+            logits = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale  # [ROWS, BLOCK]
+            new_max = tl.maximum(run_max, tl.max(logits, 1))
+            correction = tl.exp(run_max - new_max)
+            p = tl.exp(logits - new_max[:, None])
+            run_sum = run_sum * correction + tl.sum(p, 1)
+            acc = acc * correction[:, None] + tl.dot(p, values, input_precision="ieee")
+            run_max = new_max
+    held = run_sum > 0
+    out = tl.where(held[:, None], acc / tl.where(held, run_sum, 1.0)[:, None], 0.0)
+    lse = tl.where(held, run_max + tl.log(tl.where(held, run_sum, 1.0)), float("-inf"))
+    at = (h * num_shares + share) * ROWS + rows
+    tl.store(out_ptr + at[:, None] * DIM + dims[None, :], out)
+    tl.store(lse_ptr + at, lse)
+
+
+def kernel_applies(kv_type: str, block_size: int, head_dim: int) -> bool:
+    """Formats and shapes the kernel takes: pages stored as values or q8_0 (q4_0 stays on torch),
+    power-of-two block and head sizes of at least 16 (tl.dot's smallest tile)."""
+    def power_of_two(n):
+        return n >= 16 and n & (n - 1) == 0
+    return kv_type in ("bf16", "fp16", "fp32", "q8_0") and power_of_two(block_size) and power_of_two(head_dim)
+
+
+def cached_blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scales: torch.Tensor | None,
+                            v_scales: torch.Tensor | None, hit_index: torch.Tensor, hit_valid: torch.Tensor,
+                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [H, D] float32; k, v: one layer's pages [rows, B, R] (q8_0: int8 with k_scales, v_scales
+    [rows, B, D/32] int16 words of float16); hit_index [KV, S] rows of each kv head's hit blocks,
+    hit_valid [KV] tokens that count (whole blocks, first ones first) -> out [H, D], lse [H]
+    float32 (natural log; -inf and 0 for a head that holds nothing). Fixed shapes, no sync."""
+    num_heads, dim = q.shape
+    num_kv, max_selected = hit_index.shape
+    group = num_heads // num_kv
+    rows = max(16, triton.next_power_of_2(group))
+    shares = min(SHARES, max(max_selected, 1))
+    per_share = -(-max_selected // shares)
+    out = torch.empty((num_kv, shares, rows, dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((num_kv, shares, rows), dtype=torch.float32, device=q.device)
+    quant = k_scales is not None
+    ks, vs = (k_scales, v_scales) if quant else (hit_index, hit_index)  # placeholders, never read
+    _cached_blocks_attention[(num_kv, shares)](
+        q.contiguous(), k, v, ks, vs, hit_index, hit_valid, out, lse,
+        group, max_selected, scale, k.stride(0), k.stride(1),
+        ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
+        BLOCK=k.shape[1], DIM=dim, ROWS=rows, PER_SHARE=per_share, QUANT=quant)
+    out, lse = out[:, :, :group], lse[:, :, :group]  # [KV, shares, G(, D)]
+    total = torch.logsumexp(lse, dim=1)  # [KV, G]
+    safe = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
+    weights = torch.exp(lse - safe[:, None])  # 0 for an empty share
+    merged = (weights[..., None] * out).sum(1)
+    return merged.reshape(num_heads, dim), total.reshape(num_heads)

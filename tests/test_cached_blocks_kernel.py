@@ -1,0 +1,49 @@
+"""The block cache's Triton attention kernel against the torch path it replaces on GPUs: gather each
+kv head's hit pages, widen them to float32, attend over its valid tokens. On the CPU the kernel
+runs in Triton's interpreter (tests/conftest.py); on a GPU compiled, on the device."""
+
+import pytest
+import torch
+
+from operators.cached_blocks_kernel import cached_blocks_attention, kernel_applies
+from operators.kv_quant import dequantize_kv, quantize_kv
+from operators.window_attention import attention_over_prefix
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pages(rows, block, dim, kv_type, g):
+    """K and V pages [rows, B, D] as the cache holds them, and their float32 values."""
+    kv = torch.randn(2, rows, block, dim, generator=g)
+    if kv_type == "q8_0":
+        data, scales = quantize_kv(kv, "q8_0")
+        return data, scales, dequantize_kv(data, scales, "q8_0", torch.float32)
+    stored = kv.to({"bf16": torch.bfloat16, "fp32": torch.float32}[kv_type])
+    return stored, None, stored.float()
+
+
+@pytest.mark.parametrize("kv_type", ["bf16", "fp32", "q8_0"])
+@pytest.mark.parametrize("group", [4, 7])  # LLaMA-8B's and Qwen2.5-0.5B's query heads per kv head
+def test_kernel_equals_attention_over_the_gathered_pages(kv_type, group):
+    g = torch.Generator().manual_seed(group)
+    num_kv, dim, block, rows, selected = 3, 64, 16, 11, 10
+    data, scales, values = pages(rows, block, dim, kv_type, g)
+    q = torch.randn(num_kv * group, dim, generator=g)
+    hit_index = torch.randint(0, rows, (num_kv, selected), generator=g)
+    hit_valid = torch.tensor([10 * block, 0, 3 * block])  # all, none, some
+    to = dict(device=DEVICE)
+    out, lse = cached_blocks_attention(q.to(**to), data[0].to(**to), data[1].to(**to),
+                                       None if scales is None else scales[0].to(**to),
+                                       None if scales is None else scales[1].to(**to),
+                                       hit_index.to(**to), hit_valid.to(**to), 0.125)
+    k, v = (values[p][hit_index].view(num_kv, -1, dim) for p in range(2))
+    ref_out, ref_lse = attention_over_prefix(q, k, v, hit_valid, 0.125)
+    torch.testing.assert_close(out.cpu(), ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.cpu(), ref_lse, rtol=1e-5, atol=1e-5)
+    assert torch.isinf(lse[group:2 * group]).all() and not out[group:2 * group].any()  # the head holding nothing
+
+
+def test_formats_the_kernel_takes():
+    assert kernel_applies("bf16", 128, 128) and kernel_applies("q8_0", 128, 64)
+    assert not kernel_applies("q4_0", 128, 128)  # packed nibbles: the torch path
+    assert not kernel_applies("bf16", 128, 80) and not kernel_applies("bf16", 8, 128)
