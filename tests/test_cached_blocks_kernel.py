@@ -26,7 +26,7 @@ def pages(rows, block, dim, kv_type, g):
 @pytest.mark.parametrize("group", [4, 7])  # LLaMA-8B's and Qwen2.5-0.5B's query heads per kv head
 def test_kernel_equals_attention_over_the_gathered_pages(kv_type, group):
     g = torch.Generator().manual_seed(group)
-    num_kv, dim, block, rows, selected = 3, 64, 16, 11, 10
+    num_kv, dim, block, rows, selected = 3, 64, 64, 11, 10  # two tiles of 32 tokens a block
     data, scales, values = pages(rows, block, dim, kv_type, g)
     q = torch.randn(num_kv * group, dim, generator=g)
     hit_index = torch.randint(0, rows, (num_kv, selected), generator=g)
