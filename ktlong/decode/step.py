@@ -10,8 +10,9 @@ own, queued after the segment: the host waits only for the segment's copies to h
 event recorded between the two), so the device attends to the window while the CPU selects and
 attends to the context blocks. Sliding-window layers
 live wholly inside a segment. With a block cache, global layer j also has a cached part, replayed
-after the host split its selection and before the CPU attends: it copies in the staged pages and
-attends to the blocks the device holds; segment j + 1 merges its state too.
+after the host split its selection and before the CPU attends: it puts the staged pages (copied in
+just before, by the host) in their slots and attends to the blocks the device holds; segment j + 1
+merges its state too.
 
 Each global layer's q, new K/V (and block scores) leave through host buffers, and the CPU's
 result comes back through others: pinned and read by the captured copies with graphs, plain
