@@ -23,6 +23,7 @@ ENUMS = {
     "mode": ("normal", "long_context"),
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "prefill_attention": ("dense", "compact"),
+    "context_attention": ("cpu", "gpu"),
     "selector": ("flashprefill", "xattention", "topk"),
     "attention_backend": ("auto", "fa2", "fa3", "torch"),
     "kv_type": ("auto", "bf16", "fp16", "fp32", "q8_0", "q4_0"),
@@ -98,6 +99,7 @@ class Config:
     token_step: int
     block_scoring: str
     device_cache_blocks: int
+    context_attention: str
     threads_num: int
     max_new_tokens: int
     temperature: float

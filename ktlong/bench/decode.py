@@ -8,7 +8,8 @@ python -m ktlong.bench decode [--contexts 32k,128k,512k] [--tokens 32] [--set ke
 
 Rows: all blocks on the CPU (dense), sparse with every token on the CPU (no device window),
 and hybrid (device window + CPU sparse blocks; `hybrid-cache`, `graphs-cache`: with the device's cache of
-recently selected blocks, `device_cache_blocks` or twice top-k, and the share it served).
+recently selected blocks, `device_cache_blocks` or twice top-k, and the share it served;
+`graphs-gpu-context`: the GPU reads every selected block from DRAM itself, `context_attention: gpu`).
 Times per token: total, CPU operator, selection (with the cache, also its split, admissions and
 page gathers), waiting for q from the device, and the rest (device work after the CPU part,
 merge, Python). Beside them the two floors of a token, measured in the same run: the K/V
@@ -66,6 +67,7 @@ def fill_random(host: HostKVCache, num_tokens: int, seed: int = 0):
 MODES = {"dense": "dense (all blocks on CPU)", "cpu": "sparse, CPU only", "hybrid": "hybrid",
          "hybrid-cache": "hybrid + block cache",
          "graphs": "hybrid + CUDA graphs", "graphs-cache": "hybrid + CUDA graphs + block cache",
+         "graphs-gpu-context": "CUDA graphs, the GPU reads the selected blocks from DRAM",
          "graphs-cpu-scoring": "hybrid + CUDA graphs, CPU scoring"}
 
 
@@ -163,6 +165,7 @@ def main(argv=None) -> int:
                 "cpu": (sparse, 0, False, 0), "hybrid": (sparse, local, False, 0),
                 "hybrid-cache": (sparse, local, False, cache), "graphs": (sparse, local, True, 0),
                 "graphs-cache": (sparse, local, True, cache),
+                "graphs-gpu-context": (dataclasses.replace(sparse, context_attention="gpu"), local, True, 0),
                 "graphs-cpu-scoring": (dataclasses.replace(sparse, block_scoring="cpu"), local, True, 0)}
     modes = [(MODES[m], *settings[m]) for m in modes]
     for context in contexts:
@@ -177,7 +180,8 @@ def main(argv=None) -> int:
                 continue
             host.reset()  # the previous row's tokens go
             host.advance(context)
-            decoder = HybridDecoder(model, host, settings, local, use_cuda_graph=graphs, cache_blocks=cache_blocks)
+            decoder = HybridDecoder(model, host, settings, local, use_cuda_graph=graphs, cache_blocks=cache_blocks,
+                                    context_attention=settings.context_attention)
             if args.selection_drift is not None:
                 decoder.selector.select = DriftingSelection(decoder.selector.select, args.selection_drift)
             for t in range(4):

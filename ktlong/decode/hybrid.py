@@ -20,6 +20,7 @@ import torch
 
 from cpu_ops.sparse_attention import sparse_attention
 from ktlong.decode.block_cache import DeviceBlockCache, host_words
+from ktlong.decode.dram_blocks import DramBlocks
 from ktlong.decode.step import DecodeStep
 from ktlong.decode.selection import DecodeBlockSelector, SelectionSettings, stored_view
 from ktlong.decode.device_anchors import DeviceAnchors, scores_on_device
@@ -43,9 +44,12 @@ class DecodeTimes:
 
 class HybridDecoder:
     def __init__(self, model: LlamaModel, host: HostKVCache, settings: SelectionSettings,
-                 local_windows_len: int, use_cuda_graph: bool = False, cache_blocks: int = 0):
+                 local_windows_len: int, use_cuda_graph: bool = False, cache_blocks: int = 0,
+                 context_attention: str = "cpu"):
         """cache_blocks: blocks per kv head and global layer that the device keeps of recent
-        selections (ktlong/decode/block_cache.py); 0: the CPU reads every selected block."""
+        selections (ktlong/decode/block_cache.py); 0: the CPU reads every selected block.
+        context_attention "gpu": the device reads every selected block where it lies in DRAM
+        (ktlong/decode/dram_blocks.py; cache_blocks is then unused)."""
         self.model, self.host, self.settings = model, host, settings
         layout = host.layout
         self.layout, self.block_size = layout, layout.block_size
@@ -67,8 +71,12 @@ class HybridDecoder:
         self.times = DecodeTimes()
         self.cuda = model.device.type == "cuda"
         # the device part: one body, replayed from CUDA graphs or run eagerly (ktlong/decode/step.py)
-        self.cache = (DeviceBlockCache(layout, len(self.global_layers), cache_blocks, settings.second_select_num,
-                                       model.scale, model.device) if cache_blocks and settings.second_select_num else None)
+        self.cache = None
+        if context_attention == "gpu" and settings.second_select_num:
+            self.cache = DramBlocks(host, self.global_layers, settings.second_select_num, model.scale, model.device)
+        elif cache_blocks and settings.second_select_num:
+            self.cache = DeviceBlockCache(layout, len(self.global_layers), cache_blocks, settings.second_select_num,
+                                          model.scale, model.device)
         self.body = DecodeStep(model, self.window, self.global_layers, use_cuda_graph and self.cuda,
                                self.device_anchors, self.cache)
         # numpy views of the exchange buffers, read and written once per layer per token: a numpy

@@ -40,14 +40,16 @@ class LongContextSession:
                  hidden_on_device: bool, compact: CompactParams | None, selection: SelectionSettings,
                  local_windows_len: int, use_cuda_graph: bool, follow_up_headroom: int | None = None,
                  prefill_headroom: int | None = None, resident_history: bool = True,
-                 device_cache_blocks: int | None = None):
+                 device_cache_blocks: int | None = None, context_attention: str | None = None):
         """follow_up_headroom: device bytes the plan leaves beside a decoder (its window, anchors
         and graphs), within which a follow-up's prefill runs while the decoder stays; None: no
         limit (the CPU). prefill_headroom: what the plan leaves beside a new prompt's prefill.
         resident_history: what a prefill leaves of that room keeps layers' history on the device
         for the next follow-up (ktlong/kv/resident.py). device_cache_blocks: the decoder's block
         cache (ktlong/decode/block_cache.py); None: selection's `device_cache_blocks` on a GPU, none
-        on the CPU, where device and DRAM are one memory."""
+        on the CPU, where device and DRAM are one memory. context_attention: who attends to the
+        selected DRAM blocks (ktlong/decode/dram_blocks.py); None: selection's on a GPU, the CPU
+        on the CPU."""
         window = model.config.sliding_window
         assert not window or local_windows_len >= window, "Config.check_local_window"
         assert tuple(layout.sliding) == tuple(model.config.sliding_layers), "use model_kv_layout"
@@ -59,6 +61,9 @@ class LongContextSession:
         if device_cache_blocks is None:
             device_cache_blocks = selection.device_cache_blocks if model.device.type == "cuda" else 0
         self.device_cache_blocks = device_cache_blocks
+        if context_attention is None:
+            context_attention = selection.context_attention if model.device.type == "cuda" else "cpu"
+        self.context_attention = context_attention
         self.decoder: HybridDecoder | None = None
         self.model, self.layout = model, layout
         self.max_seq_len = layout.capacity
@@ -169,7 +174,7 @@ class LongContextSession:
             self.decoder = kept
         else:
             self.decoder = HybridDecoder(self.model, self.host, self.selection, self.local_windows_len,
-                                         self.use_cuda_graph, self.device_cache_blocks)
+                                         self.use_cuda_graph, self.device_cache_blocks, self.context_attention)
             self.decoder.capture_graphs()
         self.last_decode_setup_seconds = time.perf_counter() - start
         return logits

@@ -41,5 +41,5 @@ def selection_settings(config: Config, num_layers: int, attention: str = "sparse
     options = options_of(SelectionSettings, config)
     if attention == "dense":  # every block, every layer
         options.update(second_select_num=1 << 30, dense_layer_num=num_layers, preselect_block=False,
-                       block_scoring="cpu", device_cache_blocks=0)
+                       block_scoring="cpu", device_cache_blocks=0, context_attention="cpu")
     return SelectionSettings(**options)

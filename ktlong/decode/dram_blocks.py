@@ -1,0 +1,90 @@
+"""Selected context blocks attended by the GPU where they lie in DRAM (`context_attention: gpu`).
+
+The KV cache in DRAM is page-locked, and page-locked memory is mapped into the GPU's address
+space (unified addressing), so a kernel can read it over PCIe with no copy and no host thread.
+Here the attention over a global layer's selected blocks is the block cache's kernel
+(operators/cached_blocks_kernel.py) pointed at the layer's DRAM pages instead of device slots:
+block b of kv head h is row h * num_blocks + b of the head-major [KV, NB, B, R] table. The host
+still selects (the top-k runs on the host), writes the rows into a pinned index that the
+replayed part copies in, and skips the CPU operator: every selected block is read by the GPU,
+the CPU reads none. A token reads its selected K/V over PCIe once (285 MB at 8B shapes, 128K,
+q8_0); the CPU operator reads the same bytes from DRAM at the host's stream rate.
+
+It keeps the DeviceBlockCache's interface (split, no_hits, stage_in, clear, attend), so the
+decoder and the captured parts treat it as a cache that holds every block and admits nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ktlong.errors import KtlongError
+from ktlong.kv.host_cache import HostKVCache
+from ktlong.kv.pinned import PinnedTensors
+
+
+class DramBlocks:
+    def __init__(self, host: HostKVCache, global_layers: list[int], max_selected: int, scale: float,
+                 device: torch.device):
+        """global_layers: the layers indexed 0..n-1 here; max_selected: the most blocks a step
+        selects per kv head (second_select_num)."""
+        layout = host.layout
+        try:
+            from operators.cached_blocks_kernel import cached_blocks_attention, kernel_applies
+        except ImportError as e:
+            raise KtlongError("context_attention: gpu needs triton; install the GPU extra (pip install -e "
+                              "\".[gpu]\") or set context_attention=cpu.") from e
+        if not kernel_applies(layout.kv_type, layout.block_size, layout.head_dim):
+            raise KtlongError(f"context_attention: gpu reads bf16, fp16, fp32 or q8_0 blocks with a power-of-two "
+                              f"block_size and head_dim of at least 16 (here {layout.kv_type}, block "
+                              f"{layout.block_size}, head_dim {layout.head_dim}); set context_attention=cpu.")
+        self.kernel, self.scale, self.device = cached_blocks_attention, scale, device
+        KV, NB = layout.num_kv_heads, layout.num_blocks
+        self.num_kv, self.num_blocks, self.block_size, self.max_selected = KV, NB, layout.block_size, max_selected
+        rows = KV * NB
+        # each global layer's DRAM pages as [KV * NB, B, R] views (no copy), and their scales
+        self.pages = [(host.k[g].view(rows, *host.k[g].shape[2:]), host.v[g].view(rows, *host.v[g].shape[2:]))
+                      for g in global_layers]
+        self.scales = ([(host.k_scales[g].view(rows, *host.k_scales[g].shape[2:]),
+                         host.v_scales[g].view(rows, *host.v_scales[g].shape[2:])) for g in global_layers]
+                       if layout.is_quantized else [(None, None)] * len(global_layers))
+        n = len(global_layers)
+        self._pinned = PinnedTensors()
+        self.hit_index_host = self._host(torch.zeros((n, KV, max_selected), dtype=torch.int64))
+        self.hit_valid_host = self._host(torch.zeros((n, KV), dtype=torch.int64))
+        self.hit_index_np, self.hit_valid_np = self.hit_index_host.numpy(), self.hit_valid_host.numpy()
+        self.hit_index = torch.zeros((KV, max_selected), dtype=torch.int64, device=device)
+        self.hit_valid = torch.zeros(KV, dtype=torch.int64, device=device)
+        self.head_rows = (np.arange(KV, dtype=np.int64) * NB)[:, None]
+        self.none_left = (np.zeros((KV, 1), np.int32), np.zeros(KV, np.int32))
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        return self._pinned.pin(t) if self.device.type == "cuda" else t
+
+    def fits(self, blocks: np.ndarray) -> bool:
+        """Whether a selection fits the index (dense layers read every block: CPU only)."""
+        return blocks.shape[1] <= self.max_selected
+
+    def split(self, j: int, blocks: np.ndarray, counts: np.ndarray, step: int, k, v):
+        """Layer j's selection -> the rows the GPU reads; nothing left for the CPU."""
+        S = blocks.shape[1]
+        self.hit_index_np[j, :, :S] = self.head_rows + blocks
+        self.hit_valid_np[j] = counts.astype(np.int64) * self.block_size
+        return self.none_left
+
+    def no_hits(self, j: int):
+        self.hit_valid_np[j] = 0
+
+    def stage_in(self, j: int):
+        """Nothing to stage: the pages are read where they lie."""
+
+    def clear(self):
+        """Nothing held between steps."""
+
+    def attend(self, j: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [H, D] over layer j's selected blocks in DRAM -> (out [H, D], lse [H]) float32."""
+        self.hit_index.copy_(self.hit_index_host[j], non_blocking=True)
+        self.hit_valid.copy_(self.hit_valid_host[j], non_blocking=True)
+        (k, v), (ks, vs) = self.pages[j], self.scales[j]
+        return self.kernel(q.float(), k, v, ks, vs, self.hit_index, self.hit_valid, self.scale)
