@@ -1,4 +1,5 @@
-"""Decode attention over the blocks a device block cache holds, in one Triton kernel, for GPUs.
+"""Decode attention over selected KV blocks in one Triton kernel, for GPUs: the blocks a device
+block cache holds, or (`context_attention: gpu`) the blocks where they lie in pinned DRAM.
 
 The torch version (ktlong/decode/block_cache.py: gather the hit pages, widen them to float32,
 then masked attention) writes the widened pages to memory and passes over them about twenty
@@ -9,7 +10,8 @@ arithmetic is float32 throughout (tl.dot in IEEE precision), as the CPU's operat
 the rest of the selection: the two parts must agree to float32 rounding, or a later selection
 can flip.
 
-This module needs triton; block_cache.py imports it only on a GPU where triton is installed.
+This module needs triton; block_cache.py imports it only on a GPU where triton is installed,
+dram_blocks.py whenever it is asked for.
 The CPU's tests run the kernel in Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py).
 """
 
@@ -22,7 +24,6 @@ import triton.language as tl
 SHARES = 16  # programs per kv head: a share of its hit blocks each
 KEYS = 32  # tokens per tile: a [32, head_dim] float32 tile of K and of V fit in registers (a whole
            # 128-token block spilled: 770 us a call on the H100 at 8B shapes)
-QBLOCK = 32  # values per q8_0 scale
 
 
 @triton.jit
@@ -53,7 +54,7 @@ def _cached_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, index_ptr, val
                 keys = tl.load(k_ptr + at).to(tl.float32)  # [KEYS, DIM]
                 values = tl.load(v_ptr + at).to(tl.float32)
                 if QUANT:
-                    s_at = row * stride_srow + tokens[:, None] * stride_stoken + dims[None, :] // 32
+                    s_at = row * stride_srow + tokens[:, None] * stride_stoken + dims[None, :] // 32  # a scale per 32
                     keys = keys * tl.load(ks_ptr + s_at).to(tl.float16, bitcast=True).to(tl.float32)
                     values = values * tl.load(vs_ptr + s_at).to(tl.float16, bitcast=True).to(tl.float32)
                 logits = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale  # [ROWS, KEYS]
