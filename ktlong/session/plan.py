@@ -72,11 +72,11 @@ def plan_session(config: Config, model_config: ModelConfig, num_weight_elements:
                              page_type if kv_type in QUANTIZED else None, config.anchor_type, config.anchor_num)
     budget = int(config.gpu_memory_budget_gb * GIB)
     is_gpu = device.type == "cuda"
-    on_device = scores_on_device(selection_settings(config, model_config.num_layers), device)
+    selection = selection_settings(config, model_config.num_layers)
+    on_device = scores_on_device(selection, device)
     anchors = anchors_per_block(config.anchor_type, config.anchor_num) if on_device else 0
     memory = plan_memory(model_config, num_weight_elements, dtype.itemsize, layout, config.chunk_size, budget,
-                         is_gpu, config.local_windows_len, anchors,
-                         config.device_cache_blocks if config.context_attention == "cpu" else 0,
+                         is_gpu, config.local_windows_len, anchors, selection.device_cache_blocks,
                          config.second_select_num)
     return SessionPlan(layout, memory, kv_type, resolve_cuda_graph(config.use_cuda_graph, device), max_seq_len,
                        budget, is_gpu)
