@@ -52,9 +52,9 @@ class DeviceBlockCache:
                  device: torch.device):
         """num_layers: the global layers (indexed 0..num_layers-1 here); max_selected: the most
         blocks a step selects per kv head (second_select_num): the device's hit buffer holds that."""
-        self.layout, self.slots, self.scale, self.device = layout, slots, scale, device
+        self.layout, self.slots, self.scale = layout, slots, scale
         KV, B = layout.num_kv_heads, layout.block_size
-        self.num_kv, self.block_size, self.max_selected = KV, B, max_selected
+        self.num_kv, self.block_size = KV, B
         self.stride = slots + 1  # rows per kv head; row h * stride + slots is scratch
         self.scratch = slots  # what unused entries point at (head 0's scratch row)
         self.max_admit = min(ADMIT_PER_HEAD * KV, slots * KV)
@@ -69,22 +69,18 @@ class DeviceBlockCache:
         self.block_in = np.full((num_layers, KV, slots), -1, np.int32)
         self.last_used = np.full((num_layers, KV, slots), -1, np.int64)
         # exchange with the device, per layer: the hits' rows and token counts, the staged pages
-        self._pinned = PinnedTensors()
-        self.hit_index_host = self._host(torch.full((num_layers, KV, max_selected), self.scratch, dtype=torch.int64))
-        self.hit_valid_host = self._host(torch.zeros((num_layers, KV), dtype=torch.int64))
+        self._pinned = PinnedTensors(device.type == "cuda")
+        self.hits = HitIndex(num_layers, KV, max_selected, self.scratch, self._pinned, device)
         A = self.max_admit
-        self.stage_host = self._host(torch.zeros((num_layers, A, 2, B, row), dtype=dtype))
-        self.stage_scales_host = self._host(torch.zeros((num_layers, A, 2, B, groups), dtype=torch.int16))
-        self.stage_dest_host = self._host(torch.full((num_layers, A), self.scratch, dtype=torch.int64))
+        self.stage_host = self._pinned.pin(torch.zeros((num_layers, A, 2, B, row), dtype=dtype))
+        self.stage_scales_host = self._pinned.pin(torch.zeros((num_layers, A, 2, B, groups), dtype=torch.int16))
+        self.stage_dest_host = self._pinned.pin(torch.full((num_layers, A), self.scratch, dtype=torch.int64))
         # the same on the device, one layer at a time (the graph segments run in stream order)
-        self.hit_index = torch.full((KV, max_selected), self.scratch, dtype=torch.int64, device=device)
-        self.hit_valid = torch.zeros(KV, dtype=torch.int64, device=device)
         self.stage = torch.zeros((A, 2, B, row), dtype=dtype, device=device)
         self.stage_scales = torch.zeros((A, 2, B, groups), dtype=torch.int16, device=device)
         self.staged = [0] * num_layers  # admissions staged per layer this step
         self.stage_dest = torch.full((A,), self.scratch, dtype=torch.int64, device=device)
         # numpy views for the host's per-step writes
-        self.hit_index_np, self.hit_valid_np = self.hit_index_host.numpy(), self.hit_valid_host.numpy()
         self.stage_np, self.stage_scales_np = host_words(self.stage_host), host_words(self.stage_scales_host)
         self.stage_dest_np = self.stage_dest_host.numpy()
         self.kernel = _attention_kernel(layout, device)
@@ -92,12 +88,8 @@ class DeviceBlockCache:
         self.miss_counts = np.zeros(KV, np.int32)
         self.admitted = (np.zeros(A, np.int64), np.zeros(A, np.int32), np.zeros(A, np.int32))
 
-    def _host(self, t: torch.Tensor) -> torch.Tensor:
-        return self._pinned.pin(t) if self.device.type == "cuda" else t
-
     def fits(self, blocks: np.ndarray) -> bool:
-        """Whether a selection fits the hit buffer (dense layers read every block: CPU only)."""
-        return blocks.shape[1] <= self.max_selected
+        return self.hits.fits(blocks)
 
     # ---- the host's part ---------------------------------------------------------------
     def split(self, j: int, blocks: np.ndarray, counts: np.ndarray, step: int, k: StoredKV,
@@ -105,7 +97,7 @@ class DeviceBlockCache:
         """Layer j's selection -> the misses (blocks [KV, S], counts) left for the CPU. The hits,
         and the misses admitted now (their pages staged from k, v: layer j's DRAM), go to the
         pinned buffers `attend` reads."""
-        hit_index, hit_valid = self.hit_index_np[j], self.hit_valid_np[j]
+        hit_index, hit_valid = self.hits.index_np[j], self.hits.valid_np[j]
         split_hits(blocks, counts, self.slot_of[j], self.last_used[j], step, self.stride, self.block_size,
                    hit_index, hit_valid, self.miss_blocks, self.miss_counts)
         heads, blocks_in, slots = self.admitted
@@ -124,7 +116,7 @@ class DeviceBlockCache:
 
     def no_hits(self, j: int):
         """Layer j reads nothing from the cache this step."""
-        self.hit_valid_np[j] = 0
+        self.hits.valid_np[j] = 0
         self.stage_dest_np[j] = self.scratch
         self.staged[j] = 0
 
@@ -157,22 +149,49 @@ class DeviceBlockCache:
             self.data[j, plane].index_copy_(0, self.stage_dest, self.stage[:, plane])
             if self.scales is not None:
                 self.scales[j, plane].index_copy_(0, self.stage_dest, self.stage_scales[:, plane])
-        self.hit_index.copy_(self.hit_index_host[j], non_blocking=True)
-        self.hit_valid.copy_(self.hit_valid_host[j], non_blocking=True)
+        index, valid = self.hits.load(j)
         if self.kernel is not None:  # the pages read where they are held (operators/cached_blocks_kernel.py)
             scales = self.scales[j] if self.scales is not None else (None, None)
-            return self.kernel(q.float(), self.data[j, 0], self.data[j, 1], scales[0], scales[1],
-                               self.hit_index, self.hit_valid, self.scale)
-        k, v = self._pages(j, 0), self._pages(j, 1)
-        return attention_over_prefix(q.float(), k, v, self.hit_valid, self.scale)
+            return self.kernel(q.float(), self.data[j, 0], self.data[j, 1], scales[0], scales[1], index, valid,
+                               self.scale)
+        k, v = self._pages(j, 0, index), self._pages(j, 1, index)
+        return attention_over_prefix(q.float(), k, v, valid, self.scale)
 
-    def _pages(self, j: int, plane: int) -> torch.Tensor:
-        """The hit pages of layer j as float32 token rows [KV, S * B, D]."""
+    def _pages(self, j: int, plane: int, index: torch.Tensor) -> torch.Tensor:
+        """The pages of layer j at rows index [KV, S] as float32 token rows [KV, S * B, D]."""
         layout = self.layout
-        pages = self.data[j, plane][self.hit_index]  # [KV, S, B, R]
+        pages = self.data[j, plane][index]  # [KV, S, B, R]
         if self.scales is not None:
-            pages = dequantize_kv(pages, self.scales[j, plane][self.hit_index], layout.kv_type, torch.float32)
+            pages = dequantize_kv(pages, self.scales[j, plane][index], layout.kv_type, torch.float32)
         return pages.float().view(self.num_kv, -1, layout.head_dim)
+
+
+class HitIndex:
+    """Per global layer, the page rows a step attends to on the device, per kv head, and how many
+    tokens of them count (whole blocks, first rows first): written by the host into pinned
+    buffers (index_np, valid_np), copied to the device by the replayed part (`load`)."""
+
+    def __init__(self, num_layers: int, num_kv: int, max_selected: int, fill: int, pinned: PinnedTensors,
+                 device: torch.device):
+        """max_selected: the most rows a layer's step names per kv head; fill: the row unused
+        entries name."""
+        self.max_selected = max_selected
+        self.host_index = pinned.pin(torch.full((num_layers, num_kv, max_selected), fill, dtype=torch.int64))
+        self.host_valid = pinned.pin(torch.zeros((num_layers, num_kv), dtype=torch.int64))
+        self.index_np, self.valid_np = self.host_index.numpy(), self.host_valid.numpy()
+        # on the device, one layer at a time (the replayed parts run in stream order)
+        self.index = torch.full((num_kv, max_selected), fill, dtype=torch.int64, device=device)
+        self.valid = torch.zeros(num_kv, dtype=torch.int64, device=device)
+
+    def fits(self, blocks: np.ndarray) -> bool:
+        """Whether a selection fits (dense layers read every block: CPU only)."""
+        return blocks.shape[1] <= self.max_selected
+
+    def load(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer j's rows and token counts on the device (queued copies; fixed shapes)."""
+        self.index.copy_(self.host_index[j], non_blocking=True)
+        self.valid.copy_(self.host_valid[j], non_blocking=True)
+        return self.index, self.valid
 
 
 def _attention_kernel(layout: KVLayout, device: torch.device):

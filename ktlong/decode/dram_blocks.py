@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ktlong.decode.block_cache import HitIndex
 from ktlong.errors import KtlongError
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.pinned import PinnedTensors
@@ -39,9 +40,8 @@ class DramBlocks:
             raise KtlongError(f"context_attention: gpu reads bf16, fp16, fp32 or q8_0 blocks with a power-of-two "
                               f"block_size and head_dim of at least 16 (here {layout.kv_type}, block "
                               f"{layout.block_size}, head_dim {layout.head_dim}); set context_attention=cpu.")
-        self.kernel, self.scale, self.device = cached_blocks_attention, scale, device
+        self.kernel, self.scale, self.block_size = cached_blocks_attention, scale, layout.block_size
         KV, NB = layout.num_kv_heads, layout.num_blocks
-        self.num_kv, self.num_blocks, self.block_size, self.max_selected = KV, NB, layout.block_size, max_selected
         rows = KV * NB
         # each global layer's DRAM pages as [KV * NB, B, R] views (no copy), and their scales
         self.pages = [(host.k[g].view(rows, *host.k[g].shape[2:]), host.v[g].view(rows, *host.v[g].shape[2:]))
@@ -49,32 +49,23 @@ class DramBlocks:
         self.scales = ([(host.k_scales[g].view(rows, *host.k_scales[g].shape[2:]),
                          host.v_scales[g].view(rows, *host.v_scales[g].shape[2:])) for g in global_layers]
                        if layout.is_quantized else [(None, None)] * len(global_layers))
-        n = len(global_layers)
-        self._pinned = PinnedTensors()
-        self.hit_index_host = self._host(torch.zeros((n, KV, max_selected), dtype=torch.int64))
-        self.hit_valid_host = self._host(torch.zeros((n, KV), dtype=torch.int64))
-        self.hit_index_np, self.hit_valid_np = self.hit_index_host.numpy(), self.hit_valid_host.numpy()
-        self.hit_index = torch.zeros((KV, max_selected), dtype=torch.int64, device=device)
-        self.hit_valid = torch.zeros(KV, dtype=torch.int64, device=device)
+        self._pinned = PinnedTensors(device.type == "cuda")
+        self.hits = HitIndex(len(global_layers), KV, max_selected, 0, self._pinned, device)
         self.head_rows = (np.arange(KV, dtype=np.int64) * NB)[:, None]
         self.none_left = (np.zeros((KV, 1), np.int32), np.zeros(KV, np.int32))
 
-    def _host(self, t: torch.Tensor) -> torch.Tensor:
-        return self._pinned.pin(t) if self.device.type == "cuda" else t
-
     def fits(self, blocks: np.ndarray) -> bool:
-        """Whether a selection fits the index (dense layers read every block: CPU only)."""
-        return blocks.shape[1] <= self.max_selected
+        return self.hits.fits(blocks)
 
     def split(self, j: int, blocks: np.ndarray, counts: np.ndarray, step: int, k, v):
         """Layer j's selection -> the rows the GPU reads; nothing left for the CPU."""
         S = blocks.shape[1]
-        self.hit_index_np[j, :, :S] = self.head_rows + blocks
-        self.hit_valid_np[j] = counts.astype(np.int64) * self.block_size
+        self.hits.index_np[j, :, :S] = self.head_rows + blocks
+        self.hits.valid_np[j] = counts.astype(np.int64) * self.block_size
         return self.none_left
 
     def no_hits(self, j: int):
-        self.hit_valid_np[j] = 0
+        self.hits.valid_np[j] = 0
 
     def stage_in(self, j: int):
         """Nothing to stage: the pages are read where they lie."""
@@ -84,7 +75,5 @@ class DramBlocks:
 
     def attend(self, j: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [H, D] over layer j's selected blocks in DRAM -> (out [H, D], lse [H]) float32."""
-        self.hit_index.copy_(self.hit_index_host[j], non_blocking=True)
-        self.hit_valid.copy_(self.hit_valid_host[j], non_blocking=True)
         (k, v), (ks, vs) = self.pages[j], self.scales[j]
-        return self.kernel(q.float(), k, v, ks, vs, self.hit_index, self.hit_valid, self.scale)
+        return self.kernel(q.float(), k, v, ks, vs, *self.hits.load(j), self.scale)

@@ -39,7 +39,7 @@ class DecodeTimes:
     device_wait: float = 0.0  # waiting for q to reach the host (device work before it)
     kv_bytes: int = 0  # K/V bytes of the blocks the CPU operator read
     selected: int = 0  # (kv head, block) pairs selected, beyond the window
-    cached: int = 0  # of them, read from the device's block cache
+    cached: int = 0  # of them, attended on the device (its block cache, or DRAM read by the device)
 
 
 class HybridDecoder:

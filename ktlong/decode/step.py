@@ -32,6 +32,7 @@ import sys
 import torch
 
 from ktlong.decode.block_cache import DeviceBlockCache
+from ktlong.decode.dram_blocks import DramBlocks
 from ktlong.decode.device_anchors import DeviceAnchors
 from ktlong.decode.window import DeviceWindow
 from ktlong.kv.pinned import PinnedTensors
@@ -43,11 +44,12 @@ from operators.window_attention import attention_with_lse, masked_window_attenti
 
 class DecodeStep:
     def __init__(self, model: LlamaModel, window: DeviceWindow, global_layers: list[int], capture: bool,
-                 anchors: DeviceAnchors | None = None, cache: DeviceBlockCache | None = None):
+                 anchors: DeviceAnchors | None = None, cache: DeviceBlockCache | DramBlocks | None = None):
         """capture: replay the segments from CUDA graphs; otherwise run them eagerly.
         anchors: score every block of each global layer right after its q (`block_scoring`).
-        cache: attend each global layer's selected blocks that the device holds (`cached`, a part
-        of its own between segment j and j + 1, replayed while the CPU reads the other blocks)."""
+        cache: attend each global layer's selected blocks that the device holds, or (DramBlocks)
+        all of them where they lie in DRAM (`cached`, a part of its own between segment j and
+        j + 1, replayed while the CPU reads the other blocks)."""
         self.model, self.window, self.capturing, self.anchors = model, window, capture, anchors
         self.cache = cache
         self.global_layers = global_layers
@@ -63,7 +65,7 @@ class DecodeStep:
         n = len(global_layers)
         # the exchange with the CPU part of each global layer, in host memory that the captured
         # copies read and write at replay (pinned), so a layer costs one sync and no copy calls
-        self._pinned = PinnedTensors()
+        self._pinned = PinnedTensors(dev.type == "cuda")
         self.q_host = self._host((n, c.num_heads, c.head_dim), torch.float32)
         # k, v of the new token as DRAM stores them (q8_0 / q4_0: quantised here, on the device)
         row, groups = layout.stored_row
@@ -92,8 +94,7 @@ class DecodeStep:
         self.replays = 0
 
     def _host(self, shape, dtype) -> torch.Tensor:
-        t = torch.zeros(shape, dtype=dtype)
-        return self._pinned.pin(t) if self.model.device.type == "cuda" else t
+        return self._pinned.pin(torch.zeros(shape, dtype=dtype))
 
     # ---- the device work, as captured ----------------------------------------------------
     def _segment(self, j: int):

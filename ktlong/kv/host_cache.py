@@ -29,13 +29,13 @@ into when the tables are not pinned (maps_files).
 
     def __init__(self, layout: KVLayout, pin: bool):
         H, B, D = layout.num_kv_heads, layout.block_size, layout.head_dim
-        self._pinned = PinnedTensors()
+        self._pinned = PinnedTensors(pin)
 
         def alloc(shape, dtype):
             t = mapped_empty(shape, dtype)
             advise_huge_pages(t)  # before the first touch, which zero_ is
             t.zero_()  # commits the memory now rather than during prefill
-            return self._pinned.pin(t) if pin else t
+            return self._pinned.pin(t)
 
         self.layout = layout
         self.maps_files = not pin

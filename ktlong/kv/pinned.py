@@ -56,13 +56,15 @@ def pin_in_place(t: torch.Tensor):
 
 class PinnedTensors:
     """Tensors page-locked in place (pin_in_place), unlocked when this object goes: the owner
-    of host buffers that the GPU copies to and from keeps one."""
+    of host buffers that the GPU copies to and from keeps one. enabled False (no GPU): `pin`
+    hands tensors back as they are."""
 
-    def __init__(self):
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
         self._tensors: list[torch.Tensor] = []
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
-        if t.numel():
+        if self.enabled and t.numel():
             pin_in_place(t)
             self._tensors.append(t)
         return t
