@@ -105,7 +105,7 @@ def test_attention_over_prefix_equals_attention_over_each_heads_valid_keys():
 
 
 def session(lm, cache_blocks, kv_type="fp32", context_attention=None, **settings):
-    chosen = selection(preselect_block=False, dense_layer_num=0, **settings)
+    chosen = selection(**{"preselect_block": False, "dense_layer_num": 0, **settings})
     layout = with_anchors(model_kv_layout(lm.config, 16, 512, kv_type, local_windows_len=48,
                                           page_type="fp32" if kv_type in ("q8_0", "q4_0") else None), chosen)
     return LongContextSession(lm.model, layout, chunk_size=64, backend="torch", hidden_on_device=True, compact=None,

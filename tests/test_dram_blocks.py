@@ -32,3 +32,53 @@ def test_formats_the_gpu_cannot_read_are_refused(tmp_path):
     lm = tiny_model(tmp_path, TinySpec(num_layers=2, hidden=128, num_heads=4, num_kv_heads=2, head_dim=32), seed=5)
     with pytest.raises(KtlongError, match="set context_attention=cpu"):
         session(lm, 0, "q4_0", "gpu", second_select_num=4).prefill(list(range(100)))
+
+
+def _host_blocks(decoder, layer: int) -> list[list[int]]:
+    """The blocks the host's selector read at its last step, per kv head, ascending."""
+    blocks, counts = decoder.selector.cache[layer][:2]
+    return [sorted(blocks[h, :counts[h]].tolist()) for h in range(len(counts))]
+
+
+def _device_blocks(decoder, j: int) -> list[list[int]]:
+    """The blocks the device's selection read at its last step, per kv head, ascending."""
+    selection = decoder.selection
+    index = selection.index[selection.role[j] if isinstance(selection.role[j], int) else j]
+    valid = selection.valid[j] // selection.block_size
+    return [sorted((index[h, :valid[h]] - h * selection.num_blocks).tolist()) for h in range(len(valid))]
+
+
+@pytest.mark.parametrize("kv_type, length, settings", [
+    ("fp32", 300, {}),
+    ("fp32", 300, {"preselect_block": True, "preselect_block_count": 6, "dense_layer_num": 1}),
+    ("fp32", 300, {"token_step": 3, "layer_step": 2, "anchor_type": "QUEST"}),
+    # 4 context blocks (as many as are selected: all read) until the 15th step, a step that
+    # would reuse its selection with token_step 3 had there been one
+    ("fp32", 130, {"token_step": 3, "preselect_block": True, "preselect_block_count": 2}),
+    ("q8_0", 300, {"head_select_mode": "SEPARATE", "preselect_block": True, "preselect_block_count": 5})])
+def test_selection_on_the_device_reads_the_blocks_the_host_selects(tmp_path, kv_type, length, settings):
+    """With block scores on the device, context_attention: gpu selects there too (one piece of
+    device work a token): the same blocks as the host's selector and the CPU operator at every
+    step, and the same logits."""
+    wide = kv_type == "q8_0"
+    spec = TinySpec(num_layers=3, hidden=128 if wide else 64, num_heads=4, num_kv_heads=2, head_dim=32 if wide else 16)
+    lm = tiny_model(tmp_path, spec, seed=7)
+    prompt = [int(t) for t in np.random.default_rng(3).integers(0, 298, size=length)]
+    cpu = session(lm, 0, kv_type, "cpu", second_select_num=4, block_scoring="device", **settings)
+    gpu = session(lm, 0, kv_type, "gpu", second_select_num=4, block_scoring="device", **settings)
+    a, b = cpu.prefill(prompt), gpu.prefill(prompt)
+    assert gpu.decoder.selection is not None and cpu.decoder.selection is None
+    layers = gpu.decoder.global_layers
+    for step in range(24):  # the window slides: context blocks join selection
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        token = int(a.argmax())
+        first, last = cpu.decoder.window.context_blocks  # the step's DRAM context
+        a, b = cpu.step(token), gpu.step(token)
+        for j, layer in enumerate(layers):
+            if last - first <= 4 or layer < settings.get("dense_layer_num", 0):  # every context block
+                expected = [list(range(first, last))] * 2
+            else:  # what the host selected (or kept from an earlier step)
+                expected = _host_blocks(cpu.decoder, layer)
+            assert _device_blocks(gpu.decoder, j) == expected, (step, layer)
+    assert gpu.decoder.times.selected == cpu.decoder.times.selected > 0
+    assert gpu.decoder.times.kv_bytes == 0

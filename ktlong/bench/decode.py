@@ -9,12 +9,15 @@ python -m ktlong.bench decode [--contexts 32k,128k,512k] [--tokens 32] [--set ke
 Rows: all blocks on the CPU (dense), sparse with every token on the CPU (no device window),
 and hybrid (device window + CPU sparse blocks; `hybrid-cache`, `graphs-cache`: with the device's cache of
 recently selected blocks, `device_cache_blocks` or twice top-k, and the share it served;
-`graphs-gpu-context`: the GPU reads every selected block from DRAM itself, `context_attention: gpu`).
+`graphs-gpu-context`: the GPU reads every selected block from DRAM itself, `context_attention: gpu`,
+and selects them too when block scoring is on the device: one graph a token, and its "wait"
+column is the whole token's device time).
 Times per token: total, CPU operator, selection (with the cache, also its split, admissions and
 page gathers), waiting for q from the device, and the rest (device work after the CPU part,
 merge, Python). Beside them the two floors of a token, measured in the same run: the K/V
 bytes the CPU operator read at the host's streaming-read rate (a Numba read of 1 GiB on the
-decode threads), and the weights a token reads at the device's copy rate (1 GiB device to
+decode threads) plus those the GPU read from DRAM at its pinned-copy rate (1 GiB to the device),
+and the weights a token reads at the device's copy rate (1 GiB device to
 device; on the CPU, a copy in DRAM).
 """
 
@@ -31,6 +34,7 @@ from ktlong.bench.drifting_selection import DriftingSelection
 from ktlong.config import load_config, parse_set
 from ktlong.device import resolve_device
 from ktlong.errors import KtlongError
+from ktlong.decode.dram_blocks import DramBlocks
 from ktlong.decode.hybrid import HybridDecoder
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import kv_layout
@@ -101,6 +105,20 @@ def device_copy_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / seconds / 1e9
 
 
+def host_to_device_gbps(device: torch.device, nbytes: int = 1 << 30) -> float | None:
+    """The rate at which the GPU reads pinned DRAM (a copy of 1 GiB to the device, median of 9):
+    the floor of the blocks `context_attention: gpu` reads over PCIe. None without a GPU."""
+    if device.type != "cuda":
+        return None
+    src = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    seconds = time_cuda(lambda: dst.copy_(src, non_blocking=True), reps=9, warmup=1)
+    del src, dst
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return nbytes / seconds / 1e9
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ktlong.bench decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="32k,128k,512k")
@@ -153,7 +171,7 @@ def main(argv=None) -> int:
           f"{args.tokens} tokens")
     from ktlong.bench.decode_op import stream_read_gbps
 
-    stream_gbps, hbm_gbps = stream_read_gbps(1 << 30), device_copy_gbps(device)
+    stream_gbps, hbm_gbps, pcie_gbps = stream_read_gbps(1 << 30), device_copy_gbps(device), host_to_device_gbps(device)
     weight_bytes = weight_bytes_per_token(model)
     weight_floor = weight_bytes / (hbm_gbps * 1e9)
     rows = []
@@ -182,6 +200,9 @@ def main(argv=None) -> int:
             host.advance(context)
             decoder = HybridDecoder(model, host, settings, local, use_cuda_graph=graphs, cache_blocks=cache_blocks,
                                     context_attention=settings.context_attention)
+            if args.selection_drift is not None and decoder.selection is not None:
+                raise KtlongError("--selection_drift replaces the host's selection, and graphs-gpu-context selects "
+                                  "on the device; add --set block_scoring=cpu to keep the selection on the host.")
             if args.selection_drift is not None:
                 decoder.selector.select = DriftingSelection(decoder.selector.select, args.selection_drift)
             for t in range(4):
@@ -199,10 +220,12 @@ def main(argv=None) -> int:
             tm = decoder.times
             n = tm.steps
             cpu, sel, wait = tm.cpu_attention / n, tm.selection / n, tm.device_wait / n
-            kv_floor = tm.kv_bytes / n / (stream_gbps * 1e9)
+            # K/V the CPU read from DRAM at its stream rate, and what the GPU read there over PCIe
+            gpu_read = tm.cached * decoder.block_bytes if isinstance(decoder.cache, DramBlocks) else 0
+            kv_floor = tm.kv_bytes / n / (stream_gbps * 1e9) + (gpu_read / n / (pcie_gbps * 1e9) if gpu_read else 0)
             rows.append(row := [f"{context // 1024}K", name, f"{1 / med:.1f}", f"{med * 1e3:.1f}", f"{cpu * 1e3:.1f}",
                          f"{sel * 1e3:.1f}", f"{wait * 1e3:.1f}", f"{(tm.total / n - cpu - sel - wait) * 1e3:.1f}",
-                         f"{tm.kv_bytes / n / 1e6:.0f}", f"{kv_floor * 1e3:.1f}", f"{weight_floor * 1e3:.1f}",
+                         f"{(tm.kv_bytes + gpu_read) / n / 1e6:.0f}", f"{kv_floor * 1e3:.1f}", f"{weight_floor * 1e3:.1f}",
                          f"{(kv_floor + weight_floor) * 1e3:.1f}",
                          f"{tm.cached / tm.selected:.0%}" if tm.selected else "-",
                          (f"peak GPU {torch.cuda.max_memory_allocated(device) / GIB:.1f} GiB, " if cuda else "")
@@ -211,7 +234,8 @@ def main(argv=None) -> int:
         del host, decoder
         if cuda:
             torch.cuda.empty_cache()
-    print(f"floors: K/V read at the host's stream of {stream_gbps:.1f} GB/s; {weight_bytes / 1e9:.2f} GB of weights "
+    pcie = f", by the GPU (gpu-context) at its pinned-copy rate of {pcie_gbps:.1f} GB/s" if pcie_gbps else ""
+    print(f"floors: K/V read at the host's stream of {stream_gbps:.1f} GB/s{pcie}; {weight_bytes / 1e9:.2f} GB of weights "
           f"read at the {'GPU' if cuda else 'DRAM'} copy rate of {hbm_gbps:,.0f} GB/s = {weight_floor * 1e3:.2f} ms")
     print_table(["context", "mode", "tok/s", "ms/token", "CPU attention", "selection", "wait for q",
                  "rest (GPU, merge, Python)", "K/V read MB", "K/V floor", "weights floor", "floors summed",

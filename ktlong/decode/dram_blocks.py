@@ -4,14 +4,16 @@ The KV cache in DRAM is page-locked, and page-locked memory is mapped into the G
 space (unified addressing), so a kernel can read it over PCIe with no copy and no host thread.
 Here the attention over a global layer's selected blocks is the block cache's kernel
 (operators/cached_blocks_kernel.py) pointed at the layer's DRAM pages instead of device slots:
-block b of kv head h is row h * num_blocks + b of the head-major [KV, NB, B, R] table. The host
-still selects (the top-k runs on the host), writes the rows into a pinned index that the
-replayed part copies in, and skips the CPU operator: every selected block is read by the GPU,
-the CPU reads none. A token reads its selected K/V over PCIe once (285 MB at 8B shapes, 128K,
+block b of kv head h is row h * num_blocks + b of the head-major [KV, NB, B, R] table. Either the
+device selects too (`selection`, ktlong/decode/device_selection.py: the rows come from its top-k,
+and a token is device work from end to end), or the host selects and writes the rows into a
+pinned index that the replayed part copies in (tensor parallelism, scores on the CPU). Either
+way the CPU operator is skipped: every selected block is read by the GPU, the CPU reads none. A token reads its selected K/V over PCIe once (285 MB at 8B shapes, 128K,
 q8_0); the CPU operator reads the same bytes from DRAM at the host's stream rate.
 
-It keeps the DeviceBlockCache's interface (split, no_hits, stage_in, clear, attend), so the
-decoder and the captured parts treat it as a cache that holds every block and admits nothing.
+With the host selecting, it keeps the DeviceBlockCache's interface (split, no_hits, stage_in,
+clear, attend), so the decoder and the captured parts treat it as a cache that holds every block
+and admits nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 
 from ktlong.decode.block_cache import HitIndex
+from ktlong.decode.device_selection import DeviceSelection
 from ktlong.errors import KtlongError
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.pinned import PinnedTensors
@@ -53,6 +56,7 @@ class DramBlocks:
         self.hits = HitIndex(len(global_layers), KV, max_selected, 0, self._pinned, device)
         self.head_rows = (np.arange(KV, dtype=np.int64) * NB)[:, None]
         self.none_left = (np.zeros((KV, 1), np.int32), np.zeros(KV, np.int32))
+        self.selection: DeviceSelection | None = None  # set by the decoder when the device selects
 
     def fits(self, blocks: np.ndarray) -> bool:
         return self.hits.fits(blocks)
@@ -76,4 +80,5 @@ class DramBlocks:
     def attend(self, j: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [H, D] over layer j's selected blocks in DRAM -> (out [H, D], lse [H]) float32."""
         (k, v), (ks, vs) = self.pages[j], self.scales[j]
-        return self.kernel(q.float(), k, v, ks, vs, *self.hits.load(j), self.scale)
+        rows = self.selection.select(j, q) if self.selection is not None else self.hits.load(j)
+        return self.kernel(q.float(), k, v, ks, vs, *rows, self.scale)

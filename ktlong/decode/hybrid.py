@@ -24,6 +24,7 @@ from ktlong.decode.dram_blocks import DramBlocks
 from ktlong.decode.step import DecodeStep
 from ktlong.decode.selection import DecodeBlockSelector, SelectionSettings, stored_view
 from ktlong.decode.device_anchors import DeviceAnchors, scores_on_device
+from ktlong.decode.device_selection import DeviceSelection, selects_on_device
 from ktlong.decode.window import SINK_BLOCKS, DeviceWindow
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.models.llama import LlamaModel
@@ -72,8 +73,13 @@ class HybridDecoder:
         self.cuda = model.device.type == "cuda"
         # the device part: one body, replayed from CUDA graphs or run eagerly (ktlong/decode/step.py)
         self.cache = None
+        self.selection = None  # the device selects too: a token is one piece of device work
         if context_attention == "gpu" and settings.second_select_num:
             self.cache = DramBlocks(host, self.global_layers, settings.second_select_num, model.scale, model.device)
+            if selects_on_device(self.selector, self.device_anchors, self.global_layers):
+                self.selection = DeviceSelection(self.selector, self.device_anchors, self.global_layers, model.device)
+                self.selection.load_candidates()
+                self.cache.selection = self.selection
         elif cache_blocks and settings.second_select_num:
             self.cache = DeviceBlockCache(layout, len(self.global_layers), cache_blocks, settings.second_select_num,
                                           model.scale, model.device)
@@ -108,6 +114,8 @@ class HybridDecoder:
                 self.device_anchors.update(layer, first_block, last)
         self.window.load_from_host(self.host)  # queued; crosses while the host preselects
         self._preselect()
+        if self.selection is not None:
+            self.selection.load_candidates()
         self.step_index = 0
 
     @torch.inference_mode()
@@ -128,19 +136,19 @@ class HybridDecoder:
         pos = self.host.num_tokens
         assert pos < self.layout.capacity, "the KV cache is full; raise max_seq_len"
         body.set_step(token_id, pos)
+        first, last = window.context_blocks
+        if self.selection is not None:
+            self.selection.set_step(self.step_index, first, last)
         if not body.ready:
             body.capture()
-        first, last = window.context_blocks
+        if self.selection is not None:
+            return self._device_step(pos, start)
         body.replay(0)
         for j, layer in enumerate(self.global_layers):
             t0 = time.perf_counter()
             body.wait()  # segment j and its copies of q, k/v (and scores) to host memory
             self.times.device_wait += time.perf_counter() - t0
-            b, t = divmod(pos, self.block_size)  # the new token's K/V, through to DRAM
-            k_dram, v_dram = self.k_stored[layer], self.v_stored[layer]
-            k_dram.data[:, b, t], v_dram.data[:, b, t] = self.new_kv[j, 0], self.new_kv[j, 1]
-            if self.layout.is_quantized:
-                k_dram.scales[:, b, t], v_dram.scales[:, b, t] = self.new_kv_scales[j, 0], self.new_kv_scales[j, 1]
+            self._write_through(j, layer, pos)
             if last > first:
                 scores = None if self.device_anchors is None else body.scores_host[j].numpy
                 self._context_part(j, layer, first, last, scores)
@@ -153,6 +161,32 @@ class HybridDecoder:
         logits = body.logits.clone()
         self._end_step(pos, start)
         return logits
+
+    def _device_step(self, pos: int, start: float) -> torch.Tensor:
+        """A token the device runs alone (it selects and reads the blocks itself): one replay,
+        one wait, then the new K/V of every global layer through to DRAM."""
+        body = self.body
+        body.replay_token()
+        t0 = time.perf_counter()
+        body.wait()
+        self.times.device_wait += time.perf_counter() - t0
+        for j, layer in enumerate(self.global_layers):
+            self._write_through(j, layer, pos)
+        self.window.copy_to_sink(pos)
+        logits = body.logits.clone()
+        selected = self.selection.selected()
+        self.times.selected += selected
+        self.times.cached += selected
+        self._end_step(pos, start)
+        return logits
+
+    def _write_through(self, j: int, layer: int, pos: int):
+        """The new token's K/V of global layer j (in the exchange buffers) into DRAM."""
+        b, t = divmod(pos, self.block_size)
+        k_dram, v_dram = self.k_stored[layer], self.v_stored[layer]
+        k_dram.data[:, b, t], v_dram.data[:, b, t] = self.new_kv[j, 0], self.new_kv[j, 1]
+        if self.layout.is_quantized:
+            k_dram.scales[:, b, t], v_dram.scales[:, b, t] = self.new_kv_scales[j, 0], self.new_kv_scales[j, 1]
 
     def _context_part(self, j: int, layer: int, first: int, last: int, device_scores=None):
         """Global layer j's selected context blocks: those the device holds, or takes in now, are

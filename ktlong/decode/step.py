@@ -12,7 +12,9 @@ attends to the context blocks. Sliding-window layers
 live wholly inside a segment. With a block cache, global layer j also has a cached part, replayed
 after the host split its selection and before the CPU attends: it puts the staged pages (copied in
 just before, by the host) in their slots and attends to the blocks the device holds; segment j + 1
-merges its state too.
+merges its state too. With `context_attention: gpu` and the selection on the device as well
+(ktlong/decode/device_selection.py), nothing is left for the host between layers: the token is
+one body (`_token`: each segment, then its layer's window and context parts), one graph.
 
 Each global layer's q, new K/V (and block scores) leave through host buffers, and the CPU's
 result comes back through others: pinned and read by the captured copies with graphs, plain
@@ -52,6 +54,8 @@ class DecodeStep:
         j + 1, replayed while the CPU reads the other blocks)."""
         self.model, self.window, self.capturing, self.anchors = model, window, capture, anchors
         self.cache = cache
+        # the device selects too (ktlong/decode/device_selection.py): a token is one body, `token`
+        self.device_selects = isinstance(cache, DramBlocks) and cache.selection is not None
         self.global_layers = global_layers
         c, layout, dev = model.config, window.layout, model.device
         self.num_layers = c.num_layers
@@ -106,11 +110,14 @@ class DecodeStep:
             start = 0
         else:
             layer = g[j - 1]
-            self.o_cpu[j - 1].copy_(self.o_host[j - 1], non_blocking=True)  # written by the host before replay
-            self.lse_cpu[j - 1].copy_(self.lse_host[j - 1], non_blocking=True)
-            o, lse = merge_states(self.o_dev[j - 1], self.lse_dev[j - 1], self.o_cpu[j - 1], self.lse_cpu[j - 1])
-            if self.cache is not None:
-                o, _ = merge_states(o, lse, self.o_hit[j - 1], self.lse_hit[j - 1])
+            if self.device_selects:  # the device attended to every selected block: no CPU state
+                o, _ = merge_states(self.o_dev[j - 1], self.lse_dev[j - 1], self.o_hit[j - 1], self.lse_hit[j - 1])
+            else:
+                self.o_cpu[j - 1].copy_(self.o_host[j - 1], non_blocking=True)  # written by the host before replay
+                self.lse_cpu[j - 1].copy_(self.lse_host[j - 1], non_blocking=True)
+                o, lse = merge_states(self.o_dev[j - 1], self.lse_dev[j - 1], self.o_cpu[j - 1], self.lse_cpu[j - 1])
+                if self.cache is not None:
+                    o, _ = merge_states(o, lse, self.o_hit[j - 1], self.lse_hit[j - 1])
             self._finish(layer, o)
             start = layer + 1
         stop = g[j] if j < len(g) else self.num_layers
@@ -120,7 +127,7 @@ class DecodeStep:
             self._finish(layer, o)
         if j < len(g):
             q = self._append(g[j], j)
-            if self.anchors is not None:
+            if self.anchors is not None and not self.device_selects:
                 self.scores_host[j].copy_(self.anchors.scores(g[j], q), non_blocking=True)
             self.q_dev[j].copy_(q)
         else:
@@ -131,6 +138,16 @@ class DecodeStep:
         o, lse = self._window_attention(self.global_layers[j], self.q_dev[j])
         self.o_dev[j].copy_(o)
         self.lse_dev[j].copy_(lse)
+
+    def _token(self):
+        """A whole token when the device selects: every segment with its layer's window and
+        context parts, no host work in between; then the selection's counts to the host."""
+        for j in range(len(self.global_layers) + 1):
+            self._segment(j)
+            if j < len(self.global_layers):
+                self._window(j)
+                self._cached(j)
+        self.cache.selection.report()
 
     def _cached(self, j: int):
         """Global layer j's selected blocks that the device holds (the staged ones copied in first)."""
@@ -144,8 +161,9 @@ class DecodeStep:
         keys, values = self.window.layer_buffers(layer)
         keys.index_copy_(1, self.slot, k[0].to(dtype)[:, None])
         values.index_copy_(1, self.slot, v[0].to(dtype)[:, None])
-        if j is not None:  # a global layer: q goes to the CPU, k/v through to DRAM
-            self.q_host[j].copy_(q[0].float(), non_blocking=True)
+        if j is not None:  # a global layer: q goes to the host (unless the device selects), k/v through to DRAM
+            if not self.device_selects:
+                self.q_host[j].copy_(q[0].float(), non_blocking=True)
             kv = torch.stack([k[0], v[0]]).to(dtype)  # [2, KV, D]
             if self.window.layout.is_quantized:
                 data, scales = quantize_kv(kv, self.window.layout.kv_type)
@@ -174,6 +192,9 @@ class DecodeStep:
     def capture(self):
         """Capture every segment. The inputs must hold the current step (warm-up runs execute
         it; replaying the same step again is idempotent)."""
+        if self.device_selects:
+            self._capture_token()
+            return
         stream = torch.cuda.Stream(self.model.device)
         stream.wait_stream(torch.cuda.current_stream(self.model.device))
         with torch.cuda.stream(stream):
@@ -201,6 +222,19 @@ class DecodeStep:
             torch.cuda.synchronize(self.model.device)
             reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
             print(f"[CUDA graphs could not be captured ({reason}); decode runs eagerly]", file=sys.stderr)
+
+    def _capture_token(self):
+        """One graph for the whole token (after a warm-up run of it)."""
+        device = self.model.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            self._token()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._token()
+        self.graphs = [graph]
 
     @staticmethod
     def _capture_part(part, j: int, pool) -> torch.cuda.CUDAGraph:
@@ -238,6 +272,16 @@ class DecodeStep:
             self.cached_graphs[j].replay()
         else:
             self._cached(j)
+
+    def replay_token(self):
+        """The whole token when the device selects; the host waits for it (`wait`) once."""
+        if self.capturing:
+            self.graphs[0].replay()
+        else:
+            self._token()
+        if self.copied is not None:
+            self.copied.record()
+        self.replays += 1
 
     def replay(self, j: int):
         """Segment j, then (before the logits) global layer j's window part, with the event the

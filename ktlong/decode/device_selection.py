@@ -1,0 +1,138 @@
+"""Decode block selection on the device, so that a token with `context_attention: gpu` is one
+piece of device work with no host round trip per layer.
+
+With the GPU reading the selected blocks from DRAM itself (ktlong/decode/dram_blocks.py), the
+host's only remaining part of a global layer is the top-k: it waits for the layer's scores, picks
+the blocks and hands them back, 32 times a token at 8B shapes (20 ms of waiting per token at
+128K, most of it the device idling while the host catches up). Here the same rules run in
+fixed-shape torch ops right after the scores (captured with the rest of the token in one CUDA
+graph when graphs are on):
+
+- blocks outside the DRAM context [first, last) never win; with preselection, the prompt blocks
+  preselection did not keep never win either (generated blocks always compete), unless the
+  context holds no more than second_select_num blocks, when all of them are read (as the host);
+- the best second_select_num blocks by score (one shared row for every kv head, or per head),
+  the count of those that can win, in score order (the kernel reads the first `count`);
+- the first dense_layer_num layers read every context block; with layer_step, the layers in
+  between reuse the last scoring layer's blocks; with token_step, a step that does not
+  reselect keeps the blocks of the last one that did (`fresh`, set by the host each step).
+
+The blocks are those the host's selector (ktlong/decode/selection.py) picks from the same scores;
+only the order within a selection (and so the float32 sum's) differs. What the host cannot hand
+over it keeps: tensor parallelism sums shared scores over ranks, and a layer_step whose first
+sparse layer does not score takes the previous token's last selection, so both stay on the host.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ktlong.decode.device_anchors import DeviceAnchors
+from ktlong.decode.selection import DecodeBlockSelector
+
+
+def selects_on_device(selector: DecodeBlockSelector, anchors: DeviceAnchors | None, global_layers: list[int]) -> bool:
+    """Whether device selection reproduces the host's for these settings (see the module's doc)."""
+    s = selector.s
+    if anchors is None or selector.tp is not None or not s.second_select_num:
+        return False
+    sparse = [layer for layer in global_layers if layer >= s.dense_layer_num]
+    return not sparse or (sparse[0] - s.dense_layer_num) % s.layer_step == 0
+
+
+class DeviceSelection:
+    def __init__(self, selector: DecodeBlockSelector, anchors: DeviceAnchors, global_layers: list[int],
+                 device: torch.device):
+        s = selector.s
+        self.selector, self.anchors, self.settings = selector, anchors, s
+        self.k = s.second_select_num
+        self.num_kv, self.block_size = selector.num_kv, selector.block_size
+        self.num_blocks = NB = len(selector.block_ids)
+        # per global layer: "dense", "score", or the index j of the layer whose blocks it reuses
+        self.role: list[str | int] = []
+        scoring = None
+        for j, layer in enumerate(global_layers):
+            if layer < s.dense_layer_num:
+                self.role.append("dense")
+            elif (layer - s.dense_layer_num) % s.layer_step != 0 and scoring is not None:
+                self.role.append(scoring)
+            else:
+                self.role.append("score")
+                scoring = j
+        self.layers = global_layers
+        # the pages each layer reads: rows h * NB + block of the head-major DRAM table, and the
+        # tokens that count per kv head; kept between steps (token_step reuses them)
+        width = [NB if role == "dense" else self.k for role in self.role]
+        self.index = [torch.zeros((self.num_kv, w), dtype=torch.int64, device=device) for w in width]
+        self.valid = torch.zeros((len(global_layers), self.num_kv), dtype=torch.int64, device=device)
+        self.head_rows = (torch.arange(self.num_kv, device=device) * NB)[:, None]
+        self.blocks = torch.arange(NB, device=device)
+        # 0 for a block that may win, -inf for a prompt block preselection left out, per layer
+        self.bias = torch.zeros((len(global_layers), anchors.num_rows, NB), device=device)
+        # [first, last, fresh] of the step, written by the host before the device work
+        self._params_host = torch.zeros(3, dtype=torch.int64)
+        if device.type == "cuda":
+            self._params_host = self._params_host.pin_memory()
+        self.params = torch.zeros(3, dtype=torch.int64, device=device)
+        self.selected_host = torch.zeros((len(global_layers), self.num_kv), dtype=torch.int64)
+        if device.type == "cuda":
+            self.selected_host = self.selected_host.pin_memory()
+        self.has_selection = False
+
+    def load_candidates(self):
+        """After build_all and preselect: the preselection mask of every layer to the device."""
+        sel = self.selector
+        for j, layer in enumerate(self.layers):
+            candidates = sel.candidates[layer]
+            if candidates is None:
+                self.bias[j].zero_()
+                continue
+            if self.anchors.shared:
+                allowed = candidates.any(0, keepdims=True)
+            else:
+                allowed = candidates.copy()
+            allowed[:, sel.prompt_blocks:] = True  # generated blocks always compete
+            self.bias[j].copy_(torch.from_numpy(np.where(allowed, 0.0, -np.inf).astype(np.float32)))
+        self.has_selection = False
+
+    def set_step(self, step: int, first: int, last: int):
+        """The host's part of a step: the context range and whether this step reselects."""
+        fresh = step % self.settings.token_step == 0 or not self.has_selection
+        self._params_host.copy_(torch.tensor([first, last, int(fresh)]))
+        self.params.copy_(self._params_host, non_blocking=True)
+        self.has_selection = self.has_selection or last - first > self.k
+
+    def select(self, j: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global layer j's selection from q [H, D] -> (rows [KV, S], valid tokens [KV]), fixed
+        shapes, no sync (captured)."""
+        role = self.role[j]
+        if isinstance(role, int):
+            self.valid[j].copy_(self.valid[role])
+            return self.index[role], self.valid[j]
+        first, last, fresh = self.params[0], self.params[1], self.params[2].bool()
+        if role == "dense":
+            blocks = (first + self.blocks).clamp(max=self.num_blocks - 1)
+            self.index[j].copy_(self.head_rows + blocks)
+            self.valid[j].copy_(((last - first).clamp(min=0) * self.block_size).expand(self.num_kv))
+            return self.index[j], self.valid[j]
+        scores = self.anchors.scores(self.layers[j], q)  # [R, NB]
+        inside = (self.blocks >= first) & (self.blocks < last)
+        crowded = (last - first) > self.k  # more context blocks than places: preselection applies
+        bias = torch.where(crowded, self.bias[j], torch.zeros_like(self.bias[j]))
+        scores = torch.where(inside, scores + bias, torch.full_like(scores, float("-inf")))
+        top, picked = torch.topk(scores, self.k, dim=1)  # best first: the kernel reads the first count
+        count = (top > float("-inf")).sum(1)
+        if picked.shape[0] == 1:
+            picked, count = picked.expand(self.num_kv, -1), count.expand(self.num_kv)
+        self.index[j].copy_(torch.where(fresh, self.head_rows + picked, self.index[j]))
+        self.valid[j].copy_(torch.where(fresh, count * self.block_size, self.valid[j]))
+        return self.index[j], self.valid[j]
+
+    def report(self):
+        """Queue the copy of the step's token counts to the host (read after the step: `selected`)."""
+        self.selected_host.copy_(self.valid, non_blocking=True)
+
+    def selected(self) -> int:
+        """(kv head, block) pairs the last step read, after the device finished it."""
+        return int(self.selected_host.sum()) // self.block_size
