@@ -72,6 +72,41 @@ def _cached_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, index_ptr, val
     tl.store(lse_ptr + at, lse)
 
 
+@triton.jit
+def _merge_shares(out_ptr, lse_ptr, base_o_ptr, base_lse_ptr, o_ptr, o_lse_ptr, group,
+                  SHARES: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, BASE: tl.constexpr):
+    """Kv head h's shares (and, with BASE, a state over other keys: the window's) -> its query
+    rows' out [group, DIM] and lse [group], merged by log-sum-exp; 0 and -inf where all are empty."""
+    h = tl.program_id(0)
+    rows = tl.arange(0, ROWS)
+    dims = tl.arange(0, DIM)
+    real = rows < group
+    top = tl.full((ROWS,), float("-inf"), tl.float32)
+    for share in range(SHARES):
+        top = tl.maximum(top, tl.load(lse_ptr + (h * SHARES + share) * ROWS + rows))
+    if BASE:
+        base_lse = tl.load(base_lse_ptr + h * group + rows, mask=real, other=float("-inf"))
+        top = tl.maximum(top, base_lse)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, DIM), tl.float32)
+    for share in range(SHARES):
+        w = tl.exp(tl.load(lse_ptr + (h * SHARES + share) * ROWS + rows) - top)
+        part = tl.load(out_ptr + ((h * SHARES + share) * ROWS + rows[:, None]) * DIM + dims[None, :])
+        total += w
+        acc += w[:, None] * part
+    if BASE:
+        w = tl.exp(base_lse - top)
+        part = tl.load(base_o_ptr + (h * group + rows[:, None]) * DIM + dims[None, :], mask=real[:, None], other=0.0)
+        total += w
+        acc += w[:, None] * part
+    held = total > 0
+    o = tl.where(held[:, None], acc / tl.where(held, total, 1.0)[:, None], 0.0)
+    merged = tl.where(held, top + tl.log(tl.where(held, total, 1.0)), float("-inf"))
+    tl.store(o_ptr + (h * group + rows[:, None]) * DIM + dims[None, :], o, mask=real[:, None])
+    tl.store(o_lse_ptr + h * group + rows, merged, mask=real)
+
+
 def kernel_applies(kv_type: str, block_size: int, head_dim: int) -> bool:
     """Formats and shapes the kernel takes: pages stored as values or q8_0 (q4_0 stays on torch),
     power-of-two block and head sizes of at least 16 (tl.dot's smallest tile)."""
@@ -82,11 +117,13 @@ def kernel_applies(kv_type: str, block_size: int, head_dim: int) -> bool:
 
 def cached_blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scales: torch.Tensor | None,
                             v_scales: torch.Tensor | None, hit_index: torch.Tensor, hit_valid: torch.Tensor,
-                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                            scale: float, base: tuple[torch.Tensor, torch.Tensor] | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [H, D] float32; k, v: one layer's pages [rows, B, R] (q8_0: int8 with k_scales, v_scales
     [rows, B, D/32] int16 words of float16); hit_index [KV, S] rows of each kv head's hit blocks,
     hit_valid [KV] tokens that count (whole blocks, first ones first) -> out [H, D], lse [H]
-    float32 (natural log; -inf and 0 for a head that holds nothing). Fixed shapes, no sync."""
+    float32 (natural log; -inf and 0 for a head that holds nothing). base: a state (out [H, D],
+    lse [H] float32) over other keys to merge in, e.g. the window's. Fixed shapes, no sync."""
     num_heads, dim = q.shape
     num_kv, max_selected = hit_index.shape
     group = num_heads // num_kv
@@ -102,9 +139,9 @@ def cached_blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         group, max_selected, scale, k.stride(0), k.stride(1),
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         BLOCK=k.shape[1], DIM=dim, ROWS=rows, KEYS=min(KEYS, k.shape[1]), PER_SHARE=per_share, QUANT=quant)
-    out, lse = out[:, :, :group], lse[:, :, :group]  # [KV, shares, G(, D)]
-    total = torch.logsumexp(lse, dim=1)  # [KV, G]
-    safe = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
-    weights = torch.exp(lse - safe[:, None])  # 0 for an empty share
-    merged = (weights[..., None] * out).sum(1)
-    return merged.reshape(num_heads, dim), total.reshape(num_heads)
+    merged = torch.empty((num_heads, dim), dtype=torch.float32, device=q.device)
+    merged_lse = torch.empty(num_heads, dtype=torch.float32, device=q.device)
+    base_o, base_lse = (base[0].float().contiguous(), base[1].float().contiguous()) if base is not None else (out, lse)
+    _merge_shares[(num_kv,)](out, lse, base_o, base_lse, merged, merged_lse, group,
+                             SHARES=shares, ROWS=rows, DIM=dim, BASE=base is not None)
+    return merged, merged_lse

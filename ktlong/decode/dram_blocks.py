@@ -77,8 +77,9 @@ class DramBlocks:
     def clear(self):
         """Nothing held between steps."""
 
-    def attend(self, j: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [H, D] over layer j's selected blocks in DRAM -> (out [H, D], lse [H]) float32."""
+    def attend(self, j: int, q: torch.Tensor, base=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [H, D] over layer j's selected blocks in DRAM -> (out [H, D], lse [H]) float32;
+        base: a state (out, lse) over other keys merged in by the same kernel."""
         (k, v), (ks, vs) = self.pages[j], self.scales[j]
         rows = self.selection.select(j, q) if self.selection is not None else self.hits.load(j)
-        return self.kernel(q.float(), k, v, ks, vs, *rows, self.scale)
+        return self.kernel(q.float(), k, v, ks, vs, *rows, self.scale, base)

@@ -94,6 +94,7 @@ class DecodeStep:
         # recorded after each segment's copies to host memory: what the host waits for
         self.copied = torch.cuda.Event() if dev.type == "cuda" else None
         self.logits = torch.zeros(c.vocab_size, device=dev)
+        self.rope = None  # the step's cos and sin (segment 0 computes them; later segments read them)
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.replays = 0
 
@@ -107,11 +108,12 @@ class DecodeStep:
         model, g = self.model, self.global_layers
         if j == 0:
             self.x.copy_(model.embed(self.token))
+            self.rope = model.rope_tables(self.position)  # every layer's cos and sin, once a token
             start = 0
         else:
             layer = g[j - 1]
-            if self.device_selects:  # the device attended to every selected block: no CPU state
-                o, _ = merge_states(self.o_dev[j - 1], self.lse_dev[j - 1], self.o_hit[j - 1], self.lse_hit[j - 1])
+            if self.device_selects:  # the device attended to the window and every selected block: one state
+                o = self.o_hit[j - 1]
             else:
                 self.o_cpu[j - 1].copy_(self.o_host[j - 1], non_blocking=True)  # written by the host before replay
                 self.lse_cpu[j - 1].copy_(self.lse_host[j - 1], non_blocking=True)
@@ -144,9 +146,10 @@ class DecodeStep:
         context parts, no host work in between; then the selection's counts to the host."""
         for j in range(len(self.global_layers) + 1):
             self._segment(j)
-            if j < len(self.global_layers):
-                self._window(j)
-                self._cached(j)
+            if j < len(self.global_layers):  # the window's state merged into the selected blocks'
+                window = self._window_attention(self.global_layers[j], self.q_dev[j])
+                o, _ = self.cache.attend(j, self.q_dev[j], base=window)
+                self.o_hit[j].copy_(o)
         self.cache.selection.report()
 
     def _cached(self, j: int):
@@ -156,7 +159,7 @@ class DecodeStep:
         self.lse_hit[j].copy_(lse)
 
     def _append(self, layer: int, j: int | None = None) -> torch.Tensor:
-        q, k, v = self.model.qkv(layer, self.x, self.position)
+        q, k, v = self.model.qkv(layer, self.x, self.position, self.rope)
         dtype = self.window.layout.dtype
         keys, values = self.window.layer_buffers(layer)
         keys.index_copy_(1, self.slot, k[0].to(dtype)[:, None])

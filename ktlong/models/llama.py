@@ -10,6 +10,7 @@ Engines (dense generation, layer-major prefill, hybrid decode) call the per-laye
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -23,9 +24,21 @@ from operators.dense_attention import dense_attention
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.is_cuda and _rms_norm_kernel() is not None:  # one kernel instead of eight (operators/rms_norm_kernel.py)
+        return _rms_norm_kernel()(x, weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return x32.to(x.dtype) * weight
+
+
+@functools.cache
+def _rms_norm_kernel():
+    """The Triton RMSNorm where triton is installed (GPU installs), else None."""
+    try:
+        from operators.rms_norm_kernel import rms_norm_kernel
+    except ImportError:
+        return None
+    return rms_norm_kernel
 
 
 class LlamaModel:
@@ -52,8 +65,17 @@ class LlamaModel:
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         return x
 
-    def qkv(self, i: int, x: torch.Tensor, positions: torch.Tensor):
-        """x: [T, hidden] -> q [T, H, D], k [T, KV, D], v [T, KV, D], RoPE applied."""
+    def rope_tables(self, positions: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+        """cos and sin at positions, for global layers (False) and sliding ones (True): what qkv
+        computes each layer, once for all of them (a decode step's layers share a position)."""
+        tables = {False: rope_cos_sin(self.inv_freq, positions, self.rope_mscale)}
+        if self.config.sliding_window:
+            tables[True] = rope_cos_sin(self.inv_freq_local, positions, 1.0)
+        return tables
+
+    def qkv(self, i: int, x: torch.Tensor, positions: torch.Tensor, rope: dict | None = None):
+        """x: [T, hidden] -> q [T, H, D], k [T, KV, D], v [T, KV, D], RoPE applied (from
+        rope_tables(positions) when given)."""
         c, w = self.config, self.weights.layers[i]
         h = rms_norm(x, w.attn_norm, c.rms_norm_eps)
         q = F.linear(h, w.wq, w.bq).view(-1, c.num_heads, c.head_dim)
@@ -62,8 +84,11 @@ class LlamaModel:
         if c.has_qk_norm:
             q, k = rms_norm(q, w.q_norm, c.rms_norm_eps), rms_norm(k, w.k_norm, c.rms_norm_eps)
         sliding = c.is_sliding(i)
-        freqs = self.inv_freq_local if sliding else self.inv_freq
-        cos, sin = rope_cos_sin(freqs, positions, 1.0 if sliding else self.rope_mscale)
+        if rope is not None:
+            cos, sin = rope[sliding]
+        else:
+            freqs = self.inv_freq_local if sliding else self.inv_freq
+            cos, sin = rope_cos_sin(freqs, positions, 1.0 if sliding else self.rope_mscale)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attention_output(self, i: int, o: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,38 @@
+"""RMSNorm in one Triton kernel, for GPUs: a decode step normalises each layer's input twice, and
+the torch version (widen, square, mean, add, rsqrt, multiply, narrow, multiply by the weight) is
+eight kernels each time; at 8B shapes a token spends more on launching them than on the math.
+
+Same arithmetic as ktlong/models/llama.py's rms_norm, step by step: float32 statistics, the
+normalised row rounded to the input's type, then the product with the weight rounded again, so
+the result is the torch version's to the last bit but for the order of the mean's sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm(x_ptr, w_ptr, out_ptr, n, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < n
+    x = tl.load(x_ptr + row * n + cols, mask=inside, other=0.0)
+    x32 = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x32 * x32, 0) / n + eps)
+    normed = (x32 * inv).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=inside, other=0.0)
+    out = normed.to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * n + cols, out.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def rms_norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., N], weight [N] -> [..., N] in the type torch's `normed * weight` gives."""
+    n = x.shape[-1]
+    rows = x.reshape(-1, n).contiguous()
+    out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if rows.shape[0]:
+        _rms_norm[(rows.shape[0],)](rows, weight.contiguous(), out, n, eps, BLOCK=triton.next_power_of_2(n))
+    return out.view(*x.shape[:-1], n)

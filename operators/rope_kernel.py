@@ -1,0 +1,54 @@
+"""Rotary embedding of q or k in one Triton kernel, for GPUs (the torch version slices, negates,
+concatenates, converts cos and sin, multiplies twice and adds: eight kernels for each of q and k
+in every layer of a decode step).
+
+Same arithmetic as ktlong/models/rope.py's apply_rope, rounding where it rounds: cos and sin
+narrowed to x's type, each product rounded, then their sum, so results equal torch's bit for bit.
+Half-split pairs (i, i + rot/2) over the first rot channels; the rest pass through.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, dim, rot, HALF: tl.constexpr, PASS: tl.constexpr):
+    """Token t, head h; PASS: the width (a power of two) covering the channels past rot, 0 if none."""
+    t, h = tl.program_id(0), tl.program_id(1)
+    base = (t * heads + h) * dim
+    i = tl.arange(0, HALF)
+    half = rot // 2
+    inside = i < half
+    a = tl.load(x_ptr + base + i, mask=inside, other=0.0)
+    b = tl.load(x_ptr + base + half + i, mask=inside, other=0.0)
+    dtype = a.dtype
+    c1 = tl.load(cos_ptr + t * rot + i, mask=inside, other=0.0).to(dtype).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * rot + half + i, mask=inside, other=0.0).to(dtype).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * rot + i, mask=inside, other=0.0).to(dtype).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * rot + half + i, mask=inside, other=0.0).to(dtype).to(tl.float32)
+    a32, b32 = a.to(tl.float32), b.to(tl.float32)
+    # out[:half] = a * cos - b * sin, out[half:] = b * cos + a * sin, each product rounded as torch does
+    lo = (a32 * c1).to(dtype).to(tl.float32) + (-b32 * s1).to(dtype).to(tl.float32)
+    hi = (b32 * c2).to(dtype).to(tl.float32) + (a32 * s2).to(dtype).to(tl.float32)
+    tl.store(out_ptr + base + i, lo.to(dtype), mask=inside)
+    tl.store(out_ptr + base + half + i, hi.to(dtype), mask=inside)
+    if PASS:  # channels past rot, unrotated
+        j = tl.arange(0, PASS)
+        rest = rot + j < dim
+        tl.store(out_ptr + base + rot + j, tl.load(x_ptr + base + rot + j, mask=rest, other=0.0), mask=rest)
+
+
+def rope_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos, sin [T, rot] float32 (half-split, as rope_cos_sin gives) -> [T, H, D]."""
+    tokens, heads, dim = x.shape
+    rot = cos.shape[-1]
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if tokens:
+        _rope[(tokens, heads)](x, cos.contiguous(), sin.contiguous(), out, heads, dim, rot,
+                               HALF=triton.next_power_of_2(rot // 2),
+                               PASS=triton.next_power_of_2(dim - rot) if rot < dim else 0)
+    return out

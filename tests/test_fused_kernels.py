@@ -1,0 +1,55 @@
+"""The Triton RMSNorm and rotary kernels (operators/rms_norm_kernel.py, operators/rope_kernel.py)
+against the torch versions the model runs on the CPU. float32 in Triton's interpreter on the
+CPU, where the two must agree exactly but for the order of the norm's sum; bf16 on a GPU, where
+the rounding steps are the torch versions' (the interpreter narrows to bf16 by truncation, so
+bf16 is compared there only)."""
+
+import pytest
+import torch
+
+from ktlong.models import llama
+from ktlong.models.rope import apply_rope, rope_cos_sin
+from operators.rms_norm_kernel import rms_norm_kernel
+from operators.rope_kernel import rope_kernel
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def torch_rms_norm(x, weight, eps):
+    """llama.rms_norm's torch arithmetic (the model takes the kernel on a GPU)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return x32.to(x.dtype) * weight
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 4096), (2, 5, 128), (1, 896)])  # 8B hidden, qk-norm heads, Qwen's hidden
+def test_rms_norm_kernel_equals_torch(shape, dtype):
+    g = torch.Generator().manual_seed(len(shape))
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype).to(DEVICE)
+    w = torch.randn(shape[-1], generator=g).to(dtype).to(DEVICE)
+    out = rms_norm_kernel(x, w, 1e-6)
+    ref = torch_rms_norm(x, w, 1e-6)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7  # bf16: one rounding step apart at most
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    if DEVICE == "cuda":
+        torch.testing.assert_close(llama.rms_norm(x, w, 1e-6), out, rtol=0, atol=0)  # the model takes it
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rot", [128, 64])  # whole head, and a partial rotation (channels passed through)
+def test_rope_kernel_equals_torch(rot, dtype):
+    g = torch.Generator().manual_seed(rot)
+    x = torch.randn(3, 6, 128, generator=g).to(dtype).to(DEVICE)
+    inv = 1.0 / (500000 ** (torch.arange(0, rot, 2).float() / rot))
+    cos, sin = rope_cos_sin(inv.to(DEVICE), torch.tensor([0, 77, 131071], device=DEVICE), 1.1)
+    out = rope_kernel(x, cos, sin)
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    rotated = torch.cat([-x_rot[..., rot // 2:], x_rot[..., :rot // 2]], dim=-1)
+    c, s = cos[:, None].to(dtype), sin[:, None].to(dtype)
+    ref = torch.cat([x_rot * c + rotated * s, x_pass], dim=-1)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)  # the same roundings in the same order
+    if DEVICE == "cuda":
+        torch.testing.assert_close(apply_rope(x, cos, sin), out, rtol=0, atol=0)
