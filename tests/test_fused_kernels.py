@@ -13,7 +13,7 @@ from operators.rms_norm_kernel import rms_norm_kernel
 from operators.rope_kernel import rope_kernel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]  # bf16: GPU only
 
 
 def torch_rms_norm(x, weight, eps):
