@@ -3,7 +3,8 @@ concatenates, converts cos and sin, multiplies twice and adds: eight kernels for
 in every layer of a decode step).
 
 Same arithmetic as ktlong/models/rope.py's apply_rope, rounding where it rounds: cos and sin
-narrowed to x's type, each product rounded, then their sum, so results equal torch's bit for bit.
+narrowed to x's type, each product rounded, then their sum (compiled, a product may fuse into the
+sum: results within a rounding step of torch's).
 Half-split pairs (i, i + rot/2) over the first rot channels; the rest pass through.
 """
 

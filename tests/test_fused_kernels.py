@@ -1,8 +1,8 @@
 """The Triton RMSNorm and rotary kernels (operators/rms_norm_kernel.py, operators/rope_kernel.py)
 against the torch versions the model runs on the CPU. float32 in Triton's interpreter on the
 CPU, where the two must agree exactly but for the order of the norm's sum; bf16 on a GPU, where
-the rounding steps are the torch versions' (the interpreter narrows to bf16 by truncation, so
-bf16 is compared there only)."""
+the rounding steps are the torch versions' but the compiler may fuse a product into a sum (the
+interpreter narrows to bf16 by truncation, so bf16 is compared there only)."""
 
 import pytest
 import torch
@@ -50,6 +50,9 @@ def test_rope_kernel_equals_torch(rot, dtype):
     rotated = torch.cat([-x_rot[..., rot // 2:], x_rot[..., :rot // 2]], dim=-1)
     c, s = cos[:, None].to(dtype), sin[:, None].to(dtype)
     ref = torch.cat([x_rot * c + rotated * s, x_pass], dim=-1)
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)  # the same roundings in the same order
+    # the same roundings in the same order; compiled, a product and a sum may fuse (one rounding fewer)
+    exact = DEVICE == "cpu"
+    tol = 0 if exact else 1e-6 if dtype == torch.float32 else 2 ** -6
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
     if DEVICE == "cuda":
         torch.testing.assert_close(apply_rope(x, cos, sin), out, rtol=0, atol=0)
