@@ -23,7 +23,7 @@ ENUMS = {
     "mode": ("normal", "long_context"),
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "prefill_attention": ("dense", "compact"),
-    "context_attention": ("cpu", "gpu"),
+    "context_attention": ("auto", "cpu", "gpu"),
     "selector": ("flashprefill", "xattention", "topk"),
     "attention_backend": ("auto", "fa2", "fa3", "torch"),
     "kv_type": ("auto", "bf16", "fp16", "fp32", "q8_0", "q4_0"),

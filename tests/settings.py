@@ -11,6 +11,9 @@ from operators.compact_attention import CompactParams
 
 
 def selection(**options) -> SelectionSettings:
+    """Decode settings; the CPU operator attends to the selected blocks (on a GPU too: the
+    tests of the hybrid path's mechanism) unless a test sets context_attention itself."""
+    options.setdefault("context_attention", "cpu")
     return selection_settings(default_config(**options), num_layers=1 << 10)
 
 

@@ -82,3 +82,17 @@ def test_selection_on_the_device_reads_the_blocks_the_host_selects(tmp_path, kv_
             assert _device_blocks(gpu.decoder, j) == expected, (step, layer)
     assert gpu.decoder.times.selected == cpu.decoder.times.selected > 0
     assert gpu.decoder.times.kv_bytes == 0
+
+
+def test_auto_puts_context_attention_on_the_gpu_where_it_can():
+    from ktlong.decode.dram_blocks import resolve_context_attention
+    from ktlong.kv.layout import kv_layout
+
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    bf16, q4 = kv_layout(2, 2, 64, 16, 512, "bf16"), kv_layout(2, 2, 64, 16, 512, "q4_0")
+    assert resolve_context_attention("auto", gpu, None, bf16, 0) == "gpu"
+    assert resolve_context_attention("auto", gpu, None, q4, 0) == "cpu"  # a format the kernel does not read
+    assert resolve_context_attention("auto", gpu, None, bf16, 64) == "cpu"  # the block cache was asked for
+    assert resolve_context_attention("auto", gpu, object(), bf16, 0) == "cpu"  # tensor parallelism
+    assert resolve_context_attention("cpu", gpu, None, bf16, 0) == "cpu"
+    assert resolve_context_attention("gpu", cpu, None, bf16, 0) == resolve_context_attention("auto", cpu, None, bf16, 0) == "cpu"

@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     weight_floor = weight_bytes / (hbm_gbps * 1e9)
     rows = []
     sparse = selection_settings(config, c.num_layers)
-    sparse = dataclasses.replace(sparse, preselect_block=False)
+    sparse = dataclasses.replace(sparse, preselect_block=False, context_attention="cpu")  # gpu: its own mode
     local = config.local_windows_len
     cache = config.device_cache_blocks or 2 * config.second_select_num  # graphs-cache: the option, else twice top-k
     settings = {"dense": (selection_settings(config, c.num_layers, "dense"), local, False, 0),

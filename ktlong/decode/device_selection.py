@@ -79,6 +79,8 @@ class DeviceSelection:
         if device.type == "cuda":
             self.selected_host = self.selected_host.pin_memory()
         self.has_selection = False
+        self.kernel = _scores_kernel(anchors, selector, device)
+
 
     def load_candidates(self):
         """After build_all and preselect: the preselection mask of every layer to the device."""
@@ -116,11 +118,18 @@ class DeviceSelection:
             self.index[j].copy_(self.head_rows + blocks)
             self.valid[j].copy_(((last - first).clamp(min=0) * self.block_size).expand(self.num_kv))
             return self.index[j], self.valid[j]
-        scores = self.anchors.scores(self.layers[j], q)  # [R, NB]
-        inside = (self.blocks >= first) & (self.blocks < last)
-        crowded = (last - first) > self.k  # more context blocks than places: preselection applies
-        bias = torch.where(crowded, self.bias[j], torch.zeros_like(self.bias[j]))
-        scores = torch.where(inside, scores + bias, torch.full_like(scores, float("-inf")))
+        if self.kernel is not None:  # scores and mask in one kernel (operators/block_scores_kernel.py)
+            query_vectors, masked_block_scores = self.kernel
+            anchors = self.anchors.anchors[self.layers[j]]
+            scores = masked_block_scores(query_vectors(q, self.num_kv, self.anchors.quest),
+                                         anchors.view(self.num_kv, self.num_blocks, -1), self.bias[j], self.params,
+                                         self.k, self.anchors.shared)
+        else:
+            scores = self.anchors.scores(self.layers[j], q)  # [R, NB]
+            inside = (self.blocks >= first) & (self.blocks < last)
+            crowded = (last - first) > self.k  # more context blocks than places: preselection applies
+            bias = torch.where(crowded, self.bias[j], torch.zeros_like(self.bias[j]))
+            scores = torch.where(inside, scores + bias, torch.full_like(scores, float("-inf")))
         top, picked = torch.topk(scores, self.k, dim=1)  # best first: the kernel reads the first count
         count = (top > float("-inf")).sum(1)
         if picked.shape[0] == 1:
@@ -136,3 +145,17 @@ class DeviceSelection:
     def selected(self) -> int:
         """(kv head, block) pairs the last step read, after the device finished it."""
         return int(self.selected_host.sum()) // self.block_size
+
+
+def _scores_kernel(anchors: DeviceAnchors, selector: DecodeBlockSelector, device: torch.device):
+    """The Triton scoring kernel's two functions on a GPU where triton is installed and the
+    anchors are linear (one per block, or QUEST's pair); None: the torch ops."""
+    if device.type != "cuda":
+        return None
+    try:
+        from operators.block_scores_kernel import kernel_applies, masked_block_scores, query_vectors
+    except ImportError:
+        return None
+    if not kernel_applies(selector.num_anchors, anchors.quest, selector.host.layout.head_dim):
+        return None
+    return query_vectors, masked_block_scores

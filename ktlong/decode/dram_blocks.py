@@ -28,6 +28,23 @@ from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.pinned import PinnedTensors
 
 
+def resolve_context_attention(setting: str, device: torch.device, tp, layout, cache_blocks: int) -> str:
+    """`context_attention` for a session: auto is gpu on a GPU with triton, one rank (tensor
+    parallelism keeps the host's selection), a format the kernel reads and no block cache asked
+    for; cpu otherwise, and always on the CPU."""
+    if device.type != "cuda":
+        return "cpu"
+    if setting != "auto":
+        return setting
+    if tp is not None or cache_blocks:
+        return "cpu"
+    try:
+        from operators.cached_blocks_kernel import kernel_applies
+    except ImportError:
+        return "cpu"
+    return "gpu" if kernel_applies(layout.kv_type, layout.block_size, layout.head_dim) else "cpu"
+
+
 class DramBlocks:
     def __init__(self, host: HostKVCache, global_layers: list[int], max_selected: int, scale: float,
                  device: torch.device):

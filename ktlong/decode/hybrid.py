@@ -51,6 +51,7 @@ class HybridDecoder:
         selections (ktlong/decode/block_cache.py); 0: the CPU reads every selected block.
         context_attention "gpu": the device reads every selected block where it lies in DRAM
         (ktlong/decode/dram_blocks.py; cache_blocks is then unused)."""
+        assert context_attention in ("cpu", "gpu"), "resolve auto first (ktlong/decode/dram_blocks.py)"
         self.model, self.host, self.settings = model, host, settings
         layout = host.layout
         self.layout, self.block_size = layout, layout.block_size

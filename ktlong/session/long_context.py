@@ -23,6 +23,7 @@ from ktlong.kv.resident import ResidentHistory
 from ktlong.models.llama import LlamaModel
 from ktlong.prefill import LayerMajorPrefill
 from ktlong.decode.selection import SelectionSettings
+from ktlong.decode.dram_blocks import resolve_context_attention
 from ktlong.decode.hybrid import HybridDecoder
 from ktlong.decode.warm_up import compile_decode_kernels
 from ktlong.session.plan import SessionPlan
@@ -48,8 +49,8 @@ class LongContextSession:
         for the next follow-up (ktlong/kv/resident.py). device_cache_blocks: the decoder's block
         cache (ktlong/decode/block_cache.py); None: selection's `device_cache_blocks` on a GPU, none
         on the CPU, where device and DRAM are one memory. context_attention: who attends to the
-        selected DRAM blocks (ktlong/decode/dram_blocks.py); None: selection's on a GPU, the CPU
-        on the CPU."""
+        selected DRAM blocks (ktlong/decode/dram_blocks.py); None: selection's, resolved
+        (`auto`: the GPU where it can; the CPU on the CPU)."""
         window = model.config.sliding_window
         assert not window or local_windows_len >= window, "Config.check_local_window"
         assert tuple(layout.sliding) == tuple(model.config.sliding_layers), "use model_kv_layout"
@@ -62,7 +63,8 @@ class LongContextSession:
             device_cache_blocks = selection.device_cache_blocks if model.device.type == "cuda" else 0
         self.device_cache_blocks = device_cache_blocks
         if context_attention is None:
-            context_attention = selection.context_attention if model.device.type == "cuda" else "cpu"
+            context_attention = resolve_context_attention(selection.context_attention, model.device, model.tp, layout,
+                                                          device_cache_blocks)
         self.context_attention = context_attention
         self.decoder: HybridDecoder | None = None
         self.model, self.layout = model, layout
