@@ -96,3 +96,18 @@ def test_auto_puts_context_attention_on_the_gpu_where_it_can():
     assert resolve_context_attention("auto", gpu, object(), bf16, 0) == "cpu"  # tensor parallelism
     assert resolve_context_attention("cpu", gpu, None, bf16, 0) == "cpu"
     assert resolve_context_attention("gpu", cpu, None, bf16, 0) == resolve_context_attention("auto", cpu, None, bf16, 0) == "cpu"
+
+
+def test_selecting_more_blocks_than_the_cache_holds_reads_them_all(tmp_path):
+    """second_select_num above the cache's block count (the evaluation's dense decode): the
+    device reads every context block, as the CPU operator does."""
+    lm = tiny_model(tmp_path, TinySpec(num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16), seed=5)
+    prompt = [int(t) for t in np.random.default_rng(4).integers(0, 298, size=200)]
+    cpu, gpu = (session(lm, 0, "fp32", where, second_select_num=1000, block_scoring="device") for where in ("cpu", "gpu"))
+    a, b = cpu.prefill(prompt), gpu.prefill(prompt)
+    assert gpu.decoder.selection is not None
+    for _ in range(6):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        token = int(a.argmax())
+        a, b = cpu.step(token), gpu.step(token)
+    assert gpu.decoder.times.selected == cpu.decoder.times.selected > 0

@@ -26,13 +26,15 @@ def test_flashinfer_merge_state_equals_torch_merge():
     assert torch.allclose(o, ref_o, atol=2e-2, rtol=2e-2) and torch.allclose(lse, ref_lse, atol=1e-3)
 
 
-def test_hybrid_decode_on_gpu_follows_dense_decode():
+@pytest.mark.parametrize("context_attention", ["cpu", "gpu"])
+def test_hybrid_decode_on_gpu_follows_dense_decode(context_attention):
     model = random_model("tiny", torch.device("cuda"), torch.bfloat16)
     c = model.config
     ids = torch.randint(0, 1000, (700,), generator=torch.Generator().manual_seed(2)).tolist()
     layout = with_anchors(kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 64, 800, "bf16"), selection())
     hybrid = LongContextSession(model, layout, chunk_size=256, backend="auto", hidden_on_device=True, compact=None,
-                                selection=selection(second_select_num=1000, preselect_block=False),
+                                selection=selection(second_select_num=1000, preselect_block=False,
+                                                    context_attention=context_attention),
                                 local_windows_len=128, use_cuda_graph=False)
     dense = DenseSession(model, 800, 256)
     a, b = hybrid.prefill(ids), dense.prefill(ids)
@@ -43,7 +45,11 @@ def test_hybrid_decode_on_gpu_follows_dense_decode():
         agree += int(a.argmax() == b.argmax())
         token = int(b.argmax())
         a, b = hybrid.step(token), dense.step(token)
-    assert agree >= 18 and hybrid.decoder.times.cpu_attention > 0
+    assert agree >= 18
+    if context_attention == "cpu":
+        assert hybrid.decoder.times.cpu_attention > 0
+    else:  # every context block read by the GPU, selected on the device
+        assert hybrid.decoder.selection is not None and hybrid.decoder.times.kv_bytes == 0
 
 
 @pytest.mark.parametrize("kv_type,compact", [("bf16", False), ("q8_0", False), ("bf16", True)])
@@ -77,12 +83,15 @@ def test_follow_up_on_gpu_follows_a_re_prefill(kv_type, compact):
     assert rel < (5e-2 if kv_type == "bf16" else 1e-1), rel  # q8_0: the history is read back rounded
 
 
-def test_graphs_kept_across_a_follow_up_decode_as_graphs_captured_after_it():
+@pytest.mark.parametrize("context_attention", ["cpu", "gpu"])
+def test_graphs_kept_across_a_follow_up_decode_as_graphs_captured_after_it(context_attention):
     """The decoder, its device anchors and its CUDA graphs stay across a follow-up (sparse
-    selection, device scoring) and decode as a decoder built and captured after it."""
+    selection, device scoring; with gpu, selected on the device) and decode as a decoder built and
+    captured after it."""
     model = random_model("tiny", torch.device("cuda"), torch.bfloat16)
     c = model.config
-    chosen = selection(second_select_num=2, preselect_block=False, anchor_type="MAX", block_scoring="device")
+    chosen = selection(second_select_num=2, preselect_block=False, anchor_type="MAX", block_scoring="device",
+                       context_attention=context_attention)
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 64, 1600, "bf16", anchor_type="MAX")
 
     def session():

@@ -46,9 +46,10 @@ class DeviceSelection:
                  device: torch.device):
         s = selector.s
         self.selector, self.anchors, self.settings = selector, anchors, s
-        self.k = s.second_select_num
         self.num_kv, self.block_size = selector.num_kv, selector.block_size
         self.num_blocks = NB = len(selector.block_ids)
+        self.k = s.second_select_num  # more than the cache holds: all of them (the host's rule too)
+        self.places = min(self.k, NB)  # top-k's width
         # per global layer: "dense", "score", or the index j of the layer whose blocks it reuses
         self.role: list[str | int] = []
         scoring = None
@@ -63,7 +64,7 @@ class DeviceSelection:
         self.layers = global_layers
         # the pages each layer reads: rows h * NB + block of the head-major DRAM table, and the
         # tokens that count per kv head; kept between steps (token_step reuses them)
-        width = [NB if role == "dense" else self.k for role in self.role]
+        width = [NB if role == "dense" else self.places for role in self.role]
         self.index = [torch.zeros((self.num_kv, w), dtype=torch.int64, device=device) for w in width]
         self.valid = torch.zeros((len(global_layers), self.num_kv), dtype=torch.int64, device=device)
         self.head_rows = (torch.arange(self.num_kv, device=device) * NB)[:, None]
@@ -130,7 +131,7 @@ class DeviceSelection:
             crowded = (last - first) > self.k  # more context blocks than places: preselection applies
             bias = torch.where(crowded, self.bias[j], torch.zeros_like(self.bias[j]))
             scores = torch.where(inside, scores + bias, torch.full_like(scores, float("-inf")))
-        top, picked = torch.topk(scores, self.k, dim=1)  # best first: the kernel reads the first count
+        top, picked = torch.topk(scores, self.places, dim=1)  # best first: the kernel reads the first count
         count = (top > float("-inf")).sum(1)
         if picked.shape[0] == 1:
             picked, count = picked.expand(self.num_kv, -1), count.expand(self.num_kv)
