@@ -30,6 +30,7 @@ import torch
 
 from ktlong.decode.device_anchors import DeviceAnchors
 from ktlong.decode.selection import DecodeBlockSelector
+from ktlong.kv.pinned import PinnedTensors
 
 
 def selects_on_device(selector: DecodeBlockSelector, anchors: DeviceAnchors | None, global_layers: list[int]) -> bool:
@@ -71,17 +72,14 @@ class DeviceSelection:
         self.blocks = torch.arange(NB, device=device)
         # 0 for a block that may win, -inf for a prompt block preselection left out, per layer
         self.bias = torch.zeros((len(global_layers), anchors.num_rows, NB), device=device)
-        # [first, last, fresh] of the step, written by the host before the device work
-        self._params_host = torch.zeros(3, dtype=torch.int64)
-        if device.type == "cuda":
-            self._params_host = self._params_host.pin_memory()
+        # [first, last, fresh] of the step, written by the host before the device work; and the
+        # tokens each layer read, for the decoder's counts
+        self._pinned = pinned = PinnedTensors(device.type == "cuda")  # unpinned when this goes
+        self._params_host = pinned.pin(torch.zeros(3, dtype=torch.int64))
         self.params = torch.zeros(3, dtype=torch.int64, device=device)
-        self.selected_host = torch.zeros((len(global_layers), self.num_kv), dtype=torch.int64)
-        if device.type == "cuda":
-            self.selected_host = self.selected_host.pin_memory()
+        self.selected_host = pinned.pin(torch.zeros((len(global_layers), self.num_kv), dtype=torch.int64))
         self.has_selection = False
         self.kernel = _scores_kernel(anchors, selector, device)
-
 
     def load_candidates(self):
         """After build_all and preselect: the preselection mask of every layer to the device."""
