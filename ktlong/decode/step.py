@@ -54,7 +54,7 @@ class DecodeStep:
         j + 1, replayed while the CPU reads the other blocks)."""
         self.model, self.window, self.capturing, self.anchors = model, window, capture, anchors
         self.cache = cache
-        # the device selects too (ktlong/decode/device_selection.py): a token is one body, `token`
+        # the device selects too (ktlong/decode/device_selection.py): a token is one body, `_token`
         self.device_selects = isinstance(cache, DramBlocks) and cache.selection is not None
         self.global_layers = global_layers
         c, layout, dev = model.config, window.layout, model.device
