@@ -19,20 +19,28 @@ from __future__ import annotations
 import torch
 
 
+def query_vectors(q: torch.Tensor, num_kv: int, quest: bool) -> torch.Tensor:
+    """q [H, D] -> the float32 [KV, W] each kv head's linear anchors are dotted with: the group's
+    sum of q (W = D), or for QUEST its negative and positive parts' sums, paired with (min, max)
+    (W = 2D)."""
+    qg = q.float().view(num_kv, -1, q.shape[-1])
+    if quest:
+        return torch.cat([qg.clamp(max=0).sum(1), qg.clamp(min=0).sum(1)], -1)
+    return qg.sum(1)
+
+
 def device_block_scores(q: torch.Tensor, anchors: torch.Tensor, quest: bool, shared: bool) -> torch.Tensor:
     """q: [H, D]; anchors: [KV, NB, A, D] (bfloat16 as stored) -> scores float32 [1 if shared
     else KV, NB]. Computed in float32 from the stored anchors, as the CPU kernel does."""
     num_heads, dim = q.shape
     num_kv, num_blocks, num_anchors, _ = anchors.shape
     group = num_heads // num_kv
-    qg = q.float().view(num_kv, group, dim)
     a = anchors.float()
-    if quest:
-        q2 = torch.cat([qg.clamp(max=0).sum(1), qg.clamp(min=0).sum(1)], -1)  # pairs with (min, max)
-        scores = torch.bmm(a.view(num_kv, num_blocks, 2 * dim), q2[:, :, None])[..., 0]
-    elif num_anchors == 1:
-        scores = torch.bmm(a.view(num_kv, num_blocks, dim), qg.sum(1)[:, :, None])[..., 0]
+    if quest or num_anchors == 1:  # linear: [KV, NB, W] against [KV, W]
+        vec = query_vectors(q, num_kv, quest)
+        scores = torch.bmm(a.view(num_kv, num_blocks, vec.shape[-1]), vec[:, :, None])[..., 0]
     else:
+        qg = q.float().view(num_kv, group, dim)
         per_anchor = torch.bmm(a.view(num_kv, num_blocks * num_anchors, dim), qg.transpose(1, 2))
         scores = per_anchor.view(num_kv, num_blocks, num_anchors, group).amax(2).sum(-1)
     return scores.sum(0, keepdim=True) if shared else scores

@@ -6,7 +6,8 @@ operators/block_scores.py widens the anchors to float32 before its matrix produc
 (8,192 blocks of 128) that copy is 33 MB written and read again per layer, a quarter of a
 millisecond a layer more than reading the 17 MB of anchors once; then the mask takes three more
 kernels. The scores are the same linear forms (one anchor: (sum_g q_g) . a; QUEST: (sum_g q_g+) .
-max + (sum_g q_g-) . min), here a [KV, W] float32 vector against anchors viewed [KV, NB, W].
+max + (sum_g q_g-) . min), here a [KV, W] float32 vector (block_scores.query_vectors) against
+anchors viewed [KV, NB, W].
 """
 
 from __future__ import annotations
@@ -44,15 +45,6 @@ def _masked_scores(vec_ptr, anchors_ptr, bias_ptr, params_ptr, out_ptr, num_bloc
         bias = tl.load(bias_ptr + blocks, mask=real, other=0.0)
         total = tl.where(inside, total + tl.where(crowded, bias, 0.0), float("-inf"))
         tl.store(out_ptr + blocks, total, mask=real)
-
-
-def query_vectors(q: torch.Tensor, num_kv: int, quest: bool) -> torch.Tensor:
-    """q [H, D] -> the float32 [KV, W] each kv head's anchors are dotted with: the group's sum of
-    q (W = D), or for QUEST its negative and positive parts' sums, paired with (min, max) (W = 2D)."""
-    qg = q.float().view(num_kv, -1, q.shape[-1])
-    if quest:
-        return torch.cat([qg.clamp(max=0).sum(1), qg.clamp(min=0).sum(1)], -1)
-    return qg.sum(1)
 
 
 def masked_block_scores(vec: torch.Tensor, anchors: torch.Tensor, bias: torch.Tensor, params: torch.Tensor,

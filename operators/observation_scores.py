@@ -11,9 +11,9 @@ O(slice) at any context length. On a GPU the same mass comes from one Triton ker
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
+
+from operators import triton_installed
 
 
 def query_rows(q: torch.Tensor, num_kv: int, dtype: torch.dtype) -> torch.Tensor:
@@ -30,7 +30,7 @@ def observation_block_mass(q: torch.Tensor, k_pages: torch.Tensor, num_tokens: i
     """q: [Tq, H, D], the queries of positions num_tokens-Tq..num_tokens-1; k_pages:
     [KV, NB, B, D] holding at least num_tokens keys -> [KV, ceil(num_tokens / B)] float32, the
     attention mass on each block summed over the queries and the heads of each group."""
-    if q.is_cuda and importlib.util.find_spec("triton") is not None:
+    if q.is_cuda and triton_installed():
         from operators.observation_kernel import kernel_applies, observation_block_mass_kernel
 
         if kernel_applies(k_pages):

@@ -5,8 +5,8 @@ torch path applies it. In Triton's interpreter on the CPU; compiled on a GPU."""
 import pytest
 import torch
 
-from operators.block_scores import device_block_scores
-from operators.block_scores_kernel import kernel_applies, masked_block_scores, query_vectors
+from operators.block_scores import device_block_scores, query_vectors
+from operators.block_scores_kernel import kernel_applies, masked_block_scores
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

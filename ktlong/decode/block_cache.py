@@ -28,6 +28,7 @@ from cpu_ops.block_cache import admit_misses, gather_pages, split_hits
 from cpu_ops.kv_storage import StoredKV
 from ktlong.kv.layout import KVLayout
 from ktlong.kv.pinned import PinnedTensors
+from operators import triton_installed
 from operators.kv_quant import dequantize_kv
 from operators.window_attention import attention_over_prefix
 
@@ -197,12 +198,10 @@ class HitIndex:
 def _attention_kernel(layout: KVLayout, device: torch.device):
     """The Triton kernel for `attend` on a GPU where triton is installed and the format suits it;
     None: the torch ops (gather, widen, masked attention)."""
-    if device.type != "cuda":
+    if device.type != "cuda" or not triton_installed():
         return None
-    try:
-        from operators.cached_blocks_kernel import cached_blocks_attention, kernel_applies
-    except ImportError:
-        return None
+    from operators.cached_blocks_kernel import cached_blocks_attention, kernel_applies
+
     return cached_blocks_attention if kernel_applies(layout.kv_type, layout.block_size, layout.head_dim) else None
 
 

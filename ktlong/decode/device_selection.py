@@ -31,6 +31,8 @@ import torch
 from ktlong.decode.device_anchors import DeviceAnchors
 from ktlong.decode.selection import DecodeBlockSelector
 from ktlong.kv.pinned import PinnedTensors
+from operators import triton_installed
+from operators.block_scores import query_vectors
 
 
 def selects_on_device(selector: DecodeBlockSelector, anchors: DeviceAnchors | None, global_layers: list[int]) -> bool:
@@ -118,11 +120,10 @@ class DeviceSelection:
             self.valid[j].copy_(((last - first).clamp(min=0) * self.block_size).expand(self.num_kv))
             return self.index[j], self.valid[j]
         if self.kernel is not None:  # scores and mask in one kernel (operators/block_scores_kernel.py)
-            query_vectors, masked_block_scores = self.kernel
             anchors = self.anchors.anchors[self.layers[j]]
-            scores = masked_block_scores(query_vectors(q, self.num_kv, self.anchors.quest),
-                                         anchors.view(self.num_kv, self.num_blocks, -1), self.bias[j], self.params,
-                                         self.k, self.anchors.shared)
+            scores = self.kernel(query_vectors(q, self.num_kv, self.anchors.quest),
+                                 anchors.view(self.num_kv, self.num_blocks, -1), self.bias[j], self.params, self.k,
+                                 self.anchors.shared)
         else:
             scores = self.anchors.scores(self.layers[j], q)  # [R, NB]
             inside = (self.blocks >= first) & (self.blocks < last)
@@ -147,14 +148,11 @@ class DeviceSelection:
 
 
 def _scores_kernel(anchors: DeviceAnchors, selector: DecodeBlockSelector, device: torch.device):
-    """The Triton scoring kernel's two functions on a GPU where triton is installed and the
+    """The Triton scoring kernel (masked_block_scores) on a GPU where triton is installed and the
     anchors are linear (one per block, or QUEST's pair); None: the torch ops."""
-    if device.type != "cuda":
+    if device.type != "cuda" or not triton_installed():
         return None
-    try:
-        from operators.block_scores_kernel import kernel_applies, masked_block_scores, query_vectors
-    except ImportError:
-        return None
-    if not kernel_applies(selector.num_anchors, anchors.quest, selector.host.layout.head_dim):
-        return None
-    return query_vectors, masked_block_scores
+    from operators.block_scores_kernel import kernel_applies, masked_block_scores
+
+    return masked_block_scores if kernel_applies(selector.num_anchors, anchors.quest,
+                                                 selector.host.layout.head_dim) else None

@@ -26,6 +26,7 @@ from ktlong.decode.device_selection import DeviceSelection
 from ktlong.errors import KtlongError
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.pinned import PinnedTensors
+from operators import triton_installed
 
 
 def resolve_context_attention(setting: str, device: torch.device, tp, layout, cache_blocks: int) -> str:
@@ -36,12 +37,10 @@ def resolve_context_attention(setting: str, device: torch.device, tp, layout, ca
         return "cpu"
     if setting != "auto":
         return setting
-    if tp is not None or cache_blocks:
+    if tp is not None or cache_blocks or not triton_installed():
         return "cpu"
-    try:
-        from operators.cached_blocks_kernel import kernel_applies
-    except ImportError:
-        return "cpu"
+    from operators.cached_blocks_kernel import kernel_applies
+
     return "gpu" if kernel_applies(layout.kv_type, layout.block_size, layout.head_dim) else "cpu"
 
 
@@ -51,11 +50,11 @@ class DramBlocks:
         """global_layers: the layers indexed 0..n-1 here; max_selected: the most blocks a step
         selects per kv head (second_select_num)."""
         layout = host.layout
-        try:
-            from operators.cached_blocks_kernel import cached_blocks_attention, kernel_applies
-        except ImportError as e:
+        if not triton_installed():
             raise KtlongError("context_attention: gpu needs triton; install the GPU extra (pip install -e "
-                              "\".[gpu]\") or set context_attention=cpu.") from e
+                              "\".[gpu]\") or set context_attention=cpu.")
+        from operators.cached_blocks_kernel import cached_blocks_attention, kernel_applies
+
         if not kernel_applies(layout.kv_type, layout.block_size, layout.head_dim):
             raise KtlongError(f"context_attention: gpu reads bf16, fp16, fp32 or q8_0 blocks with a power-of-two "
                               f"block_size and head_dim of at least 16 (here {layout.kv_type}, block "

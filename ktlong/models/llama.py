@@ -10,7 +10,6 @@ Engines (dense generation, layer-major prefill, hybrid decode) call the per-laye
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
@@ -20,25 +19,18 @@ from ktlong.kv.dense_cache import DenseKVCache
 from ktlong.gguf.model_config import ModelConfig
 from ktlong.models.rope import apply_rope, inv_freq, rope_cos_sin
 from ktlong.gguf.weights import ModelWeights
+from operators import triton_installed
 from operators.dense_attention import dense_attention
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.is_cuda and _rms_norm_kernel() is not None:  # one kernel instead of eight (operators/rms_norm_kernel.py)
-        return _rms_norm_kernel()(x, weight, eps)
+    if x.is_cuda and triton_installed():  # one kernel instead of eight
+        from operators.rms_norm_kernel import rms_norm_kernel
+
+        return rms_norm_kernel(x, weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return x32.to(x.dtype) * weight
-
-
-@functools.cache
-def _rms_norm_kernel():
-    """The Triton RMSNorm where triton is installed (GPU installs), else None."""
-    try:
-        from operators.rms_norm_kernel import rms_norm_kernel
-    except ImportError:
-        return None
-    return rms_norm_kernel
 
 
 class LlamaModel:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from ktlong.gguf.model_config import RopeConfig
+from operators import triton_installed
 
 
 def inv_freq(rope: RopeConfig, freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
@@ -57,8 +57,10 @@ def rope_cos_sin(inv: torch.Tensor, positions: torch.Tensor, mscale: float = 1.0
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, H, D]; rotates the first cos.shape[-1] channels, half-split pairs (i, i + d/2)."""
-    if x.is_cuda and _rope_kernel() is not None:  # one kernel instead of eight (operators/rope_kernel.py)
-        return _rope_kernel()(x, cos, sin)
+    if x.is_cuda and triton_installed():  # one kernel instead of eight
+        from operators.rope_kernel import rope_kernel
+
+        return rope_kernel(x, cos, sin)
     rot = cos.shape[-1]
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     half = rot // 2
@@ -66,13 +68,3 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
     out = x_rot * cos + rotated * sin
     return torch.cat([out, x_pass], dim=-1) if x_pass.numel() else out
-
-
-@functools.cache
-def _rope_kernel():
-    """The Triton rotation where triton is installed (GPU installs), else None."""
-    try:
-        from operators.rope_kernel import rope_kernel
-    except ImportError:
-        return None
-    return rope_kernel
