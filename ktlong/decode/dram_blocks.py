@@ -8,8 +8,10 @@ block b of kv head h is row h * num_blocks + b of the head-major [KV, NB, B, R] 
 device selects too (`selection`, ktlong/decode/device_selection.py: the rows come from its top-k,
 and a token is device work from end to end), or the host selects and writes the rows into a
 pinned index that the replayed part copies in (tensor parallelism, scores on the CPU). Either
-way the CPU operator is skipped: every selected block is read by the GPU, the CPU reads none. A token reads its selected K/V over PCIe once (285 MB at 8B shapes, 128K,
-q8_0); the CPU operator reads the same bytes from DRAM at the host's stream rate.
+way the GPU reads every selected block and the CPU operator none, but for one case: with the host
+selecting, a dense layer's every block does not fit the index, and the CPU operator reads them. A
+token reads its selected K/V over PCIe once (285 MB at 8B shapes, 128K, q8_0); the CPU operator
+reads the same bytes from DRAM at the host's stream rate.
 
 With the host selecting, it keeps the DeviceBlockCache's interface (split, no_hits, stage_in,
 clear, attend), so the decoder and the captured parts treat it as a cache that holds every block
