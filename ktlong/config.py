@@ -243,6 +243,36 @@ def parse_set(items: list[str]) -> dict[str, tuple[object, str]]:
     return out
 
 
+def options_in(*sections: str) -> frozenset[str]:
+    """The options of configs/default.yaml's sections, named by their headers' first words
+    ("long-context prefill" for "# ---- long-context prefill (CompactAttention) ----")."""
+    found, current = {}, None
+    for line in DEFAULT_FILE.read_text().splitlines():
+        if line.startswith("# ---- "):
+            current = line.removeprefix("# ---- ").removesuffix(" ----").split(" (")[0]
+            found[current] = []
+        elif line and not line.startswith("#") and current is not None:
+            found[current].append(line.split(":", 1)[0].strip())
+    unknown = set(sections) - set(found)
+    assert not unknown, f"configs/default.yaml has no section {unknown}; it has {list(found)}"
+    return frozenset(name for section in sections for name in found[section])
+
+
+def greedy_session_options() -> frozenset[str]:
+    """What a command that runs long-context sessions greedily, at lengths of its own, reads:
+    every option but sampling's, the server's, mode and max_seq_len."""
+    return (frozenset(option_names()) - options_in("server", "generation") - {"mode", "max_seq_len"}
+            | {"use_chat_template"})
+
+
+def refuse_unread(overrides: dict[str, tuple[object, str]], reads: frozenset[str], command: str, why: str):
+    """A command refuses an option it would not read, rather than run as if it were not given.
+    why: what the command does, which says why the option does not apply."""
+    for key, (_, where) in overrides.items():
+        if key not in reads:
+            raise ConfigError(f"{where}: {command} {why}, and '{key}' does not change that; leave it out.")
+
+
 USER_FILE_HEADER = """\
 # Your ktlong settings. Every option is listed commented out at its default; uncomment a
 # line and change its value to override it. Options you leave commented follow the

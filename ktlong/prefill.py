@@ -68,7 +68,8 @@ def resolve_backend(requested: str, device: torch.device, head_dim: int, dtype: 
 class PrefillStats:
     num_tokens: int = 0
     seconds: float = 0.0
-    attention_seconds: float = 0.0
+    attention_seconds: float = 0.0  # attention kernels (CompactAttention: execution, not selection)
+    selection_seconds: float = 0.0  # CompactAttention's block selection and page lists
     bytes_to_host: int = 0
     bytes_to_device: int = 0
     peak_device_bytes: int = 0
@@ -205,6 +206,25 @@ class LayerMajorPrefill:
         stats.seconds = time.perf_counter() - start
         return logits, stats
 
+    def warm_up(self, host: HostKVCache):
+        """Build, before anything is timed, the kernels a prefill of this model uses (FlashInfer
+        and Triton compile on first use: up to 90 s on a fresh machine, then a load from the
+        disk cache): a prompt of one block (the dense and paged attention kernels, the block
+        summaries, the observation scores, the quantiser), a short follow-up over it (fa2 where
+        fa3 runs long chunks) and the dense rows CompactAttention gives the prompt's last
+        queries. The selected chunks run the paged kernel the first prompt built. `host` is
+        left empty."""
+        first = min(self.layout.block_size, self.layout.capacity)
+        self.run([0] * first, host)
+        if not self.layout.sliding and first + 8 <= self.layout.capacity:
+            self.run([0] * 8, host, history=first)
+        if self.cuda and self.compact is not None and self.compact.params.dense_tail:
+            rows = self.pages.tokens(self.pages.k)[:, :first]  # [KV, first, D]
+            q = rows.new_zeros((min(8, first), self.model.config.num_heads, rows.shape[-1]))
+            chunk_attention(q, rows, rows, self.model.scale, self.backend)
+            torch.cuda.synchronize(self.device)
+        host.reset()
+
     def _embed(self, token_ids, stats) -> torch.Tensor:
         ids = torch.tensor(token_ids, device=self.device)
         if self.hidden_on_device:
@@ -232,35 +252,41 @@ class LayerMajorPrefill:
         if e == run.num_tokens and not self.layout.is_sliding(layer):  # every key of the layer is in pages
             mass = observation_block_mass(q[-OBSERVATION_QUERIES:], self.pages.k, e, model.scale)
             run.masses.append((layer, mass))
-        with _Timer(run.stats, self.device):
-            o = self._attention(layer, q.to(self.layout.dtype), s, e, run)
+        o = self._attention(layer, q.to(self.layout.dtype), s, e, run)
         self._offload(layer, q, s, e, run)
         return model.residual_block(layer, x, o)
 
     def _attention(self, layer, q, s, e, run: _Run) -> torch.Tensor:
+        """The chunk's attention, timed in two parts: selection (CompactAttention's choice of
+        blocks and page lists) and attention (the kernels that read the KV)."""
         if self.attention_hook is not None:
             self.attention_hook(layer, q, s, e, self.pages)
+        timed = lambda into="attention_seconds": _Timer(run.stats, self.device, into)
         window = self.model.config.sliding_window if self.layout.is_sliding(layer) else 0
         if window:  # sliding layers: dense over their window, never selected
             lo = max(0, s - window)
             keys, values = self.pages.tokens(self.pages.k)[:, lo:e], self.pages.tokens(self.pages.v)[:, lo:e]
-            return chunk_attention(q, keys, values, self.model.scale, self.backend, window)
+            with timed():
+                return chunk_attention(q, keys, values, self.model.scale, self.backend, window)
         paged = s % self.layout.block_size == 0  # a follow-up's first chunk may start mid-block
         if self.compact is not None and layer < self.compact.params.prefill_dense_layer_num:
             if s:
                 run.densities.append(1.0)
         elif self.compact is not None and paged:
-            o, pages = self.compact(q, self.pages.k, self.pages.v, self.pooled_keys, s, e, prompt_end=run.num_tokens)
-            if o is not None:
+            with timed("selection_seconds"):
+                pages, what = self.compact.select(q, self.pages.k, self.pooled_keys, s, e, prompt_end=run.num_tokens)
+            if pages is not None:
                 if pages.num_hist:
                     run.densities.append(pages.density)
-                return o
+                with timed():
+                    return self.compact.attend(q, self.pages.k, self.pages.v, pages, what, s, e, run.num_tokens)
             run.densities.append(1.0)  # kept nearly everything: dense is cheaper (dense_above)
             run.stats.dense_chunks += 1
-        if self.dense_paged is not None and paged:
-            return self.dense_paged(q, self.pages.k, self.pages.v, self.pooled_keys, s, e)[0]
-        keys, values = self.pages.tokens(self.pages.k)[:, :e], self.pages.tokens(self.pages.v)[:, :e]
-        return chunk_attention(q, keys, values, self.model.scale, self.backend)
+        with timed():
+            if self.dense_paged is not None and paged:
+                return self.dense_paged(q, self.pages.k, self.pages.v, self.pooled_keys, s, e)[0]
+            keys, values = self.pages.tokens(self.pages.k)[:, :e], self.pages.tokens(self.pages.v)[:, :e]
+            return chunk_attention(q, keys, values, self.model.scale, self.backend)
 
     def _offload(self, layer, q, s, e, run: _Run):
         """Summarise the chunk's blocks and copy its K/V and side tables to DRAM. Sliding-window

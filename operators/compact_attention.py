@@ -124,22 +124,21 @@ class CompactAttention:
             assert self.planned[1].indices is pages.indices  # rewritten in place
         return executor.run(q, k_pages, v_pages, self.groups)
 
-    def __call__(self, q, k_pages, v_pages, pooled_keys, start: int, end: int, prompt_end: int | None = None):
-        """Attention of the chunk's queries (positions start..end) -> (out [T, H, D], page lists),
-        or (None, None) when the selection keeps nearly everything: the caller runs it dense.
-        prompt_end: where the prompt ends (its last tail_queries queries score history tokens, and
-        its last dense_tail queries attend to every block); None: not in this chunk's prompt."""
+    def select(self, q, k_pages, pooled_keys, start: int, end: int,
+               prompt_end: int | None = None) -> tuple[PageLists | None, tuple | None]:
+        """The page lists of the chunk's queries (positions start..end) and the key of their
+        lengths for the executor's plan (None: plan anew), or (None, None) when the selection
+        keeps more than dense_above of the history: the caller runs the chunk dense.
+        prompt_end: where the prompt ends (its last tail_queries queries score history tokens);
+        None: not in this chunk's prompt."""
         assert start % self.block_size == 0 and q.shape[0] == end - start
         p, num_hist = self.params, start // self.block_size
-        shape = (start, end, k_pages.shape[1], tuple(q.shape), q.dtype, q.device)
         if p.selector == "all" or start == 0:  # nothing to select: no host sync
-            what = ("every", *shape)
+            what = ("every", start, end, k_pages.shape[1], tuple(q.shape), q.dtype, q.device)
             if self.planned is not None and self.planned[0] == what:
-                pages = self.planned[1]
-            else:
-                pages = every_page_lists(self.groups.shape[0], self.num_kv_heads, k_pages.shape[1],
-                                         num_hist, end - start, self.block_size, q.device)
-            return self.execute(q, k_pages, v_pages, pages, what), pages
+                return self.planned[1], what
+            return every_page_lists(self.groups.shape[0], self.num_kv_heads, k_pages.shape[1], num_hist,
+                                    end - start, self.block_size, q.device), what
         if p.selector == "topk":
             num_keep = self.num_keep(num_hist)
             if num_keep > p.dense_above * num_hist:
@@ -149,21 +148,33 @@ class CompactAttention:
             # the lengths, not the chunk's place: every full chunk of every layer past keep_blocks shares one plan
             what = ("topk", num_keep, end - start, k_pages.shape[1], q.shape[1:], q.dtype, q.device)
             planned = self.planned is not None and self.planned[0] == what
-            pages = fixed_page_lists(ids, self.num_kv_heads, k_pages.shape[1], num_hist, end - start,
-                                     self.block_size, out=self.planned[1].indices if planned else None)
-            out = self.execute(q, k_pages, v_pages, pages, what)
-        else:
-            tail = prompt_tail(start, end, prompt_end, p.tail_queries)
-            keep = self.group_keep(q, k_pages, pooled_keys, start, tail)
-            pages = self.page_lists(keep, start, end, k_pages.shape[1])
-            if pages is None:
-                return None, None
-            out = self.execute(q, k_pages, v_pages, pages)
-        dense = prompt_tail(start, end, prompt_end, p.dense_tail)
-        if dense:  # the question: as dense prefill computes it, at the cost of a few rows over the history
+            return fixed_page_lists(ids, self.num_kv_heads, k_pages.shape[1], num_hist, end - start,
+                                    self.block_size, out=self.planned[1].indices if planned else None), what
+        tail = prompt_tail(start, end, prompt_end, p.tail_queries)
+        keep = self.group_keep(q, k_pages, pooled_keys, start, tail)
+        return self.page_lists(keep, start, end, k_pages.shape[1]), None
+
+    def attend(self, q, k_pages, v_pages, pages: PageLists, what: tuple | None, start: int, end: int,
+               prompt_end: int | None = None) -> torch.Tensor:
+        """Attention of the chunk's queries over select()'s pages -> [T, H, D]. The prompt's last
+        dense_tail queries (the question, and the position the first answer token comes from)
+        attend to every history block, as dense prefill computes them, at the cost of a few rows
+        over the history."""
+        out = self.execute(q, k_pages, v_pages, pages, what)
+        every = self.params.selector == "all" or not pages.num_hist  # nothing was dropped
+        dense = 0 if every else prompt_tail(start, end, prompt_end, self.params.dense_tail)
+        if dense:
             keys, values = token_rows(k_pages)[:, :end], token_rows(v_pages)[:, :end]
             out[-dense:] = chunk_attention(q[-dense:], keys, values, self.scale, self.backend)
-        return out, pages
+        return out
+
+    def __call__(self, q, k_pages, v_pages, pooled_keys, start: int, end: int, prompt_end: int | None = None):
+        """select() then attend() -> (out [T, H, D], page lists), or (None, None) where the
+        caller runs the chunk dense."""
+        pages, what = self.select(q, k_pages, pooled_keys, start, end, prompt_end)
+        if pages is None:
+            return None, None
+        return self.attend(q, k_pages, v_pages, pages, what, start, end, prompt_end), pages
 
 
 def token_rows(pages: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,51 @@ def test_bench_errors_are_one_sentence(no_user_file, capsys, argv, needles):
     one_sentence_error(capsys, *needles)
 
 
+@pytest.mark.parametrize("argv", [
+    ["prefill", "--set", "second_select_num=8"], ["prefill", "--set", "temperature=1"],
+    ["decode", "--set", "keep_blocks=64"], ["decode", "--set", "context_attention=gpu"],
+    ["follow-up", "--set", "port=9000"], ["context-limit", "--set", "alpha=0.5"],
+    ["kv-fidelity", "--set", "selector=xattention"], ["selection-drift", "--set", "max_new_tokens=3"],
+])
+def test_benches_refuse_options_they_would_not_read(no_user_file, capsys, argv):
+    assert bench(argv) == 2
+    one_sentence_error(capsys, argv[-1].split("=")[0].join("''"), "leave it out")
+
+
+@pytest.mark.parametrize("argv", [["passkey", "--set", "temperature=0.7"], ["passkey", "--set", "mode=normal"],
+                                  ["passkey", "--attention", "dense,sparse@api_key=x"]])
+def test_eval_refuses_options_it_would_not_read(no_user_file, capsys, argv):
+    assert evaluate(argv) == 2
+    one_sentence_error(capsys, "leave it out")
+
+
+def test_every_option_a_command_reads_exists():
+    from ktlong.bench import context_limit, decode, follow_up, kv_fidelity, prefill, selection_drift
+    from ktlong.config import greedy_session_options, option_names
+
+    for reads in (context_limit.READS, decode.READS, follow_up.READS, kv_fidelity.READS, prefill.READS,
+                  selection_drift.READS, greedy_session_options()):
+        assert reads <= set(option_names())
+
+
+def test_prefill_bench_runs_the_configs_prefill_against_dense(no_user_file, capsys):
+    args = ["prefill", "--shape", "tiny", "--lengths", "16k", "--device", "cpu", "--set", "block_size=64",
+            "--set", "chunk_size=1024", "--set", "prefill_dense_layer_num=0"]
+    assert bench(args + ["--set", "keep_blocks=8"]) == 0
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("|") and "16K" in line]
+    by_arm = {row[2]: row for row in rows}
+    assert set(by_arm) == {"compact", "dense"}
+    # 8 of 16K/64 = 256 history blocks at most: the kept fraction is the mean of 8/history over the chunks
+    history = [s // 64 for s in range(1024, 16384, 1024)]
+    expected = sum(min(1.0, 8 / h) if 8 <= 0.9 * h else 1.0 for h in history) / len(history)
+    assert by_arm["compact"][3] == f"{expected:.1%}" and by_arm["dense"][3] == "100.0%"
+    assert by_arm["dense"][11] == "1.00x"
+    assert bench(args + ["--set", "prefill_attention=dense"]) == 0
+    arms = [line.split("|")[3].strip() for line in capsys.readouterr().out.splitlines() if "16K" in line]
+    assert arms == ["dense"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a CPU-only machine gives")
 @pytest.mark.parametrize("name", ["attention"])
 def test_gpu_benches_say_they_need_a_gpu(no_user_file, capsys, name):

@@ -15,12 +15,16 @@ import argparse
 import torch
 
 from ktlong.bench.common import print_table
-from ktlong.config import load_config, parse_set
+from ktlong.config import load_config, parse_set, refuse_unread
 from ktlong.errors import KtlongError
 from ktlong.kv.memory_plan import GIB, available_dram_bytes
 from ktlong.models.random_model import SHAPES, num_weight_elements, random_config
 from ktlong.parallel.shard import shard_config
 from ktlong.session.plan import plan_session
+
+# what this bench reads of the config: what the memory plan counts
+READS = frozenset({"chunk_size", "block_size", "kv_type", "local_windows_len", "anchor_type", "anchor_num",
+                   "second_select_num", "device_cache_blocks", "block_scoring", "context_attention"})
 
 MAX_TOKENS = 1 << 26
 
@@ -51,7 +55,10 @@ def main(argv=None) -> int:
         sizes = [0]
     if not all(n >= 1 for n in sizes):
         raise KtlongError(f"--tensor_parallel {args.tensor_parallel!r}: give rank counts, e.g. 1,2.")
-    overrides = {**parse_set(args.set), "gpu_memory_budget_gb": (args.gpu_cap_gb, "--gpu_cap_gb")}
+    overrides = parse_set(args.set)
+    refuse_unread(overrides, READS, "python -m ktlong.bench context-limit",
+                  "finds the longest context whose memory plan fits --gpu_cap_gb")
+    overrides["gpu_memory_budget_gb"] = (args.gpu_cap_gb, "--gpu_cap_gb")
     config = load_config(overrides=overrides, write_user_file=False)
     dram = int(args.dram_gb * GIB) if args.dram_gb else available_dram_bytes()
     budget = int(args.gpu_cap_gb * GIB)

@@ -31,7 +31,7 @@ import torch
 
 from ktlong.bench.common import parse_lengths, print_table, time_cuda
 from ktlong.bench.drifting_selection import DriftingSelection
-from ktlong.config import load_config, parse_set
+from ktlong.config import load_config, options_in, parse_set, refuse_unread
 from ktlong.device import resolve_device
 from ktlong.errors import KtlongError
 from ktlong.decode.dram_blocks import DramBlocks
@@ -44,6 +44,10 @@ from ktlong.parallel.group import join_ranks, quiet_unless_main
 from ktlong.session.plan import resolve_kv_type
 from ktlong.session.settings import selection_settings
 from operators.kv_quant import quantize_kv
+
+# what this bench reads of the config: decode's KV layout and selection; each row sets its own
+# context attention and graphs, and preselection is off (the cache holds random K/V, no prompt)
+READS = options_in("KV cache and sparse decode") - {"context_attention", "preselect_block", "preselect_block_count"}
 
 
 def fill_random(host: HostKVCache, num_tokens: int, seed: int = 0):
@@ -147,7 +151,10 @@ def main(argv=None) -> int:
     if not cuda and any(m.startswith("graphs") for m in modes):
         raise KtlongError("The graphs modes replay CUDA graphs, which need a GPU; leave them out of --modes "
                           "or run on a GPU.")
-    config = load_config(overrides=parse_set(args.set), write_user_file=False)
+    overrides = parse_set(args.set)
+    refuse_unread(overrides, READS, "python -m ktlong.bench decode", "measures decode on random weights with "
+                  "each --modes row's own context attention and graphs, without preselection, under --gpu_cap_gb")
+    config = load_config(overrides=overrides, write_user_file=False)
     contexts = parse_lengths(args.contexts)
     shape = args.shape or ("llama-3.1-8b" if cuda else "tiny")
     dtype = torch.bfloat16 if cuda else torch.float32

@@ -24,13 +24,17 @@ import torch
 
 from ktlong.bench.call_sites import CallSites, print_call_sites
 from ktlong.bench.common import median, parse_lengths, print_table
-from ktlong.config import load_config, parse_set
+from ktlong.config import load_config, options_in, parse_set, refuse_unread
 from ktlong.device import resolve_device
 from ktlong.kv.memory_plan import GIB
 from ktlong.models.random_model import SHAPES, num_weight_elements, random_config, random_model
 from ktlong.session.long_context import LongContextSession
 from ktlong.session.plan import plan_session
 from ktlong.session.saved_cache import load_cache, save_cache
+
+# what this bench reads of the config: a session's prefill and decode on random weights
+READS = options_in("long-context prefill", "KV cache and sparse decode") | {
+    "device", "gpu_memory_budget_gb", "use_cuda_graph", "resident_history"}
 
 
 def timed(fn):
@@ -136,6 +140,8 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config option")
     args = p.parse_args(argv)
     overrides = parse_set(args.set)
+    refuse_unread(overrides, READS, "python -m ktlong.bench follow-up",
+                  "measures a session's prefill and follow-ups on random weights, without generating text")
     overrides.setdefault("device", (args.device, "--device"))
     config = load_config(overrides=overrides, write_user_file=False)
     device = resolve_device(config.device)

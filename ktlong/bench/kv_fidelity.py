@@ -19,13 +19,18 @@ import torch
 
 from ktlong.bench.common import median, parse_lengths, print_table
 from ktlong.chat.conversation import Conversation
-from ktlong.config import load_config, parse_set
+from ktlong.config import load_config, parse_set, refuse_unread
 from ktlong.device import resolve_device, resolve_dtype
 from ktlong.errors import KtlongError
 from ktlong.eval.runner import make_session
 from ktlong.eval.tasks import make_sample
 from ktlong.gguf.loader import load_model
 from ktlong.gguf.model_config import RopeOptions
+
+# what this bench reads of the config: the model, its RoPE and the KV layout (attention is dense)
+READS = frozenset({"model", "device", "dtype", "rope_scaling", "rope_scale", "yarn_orig_ctx", "block_size",
+                   "chunk_size", "attention_backend", "gpu_memory_budget_gb", "threads_num",
+                   "use_chat_template"})
 
 
 def prompts_of_length(lm, config, length: int, count: int) -> list[list[int]]:
@@ -57,6 +62,8 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config option")
     args = p.parse_args(argv)
     overrides = parse_set(args.set)
+    refuse_unread(overrides, READS, "python -m ktlong.bench kv-fidelity", "compares the --kv_types with bf16 "
+                  "through dense attention on the --model's last-token logits")
     overrides.update(model=(args.model, "--model"), device=(args.device, "--device"))
     config = load_config(overrides=overrides, write_user_file=False)
     kv_types = [t.strip() for t in args.kv_types.split(",")]

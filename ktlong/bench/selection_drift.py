@@ -19,8 +19,10 @@ import numpy as np
 import torch
 
 from ktlong.bench.common import parse_lengths, print_table
-from ktlong.config import load_config, parse_set
+from ktlong.config import greedy_session_options, load_config, parse_set, refuse_unread
 from ktlong.errors import KtlongError
+
+READS = greedy_session_options()  # the decode selection options above all
 
 
 def selected_sets(selector, layers: list[int]) -> dict[int, list[frozenset]]:
@@ -68,7 +70,10 @@ def main(argv=None) -> int:
     from ktlong.eval.tasks import make_sample
     from ktlong.session.startup import start
 
-    overrides = {**parse_set(args.set), "mode": ("long_context", "selection-drift")}
+    overrides = parse_set(args.set)
+    refuse_unread(overrides, READS, "python -m ktlong.bench selection-drift",
+                  "records decode's block selection on a long-context needle prompt, greedily")
+    overrides["mode"] = ("long_context", "selection-drift")
     overrides["model"] = (args.model, "--model")
     if args.device:
         overrides["device"] = (args.device, "--device")

@@ -16,6 +16,8 @@ from pathlib import Path
 from ktlong.bench.common import parse_lengths, print_table
 from ktlong.eval.tasks import TASKS
 
+WHY_OPTIONS = "runs each task greedily in long-context mode at the --lengths given"  # what no option changes
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ktlong.eval", description=__doc__.split("\n\n")[1],
@@ -38,7 +40,7 @@ def main(argv=None) -> int:
                    help="split the model over N ranks; start with torchrun --nproc_per_node N")
     args = p.parse_args(argv)
 
-    from ktlong.config import load_config, parse_set
+    from ktlong.config import greedy_session_options, load_config, parse_set, refuse_unread
     from ktlong.device import resolve_device, resolve_dtype
     from ktlong.errors import KtlongError
     from ktlong.eval.report import needle_heatmap, prefill_rows, summary_rows
@@ -52,6 +54,7 @@ def main(argv=None) -> int:
 
     try:
         overrides = parse_set(args.set)
+        refuse_unread(overrides, greedy_session_options(), "python -m ktlong.eval", WHY_OPTIONS)
         if args.model:
             overrides["model"] = (args.model, "--model")
         if args.device:
@@ -69,6 +72,9 @@ def main(argv=None) -> int:
         if len(set(attentions)) < len(attentions):
             raise KtlongError(f"--attention {args.attention!r} names an arm twice; name each once.")
         for attention in attentions:
+            arm_options = parse_set(split_variant(attention)[1])
+            refuse_unread({k: (v, f"--attention {attention}") for k, (v, _) in arm_options.items()},
+                          greedy_session_options(), "python -m ktlong.eval", WHY_OPTIONS)
             variant_config(config, attention)  # a bad option is refused before the model loads
         default_depths = "0,0.25,0.5,0.75,1" if args.task == "needle" else "0.5"
         try:

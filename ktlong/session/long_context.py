@@ -101,23 +101,30 @@ class LongContextSession:
 
     def warm_up(self, log=sys.stderr):
         """Compile what compiles on first use before anything is timed: the Numba decode kernels
-        (later processes load them from Numba's cache) and, on a GPU, FlashInfer's kernels for
-        this model, by a prefill of one block and a short follow-up over it, then forgotten."""
+        (later processes load them from Numba's cache) and, on a GPU, every prefill kernel of
+        this model (LayerMajorPrefill.warm_up) and decode's Triton kernels and graphs, by a
+        prompt long enough for decode to select blocks and one decode step; then forgotten."""
         print("[kernels that compile on first use:", end="", file=log, flush=True)
         report = compile_decode_kernels(self.layout, self.selection, self.model.config.num_heads, self.model.scale,
                                         self.device_cache_blocks)
         seconds = report.seconds
         if self.model.device.type == "cuda":
             start = time.perf_counter()
-            first = min(self.layout.block_size, self.max_seq_len)
-            self.engine.run([0] * first, self.host)
-            if not self.layout.sliding and first + 8 <= self.max_seq_len:  # a follow-up's short chunk
-                self.engine.run([0] * 8, self.host, history=first)  # (fa2 where fa3 runs long ones)
+            self.engine.warm_up(self.host)
+            self.prefill([0] * self.warm_up_tokens())
+            self.step(0)
             self.reset()
             seconds += time.perf_counter() - start
         done = (f" compiled {report.compiled} CPU kernels, once (later runs load them from Numba's cache)"
                 if report.compiled else f" {report.loaded} CPU kernels loaded from Numba's cache")
         print(f"{done}; {seconds:.1f} s before anything is timed]", file=log, flush=True)
+
+    def warm_up_tokens(self) -> int:
+        """A prompt whose decode selects blocks past the local window (its scoring and reading
+        kernels run), within max_seq_len with room for one decoded token."""
+        B = self.layout.block_size
+        wanted = self.local_windows_len + (self.selection.second_select_num + 2) * B
+        return max(1, min(wanted, self.max_seq_len - 1))
 
     def reset(self):
         self.ids = []
