@@ -107,12 +107,14 @@ def main(argv=None) -> int:
         stats = {arm: median_stats(r) for arm, r in runs.items()}
         for arm, arm_stats in stats.items():
             speedup = f"{stats['dense'].seconds / arm_stats.seconds:.2f}x" if "dense" in stats else "-"
-            rows.append(_row(length, plan, arm, arm_stats, speedup, backend))
+            each = "/".join(f"{r.seconds:.1f}" for r in runs[arm])
+            rows.append(_row(length, plan, arm, arm_stats, speedup, backend) + [each])
         del host
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print_table(["prompt", "kv", "prefill", "density", "tok/s", "total s", "selection s", "attention s", "rest s",
-                 "selection/attention", "hidden", "speedup", "peak GiB", "plan GiB", "peak/plan", "backend"], rows)
+                 "selection/attention", "hidden", "speedup", "peak GiB", "plan GiB", "peak/plan", "backend",
+                 "each run s"], rows)
     return 0
 
 

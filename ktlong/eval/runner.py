@@ -38,7 +38,7 @@ class Result:
     decode_tokens_per_second: float
     density: float  # CompactAttention's kept history fraction, 1.0 when dense
     prefill_seconds: float = 0.0  # end to end
-    prefill_attention_seconds: float = 0.0  # of which attention (0 where not measured: transformers)
+    prefill_attention_seconds: float = 0.0  # of which attention and its block selection (0: not measured)
 
 
 def split_variant(attention: str) -> tuple[str, list[str]]:
@@ -95,7 +95,7 @@ def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], dep
                                score(task, sample.answer, gen.text), len(ids) / max(gen.prefill_seconds, 1e-9),
                                gen.decode_tokens_per_second,
                                sum(densities) / len(densities) if densities else 1.0, gen.prefill_seconds,
-                               stats.attention_seconds if stats else 0.0)
+                               stats.attention_seconds + stats.selection_seconds if stats else 0.0)
                     results.append(r)
                     if on_result is not None:
                         on_result(results)
