@@ -193,6 +193,8 @@ class LayerMajorPrefill:
         if loader is not None:
             self.pages, self.pooled_keys = loader.close()
             stats.bytes_to_device += loader.bytes_to_device
+        if self.cuda:  # the last layer's rows reach DRAM on the copy stream: read them after it
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         last = hidden[-1:].to(self.device)
         logits = self.model.logits(last)[0]
         if self.cuda:

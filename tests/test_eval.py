@@ -126,9 +126,9 @@ def test_prefill_rows_compare_each_arm_with_dense():
     from ktlong.eval.report import prefill_rows
     from ktlong.eval.runner import Result
 
-    def r(arm, length, seconds, attention, density):
+    def r(arm, length, seconds, attention, density, setup=0.25):
         return Result("passkey", arm, length, 0.5, 0, length, "1", "1", True, length / seconds, 1.0, density,
-                      seconds, attention)
+                      seconds, attention, setup)
 
     results = [r("dense", 1000, 4.0, 2.0, 1.0), r("dense", 1000, 6.0, 3.0, 1.0), r("dense", 1000, 5.0, 2.5, 1.0),
                r("sparse", 1000, 2.0, 0.5, 0.4), r("sparse", 1000, 3.0, 1.0, 0.5), r("sparse", 1000, 2.5, 0.25, 0.3),
@@ -137,7 +137,7 @@ def test_prefill_rows_compare_each_arm_with_dense():
     by_arm = {row[1]: dict(zip(headers, row)) for row in rows}
     assert by_arm["sparse"]["prefill s"] == "2.50" and by_arm["sparse"]["dense prefill s"] == "5.00"
     assert by_arm["sparse"]["speedup"] == "2.00x" and by_arm["sparse"]["attention speedup"] == "5.00x"
-    assert by_arm["sparse"]["density"] == "40%"
+    assert by_arm["sparse"]["density"] == "40%" and by_arm["sparse"]["decoder set-up s"] == "0.25"
     assert by_arm["transformers"]["attention s"] == "-" and by_arm["transformers"]["speedup"] == "5.00x"
 
 
