@@ -3,7 +3,7 @@ weights.
 
 On random weights every token's top-k is nearly new (tokens are independent random embeddings),
 while on real text most of a token's blocks are the previous token's (72% at 128K on Qwen2.5 with
-YaRN, README "A device cache of selected blocks"). Whatever uses that (the device's block cache)
+YaRN, docs/measurements/2026-11-decode.md). Whatever uses that (the device's block cache)
 can only be timed on the 8B shape with a selection that behaves like a real one. This wraps a
 selector: each step the real selection runs (so its cost is still paid and timed), then each of
 the previous token's blocks stays with probability `share`, and the rest are filled from the

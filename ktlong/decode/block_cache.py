@@ -1,7 +1,7 @@
 """Recently selected DRAM blocks kept in device memory (`device_cache_blocks`), so decode reads
 most of a token's selected blocks at device speed and the CPU only the ones that changed.
 
-A token's top-k blocks are mostly the previous tokens' (README, "selection drift": 77-83% of them
+A token's top-k blocks are mostly the previous tokens' (docs/measurements/2026-11-decode.md, "selection drift": 77-83% of them
 were the previous token's, 93-95% among the last 8 tokens', on Qwen at 8K and 32K). Per global
 layer and kv head the device holds `slots` blocks as DRAM stores them (bf16, or q8_0 / q4_0 with
 their scales, widened when read). Each step, per global layer:
