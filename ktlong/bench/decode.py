@@ -137,7 +137,8 @@ def main(argv=None) -> int:
     p.add_argument("--selection_drift", type=float, default=None, metavar="SHARE",
                    help="keep each of the previous token's selected blocks with this probability, the rest "
                         "from the real selection (random weights select nearly new blocks every token; real "
-                        "text keeps most: 0.72 at 128K on Qwen2.5, docs/measurements/2026-11-decode.md); default: the real selection")
+                        "text keeps most: 0.72 at 128K on Qwen2.5, docs/measurements/2026-11-decode.md); default: "
+                        "the real selection")
     p.add_argument("--tensor_parallel", type=int, default=1, metavar="N",
                    help="split heads and MLP columns over N ranks; start with torchrun --nproc_per_node N")
     args = p.parse_args(argv)

@@ -16,9 +16,9 @@ import argparse
 import torch
 
 from ktlong.bench.common import parse_lengths, print_table
-from ktlong.errors import KtlongError
 from ktlong.config import load_config, options_in, parse_set, refuse_unread
 from ktlong.device import resolve_device
+from ktlong.errors import KtlongError
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.memory_plan import GIB
 from ktlong.models.random_model import SHAPES, num_weight_elements, random_config, random_model
