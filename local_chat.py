@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from ktlong.errors import KtlongError
-    from ktlong.parallel.group import print_error, quiet_unless_main
+    from ktlong.cli import print_error
+    from ktlong.parallel.group import quiet_unless_main
 
     quiet_unless_main()
     try:

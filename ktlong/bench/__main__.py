@@ -3,7 +3,7 @@
 import sys
 
 from ktlong.errors import KtlongError
-from ktlong.parallel.group import print_error
+from ktlong.cli import print_error
 from ktlong.bench import (attention, capture, context_limit, decode, decode_op, follow_up, kv_fidelity, prefill,
                           selection_drift)
 

@@ -21,7 +21,8 @@ import argparse
 import numpy as np
 import torch
 
-from ktlong.bench.common import parse_lengths, print_table, require_cuda, time_cuda
+from ktlong.bench.common import require_cuda, time_cuda
+from ktlong.cli import parse_lengths, print_table
 from ktlong.config import default_config
 from ktlong.errors import KtlongError
 from ktlong.models.random_model import SHAPES, random_config

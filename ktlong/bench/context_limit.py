@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from ktlong.bench.common import print_table
+from ktlong.cli import print_table
 from ktlong.config import load_config, parse_set, refuse_unread
 from ktlong.errors import KtlongError
 from ktlong.kv.memory_plan import GIB, available_dram_bytes

@@ -29,7 +29,8 @@ import time
 
 import torch
 
-from ktlong.bench.common import parse_lengths, print_table, time_cuda
+from ktlong.bench.common import time_cuda
+from ktlong.cli import parse_lengths, print_table
 from ktlong.bench.drifting_selection import DriftingSelection
 from ktlong.config import load_config, options_in, parse_set, refuse_unread
 from ktlong.device import resolve_device

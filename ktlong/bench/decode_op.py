@@ -22,7 +22,8 @@ from cpu_ops.block_select import block_scores, select_blocks
 from cpu_ops.kv_storage import StoredKV, encode
 from cpu_ops.sparse_attention import sparse_attention
 from cpu_ops.threads import set_decode_threads
-from ktlong.bench.common import median, parse_lengths, print_table
+from ktlong.bench.common import median
+from ktlong.cli import parse_lengths, print_table
 
 KV, H, D, B = 8, 32, 128, 128
 

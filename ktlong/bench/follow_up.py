@@ -23,7 +23,8 @@ import time
 import torch
 
 from ktlong.bench.call_sites import CallSites, print_call_sites
-from ktlong.bench.common import median, parse_lengths, print_table
+from ktlong.bench.common import median
+from ktlong.cli import parse_lengths, print_table
 from ktlong.config import load_config, options_in, parse_set, refuse_unread
 from ktlong.device import resolve_device
 from ktlong.kv.memory_plan import GIB

@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from ktlong.bench.common import parse_lengths, print_table
+from ktlong.cli import parse_lengths, print_table
 from ktlong.config import load_config, options_in, parse_set, refuse_unread
 from ktlong.device import resolve_device
 from ktlong.errors import KtlongError

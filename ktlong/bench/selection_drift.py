@@ -18,7 +18,7 @@ import argparse
 import numpy as np
 import torch
 
-from ktlong.bench.common import parse_lengths, print_table
+from ktlong.cli import parse_lengths, print_table
 from ktlong.config import greedy_session_options, load_config, parse_set, refuse_unread
 from ktlong.errors import KtlongError
 

@@ -13,7 +13,7 @@ import re
 import sys
 from pathlib import Path
 
-from ktlong.bench.common import parse_lengths, print_table
+from ktlong.cli import parse_lengths, print_error, print_table
 from ktlong.eval.tasks import TASKS
 
 WHY_OPTIONS = "runs each task greedily in long-context mode at the --lengths given"  # what no option changes
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     from ktlong.eval.runner import as_dicts, run_task, same_answers, split_variant, variant_config, write_json
     from ktlong.gguf.loader import load_model, open_model
     from ktlong.gguf.model_config import RopeOptions
-    from ktlong.parallel.group import join_ranks, print_error, quiet_unless_main
+    from ktlong.parallel.group import join_ranks, quiet_unless_main
     from ktlong.session.settings import ARMS
 
     quiet_unless_main()

@@ -90,18 +90,6 @@ def quiet_unless_main():
     sys.excepthook = lambda kind, value, tb: traceback.print_exception(kind, value, tb, file=sys.__stderr__)
 
 
-def print_error(error: Exception) -> None:
-    """A refusal, from every rank: a quiet rank's own sentence still reaches the terminal, since
-    torchrun may stop rank 0 before it prints when another rank fails first."""
-    import sys
-
-    rank = launched_rank()
-    if rank == 0:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-    else:
-        print(f"error (rank {rank}): {error}", file=sys.__stderr__, flush=True)
-
-
 def launched_world() -> int:
     """How many processes torchrun started (1 without torchrun)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
