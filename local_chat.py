@@ -45,11 +45,14 @@ def main(argv=None) -> int:
 
 def run(args) -> int:
     from ktlong.chat.loop import ChatLoop
+    from ktlong.chat.text_file import read_text_file
     from ktlong.config import load_config
     from ktlong.errors import ConfigError
     from ktlong.session.startup import overrides_from, start
 
     config = load_config(args.config, overrides_from(args))
+    if args.prompt_file:  # refused before the model loads, not after
+        read_text_file(args.prompt_file, "--prompt_file")
     if (args.save_kv or args.load_kv) and config.mode != "long_context":
         raise ConfigError("--save_kv and --load_kv keep the long-context KV cache; add --mode long_context.")
     if (args.save_kv or args.load_kv) and config.tensor_parallel > 1:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
+import reprlib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +37,7 @@ ENUMS = {
 # options that are true, false or "auto" (decided from the device and mode at run time)
 AUTO_BOOLS = ("use_cuda_graph",)
 SECRETS = ("api_key",)
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few KiB of 'option: value' lines
 # key -> (lowest allowed, highest allowed, lowest is exclusive)
 RANGES = {
     "max_seq_len": (0, None, False), "gpu_memory_budget_gb": (0, None, True),
@@ -52,7 +55,7 @@ RANGES = {
     "device_cache_blocks": (0, None, False),
     "max_new_tokens": (1, None, False), "temperature": (0, None, False), "top_p": (0, 1, True),
     "top_k": (0, None, False), "port": (1, 65535, False), "queue_size": (0, None, False),
-    "tensor_parallel": (1, None, False),
+    "tensor_parallel": (1, None, False), "seed": (0, (1 << 63) - 1, False),
 }
 
 
@@ -123,10 +126,16 @@ class Config:
                 self._fail(key, f"must be one of {', '.join(allowed)}")
         for key, (low, high, exclusive) in RANGES.items():
             value = getattr(self, key)
+            if isinstance(value, float) and not math.isfinite(value):
+                self._fail(key, "must be a finite number")
             if (value <= low if exclusive else value < low) or (high is not None and value > high):
                 bound = f"{'above' if exclusive else 'at least'} {low}" + (
                     f" and at most {high}" if high is not None else "")
                 self._fail(key, f"must be {bound}")
+        cores = os.cpu_count() or 1
+        if self.threads_num > cores:
+            self._fail("threads_num", f"is more than this machine's {cores} cores; use at most {cores} "
+                                      "(0: every core but one)")
         if self.block_size & (self.block_size - 1):
             self._fail("block_size", "must be a power of two (16, 32, ..., 4096)")
         if self.chunk_size % self.block_size:
@@ -144,7 +153,7 @@ class Config:
         return self.sources.get(key, "default")
 
     def _fail(self, key: str, rule: str):
-        raise ConfigError(f"Option '{key}' = {getattr(self, key)!r} (from {self.where(key)}) {rule}.")
+        raise ConfigError(f"Option '{key}' = {shown_value(key, getattr(self, key))} (from {self.where(key)}) {rule}.")
 
     def check_against_model(self, num_layers: int, context_length: int) -> int:
         """Refuse settings that cannot work with this model; return the effective max_seq_len."""
@@ -154,16 +163,14 @@ class Config:
                                   f"{num_layers} layers; set it to at most {num_layers}.")
         return self.max_seq_len or context_length
 
-    def check_local_window(self, max_seq_len: int, sliding_window: int):
-        """The long-context device window: shorter than max_seq_len, and covering the model's
-        sliding window (those layers read nothing else)."""
-        if self.local_windows_len > max_seq_len:
-            raise ConfigError(f"local_windows_len ({self.local_windows_len}, from "
-                              f"{self.where('local_windows_len')}) is longer than max_seq_len "
-                              f"({max_seq_len}); lower local_windows_len or raise max_seq_len.")
+    def local_window_for(self, max_seq_len: int, sliding_window: int) -> int:
+        """The long-context device window: local_windows_len, or all of a shorter max_seq_len (a
+        short document sits in the window whole). It covers the model's sliding window, whose
+        layers read nothing else."""
         if sliding_window and self.local_windows_len < sliding_window:
             raise ConfigError(f"local_windows_len ({self.local_windows_len}) is shorter than the model's sliding "
                               f"window ({sliding_window}); set local_windows_len to at least {sliding_window}.")
+        return min(self.local_windows_len, max_seq_len)
 
 
 def option_fields() -> list[dataclasses.Field]:
@@ -174,11 +181,26 @@ def option_names() -> list[str]:
     return [f.name for f in option_fields()]
 
 
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxstring = _SHORT_REPR.maxother = 60
+_SHORT_REPR.maxlist = _SHORT_REPR.maxdict = 4
+_SHORT_REPR.maxlevel = 2
+
+
+def shown_value(key: str, value) -> str:
+    """A value as a message shows it: a secret never, anything else cut to 60 characters (a
+    YAML alias bomb under a key would otherwise take minutes and gigabytes to format)."""
+    if key in SECRETS:
+        return "(hidden)"
+    return _SHORT_REPR.repr(value)
+
+
 def _checked_type(f: dataclasses.Field, value, where: str):
     if f.name in AUTO_BOOLS:
         if isinstance(value, bool) or value == "auto":
             return value
-        raise ConfigError(f"Option '{f.name}' = {value!r} (from {where}) must be true, false or auto.")
+        raise ConfigError(f"Option '{f.name}' = {shown_value(f.name, value)} (from {where}) must be true, false "
+                          "or auto.")
     kind = {"str": str, "int": int, "float": float, "bool": bool}[f.type]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -186,8 +208,8 @@ def _checked_type(f: dataclasses.Field, value, where: str):
         return ""
     if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
         return value
-    raise ConfigError(f"Option '{f.name}' = {value!r} (from {where}) must be a{'n' if kind is int else ''} "
-                      f"{kind.__name__}.")
+    raise ConfigError(f"Option '{f.name}' = {shown_value(f.name, value)} (from {where}) must be "
+                      f"a{'n' if kind is int else ''} {kind.__name__}.")
 
 
 def user_config_path() -> Path:
@@ -198,11 +220,17 @@ def user_config_path() -> Path:
 def read_yaml_options(path: Path) -> dict[str, tuple[object, str]]:
     """Read a flat YAML mapping of options: {key: (value, "path:line")}, unknown keys refused."""
     try:
-        text = path.read_text()
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"Config file {path} is larger than {MAX_CONFIG_BYTES // 1024} KiB; a config "
+                              "holds one 'option: value' line per option.")
+        text = path.read_text(encoding="utf-8")
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         values = yaml.safe_load(text)
     except OSError as e:
         raise ConfigError(f"Cannot read config file {path} ({e.strerror}); check the path.") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"Config file {path} is not UTF-8 text; give a YAML file of 'option: value' "
+                          "lines.") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f":{mark.line + 1}" if mark else ""
@@ -239,7 +267,12 @@ def parse_set(items: list[str]) -> dict[str, tuple[object, str]]:
             raise ConfigError(f"--set {item!r} needs the form key=value, e.g. --set block_size=64.")
         if key not in option_names():
             raise ConfigError(unknown_key_message(key, f"--set {item}"))
-        out[key] = (yaml.safe_load(raw) if raw.strip() else "", f"--set {key}")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            raise ConfigError(f"--set {key}: {raw[:60]!r} is not a YAML value; quote it, e.g. "
+                              f"--set '{key}=\"...\"'.") from None
+        out[key] = (value, f"--set {key}")
     return out
 
 

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from ktlong.chat.text_file import read_text_file
 from ktlong.device import resolve_device, resolve_dtype
 from ktlong.errors import KtlongError
 from ktlong.kv.dense_cache import DenseKVCache
@@ -75,14 +76,11 @@ def main(argv=None) -> int:
     try:
         if args.ctx < 2:
             raise KtlongError(f"--ctx {args.ctx} is too small; a window needs at least 2 tokens.")
-        text = open(args.text_file, encoding="utf-8").read()
+        text = read_text_file(args.text_file, "--text_file")
         device = resolve_device(args.device)
         lm = load_model(args.model, device, resolve_dtype("auto", device),
                         RopeOptions(args.rope_scaling, args.rope_scale, args.yarn_orig_ctx))
         result = perplexity(lm, text, args.ctx, args.max_windows)
-    except OSError as e:
-        print(f"error: cannot read {args.text_file} ({e.strerror}); check --text_file.", file=sys.stderr)
-        return 2
     except KtlongError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

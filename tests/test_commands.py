@@ -154,3 +154,42 @@ def test_selection_drift_counts_blocks_kept_from_earlier_tokens():
     assert prev == (2 / 3 + 2 / 4) / 2  # {1,2} of 3, then {4,1} of 4
     assert window == (2 / 3 + 3 / 4) / 2  # the last 2 tokens' blocks: {1,2,3} then {1,2,3,4}
     assert new == (1 + 1) / 2 and size == 3
+
+
+def test_bench_help_lists_the_benchmarks_and_exits_zero(capsys):
+    assert bench(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "prefill" in out and "decode" in out and "NAME --help" in out
+
+
+def test_eval_out_that_is_a_file_is_one_sentence(no_user_file, capsys, tmp_path):
+    out = tmp_path / "results"
+    out.write_text("keep me")
+    assert evaluate(["passkey", "--lengths", "2k", "--out", str(out)]) == 2
+    one_sentence_error(capsys, "is a file", "give a folder")
+    assert out.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("content,needle", [(b"\x00\x01\xffbinary", "not UTF-8 text"), (b"  \n", "is empty"),
+                                            (None, "No such file")])
+def test_prompt_and_text_files_are_checked_before_the_model_loads(no_user_file, capsys, tmp_path, monkeypatch,
+                                                                  content, needle):
+    import local_chat
+    import ktlong.session.startup
+    from ktlong.perplexity import main as perplexity
+
+    path = tmp_path / "doc.txt"
+    if content is not None:
+        path.write_bytes(content)
+    monkeypatch.setattr(ktlong.session.startup, "start", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert local_chat.main(["--prompt_file", str(path)]) == 2
+    one_sentence_error(capsys, "--prompt_file", needle)
+    assert perplexity(["--text_file", str(path)]) == 2
+    one_sentence_error(capsys, "--text_file", needle)
+
+
+def test_a_prompt_file_that_is_a_folder_is_one_sentence(no_user_file, capsys, tmp_path):
+    import local_chat
+
+    assert local_chat.main(["--prompt_file", str(tmp_path)]) == 2
+    one_sentence_error(capsys, "is a folder")

@@ -109,11 +109,16 @@ def test_yaml_is_read_safely(tmp_path):
         read_yaml_options(evil)
 
 
-def test_model_checks_run_before_weights(user_file):
+def test_a_short_document_sits_in_the_local_window_whole(user_file):
     config = load_config(overrides=parse_set(["mode=long_context", "local_windows_len=8192",
-                                              "max_seq_len=4096"]))
-    with pytest.raises(ConfigError, match="local_windows_len .* longer than max_seq_len"):
-        config.check_local_window(config.check_against_model(num_layers=30, context_length=8192), 0)
+                                              "max_seq_len=2065"]))
+    assert config.local_window_for(config.check_against_model(num_layers=30, context_length=8192), 0) == 2065
+    assert config.local_window_for(16384, 0) == 8192
+    with pytest.raises(ConfigError, match="shorter than the model's sliding window"):
+        config.local_window_for(2065, 16384)
+
+
+def test_model_checks_run_before_weights(user_file):
     for key in ("dense_layer_num", "prefill_dense_layer_num"):
         config = load_config(overrides=parse_set([f"{key}=40"]))
         with pytest.raises(ConfigError, match=f"^{key} \\(40, from --set {key}\\) .* at most 30"):
@@ -135,11 +140,11 @@ def test_local_chat_flags_map_to_options(user_file):
     from ktlong.session.startup import overrides_from
 
     args = local_chat.build_parser().parse_args(
-        ["--gguf_path", "m.gguf", "--cpu_infer", "6", "--use_cuda_graph", "--mode", "long_context",
+        ["--gguf_path", "m.gguf", "--cpu_infer", "2", "--use_cuda_graph", "--mode", "long_context",
          "--max_new_tokens", "7", "--set", "block_size=64"])
     config = load_config(overrides=overrides_from(args))
     assert (config.model, config.threads_num, config.use_cuda_graph, config.mode,
-            config.max_new_tokens, config.block_size) == ("m.gguf", 6, True, "long_context", 7, 64)
+            config.max_new_tokens, config.block_size) == ("m.gguf", 2, True, "long_context", 7, 64)
     assert config.where("threads_num") == "--cpu_infer"
 
 
@@ -159,3 +164,64 @@ def test_config_dataclass_rejects_wrong_types_directly():
     values["layer_step"] = True
     with pytest.raises(ConfigError, match="'layer_step' = True .* must be an int"):
         Config(**values)
+
+
+@pytest.mark.parametrize("sets,needles", [
+    (["temperature=.nan"], ["'temperature' = nan", "finite"]),
+    (["top_p=.nan"], ["'top_p' = nan", "finite"]),
+    (["seed=1180591620717411303424"], ["'seed'", "at most 9223372036854775807"]),
+    (["threads_num=100000"], ["'threads_num' = 100000", "cores"]),
+    (["api_key=[1, 2]"], ["'api_key' = (hidden)", "must be a str"]),
+])
+def test_values_that_would_crash_or_leak_are_refused_in_one_sentence(user_file, sets, needles):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=parse_set(sets))
+    message = str(e.value)
+    assert "\n" not in message and "[1, 2]" not in message
+    for needle in needles:
+        assert needle in message, message
+
+
+def test_a_set_value_that_is_not_yaml_is_one_sentence():
+    with pytest.raises(ConfigError, match=r"--set system_prompt: '\[x' is not a YAML value"):
+        parse_set(["system_prompt=[x"])
+
+
+def test_config_files_that_are_not_text_or_hold_an_alias_bomb_are_refused_quickly(tmp_path, user_file):
+    import time
+
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00model: x")
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_config(str(binary))
+    # 9^8 strings by reference under one known key: formatting it whole took minutes and gigabytes
+    levels = ['&a ["xxxxxxxx","x","x","x","x","x","x","x","x"]']
+    for prev, name in zip("abcdefg", "bcdefgh"):
+        levels.append(f"&{name} [" + ",".join([f"*{prev}"] * 9) + "]")
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("system_prompt: [" + ", ".join(levels) + "]\n")
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match="'system_prompt' = .* must be a str") as e:
+        load_config(str(bomb))
+    assert time.perf_counter() - start < 5 and len(str(e.value)) < 400
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--gguf_path", "a.gguf", "--model", "smollm2-135m"], "--gguf_path and --model each name the model"),
+    (["--model_path", "/nonexistent/folder"], "is not a folder holding a .gguf file"),
+])
+def test_model_flags_that_disagree_or_point_nowhere_are_refused(user_file, argv, needle):
+    import local_chat
+    from ktlong.session.startup import overrides_from
+
+    with pytest.raises(ConfigError, match=needle):
+        overrides_from(local_chat.build_parser().parse_args(argv))
+
+
+def test_model_path_names_the_gguf_in_its_folder(tmp_path, user_file):
+    import local_chat
+    from ktlong.session.startup import overrides_from
+
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    overrides = overrides_from(local_chat.build_parser().parse_args(["--model_path", str(tmp_path)]))
+    assert overrides["model"] == (str(tmp_path / "model.gguf"), "--model_path")

@@ -6,6 +6,9 @@ import json
 import pytest
 import torch
 
+pytest.importorskip("uvicorn")  # the server's dependencies, not every machine's (tests/test_server.py: openai)
+pytest.importorskip("starlette")
+
 from ktlong.chat.generate import generate
 from ktlong.chat.sampling import Sampler
 from ktlong.gguf.loader import load_model

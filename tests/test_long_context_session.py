@@ -306,3 +306,21 @@ def test_the_cached_prefix_leaves_the_prompts_last_token_to_compute(cached, prom
     from ktlong.session.prefix import cached_prefix
 
     assert cached_prefix(cached, prompt) == expected
+
+
+def test_a_document_shorter_than_the_local_window_runs_from_the_config(tiny):
+    """The default 4096-token window and a 128-token max_seq_len: the plan's window holds the
+    whole document, and the answer is the dense session's."""
+    import torch
+
+    from ktlong.config import default_config
+    from ktlong.session.plan import plan_session
+
+    config = default_config(block_size=16, chunk_size=32, mode="long_context")
+    plan = plan_session(config, tiny.config, tiny.num_weight_elements, 128, torch.device("cpu"), torch.float32)
+    assert plan.local_windows_len == 128 < config.local_windows_len
+    session = LongContextSession.from_config(tiny.model, config, plan)
+    prompt = list(np.random.default_rng(3).integers(0, 300, size=45))
+    dense = generate(DenseSession(tiny.model, 128, 32), prompt, 40, Sampler(), frozenset(), lambda i: "")
+    long = generate(session, prompt, 40, Sampler(), frozenset(), lambda i: "")
+    assert long.token_ids == dense.token_ids and len(long.token_ids) == 40

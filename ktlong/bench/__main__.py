@@ -15,8 +15,13 @@ BENCHES = {"prefill": prefill.main, "attention": attention.main, "capture": capt
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    usage = f"usage: python -m ktlong.bench {{{','.join(BENCHES)}}} [options]"
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"{usage}\n\n{__doc__.strip()}\n`python -m ktlong.bench NAME --help` describes one benchmark and its "
+              "options.")
+        return 0
     if not argv or argv[0] not in BENCHES:
-        print(f"usage: python -m ktlong.bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     try:
         return BENCHES[argv[0]](argv[1:])

@@ -7,11 +7,13 @@ import time
 from pathlib import Path
 
 from ktlong.config import Config
+from ktlong.errors import KtlongError
 from ktlong.chat.conversation import Conversation, PromptTooLongError
 from ktlong.session.dense import DenseSession
 from ktlong.chat.generate import generate
 from ktlong.gguf.loader import LoadedModel
 from ktlong.chat.sampling import Sampler
+from ktlong.chat.text_file import read_text_file
 
 HELP = ('Type a message. Empty line: send the prompt file. A file path: send that file. """: start '
         'or end multi-line input. /reset: forget the conversation. /save PATH, /load PATH: the KV cache '
@@ -57,12 +59,12 @@ class ChatLoop:
         return result
 
     def read_file(self, path: str) -> str | None:
-        """A file's text as a message. Its trailing whitespace is not part of it: an editor's final
-        newline would otherwise end the user turn and change the answer (llama.cpp drops it too)."""
+        """A file's text as a message (read_text_file), or None after a notice of why not: the
+        chat goes on."""
         try:
-            return Path(path).expanduser().read_text().rstrip()
-        except (OSError, UnicodeDecodeError) as e:
-            self.notice(f"cannot read {path}: {e}")
+            return read_text_file(path, "file")
+        except KtlongError as e:
+            self.notice(str(e))
             return None
 
     def next_prompt(self, read_line) -> str | None:
@@ -104,7 +106,6 @@ class ChatLoop:
 
     def save(self, path: str):
         """The KV cache and the conversation to a file (ktlong/session/saved_cache.py)."""
-        from ktlong.errors import KtlongError
         from ktlong.session.saved_cache import fingerprint, save_cache
 
         if not hasattr(self.session, "host"):
@@ -125,7 +126,6 @@ class ChatLoop:
 
     def load(self, path: str):
         """A saved cache and its conversation; the chat goes on from there."""
-        from ktlong.errors import KtlongError
         from ktlong.session.saved_cache import fingerprint, load_cache
 
         if not hasattr(self.session, "host"):

@@ -86,6 +86,9 @@ def main(argv=None) -> int:
         if args.samples < 1:
             raise KtlongError(f"--samples {args.samples}: use at least 1.")
         lengths = parse_lengths(args.lengths)
+        out = Path(args.out)
+        if out.exists() and not out.is_dir():
+            raise KtlongError(f"--out {args.out} is a file; give a folder for results.json (it is made if missing).")
         device = resolve_device(config.device)
         if config.tensor_parallel > 1 and "transformers" in attentions:
             raise KtlongError("The transformers arm runs in one process; leave it out of --attention "
@@ -96,8 +99,10 @@ def main(argv=None) -> int:
         if max(lengths) > lm.config.context_length:
             raise KtlongError(f"--lengths up to {max(lengths)} exceed the model's context of "
                               f"{lm.config.context_length} tokens; use shorter lengths.")
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise KtlongError(f"cannot make --out {args.out} ({e.strerror}); give a folder you can write.") from None
         main_rank = tp is None or tp.is_main
 
         def save(results):  # after every sample: a run cut short keeps what it measured

@@ -52,7 +52,7 @@ class LongContextSession:
         selected DRAM blocks (ktlong/decode/dram_blocks.py); None: selection's, resolved
         (`auto`: the GPU where it can; the CPU on the CPU)."""
         window = model.config.sliding_window
-        assert not window or local_windows_len >= window, "Config.check_local_window"
+        assert not window or local_windows_len >= min(window, layout.capacity), "Config.local_window_for"
         assert tuple(layout.sliding) == tuple(model.config.sliding_layers), "use model_kv_layout"
         assert not layout.sliding or layout.sliding_blocks * layout.block_size >= min(
             layout.capacity, local_windows_len + layout.block_size), "the DRAM tail must cover the device window"
@@ -92,7 +92,7 @@ class LongContextSession:
         session = cls(model, plan.layout, chunk_size=config.chunk_size, backend=config.attention_backend,
                       hidden_on_device=plan.memory.hidden_on_device, compact=compact_params(config, prefill),
                       selection=selection_settings(config, model.config.num_layers, decode),
-                      local_windows_len=config.local_windows_len, use_cuda_graph=plan.use_cuda_graph,
+                      local_windows_len=plan.local_windows_len, use_cuda_graph=plan.use_cuda_graph,
                       follow_up_headroom=plan.budget_bytes - plan.memory.decode_device if plan.is_gpu else None,
                       prefill_headroom=plan.budget_bytes - plan.memory.prefill_device if plan.is_gpu else None,
                       resident_history=config.resident_history)

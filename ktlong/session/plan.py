@@ -32,6 +32,7 @@ class SessionPlan:
     max_seq_len: int
     budget_bytes: int
     is_gpu: bool
+    local_windows_len: int  # the device window: local_windows_len, or all of a shorter max_seq_len
 
     def describe(self) -> str:
         return (f"[memory plan for max_seq_len {self.max_seq_len:,}, kv_type {self.kv_type}]\n"
@@ -64,11 +65,11 @@ def apply_threads(threads_num: int) -> int:
 def plan_session(config: Config, model_config: ModelConfig, num_weight_elements: int, max_seq_len: int,
                  device: torch.device, dtype: torch.dtype) -> SessionPlan:
     """Decide; `SessionPlan.check()` refuses what does not fit (callers print the plan first)."""
-    config.check_local_window(max_seq_len, model_config.sliding_window)
+    local_windows_len = config.local_window_for(max_seq_len, model_config.sliding_window)
     apply_threads(config.threads_num)
     kv_type = resolve_kv_type(config.kv_type, dtype)
     page_type = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    layout = model_kv_layout(model_config, config.block_size, max_seq_len, kv_type, config.local_windows_len,
+    layout = model_kv_layout(model_config, config.block_size, max_seq_len, kv_type, local_windows_len,
                              page_type if kv_type in QUANTIZED else None, config.anchor_type, config.anchor_num)
     budget = int(config.gpu_memory_budget_gb * GIB)
     is_gpu = device.type == "cuda"
@@ -76,7 +77,7 @@ def plan_session(config: Config, model_config: ModelConfig, num_weight_elements:
     on_device = scores_on_device(selection, device)
     anchors = anchors_per_block(config.anchor_type, config.anchor_num) if on_device else 0
     memory = plan_memory(model_config, num_weight_elements, dtype.itemsize, layout, config.chunk_size, budget,
-                         is_gpu, config.local_windows_len, anchors, selection.device_cache_blocks,
+                         is_gpu, local_windows_len, anchors, selection.device_cache_blocks,
                          config.second_select_num)
     return SessionPlan(layout, memory, kv_type, resolve_cuda_graph(config.use_cuda_graph, device), max_seq_len,
-                       budget, is_gpu)
+                       budget, is_gpu, local_windows_len)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from ktlong.config import DEFAULT_FILE, Config, parse_set
+from ktlong.errors import ConfigError
 
 if TYPE_CHECKING:
     from ktlong.gguf.loader import LoadedModel
@@ -68,10 +69,16 @@ def add_config_flags(p: argparse.ArgumentParser) -> dict:
 def overrides_from(args, flag_to_option: dict[str, str] = FLAG_TO_OPTION) -> dict:
     """Options the command line sets: --set pairs, then the named flags (which win)."""
     out = parse_set(args.set)
-    if args.model_path and not args.gguf_path and not args.model:
-        ggufs = sorted(Path(args.model_path).expanduser().glob("*.gguf"))
-        if ggufs:
-            out["model"] = (str(ggufs[0]), "--model_path")
+    named = [f"--{flag}" for flag in ("gguf_path", "model", "model_path") if getattr(args, flag, None)]
+    if len(named) > 1:
+        raise ConfigError(f"{' and '.join(named)} each name the model; give one of them.")
+    if args.model_path:
+        folder = Path(args.model_path).expanduser()
+        ggufs = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
+        if not ggufs:
+            raise ConfigError(f"--model_path {args.model_path} is not a folder holding a .gguf file; give "
+                              "such a folder, or the file itself with --gguf_path.")
+        out["model"] = (str(ggufs[0]), "--model_path")
     for flag, option in flag_to_option.items():
         value = getattr(args, flag, None)
         if value is not None:
