@@ -46,13 +46,17 @@ def main(argv=None) -> int:
 def run(args) -> int:
     from ktlong.chat.loop import ChatLoop
     from ktlong.chat.text_file import read_text_file
+    from ktlong.cli import print_error
     from ktlong.config import load_config
-    from ktlong.errors import ConfigError
+    from ktlong.errors import ConfigError, KtlongError
+    from ktlong.session.saved_cache import check_save_path
     from ktlong.session.startup import overrides_from, start
 
     config = load_config(args.config, overrides_from(args))
     if args.prompt_file:  # refused before the model loads, not after
         read_text_file(args.prompt_file, "--prompt_file")
+    if args.save_kv:  # before a prefill that may take minutes
+        check_save_path(args.save_kv)
     if (args.save_kv or args.load_kv) and config.mode != "long_context":
         raise ConfigError("--save_kv and --load_kv keep the long-context KV cache; add --mode long_context.")
     if (args.save_kv or args.load_kv) and config.tensor_parallel > 1:
@@ -60,9 +64,12 @@ def run(args) -> int:
                           "with --tensor_parallel 1.")
     started = start(config)
     tp = started.tp  # under tensor parallelism every rank chats; rank 0 reads the input for all
-    ChatLoop(started.lm, config, started.max_seq_len, args.prompt_file, session=started.session,
-             save_kv=args.save_kv, load_kv=args.load_kv).run(
+    failed = ChatLoop(started.lm, config, started.max_seq_len, args.prompt_file, session=started.session,
+                      save_kv=args.save_kv, load_kv=args.load_kv).run(
         interactive=sys.stdin.isatty(), wrap_reader=tp.lines_from_main if tp is not None else None)
+    if failed:
+        print_error(KtlongError(f"{' and '.join(failed)} could not be done (the notices above say why)."))
+        return 1
     return 0
 
 

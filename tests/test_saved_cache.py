@@ -362,3 +362,81 @@ def test_a_file_replaced_since_this_sessions_save_is_written_whole(tiny, tmp_pat
     loaded = session_for(tiny)
     load_cache(path, loaded, FP)
     same_cache(loaded, a)
+
+
+def test_a_save_never_replaces_a_read_only_file_and_writes_through_a_link(tiny, tmp_path):
+    s = session_for(tiny)
+    s.prefill(prompt(40))
+    protected = tmp_path / "protected.kv"
+    protected.write_bytes(b"the user's")
+    protected.chmod(0o444)
+    with pytest.raises(CacheFileError, match="read-only"):
+        save_cache(protected, s, FP, TURNS)
+    assert protected.read_bytes() == b"the user's"
+    target = tmp_path / "real.kv"
+    link = tmp_path / "link.kv"
+    link.symlink_to(target)
+    save_cache(link, s, FP, TURNS)
+    assert link.is_symlink() and target.stat().st_size > 0
+    loaded = session_for(tiny)
+    turns = load_cache(link, loaded, FP)
+    assert [tuple(t) for t in turns] == TURNS and loaded.ids == s.ids
+
+
+def test_a_temporary_left_by_a_killed_save_is_removed_by_the_next_save(tiny, tmp_path):
+    import subprocess
+
+    s = session_for(tiny)
+    s.prefill(prompt(40))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f".c.kv.{gone.stdout.strip()}.abcd.tmp"  # its process has exited
+    orphan.write_bytes(b"half a cache")
+    alive = tmp_path / f".c.kv.{1}.efgh.tmp"  # pid 1 runs: a save in progress is left alone
+    alive.write_bytes(b"being written")
+    save_cache(tmp_path / "c.kv", s, FP, TURNS)
+    assert not orphan.exists() and alive.exists()
+
+
+def test_a_one_shot_chat_that_could_not_load_or_save_answers_nothing_and_says_so(tiny, tmp_path, monkeypatch):
+    """Piped input with a --load_kv that fails: no answer without the document; a --save_kv that
+    fails after the answer: reported, so that local_chat exits non-zero."""
+    import io
+
+    from ktlong.chat.loop import ChatLoop
+    from ktlong.config import default_config
+
+    config = default_config(max_new_tokens=3, kv_type="fp32", local_windows_len=24)
+    monkeypatch.setattr("builtins.input", lambda prompt="": (_ for _ in ()).throw(EOFError))
+    out = io.StringIO()
+    missing = str(tmp_path / "missing.kv")
+    loop = ChatLoop(tiny, config, 400, None, out=out, err=io.StringIO(), session=session_for(tiny), load_kv=missing)
+    assert loop.run(interactive=False) == [f"--load_kv {missing}"] and out.getvalue() == ""
+    doc = tmp_path / "doc.txt"
+    doc.write_text("what is in the document?")
+    protected = tmp_path / "protected.kv"
+    protected.write_bytes(b"keep")
+    protected.chmod(0o444)
+    loop = ChatLoop(tiny, config, 400, str(doc), out=io.StringIO(), err=io.StringIO(), session=session_for(tiny),
+                    save_kv=str(protected))
+    assert loop.run(interactive=False) == [f"--save_kv {protected}"] and protected.read_bytes() == b"keep"
+
+
+@pytest.mark.parametrize("change", [{"turns": [[1, 2]]}, {"turns": [["only the question"]]}, {"num_tokens": -5},
+                                    {"token_ids": "abc"}, {"num_tokens": True}])
+def test_a_hand_made_header_with_a_fresh_checksum_is_refused_in_one_sentence(tiny, tmp_path, monkeypatch, change):
+    import ktlong.session.saved_cache as saved_cache
+
+    real = saved_cache.encode_record
+
+    def edited(magic, header, *args, **kwargs):  # the header as an editor would change it, checksummed anew
+        return real(magic, {**header, **change}, *args, **kwargs)
+
+    s = session_for(tiny)
+    s.prefill(prompt(40))
+    path = tmp_path / "edited.kv"
+    monkeypatch.setattr(saved_cache, "encode_record", edited)
+    save_cache(path, s, FP, TURNS)
+    monkeypatch.undo()
+    loaded = session_for(tiny)
+    message = refused(path, loaded)
+    assert "header this version does not write" in message and loaded.host.num_tokens == 0

@@ -25,6 +25,7 @@ class ChatLoop:
                  out=None, err=None, session=None, save_kv: str | None = None, load_kv: str | None = None):
         self.lm, self.config, self.max_seq_len = lm, config, max_seq_len
         self.prompt_file, self.save_kv, self.load_kv = prompt_file, save_kv, load_kv
+        self.failed: list[str] = []  # what the command line asked for and could not be done
         self.out, self.err = out or sys.stdout, err or sys.stderr
         template = lm.chat_template if config.use_chat_template else None
         self.conversation = Conversation(lm.tokenizer, template, config.system_prompt)
@@ -54,8 +55,8 @@ class ChatLoop:
         self.notice(f"{result.prompt_tokens} prompt tokens{prefilled} in {result.prefill_seconds:.2f}s, "
                     f"{len(result.token_ids)} tokens at {result.decode_tokens_per_second:.1f} tok/s"
                     + (", interrupted" if result.finish_reason == "interrupted" else ""))
-        if self.save_kv:
-            self.save(self.save_kv)
+        if self.save_kv and not self.save(self.save_kv):
+            self.failed.append(f"--save_kv {self.save_kv}")
         return result
 
     def read_file(self, path: str) -> str | None:
@@ -104,16 +105,17 @@ class ChatLoop:
                 return self.read_file(stripped) or ""
             return line
 
-    def save(self, path: str):
-        """The KV cache and the conversation to a file (ktlong/session/saved_cache.py)."""
+    def save(self, path: str) -> bool:
+        """The KV cache and the conversation to a file (ktlong/session/saved_cache.py); False
+        after a notice of why not."""
         from ktlong.session.saved_cache import fingerprint, save_cache
 
         if not hasattr(self.session, "host"):
             self.notice("saving the KV cache needs --mode long_context")
-            return
+            return False
         if self.session.model.tp is not None:
             self.notice("saving the KV cache needs --tensor_parallel 1")
-            return
+            return False
         try:
             start = time.perf_counter()
             nbytes = save_cache(path, self.session, fingerprint(self.lm.path, self.session, self.config),
@@ -121,34 +123,42 @@ class ChatLoop:
             how = "appended the new blocks" if self.session.saved_file.appended else "wrote the whole file"
             self.notice(f"saved {self.session.host.num_tokens:,} tokens of KV cache to {path} "
                         f"({how}: {nbytes / 2**20:,.1f} MiB in {time.perf_counter() - start:.1f}s)")
+            return True
         except (KtlongError, OSError) as e:
             self.notice(f"not saved: {e}")
+            return False
 
-    def load(self, path: str):
-        """A saved cache and its conversation; the chat goes on from there."""
+    def load(self, path: str) -> bool:
+        """A saved cache and its conversation; the chat goes on from there. False after a notice
+        of why not."""
         from ktlong.session.saved_cache import fingerprint, load_cache
 
         if not hasattr(self.session, "host"):
             self.notice("loading a KV cache needs --mode long_context")
-            return
+            return False
         if self.session.model.tp is not None:
             self.notice("loading a KV cache needs --tensor_parallel 1")
-            return
+            return False
         try:
             start = time.perf_counter()
             turns = load_cache(path, self.session, fingerprint(self.lm.path, self.session, self.config))
         except (KtlongError, OSError) as e:
             self.notice(f"not loaded: {e}")
-            return
+            return False
         self.conversation.turns = list(turns)
         self.notice(f"loaded {self.session.host.num_tokens:,} tokens of KV cache and {len(turns)} turn(s) "
                     f"from {path} in {time.perf_counter() - start:.1f}s")
+        return True
 
-    def run(self, interactive: bool, wrap_reader=None):
-        """wrap_reader: turns the input line reader into another (tensor parallelism: rank 0
-        reads and broadcasts, ktlong/parallel/group.py)."""
-        if self.load_kv:
-            self.load(self.load_kv)
+    def run(self, interactive: bool, wrap_reader=None) -> list[str]:
+        """Chat until the input ends; returns what it was asked to do and could not (a --load_kv
+        that failed: then a piped run answers nothing; a --save_kv that failed), each already
+        noticed. wrap_reader: turns the input line reader into another (tensor parallelism: rank
+        0 reads and broadcasts, ktlong/parallel/group.py)."""
+        if self.load_kv and not self.load(self.load_kv):
+            self.failed.append(f"--load_kv {self.load_kv}")
+            if not interactive:  # answering without the document would mislead
+                return self.failed
         if interactive:
             self.notice(HELP)
         if self.prompt_file:
@@ -171,3 +181,4 @@ class ChatLoop:
         while (text := self.next_prompt(read_line)) is not None:
             if text.strip():
                 self.ask(text)
+        return self.failed

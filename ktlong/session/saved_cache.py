@@ -23,6 +23,7 @@ found while filling the cache leaves it empty, never half-loaded.
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
 import mmap
 import os
@@ -139,14 +140,12 @@ def _append_from(state: SavedFile | None, path: Path, session) -> int | None:
 def save_cache(path: str | os.PathLike, session, fp: dict, turns: list) -> int:
     """Write the session's cache to path (appending to the file this session saved last when it
     can); returns the bytes written."""
-    path = Path(path).expanduser()
+    path = check_save_path(path)
     num_tokens = session.host.num_tokens
     if not num_tokens:
         raise CacheFileError("There is no cache to save yet; send a prompt first.")
     header = {"num_tokens": num_tokens, "token_ids": session.ids[:num_tokens], "turns": [list(t) for t in turns]}
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise CacheFileError(f"Cannot save the cache to {path}: folder {folder} does not exist.")
+    folder = path.parent
     state = getattr(session, "saved_file", None)
     first_block = _append_from(state, path, session)
     if first_block is not None:
@@ -167,7 +166,8 @@ def save_cache(path: str | os.PathLike, session, fp: dict, turns: list) -> int:
     header["fingerprint"] = fp
     head, placed, size, digest = encode_record(WHOLE, header, _tensors(session, 0, num_tokens))
     _check_space(folder, size)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    _remove_orphans(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
             write_record(f, 0, head, placed, size)
@@ -185,6 +185,44 @@ def save_cache(path: str | os.PathLike, session, fp: dict, turns: list) -> int:
     session.saved_file = SavedFile(path.resolve(), path.stat().st_ino, num_tokens, digest, size)
     session.host.stable_tokens = num_tokens
     return size
+
+
+def check_save_path(path: str | os.PathLike) -> Path:
+    """The file a save of `path` writes: what a symbolic link names (the link stays a link).
+    Refused in one sentence, before anything is written: a missing folder, a folder, a file
+    whose owner made it read-only (a save never replaces it), a folder that cannot be written."""
+    given = Path(path).expanduser()
+    target = given.resolve() if given.is_symlink() else given
+    folder = target.parent if str(target.parent) else Path(".")
+    if not folder.is_dir():
+        raise CacheFileError(f"Cannot save the cache to {given}: folder {folder} does not exist.")
+    if target.is_dir():
+        raise CacheFileError(f"Cannot save the cache to {given}: it is a folder; name a file.")
+    if target.exists() and not target.stat().st_mode & 0o222:
+        raise CacheFileError(f"Cannot save the cache to {given}: the file is read-only; make it writable "
+                             "or save elsewhere.")
+    if not os.access(folder, os.W_OK):
+        raise CacheFileError(f"Cannot save the cache to {given}: folder {folder} is not writable; save elsewhere.")
+    return target
+
+
+def _remove_orphans(path: Path):
+    """Temporary files of whole saves to `path` whose process is gone (killed mid-save): each
+    is named .NAME.PID.XXXX.tmp by the process writing it."""
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2:].split(".", 1)[0]
+        if pid.isdigit() and not _running(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _check_space(folder: Path, size: int):
@@ -241,9 +279,15 @@ def _records(path: Path, mapped: mmap.mmap, fp: dict, capacity: int) -> list[Rec
             break
         records.append(record)
     for r in records:
-        n, ids = r.header.get("num_tokens"), r.header.get("token_ids")
-        if not isinstance(n, int) or not 0 < n <= capacity or not isinstance(ids, list) or len(ids) != n:
-            raise CacheFileError(f"{path} holds {n} tokens and this session's max_seq_len is {capacity:,}; "
+        n, ids, turns = r.header.get("num_tokens"), r.header.get("token_ids"), r.header.get("turns")
+        if (not isinstance(n, int) or isinstance(n, bool) or n <= 0 or not isinstance(ids, list) or len(ids) != n
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+                or not isinstance(turns, list)
+                or not all(isinstance(t, list) and len(t) == 2 and all(isinstance(x, str) for x in t) for t in turns)):
+            raise CacheFileError(f"{path} has a header this version does not write (its token count, token ids "
+                                 "or conversation); save the cache again.")
+        if n > capacity:
+            raise CacheFileError(f"{path} holds {n:,} tokens and this session's max_seq_len is {capacity:,}; "
                                  f"raise --max_seq_len to at least {n}.")
     return records
 
