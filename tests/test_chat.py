@@ -140,3 +140,17 @@ def test_readme_example_file_answers_paris(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     assert local_chat.main(["--prompt_file", str(example), "--max_new_tokens", "24"]) == 0
     assert "Paris" in capsys.readouterr().out
+
+
+def test_piped_input_that_is_not_utf8_is_one_sentence_not_a_traceback(tiny, config, monkeypatch):
+    """Undecodable bytes reach input() as lone surrogates, which the tokenizer cannot take."""
+    from ktlong.chat.loop import ChatLoop
+    from ktlong.errors import KtlongError
+
+    lm, _, _ = tiny
+    out = io.StringIO()
+    monkeypatch.setattr("builtins.input", lambda prompt="": "hello \udcff\udcfe there")
+    loop = ChatLoop(lm, config, 256, None, out=out, err=io.StringIO())
+    with pytest.raises(KtlongError, match="Standard input is not UTF-8 text"):
+        loop.run(interactive=False)
+    assert out.getvalue() == ""

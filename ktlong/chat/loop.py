@@ -169,9 +169,13 @@ class ChatLoop:
         def read_line():
             while True:
                 try:
-                    return input("> " if interactive else "")
+                    line = input("> " if interactive else "")
+                    line.encode("utf-8")  # undecodable bytes arrive as lone surrogates or fail here
+                    return line
                 except EOFError:
                     return None
+                except (UnicodeDecodeError, UnicodeEncodeError):
+                    raise KtlongError("Standard input is not UTF-8 text; convert it first (iconv -t UTF-8).") from None
                 except KeyboardInterrupt:
                     print(file=self.out)
                     self.notice("use /exit to quit")
