@@ -53,6 +53,9 @@ class GGUFTokenizer:
         tk.add_tokens(added)
         self._tk = tk
         self.tokens = tokens
+        self.special_names = tuple(token.content for token in added)  # parsed as tokens in text
+        # each encode() of a SentencePiece-style model with a space prefix starts a word
+        self.space_prefix = model == "llama" and bool(gf.get("tokenizer.ggml.add_space_prefix", False))
         self.vocab_size = len(tokens)
         self.control_ids = frozenset(i for i, t in enumerate(types) if t in (CONTROL, UNUSED))
         self.bos_id = gf.get("tokenizer.ggml.bos_token_id")

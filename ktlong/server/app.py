@@ -13,31 +13,47 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ktlong.server.protocol import ApiError, Prompting, check_model, chunk, new_id, response, usage
 from ktlong.server.worker import Outcome, QueueFull, Ticket, Worker
 
-MAX_BODY_BYTES = 256 * 2**20  # a 1M-token document is a few MiB of text
+# JSON bytes a prompt token may take (escaped text runs to 6 bytes a character), and room for
+# the rest of a request: a body past max_seq_len of them cannot fit and is refused as it arrives
+BODY_BYTES_PER_TOKEN = 64
+BODY_BYTES_BESIDES = 1 << 20
 
 
 def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-async def read_json(request: Request) -> dict:
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+async def read_json(request: Request, max_bytes: int) -> dict:
+    """The body as a JSON object, refused (4xx) as soon as it passes max_bytes, and when it is
+    not JSON, holds NaN or Infinity, nests too deep, or holds text that is not Unicode."""
     size = 0
     parts = []
     async for part in request.stream():
         size += len(part)
-        if size > MAX_BODY_BYTES:
-            raise ApiError(413, f"The request body is larger than {MAX_BODY_BYTES // 2**20} MiB.")
+        if size > max_bytes:
+            raise ApiError(413, f"The request body is larger than {max_bytes / 2**20:.1f} MiB, more than "
+                           "this server's max_seq_len can hold; send less.")
         parts.append(part)
     try:
-        body = json.loads(b"".join(parts))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(400, f"The request body is not valid JSON ({e}).") from None
+        body = json.loads(b"".join(parts), parse_constant=_no_constant)
+        json.dumps(body, ensure_ascii=False).encode("utf-8")  # a lone surrogate (\ud800) fails here
+    except RecursionError:
+        raise ApiError(400, "The request body nests too deep; send a flatter JSON object.") from None
+    except UnicodeEncodeError:
+        raise ApiError(400, "The request body holds text that is not Unicode (a lone surrogate escape); "
+                       "send valid UTF-8.") from None
+    except ValueError as e:  # invalid JSON, NaN or Infinity, an integer of thousands of digits
+        raise ApiError(400, f"The request body is not valid JSON ({str(e)[:200]}).") from None
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
     return body
@@ -72,14 +88,23 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
     async def health(request: Request):
         return JSONResponse({"status": "ok", "model": model_id, **worker.status()})
 
+    card = {"id": model_id, "object": "model", "created": created, "owned_by": "ktlong"}
+    max_body = prompting.max_seq_len * BODY_BYTES_PER_TOKEN + BODY_BYTES_BESIDES
+
     async def models(request: Request):
         check_key(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_id, "object": "model", "created": created, "owned_by": "ktlong"}]})
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def model(request: Request):
+        check_key(request)
+        if request.path_params["model"] != model_id:
+            raise ApiError(404, f"The model '{request.path_params['model'][:200]}' does not exist here; this "
+                           f"server serves '{model_id}'.", "model", "model_not_found")
+        return JSONResponse(card)
 
     async def complete(request: Request, kind: str):
         check_key(request)
-        body = await read_json(request)
+        body = await read_json(request, max_body)
         check_model(body, model_id)
         make = prompting.chat_job if kind == "chat" else prompting.completion_job
         job = await run_in_threadpool(make, body)  # a long document takes a while to tokenize
@@ -95,7 +120,14 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
         watcher = asyncio.create_task(watch_disconnect(request, ticket))
         pieces = []
         try:
-            while not isinstance(event := await ticket.events.get(), (Outcome, ApiError)):
+            while True:
+                getting = asyncio.ensure_future(ticket.events.get())
+                await asyncio.wait({getting, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if not getting.done():  # the client left: nobody to answer
+                    getting.cancel()
+                    return Response(status_code=499)
+                if isinstance(event := getting.result(), (Outcome, ApiError)):
+                    break
                 pieces.append(event)
         finally:
             watcher.cancel()
@@ -144,6 +176,7 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
         return error_response(ApiError(500, "The server failed; its log has the details.", kind="server_error"))
 
     routes = [Route("/health", health, methods=["GET"]), Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/models/{model:path}", model, methods=["GET"]),
               Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"])]
     handlers = {ApiError: api_error, HTTPException: http_error, Exception: server_error}

@@ -4,6 +4,7 @@ and the response and stream-chunk objects. No model code here; text becomes toke
 
 from __future__ import annotations
 
+import secrets
 import time
 import uuid
 from dataclasses import dataclass
@@ -86,7 +87,10 @@ def _refuse_unsupported(body: dict):
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
             raise bad(name, f"'{name}' is not supported here; leave it out or set it to 0.")
-    for name in ("logprobs", "top_logprobs", "tools", "functions", "logit_bias", "suffix"):
+    for name in ("logprobs", "top_logprobs", "tools", "functions", "logit_bias", "suffix", "tool_choice",
+                 "function_call", "parallel_tool_calls", "reasoning_effort", "modalities", "audio",
+                 "web_search_options", "prediction", "min_p", "repetition_penalty", "typical_p", "guided_json",
+                 "guided_regex", "guided_choice", "guided_grammar"):
         if body.get(name) not in (None, False, 0, [], {}):
             raise bad(name, f"'{name}' is not supported by this server; leave it out.")
     if body.get("echo"):
@@ -154,6 +158,39 @@ def message_text(message, i: int) -> tuple[str, str]:
     return ("system" if role == "developer" else role), content
 
 
+def encode_messages(tokenizer: GGUFTokenizer, template: ChatTemplate, messages: list[dict]) -> list[int]:
+    """The rendered conversation's ids, each message's text encoded as plain text: a special
+    token written in a message (`<|im_end|>`, say) stays text and cannot forge a turn, while the
+    template's own markers are tokens. The template renders placeholders in place of the texts,
+    and the pieces between them are encoded as the template's. Where that cannot give the ids of
+    the whole (a tokenizer that starts every encoding with a space, a template that changes a
+    text and so loses its placeholder), the whole is encoded with the texts' special tokens
+    broken up (defused)."""
+    if not tokenizer.space_prefix:
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use code points
+        rendered = template.render([{**m, "content": mark} for m, mark in zip(messages, marks)])
+        ids, start = [], 0
+        for mark, message in zip(marks, messages):
+            at = rendered.find(mark, start)
+            if at < 0:
+                break
+            ids += tokenizer.encode(rendered[start:at], add_bos=None if start == 0 else False)
+            ids += tokenizer.encode(message["content"], add_bos=False, parse_special=False)
+            start = at + len(mark)
+        else:
+            return ids + tokenizer.encode(rendered[start:], add_bos=None if start == 0 else False)
+    return tokenizer.encode(template.render([{**m, "content": defused(tokenizer, m["content"])} for m in messages]))
+
+
+def defused(tokenizer: GGUFTokenizer, text: str) -> str:
+    """text with every special token's name broken by a zero-width space after its first
+    character, so that the tokenizer reads it as text."""
+    for name in tokenizer.special_names:
+        if len(name) > 1 and name in text:
+            text = text.replace(name, name[0] + "\u200b" + name[1:])
+    return text
+
+
 class Prompting:
     """Requests to token ids, with the model's tokenizer and chat template."""
 
@@ -161,23 +198,25 @@ class Prompting:
                  max_seq_len: int, defaults: Defaults):
         self.tokenizer, self.template, self.system_prompt = tokenizer, template, system_prompt
         self.max_seq_len, self.defaults = max_seq_len, defaults
+        self.longest_token = max(len(t) for t in tokenizer.tokens)
 
     def chat_job(self, body: dict) -> Job:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise bad("messages", "'messages' is required: a non-empty list of {\"role\", \"content\"} objects.")
         turns = [message_text(m, i) for i, m in enumerate(messages)]
+        self._check_length(sum(len(c) for _, c in turns), "messages")
         rendered = [{"role": r, "content": c} for r, c in turns]
         if self.system_prompt and turns[0][0] != "system":
             rendered.insert(0, {"role": "system", "content": self.system_prompt})
-        ids = self.tokenizer.encode(self.template.render(rendered))
-        return self._job("chat", ids, body, "messages")
+        return self._job("chat", encode_messages(self.tokenizer, self.template, rendered), body, "messages")
 
     def completion_job(self, body: dict) -> Job:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
+            self._check_length(len(prompt), "prompt")
             ids = self.tokenizer.encode(prompt, parse_special=False)
         elif (isinstance(prompt, list) and prompt and
               all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
@@ -190,6 +229,13 @@ class Prompting:
         if not ids:
             raise bad("prompt", "'prompt' is empty.")
         return self._job("completion", ids, body, "prompt")
+
+    def _check_length(self, num_chars: int, param: str):
+        """Refuse, before tokenizing it, text that holds more tokens than max_seq_len whatever it
+        says: more characters than max_seq_len of the vocabulary's longest token."""
+        if num_chars > self.max_seq_len * self.longest_token:
+            raise bad(param, f"The prompt is {num_chars:,} characters, more than this server's max_seq_len of "
+                      f"{self.max_seq_len:,} tokens can hold; shorten it.", "context_length_exceeded")
 
     def _job(self, kind: str, ids: list[int], body: dict, prompt_param: str) -> Job:
         _refuse_unsupported(body)
@@ -204,7 +250,8 @@ class Prompting:
         return Job(kind=kind, prompt_ids=ids, max_tokens=max_tokens,
                    temperature=_number(body, "temperature", d.temperature, 0.0, 2.0),
                    top_p=_number(body, "top_p", d.top_p, 0.0, 1.0, low_open=True),
-                   top_k=_integer(body, "top_k", d.top_k, 0), seed=_integer(body, "seed", d.seed, 0, 2**63 - 1),
+                   top_k=_integer(body, "top_k", d.top_k, 0),
+                   seed=_integer(body, "seed", None, 0, 2**63 - 1) or secrets.randbits(63),  # none: a fresh draw
                    stop=_stop(body), stream=stream, include_usage=include_usage)
 
 
