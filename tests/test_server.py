@@ -371,3 +371,61 @@ def test_a_request_without_a_seed_samples_afresh(lm):
     body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 1.0}
     assert prompting.chat_job(body).seed != prompting.chat_job(body).seed
     assert prompting.chat_job({**body, "seed": 7}).seed == prompting.chat_job({**body, "seed": 7}).seed == 7
+
+
+def server_env(tmp_path):
+    import os
+
+    return {**os.environ, "XDG_CONFIG_HOME": str(tmp_path), "HOME": str(tmp_path)}
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.perf_counter()
+        bad = subprocess.run([sys.executable, "-m", "ktlong.server", "--port", str(port)], capture_output=True,
+                             text=True, env=server_env(tmp_path), timeout=120)
+    assert bad.returncode == 2 and f"Cannot listen on 127.0.0.1:{port}" in bad.stderr
+    assert "loaded" not in bad.stderr and "Traceback" not in bad.stderr and time.perf_counter() - start < 30
+
+
+def test_a_signal_ends_a_stream_with_an_error_event_and_the_server_within_seconds(tmp_path):
+    import signal
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ktlong.server", "--port", str(port), "--max_new_tokens", "2000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=server_env(tmp_path))
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+                conn.request("POST", "/v1/chat/completions", json.dumps({
+                    "model": MODEL, "stream": True, "messages": [{"role": "user", "content": "Count to a thousand."}],
+                    "max_tokens": 2000, "stop": ["never appears"]}), {"Content-Type": "application/json"})
+                response = conn.getresponse()
+                break
+            except ConnectionRefusedError:
+                assert proc.poll() is None and time.time() < deadline, "the server did not come up"
+                time.sleep(0.5)
+        events = []
+        while len(events) < 5:  # the answer is under way
+            line = response.readline().decode().strip()
+            if line.startswith("data: "):
+                events.append(line[6:])
+        proc.send_signal(signal.SIGINT)
+        start = time.perf_counter()
+        while (line := response.readline().decode()) != "":
+            if line.startswith("data: "):
+                events.append(line.strip()[6:])
+        proc.wait(timeout=30)
+        seconds = time.perf_counter() - start
+    finally:
+        proc.kill()
+        log = proc.communicate()[0]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "server_shutting_down"
+    assert seconds < 2.0, seconds
+    assert "Traceback" not in log

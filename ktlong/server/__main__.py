@@ -65,11 +65,14 @@ def main(argv=None) -> int:
         if config.tensor_parallel > 1:
             raise ConfigError("The server runs in one process; drop --tensor_parallel (local_chat.py, the "
                               "evaluation and the benches take it).")
+        check_port(config.host, config.port)  # before minutes of loading, not after
         started = start(config)
     except KtlongError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import uvicorn
+
+    from ktlong.server.stopping import StoppingServer
 
     app, api_key = make_app(started)
     if config.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
@@ -78,8 +81,29 @@ def main(argv=None) -> int:
     print(f"[serving {model_id(config.model, started.lm.path)} at http://{config.host}:{config.port}/v1 "
           f"({config.mode} mode, max_seq_len {started.max_seq_len:,}, queue {config.queue_size})]",
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=5)
+    server = StoppingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
+                                           timeout_graceful_shutdown=5), app.state.worker.shutdown)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn raises the signal again once it has shut down
+        pass
     return 0
+
+
+def check_port(host: str, port: int):
+    """Refuse in one sentence an address this machine cannot listen on (a port in use, say)."""
+    import socket
+
+    from ktlong.errors import ConfigError
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise ConfigError(f"Cannot listen on {host}:{port} ({e.strerror or e}); choose another --port or --host, "
+                          "or stop what uses it.") from None
 
 
 if __name__ == "__main__":

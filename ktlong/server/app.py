@@ -186,4 +186,6 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
         yield
         worker.close()
 
-    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    app.state.worker = worker  # the command stops it on a signal, before uvicorn waits for the streams
+    return app

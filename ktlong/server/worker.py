@@ -61,17 +61,31 @@ class Worker:
         self.counts: Counter = Counter()  # completed, cancelled, rejected, failed
         self.prefilled_tokens = 0  # over all requests: tokens computed by prefill
         self.cached_tokens = 0  # over all requests: prompt tokens served from the cache
+        self.tickets: set[Ticket] = set()  # admitted and not finished
+        self.closing = threading.Event()
 
     def submit(self, job: Job, loop: asyncio.AbstractEventLoop) -> Ticket:
         """Admit a job, or raise QueueFull when queue_size requests already wait."""
+        ticket = Ticket(loop)
         with self.lock:
+            if self.closing.is_set():
+                raise ApiError(503, "The server is shutting down; retry when it is back.", kind="server_error",
+                               code="server_shutting_down")
             if self.pending > self.queue_size:
                 self.counts["rejected"] += 1
                 raise QueueFull
             self.pending += 1
-        ticket = Ticket(loop)
+            self.tickets.add(ticket)
         self.executor.submit(self._run, job, ticket)
         return ticket
+
+    def shutdown(self):
+        """Stop what runs and what waits (the generation after its current chunk or token): each
+        gets an error saying the server is shutting down, so that a stream ends with it."""
+        with self.lock:
+            self.closing.set()
+            for ticket in self.tickets:
+                ticket.cancel()
 
     def status(self) -> dict:
         with self.lock:
@@ -81,17 +95,19 @@ class Worker:
                     "prefilled_tokens": self.prefilled_tokens, "cached_tokens": self.cached_tokens}
 
     def close(self):
+        self.shutdown()
         self.executor.shutdown(wait=True, cancel_futures=True)
 
     def _run(self, job: Job, ticket: Ticket):
         result = "failed"
         try:
-            if ticket.cancelled.is_set():  # the client left while waiting
-                result = "cancelled"
-                return
-            outcome = self._generate(job, ticket)
+            outcome = None if ticket.cancelled.is_set() else self._generate(job, ticket)  # set: the client left
             result = "cancelled" if outcome is None else "completed"
-            ticket.put(outcome)
+            if outcome is None and self.closing.is_set():
+                ticket.put(ApiError(503, "The server is shutting down; this answer was cut short.",
+                                    kind="server_error", code="server_shutting_down"))
+            elif outcome is not None:
+                ticket.put(outcome)
         except KtlongError as e:
             ticket.put(ApiError(500, str(e), kind="server_error"))
         except Exception:  # never a traceback to the client; the operator gets it
@@ -102,6 +118,7 @@ class Worker:
             with self.lock:
                 self.pending -= 1
                 self.counts[result] += 1
+                self.tickets.discard(ticket)
 
     def _generate(self, job: Job, ticket: Ticket) -> Outcome | None:
         stops = StopStrings(job.stop)
