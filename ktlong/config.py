@@ -234,8 +234,8 @@ def read_yaml_options(path: Path) -> dict[str, tuple[object, str]]:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f":{mark.line + 1}" if mark else ""
-        raise ConfigError(f"Config file {path}{at} is not valid YAML ({getattr(e, 'problem', e)}); "
-                          "fix the syntax there.") from None
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())[:200]  # one line, whatever YAML says
+        raise ConfigError(f"Config file {path}{at} is not valid YAML ({problem}); fix the syntax there.") from None
     if values is None:
         return {}
     if not isinstance(values, dict):
@@ -254,7 +254,7 @@ def read_yaml_options(path: Path) -> dict[str, tuple[object, str]]:
 def unknown_key_message(key: str, where: str) -> str:
     close = difflib.get_close_matches(key, option_names(), n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'?" if close else "see configs/default.yaml for every option."
-    return f"Unknown option '{key}' at {where}; {hint}"
+    return f"Unknown option {_SHORT_REPR.repr(key)} at {where}; {hint}"
 
 
 def parse_set(items: list[str]) -> dict[str, tuple[object, str]]:

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ktlong.session.cache_records import (APPENDED, COPIED_ALIGN, WHOLE, CacheFileError, Record, TruncatedRecord, check_tables,
+from ktlong.session.cache_records import (APPENDED, COPIED_ALIGN, WHOLE, CacheFileError, Record, check_tables,
                                           encode_record, fill_tables, read_record, write_record)
 
 MAX_APPENDED = 64
@@ -272,7 +272,7 @@ def _records(path: Path, mapped: mmap.mmap, fp: dict, capacity: int) -> list[Rec
     while True:
         try:
             record = read_record(path, mapped, records[-1].end, APPENDED)
-        except TruncatedRecord:  # cut short by a crash while appending: the saves before it hold
+        except CacheFileError:  # cut short by a crash while appending, or damaged: the saves before it hold
             break
         if record is None or record.header.get("whole") != whole.digest or \
                 record.header.get("sequence") != len(records):
@@ -292,6 +292,36 @@ def _records(path: Path, mapped: mmap.mmap, fp: dict, capacity: int) -> list[Rec
     return records
 
 
+class DamagedAppend(Exception):
+    """An appended record whose data does not match its checksums."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def _fill(path: Path, fd: int, mapped: mmap.mmap, session, records: list[Record]):
+    """The session's cache emptied and filled from the records, in order. Raises DamagedAppend
+    for an appended record whose tables fail their checks (CacheFileError for the whole one)."""
+    layout = session.layout
+    session.reset()
+    done_tokens = 0
+    for i, r in enumerate(records):
+        first = r.header["first_block"] if i else 0
+        if not isinstance(first, int) or not 0 <= first <= -(-done_tokens // layout.block_size):
+            raise CacheFileError(f"{path} has an appended record that leaves a gap; save it again.")
+        expected = _tensors(session, first, r.header["num_tokens"], _masses(r))
+        check_tables(path, r, expected)
+        # the whole record's host tables take the file's pages in place when not pinned
+        mappable = {n for n in expected if n.split(".")[0] in TABLES} if session.host.maps_files and not i else set()
+        try:
+            fill_tables(path, fd, mapped, r, expected, mappable)
+        except CacheFileError:
+            if not i:
+                raise
+            raise DamagedAppend(i) from None
+        done_tokens = r.header["num_tokens"]
+
+
 def _load(path: Path, fd: int, mapped: mmap.mmap, session, fp: dict) -> list:
     layout, overwritten = session.layout, False
     try:
@@ -300,19 +330,12 @@ def _load(path: Path, fd: int, mapped: mmap.mmap, session, fp: dict) -> list:
             if any(not 0 < n <= layout.num_blocks for n in _masses(r).values()):
                 raise CacheFileError(f"{path} holds preselection tables larger than this session's cache; "
                                      "save it again.")
-        session.reset()  # what was checked holds: from here the session's cache is overwritten
         overwritten = True
-        done_tokens = 0
-        for i, r in enumerate(records):
-            first = r.header["first_block"] if i else 0
-            if not isinstance(first, int) or not 0 <= first <= -(-done_tokens // layout.block_size):
-                raise CacheFileError(f"{path} has an appended record that leaves a gap; save it again.")
-            expected = _tensors(session, first, r.header["num_tokens"], _masses(r))
-            check_tables(path, r, expected)
-            # the whole record's host tables take the file's pages in place when not pinned
-            mappable = {n for n in expected if n.split(".")[0] in TABLES} if session.host.maps_files and not i else set()
-            fill_tables(path, fd, mapped, r, expected, mappable)
-            done_tokens = r.header["num_tokens"]
+        try:
+            _fill(path, fd, mapped, session, records)
+        except DamagedAppend as e:  # the saves before the damaged record hold: load those
+            records = records[:e.index]
+            _fill(path, fd, mapped, session, records)
     except CacheFileError:
         if overwritten:
             session.reset()
