@@ -31,8 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from ktlong.errors import KtlongError
     from ktlong.cli import print_error
+    from ktlong.errors import KtlongError
     from ktlong.parallel.group import quiet_unless_main
 
     quiet_unless_main()
@@ -41,6 +41,9 @@ def main(argv=None) -> int:
     except KtlongError as e:
         print_error(e)
         return 2
+    except KeyboardInterrupt:  # before the chat (loading, say): in the chat Ctrl-C stops an answer
+        print("\n[interrupted]", file=sys.stderr)
+        return 130
 
 
 def run(args) -> int:

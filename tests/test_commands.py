@@ -193,3 +193,16 @@ def test_a_prompt_file_that_is_a_folder_is_one_sentence(no_user_file, capsys, tm
 
     assert local_chat.main(["--prompt_file", str(tmp_path)]) == 2
     one_sentence_error(capsys, "is a folder")
+
+
+def test_ctrl_c_while_the_model_loads_is_one_line_and_exit_130(no_user_file, capsys, monkeypatch):
+    import local_chat
+    import ktlong.session.startup
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ktlong.session.startup, "start", interrupted)
+    assert local_chat.main([]) == 130
+    err = capsys.readouterr().err
+    assert "[interrupted]" in err and "Traceback" not in err

@@ -446,3 +446,27 @@ def test_a_hand_made_header_with_a_fresh_checksum_is_refused_in_one_sentence(tin
     loaded = session_for(tiny)
     message = refused(path, loaded)
     assert "header this version does not write" in message and loaded.host.num_tokens == 0
+
+
+def test_ctrl_c_during_the_save_after_an_answer_keeps_the_session_and_the_file(tiny, tmp_path, monkeypatch):
+    import io
+
+    import ktlong.session.saved_cache as saved_cache
+    from ktlong.chat.loop import ChatLoop
+    from ktlong.config import default_config
+
+    config = default_config(max_new_tokens=3, kv_type="fp32", local_windows_len=24)
+    path = tmp_path / "chat.kv"
+    err = io.StringIO()
+    loop = ChatLoop(tiny, config, 400, None, out=io.StringIO(), err=err, session=session_for(tiny), save_kv=str(path))
+    loop.ask("tell me about the document")
+    saved = path.read_bytes()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(saved_cache, "encode_record", interrupted)
+    tokens = loop.session.host.num_tokens
+    loop.ask("and then?")  # its save is interrupted; the chat goes on
+    assert "not saved: interrupted" in err.getvalue() and path.read_bytes() == saved
+    assert loop.session.host.num_tokens > tokens and loop.failed == [f"--save_kv {path}"]

@@ -127,6 +127,9 @@ class ChatLoop:
         except (KtlongError, OSError) as e:
             self.notice(f"not saved: {e}")
             return False
+        except KeyboardInterrupt:  # the file is as the last save left it (a whole save renames at its end)
+            self.notice(f"not saved: interrupted; {path} is as the last save left it")
+            return False
 
     def load(self, path: str) -> bool:
         """A saved cache and its conversation; the chat goes on from there. False after a notice
