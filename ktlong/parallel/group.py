@@ -9,6 +9,7 @@ the user's input lines, broadcast from rank 0 over gloo.
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 
@@ -121,6 +122,9 @@ def start_tensor_parallel(size: int, device_type: str) -> TensorParallel | None:
     backend = "nccl" if device_type == "cuda" else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend)
+        # left to the interpreter's exit, gloo's threads can outlive their group and abort the
+        # process ("terminate called without an active exception"): the group goes first
+        atexit.register(dist.destroy_process_group)
     group = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else group
     return TensorParallel(rank, size, group, cpu_group)
