@@ -15,6 +15,7 @@ import time
 import torch
 
 from ktlong.chat.text_file import read_text_file
+from ktlong.cli import print_error
 from ktlong.device import resolve_device, resolve_dtype
 from ktlong.errors import KtlongError
 from ktlong.kv.dense_cache import DenseKVCache
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
                         RopeOptions(args.rope_scaling, args.rope_scale, args.yarn_orig_ctx))
         result = perplexity(lm, text, args.ctx, args.max_windows)
     except KtlongError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return 2
     if args.json:
         print(json.dumps({"ppl": result["ppl"], "tokens": result["tokens"]}))

@@ -22,8 +22,8 @@ def read_text_file(path: str, flag: str) -> str:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
-        text = "\0"
-    if "\0" in text:
+        text = None
+    if text is None or "\0" in text:  # a NUL byte: a binary file that happens to decode
         raise KtlongError(f"{flag} {path} is not UTF-8 text; give a text file.")
     text = text.rstrip()
     if not text:

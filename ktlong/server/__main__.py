@@ -56,6 +56,7 @@ def make_app(started, log=None):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from ktlong.cli import print_error
     from ktlong.config import load_config
     from ktlong.errors import ConfigError, KtlongError
     from ktlong.session.startup import FLAG_TO_OPTION, overrides_from, start
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
         check_port(config.host, config.port)  # before minutes of loading, not after
         started = start(config)
     except KtlongError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return 2
     import uvicorn
 

@@ -57,11 +57,10 @@ class Worker:
         self.log = log or sys.stderr
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ktlong-generate")
         self.lock = threading.Lock()
-        self.pending = 0  # admitted and not finished: the one generating plus those waiting
         self.counts: Counter = Counter()  # completed, cancelled, rejected, failed
         self.prefilled_tokens = 0  # over all requests: tokens computed by prefill
         self.cached_tokens = 0  # over all requests: prompt tokens served from the cache
-        self.tickets: set[Ticket] = set()  # admitted and not finished
+        self.tickets: set[Ticket] = set()  # admitted and not finished: the one generating and those waiting
         self.closing = threading.Event()
 
     def submit(self, job: Job, loop: asyncio.AbstractEventLoop) -> Ticket:
@@ -71,10 +70,9 @@ class Worker:
             if self.closing.is_set():
                 raise ApiError(503, "The server is shutting down; retry when it is back.", kind="server_error",
                                code="server_shutting_down")
-            if self.pending > self.queue_size:
+            if len(self.tickets) > self.queue_size:
                 self.counts["rejected"] += 1
                 raise QueueFull
-            self.pending += 1
             self.tickets.add(ticket)
         self.executor.submit(self._run, job, ticket)
         return ticket
@@ -89,8 +87,8 @@ class Worker:
 
     def status(self) -> dict:
         with self.lock:
-            busy = min(self.pending, 1)
-            return {"generating": bool(busy), "waiting": self.pending - busy, "queue_size": self.queue_size,
+            busy = min(len(self.tickets), 1)
+            return {"generating": bool(busy), "waiting": len(self.tickets) - busy, "queue_size": self.queue_size,
                     "requests": {k: self.counts[k] for k in ("completed", "cancelled", "rejected", "failed")},
                     "prefilled_tokens": self.prefilled_tokens, "cached_tokens": self.cached_tokens}
 
@@ -116,7 +114,6 @@ class Worker:
                                 kind="server_error"))
         finally:
             with self.lock:
-                self.pending -= 1
                 self.counts[result] += 1
                 self.tickets.discard(ticket)
 
