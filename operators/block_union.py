@@ -86,14 +86,14 @@ def every_page_lists(num_groups: int, num_kv_heads: int, blocks_per_head: int, c
                      chunk_first_block)
 
 
-def fixed_page_lists(block_ids: torch.Tensor, num_kv_heads: int, blocks_per_head: int, chunk_first_block: int,
-                     chunk_tokens: int, block_size: int, out: torch.Tensor | None = None) -> PageLists:
-    """Page lists of the same length for every group: block_ids [G, K] (history blocks in any
-    order; attention over them does not depend on it) followed by the chunk's blocks. The lengths
-    are known on the host, so nothing waits for the device. out: an int32 tensor of G * (K +
-    chunk blocks) to write the indices into (an executor planned for these lengths reads it)."""
+def fixed_page_indices(block_ids: torch.Tensor, num_kv_heads: int, blocks_per_head: int, chunk_first_block: int,
+                       chunk_tokens: int, block_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The int32 indices of page lists of the same length for every group: block_ids [G, K]
+    (history blocks in any order; attention over them does not depend on it) followed by the
+    chunk's blocks -> [G * (K + chunk blocks)]. out: an int32 tensor of that size to write them
+    into (an executor planned for these lengths reads it)."""
     device = block_ids.device
-    num_groups, num_keep = block_ids.shape
+    num_groups = block_ids.shape[0]
     chunk_blocks = -(-chunk_tokens // block_size)
     kv_of_group = torch.arange(num_groups, device=device) // (num_groups // num_kv_heads)
     chunk = torch.arange(chunk_first_block, chunk_first_block + chunk_blocks, device=device)
@@ -101,8 +101,16 @@ def fixed_page_lists(block_ids: torch.Tensor, num_kv_heads: int, blocks_per_head
     indices = (kv_of_group[:, None] * blocks_per_head + blocks).view(-1)
     if out is None:
         out = torch.empty(indices.shape, dtype=torch.int32, device=device)
-    out.copy_(indices)
+    return out.copy_(indices)
+
+
+def fixed_page_lists(indices: torch.Tensor, num_groups: int, num_keep: int, chunk_first_block: int,
+                     chunk_tokens: int, block_size: int) -> PageLists:
+    """Page lists of num_keep history blocks then the chunk's blocks for every group, over
+    fixed_page_indices' indices. The lengths are known on the host, so nothing waits for the device."""
+    chunk_blocks = -(-chunk_tokens // block_size)
     per_group = num_keep + chunk_blocks
+    assert indices.numel() == num_groups * per_group
     indptr = torch.arange(num_groups + 1, dtype=torch.int32) * per_group
     last = chunk_tokens - (chunk_blocks - 1) * block_size
-    return PageLists(indptr, out, last, torch.full((num_groups,), num_keep), chunk_first_block)
+    return PageLists(indptr, indices, last, torch.full((num_groups,), num_keep), chunk_first_block)

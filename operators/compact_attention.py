@@ -15,8 +15,9 @@ import torch
 
 from operators.block_selector import flashprefill_group_keep, topk_group_blocks
 from operators.chunk_attention import chunk_attention
+from operators import triton_installed
 from operators.block_union import (PageLists, build_page_lists, every_page_lists, execution_groups,
-                                   fixed_page_lists, union_groups, union_query_blocks)
+                                   fixed_page_indices, fixed_page_lists, union_groups, union_query_blocks)
 from operators.paged_attention_reference import paged_attention_reference
 from operators.xattention_selector import select_blocks_xattention
 
@@ -67,6 +68,8 @@ class CompactAttention:
         # (what, pages) the executors were last planned for: one plan serves every layer of a
         # chunk whose page lists have the same lengths (every block kept; topk's fixed counts)
         self.planned: tuple[tuple, PageLists] | None = None
+        # topk's selection and page lists in a few Triton kernels (operators/topk_selection_kernel.py)
+        self.topk_kernel = device.type == "cuda" and triton_installed()
         if backend != "torch":
             from operators.flashinfer_paged import FlashInferPagedExecutor
 
@@ -143,16 +146,31 @@ class CompactAttention:
             num_keep = self.num_keep(num_hist)
             if num_keep > p.dense_above * num_hist:
                 return None, None
-            ids = topk_group_blocks(q, pooled_keys[:, :num_hist], self.block_size, self.scale, num_keep,
-                                    p.sink_blocks, p.window_blocks, self.groups.shape[1])
             # the lengths, not the chunk's place: every full chunk of every layer past keep_blocks shares one plan
             what = ("topk", num_keep, end - start, k_pages.shape[1], q.shape[1:], q.dtype, q.device)
             planned = self.planned is not None and self.planned[0] == what
-            return fixed_page_lists(ids, self.num_kv_heads, k_pages.shape[1], num_hist, end - start,
-                                    self.block_size, out=self.planned[1].indices if planned else None), what
+            out = self.planned[1].indices if planned else None
+            indices = self.topk_indices(q, pooled_keys, num_hist, num_keep, k_pages.shape[1], end - start, out)
+            return fixed_page_lists(indices, self.groups.shape[0], num_keep, num_hist, end - start,
+                                    self.block_size), what
         tail = prompt_tail(start, end, prompt_end, p.tail_queries)
         keep = self.group_keep(q, k_pages, pooled_keys, start, tail)
         return self.page_lists(keep, start, end, k_pages.shape[1]), None
+
+    def topk_indices(self, q, pooled_keys, num_hist: int, num_keep: int, blocks_per_head: int, chunk_tokens: int,
+                     out: torch.Tensor | None) -> torch.Tensor:
+        """The page indices of the num_keep best history blocks of every group, then the chunk's."""
+        p, group_size = self.params, self.groups.shape[1]
+        if self.topk_kernel and q.shape[-1] >= 16 and q.shape[-1] & (q.shape[-1] - 1) == 0:
+            from operators.topk_selection_kernel import topk_page_indices
+
+            return topk_page_indices(q, pooled_keys, num_hist, self.block_size, self.scale, num_keep, group_size,
+                                     p.sink_blocks, p.window_blocks, self.num_kv_heads, blocks_per_head,
+                                     chunk_tokens, out)
+        ids = topk_group_blocks(q, pooled_keys[:, :num_hist], self.block_size, self.scale, num_keep,
+                                p.sink_blocks, p.window_blocks, group_size)
+        return fixed_page_indices(ids, self.num_kv_heads, blocks_per_head, num_hist, chunk_tokens, self.block_size,
+                                  out)
 
     def attend(self, q, k_pages, v_pages, pages: PageLists, what: tuple | None, start: int, end: int,
                prompt_end: int | None = None) -> torch.Tensor:

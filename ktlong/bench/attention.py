@@ -27,7 +27,6 @@ from ktlong.config import default_config
 from ktlong.errors import KtlongError
 from ktlong.models.random_model import SHAPES, random_config
 from ktlong.session.settings import compact_params
-from operators.block_selector import topk_group_blocks
 from operators.block_union import build_page_lists, fixed_page_lists
 from operators.chunk_attention import chunk_attention, flashinfer_available
 from operators.compact_attention import CompactAttention, token_rows
@@ -79,13 +78,11 @@ def measure_topk(q, k, v, start, backend, density, op: CompactAttention, pooled,
     end, num_hist = start + q.shape[0], start // B
     p = op.params
     num_keep = max(round(density * num_hist), p.sink_blocks + p.window_blocks)
-    select = lambda: topk_group_blocks(q, pooled[:, :num_hist], B, op.scale, num_keep, p.sink_blocks,
-                                       p.window_blocks, op.groups.shape[1])
-    select_s = time_cuda(select)
-    ids = select()
-    pages = fixed_page_lists(ids, op.num_kv_heads, k.shape[1], num_hist, end - start, B)
-    pages_s = time_cuda(lambda: fixed_page_lists(ids, op.num_kv_heads, k.shape[1], num_hist, end - start, B,
-                                                 out=pages.indices))
+    select = lambda: op.topk_indices(q, pooled, num_hist, num_keep, k.shape[1], end - start, None)
+    select_s = time_cuda(select)  # the selection and its page indices
+    pages = fixed_page_lists(select(), op.groups.shape[0], num_keep, num_hist, end - start, B)
+    pages_s = time_cuda(lambda: fixed_page_lists(pages.indices, op.groups.shape[0], num_keep, num_hist,
+                                                 end - start, B))
     plan_s = time_cuda(lambda: op.executor.plan(q.shape[0], op.groups, pages, q.shape[-1], B, op.scale,
                                                 q.dtype)) / num_layers
     exec_s = time_cuda(lambda: op.executor.run(q, k, v, op.groups))

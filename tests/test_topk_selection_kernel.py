@@ -1,0 +1,67 @@
+"""CompactAttention's topk selection kernels (operators/topk_selection_kernel.py) against a plain
+torch statement of the rule and against the torch path (block_selector.topk_group_blocks, then
+block_union.fixed_page_indices). In Triton's interpreter on the CPU; compiled on a GPU."""
+
+import pytest
+import torch
+
+from operators.block_selector import topk_group_blocks
+from operators.block_union import fixed_page_indices
+from operators.topk_selection_kernel import group_margins, topk_page_indices
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+B = 16
+
+
+def reference_margins(q, pooled_keys, num_hist, scale, group_size, sink, window):
+    """Per (head, query block): the pooled query's scores over the history blocks minus their
+    best; per group: the best of its rows; the sinks and window +inf. Loops, float64."""
+    num_heads = q.shape[1]
+    heads_per_kv = num_heads // pooled_keys.shape[0]
+    num_qb = -(-q.shape[0] // B)
+    out = torch.full((num_heads // group_size, num_hist), float("-inf"), dtype=torch.float64)
+    for h in range(num_heads):
+        keys = pooled_keys[h // heads_per_kv, :num_hist].double()
+        for i in range(num_qb):
+            pq = q[i * B:(i + 1) * B, h].double().mean(0)
+            s = keys @ pq * scale
+            out[h // group_size] = torch.maximum(out[h // group_size], s - s.max())
+    out[:, :sink] = float("inf")
+    if window:
+        out[:, max(0, num_hist - window):] = float("inf")
+    return out
+
+
+@pytest.mark.parametrize("num_q, num_hist, group_size, sink, window", [
+    (4 * B, 70, 2, 1, 2),  # blocks past a program's 64
+    (3 * B + 5, 9, 4, 0, 0),  # a partial last query block, no sinks or window
+    (20 * B, 130, 1, 2, 3),  # query blocks past a program's 16 rows
+])
+def test_margins_equal_the_rule(num_q, num_hist, group_size, sink, window):
+    g = torch.Generator().manual_seed(num_hist)
+    num_heads, num_kv, dim, scale = 8, 2, 32, 0.3
+    q = torch.randn(num_q, num_heads, dim, generator=g).to(torch.bfloat16)
+    pooled = torch.randn(num_kv, num_hist + 7, dim, generator=g)  # room past the history, as the prefill's table has
+    out = group_margins(q.to(DEVICE), pooled.to(DEVICE), num_hist, B, scale, group_size, sink, window)
+    ref = reference_margins(q, pooled, num_hist, scale, group_size, sink, window)
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("group_size", [2, 4])
+def test_page_indices_equal_the_torch_path(group_size):
+    g = torch.Generator().manual_seed(group_size)
+    num_heads, num_kv, dim, num_hist, num_keep, blocks_per_head, scale = 8, 2, 32, 40, 12, 64, 0.25
+    chunk_tokens = 5 * B
+    q = torch.randn(chunk_tokens, num_heads, dim, generator=g).to(torch.bfloat16)
+    pooled = torch.randn(num_kv, blocks_per_head, dim, generator=g)
+    out = torch.full((num_heads // group_size * (num_keep + 5),), -1, dtype=torch.int32, device=DEVICE)
+    got = topk_page_indices(q.to(DEVICE), pooled.to(DEVICE), num_hist, B, scale, num_keep, group_size, 1, 2,
+                            num_kv, blocks_per_head, chunk_tokens, out=out)
+    assert got.data_ptr() == out.data_ptr()  # written in place: a plan reads this tensor
+    ids = topk_group_blocks(q, pooled[:, :num_hist], B, scale, num_keep, 1, 2, group_size)
+    ref = fixed_page_indices(ids, num_kv, blocks_per_head, num_hist, chunk_tokens, B)
+    per_group = num_keep + 5
+    for grp in range(num_heads // group_size):
+        row, want = got.cpu()[grp * per_group:(grp + 1) * per_group], ref[grp * per_group:(grp + 1) * per_group]
+        assert set(row[:num_keep].tolist()) == set(want[:num_keep].tolist())  # the kept blocks, any order
+        assert row[num_keep:].tolist() == want[num_keep:].tolist()  # then the chunk's blocks, in order
