@@ -21,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-ROWS = 16  # query-block rows a program step scores
-BLOCKS = 64  # history blocks a program step scores
+ROWS = 64  # query-block rows a program step scores (a chunk of 8,192 tokens has 64 blocks)
+BLOCKS = 64  # history blocks a program of _row_best scores a step
+MARGIN_BLOCKS = 16  # history blocks a program of _group_margin scores: more programs, as few groups as kv heads
 
 
 @triton.jit
@@ -117,9 +118,9 @@ def group_margins(q: torch.Tensor, pooled_keys: torch.Tensor, num_hist: int, blo
     _row_best[(num_heads, triton.cdiv(num_qb, ROWS))](pq, pooled_keys, best, num_qb, num_hist, scale, *strides,
                                                       HEADS_PER_KV=heads_per_kv, D=dim, ROWS=ROWS, BLOCKS=BLOCKS)
     out = torch.empty((num_heads // group_size, num_hist), dtype=torch.float32, device=q.device)
-    _group_margin[(out.shape[0], triton.cdiv(num_hist, BLOCKS))](
+    _group_margin[(out.shape[0], triton.cdiv(num_hist, MARGIN_BLOCKS))](
         pq, pooled_keys, best, out, num_qb, num_hist, scale, sink_blocks, window_blocks, *strides,
-        GROUP=group_size, HEADS_PER_KV=heads_per_kv, D=dim, ROWS=ROWS, BLOCKS=BLOCKS)
+        GROUP=group_size, HEADS_PER_KV=heads_per_kv, D=dim, ROWS=ROWS, BLOCKS=MARGIN_BLOCKS)
     return out
 
 

@@ -35,7 +35,7 @@ def reference_margins(q, pooled_keys, num_hist, scale, group_size, sink, window)
 @pytest.mark.parametrize("num_q, num_hist, group_size, sink, window", [
     (4 * B, 70, 2, 1, 2),  # blocks past a program's 64
     (3 * B + 5, 9, 4, 0, 0),  # a partial last query block, no sinks or window
-    (20 * B, 130, 1, 2, 3),  # query blocks past a program's 16 rows
+    (70 * B, 130, 1, 2, 3),  # query blocks past a program's 64 rows
 ])
 def test_margins_equal_the_rule(num_q, num_hist, group_size, sink, window):
     g = torch.Generator().manual_seed(num_hist)
@@ -48,20 +48,43 @@ def test_margins_equal_the_rule(num_q, num_hist, group_size, sink, window):
 
 
 @pytest.mark.parametrize("group_size", [2, 4])
-def test_page_indices_equal_the_torch_path(group_size):
+def test_page_indices_keep_the_best_margins(group_size):
+    """Each group's page list is num_keep blocks whose margins are the best (a row's best blocks
+    tie at margin 0, so the rule, not the torch path's choice among ties, is the reference), then
+    the chunk's blocks in order, offset to the group's kv head."""
     g = torch.Generator().manual_seed(group_size)
     num_heads, num_kv, dim, num_hist, num_keep, blocks_per_head, scale = 8, 2, 32, 40, 12, 64, 0.25
     chunk_tokens = 5 * B
     q = torch.randn(chunk_tokens, num_heads, dim, generator=g).to(torch.bfloat16)
     pooled = torch.randn(num_kv, blocks_per_head, dim, generator=g)
-    out = torch.full((num_heads // group_size * (num_keep + 5),), -1, dtype=torch.int32, device=DEVICE)
+    num_groups = num_heads // group_size
+    per_group = num_keep + 5
+    out = torch.full((num_groups * per_group,), -1, dtype=torch.int32, device=DEVICE)
     got = topk_page_indices(q.to(DEVICE), pooled.to(DEVICE), num_hist, B, scale, num_keep, group_size, 1, 2,
                             num_kv, blocks_per_head, chunk_tokens, out=out)
     assert got.data_ptr() == out.data_ptr()  # written in place: a plan reads this tensor
-    ids = topk_group_blocks(q, pooled[:, :num_hist], B, scale, num_keep, 1, 2, group_size)
-    ref = fixed_page_indices(ids, num_kv, blocks_per_head, num_hist, chunk_tokens, B)
-    per_group = num_keep + 5
-    for grp in range(num_heads // group_size):
-        row, want = got.cpu()[grp * per_group:(grp + 1) * per_group], ref[grp * per_group:(grp + 1) * per_group]
-        assert set(row[:num_keep].tolist()) == set(want[:num_keep].tolist())  # the kept blocks, any order
-        assert row[num_keep:].tolist() == want[num_keep:].tolist()  # then the chunk's blocks, in order
+    margins = reference_margins(q, pooled, num_hist, scale, group_size, 1, 2)
+    for grp in range(num_groups):
+        row = got.cpu()[grp * per_group:(grp + 1) * per_group].long() - (grp // (num_groups // num_kv)) * blocks_per_head
+        kept = row[:num_keep]
+        assert len(set(kept.tolist())) == num_keep and 0 <= int(kept.min()) and int(kept.max()) < num_hist
+        dropped = torch.ones(num_hist, dtype=torch.bool)
+        dropped[kept] = False
+        assert float(margins[grp, kept].min()) >= float(margins[grp, dropped].max()) - 1e-5
+        assert row[num_keep:].tolist() == list(range(num_hist, num_hist + 5))  # the chunk's blocks
+
+
+def test_torch_path_keeps_the_best_margins():
+    """The torch path (CPU, and GPUs without triton) by the same rule."""
+    g = torch.Generator().manual_seed(7)
+    num_heads, num_kv, dim, num_hist, num_keep, scale = 8, 2, 32, 40, 12, 0.25
+    q = torch.randn(5 * B, num_heads, dim, generator=g).to(torch.bfloat16)
+    pooled = torch.randn(num_kv, num_hist, dim, generator=g)
+    ids = topk_group_blocks(q, pooled, B, scale, num_keep, 1, 2, 4)
+    margins = reference_margins(q, pooled, num_hist, scale, 4, 1, 2)
+    indices = fixed_page_indices(ids, num_kv, 64, num_hist, 5 * B, B).view(2, -1)
+    for grp in range(2):
+        dropped = torch.ones(num_hist, dtype=torch.bool)
+        dropped[ids[grp]] = False
+        assert float(margins[grp, ids[grp]].min()) >= float(margins[grp, dropped].max()) - 1e-5
+        assert indices[grp].tolist() == [grp * 64 + int(i) for i in ids[grp]] + [grp * 64 + num_hist + i for i in range(5)]
