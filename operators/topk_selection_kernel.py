@@ -6,7 +6,7 @@ group maxima, the sink and window slices, the page arithmetic). On a small model
 cost is a fifth of the attention they save. Here:
 
 1. the query blocks' means, one reduction in torch ([nqb, H, D] float32, read through strides);
-2. `_row_best`: each (head, query block) row's best score over the history blocks;
+2. `_row_best`: each (head, query block) row's best score over a stretch of the history blocks;
 3. `_group_margin`: each execution group's best margin (score minus its row's best) per history
    block, with the sinks and the window at +inf, so top-k always takes them;
 4. torch.topk;
@@ -23,35 +23,39 @@ import triton.language as tl
 
 ROWS = 64  # query-block rows a program step scores (a chunk of 8,192 tokens has 64 blocks)
 BLOCKS = 64  # history blocks a program of _row_best scores a step
+SPLIT = 512  # history blocks a program of _row_best covers: at 1M tokens (8,192 blocks) 16 programs a row tile
 MARGIN_BLOCKS = 16  # history blocks a program of _group_margin scores: more programs, as few groups as kv heads
 
 
 @triton.jit
 def _row_best(pq_ptr, pk_ptr, best_ptr, num_qb, num_hist, scale, s_pq_b, s_pq_h, s_pk_h, s_pk_b,
-              HEADS_PER_KV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCKS: tl.constexpr):
-    """Program (head h, row tile): best[h, rows] = max_j scale * pq[rows, h] . pk[kv(h), j]."""
-    h, tile = tl.program_id(0), tl.program_id(1)
+              HEADS_PER_KV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCKS: tl.constexpr,
+              SPLIT: tl.constexpr):
+    """Program (head h, row tile, split s): best[s, h, rows] = max over the history blocks
+    s * SPLIT .. (s + 1) * SPLIT of scale * pq[rows, h] . pk[kv(h), j]."""
+    h, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    num_heads = tl.num_programs(0)
     rows = tile * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, D)
     pq = tl.load(pq_ptr + rows[:, None] * s_pq_b + h * s_pq_h + cols[None, :], mask=rows[:, None] < num_qb, other=0.0)
     kv = h // HEADS_PER_KV
     best = tl.full((ROWS,), float("-inf"), tl.float32)
-    for j0 in range(0, num_hist, BLOCKS):
+    for j0 in range(split * SPLIT, tl.minimum((split + 1) * SPLIT, num_hist), BLOCKS):
         blocks = j0 + tl.arange(0, BLOCKS)
         pk = tl.load(pk_ptr + kv * s_pk_h + blocks[:, None] * s_pk_b + cols[None, :],
                      mask=blocks[:, None] < num_hist, other=0.0)
         s = tl.dot(pq, tl.trans(pk), input_precision="ieee") * scale
         s = tl.where(blocks[None, :] < num_hist, s, float("-inf"))
         best = tl.maximum(best, tl.max(s, 1))
-    tl.store(best_ptr + h * num_qb + rows, best, mask=rows < num_qb)
+    tl.store(best_ptr + (split * num_heads + h) * num_qb + rows, best, mask=rows < num_qb)
 
 
 @triton.jit
-def _group_margin(pq_ptr, pk_ptr, best_ptr, out_ptr, num_qb, num_hist, scale, sink_blocks, window_blocks,
-                  s_pq_b, s_pq_h, s_pk_h, s_pk_b, GROUP: tl.constexpr, HEADS_PER_KV: tl.constexpr,
+def _group_margin(pq_ptr, pk_ptr, best_ptr, out_ptr, num_qb, num_hist, num_splits, num_heads, scale, sink_blocks,
+                  window_blocks, s_pq_b, s_pq_h, s_pk_h, s_pk_b, GROUP: tl.constexpr, HEADS_PER_KV: tl.constexpr,
                   D: tl.constexpr, ROWS: tl.constexpr, BLOCKS: tl.constexpr):
     """Program (group g, block tile): out[g, blocks] = max over the group's rows of (score - the
-    row's best); the sinks and the window +inf."""
+    row's best, the maximum of _row_best's splits); the sinks and the window +inf."""
     g, tile = tl.program_id(0), tl.program_id(1)
     blocks = tile * BLOCKS + tl.arange(0, BLOCKS)
     cols = tl.arange(0, D)
@@ -65,7 +69,10 @@ def _group_margin(pq_ptr, pk_ptr, best_ptr, out_ptr, num_qb, num_hist, scale, si
             rows = r0 + tl.arange(0, ROWS)
             inside = rows < num_qb
             pq = tl.load(pq_ptr + rows[:, None] * s_pq_b + h * s_pq_h + cols[None, :], mask=inside[:, None], other=0.0)
-            best = tl.load(best_ptr + h * num_qb + rows, mask=inside, other=0.0)
+            best = tl.full((ROWS,), float("-inf"), tl.float32)
+            for split in range(num_splits):
+                best = tl.maximum(best, tl.load(best_ptr + (split * num_heads + h) * num_qb + rows, mask=inside,
+                                                other=0.0))
             s = tl.dot(pq, tl.trans(pk), input_precision="ieee") * scale - best[:, None]
             s = tl.where(inside[:, None], s, float("-inf"))
             margin = tl.maximum(margin, tl.max(s, 0))
@@ -114,12 +121,15 @@ def group_margins(q: torch.Tensor, pooled_keys: torch.Tensor, num_hist: int, blo
     num_qb = pq.shape[0]
     heads_per_kv = num_heads // num_kv
     strides = (pq.stride(0), pq.stride(1), pooled_keys.stride(0), pooled_keys.stride(1))
-    best = torch.empty((num_heads, num_qb), dtype=torch.float32, device=q.device)
-    _row_best[(num_heads, triton.cdiv(num_qb, ROWS))](pq, pooled_keys, best, num_qb, num_hist, scale, *strides,
-                                                      HEADS_PER_KV=heads_per_kv, D=dim, ROWS=ROWS, BLOCKS=BLOCKS)
+    num_splits = triton.cdiv(num_hist, SPLIT)
+    best = torch.empty((num_splits, num_heads, num_qb), dtype=torch.float32, device=q.device)
+    _row_best[(num_heads, triton.cdiv(num_qb, ROWS), num_splits)](
+        pq, pooled_keys, best, num_qb, num_hist, scale, *strides,
+        HEADS_PER_KV=heads_per_kv, D=dim, ROWS=ROWS, BLOCKS=BLOCKS, SPLIT=SPLIT)
     out = torch.empty((num_heads // group_size, num_hist), dtype=torch.float32, device=q.device)
     _group_margin[(out.shape[0], triton.cdiv(num_hist, MARGIN_BLOCKS))](
-        pq, pooled_keys, best, out, num_qb, num_hist, scale, sink_blocks, window_blocks, *strides,
+        pq, pooled_keys, best, out, num_qb, num_hist, num_splits, num_heads, scale, sink_blocks, window_blocks,
+        *strides,
         GROUP=group_size, HEADS_PER_KV=heads_per_kv, D=dim, ROWS=ROWS, BLOCKS=MARGIN_BLOCKS)
     return out
 
