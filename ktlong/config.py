@@ -37,6 +37,8 @@ ENUMS = {
 # options that are true, false or "auto" (decided from the device and mode at run time)
 AUTO_BOOLS = ("use_cuda_graph",)
 SECRETS = ("api_key",)
+# options that no longer exist -> why, for the message that asks to delete them
+REMOVED = {"device_cache_blocks": "the GPU reads the selected blocks from DRAM itself (context_attention: gpu)"}
 MAX_CONFIG_BYTES = 1 << 20  # a config file is a few KiB of 'option: value' lines
 # key -> (lowest allowed, highest allowed, lowest is exclusive)
 RANGES = {
@@ -52,7 +54,6 @@ RANGES = {
     "anchor_num": (1, None, False), "dense_layer_num": (0, None, False),
     "preselect_block_count": (1, None, False), "layer_step": (1, None, False),
     "token_step": (1, None, False), "threads_num": (0, None, False),
-    "device_cache_blocks": (0, None, False),
     "max_new_tokens": (1, None, False), "temperature": (0, None, False), "top_p": (0, 1, True),
     "top_k": (0, None, False), "port": (1, 65535, False), "queue_size": (0, None, False),
     "tensor_parallel": (1, None, False), "seed": (0, (1 << 63) - 1, False),
@@ -101,7 +102,6 @@ class Config:
     layer_step: int
     token_step: int
     block_scoring: str
-    device_cache_blocks: int
     context_attention: str
     threads_num: int
     max_new_tokens: int
@@ -252,6 +252,8 @@ def read_yaml_options(path: Path) -> dict[str, tuple[object, str]]:
 
 
 def unknown_key_message(key: str, where: str) -> str:
+    if key in REMOVED:
+        return f"Option '{key}' at {where} no longer exists ({REMOVED[key]}); delete it."
     close = difflib.get_close_matches(key, option_names(), n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'?" if close else "see configs/default.yaml for every option."
     return f"Unknown option {_SHORT_REPR.repr(key)} at {where}; {hint}"

@@ -66,6 +66,16 @@ def test_unknown_key_names_closest_key_file_and_line(user_file):
     assert f"{user_file}:3" in str(e.value) and "did you mean 'second_select_num'" in str(e.value)
 
 
+
+def test_a_removed_option_is_named_as_removed(user_file):
+    user_file.parent.mkdir(parents=True)
+    user_file.write_text("device_cache_blocks: 64\n")  # an option of earlier versions
+    with pytest.raises(ConfigError) as e:
+        load_config()
+    assert str(e.value) == (f"Option 'device_cache_blocks' at {user_file}:1 no longer exists (the GPU reads the "
+                            "selected blocks from DRAM itself (context_attention: gpu)); delete it.")
+
+
 @pytest.mark.parametrize("setting,expected", [
     ("block_size=100", "power of two"),
     ("block_size=8", "at least 16"),

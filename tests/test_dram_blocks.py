@@ -7,8 +7,19 @@ import pytest
 import torch
 
 from ktlong.errors import KtlongError
-from tests.test_block_cache import session
+from ktlong.kv.layout import model_kv_layout
+from ktlong.session.long_context import LongContextSession
+from tests.settings import selection, with_anchors
 from tests.tiny_gguf import TinySpec, tiny_model
+
+
+def session(lm, kv_type="fp32", context_attention=None, **settings):
+    chosen = selection(**{"preselect_block": False, "dense_layer_num": 0, **settings})
+    layout = with_anchors(model_kv_layout(lm.config, 16, 512, kv_type, local_windows_len=48,
+                                          page_type="fp32" if kv_type in ("q8_0", "q4_0") else None), chosen)
+    return LongContextSession(lm.model, layout, chunk_size=64, backend="torch", hidden_on_device=True, compact=None,
+                              selection=chosen, local_windows_len=48, use_cuda_graph=False,
+                              context_attention=context_attention)
 
 
 @pytest.mark.parametrize("kv_type, settings", [("fp32", {}), ("q8_0", {"head_select_mode": "SEPARATE"})])
@@ -17,7 +28,7 @@ def test_decode_with_the_gpu_reading_dram_equals_the_cpu_operator(tmp_path, kv_t
     spec = TinySpec(num_layers=2, hidden=128 if wide else 64, num_heads=4, num_kv_heads=2, head_dim=32 if wide else 16)
     lm = tiny_model(tmp_path, spec, seed=5)
     prompt = [int(t) for t in np.random.default_rng(2).integers(0, 298, size=200)]
-    cpu, gpu = (session(lm, 0, kv_type, where, second_select_num=4, **settings) for where in ("cpu", "gpu"))
+    cpu, gpu = (session(lm, kv_type, where, second_select_num=4, **settings) for where in ("cpu", "gpu"))
     a, b = cpu.prefill(prompt), gpu.prefill(prompt)
     for _ in range(12):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
@@ -25,13 +36,13 @@ def test_decode_with_the_gpu_reading_dram_equals_the_cpu_operator(tmp_path, kv_t
         a, b = cpu.step(token), gpu.step(token)
     times = gpu.decoder.times
     assert times.selected == cpu.decoder.times.selected > 0
-    assert times.cached == times.selected and times.kv_bytes == 0  # the CPU read nothing
+    assert times.device_read == times.selected and times.kv_bytes == 0  # the CPU read nothing
 
 
 def test_formats_the_gpu_cannot_read_are_refused(tmp_path):
     lm = tiny_model(tmp_path, TinySpec(num_layers=2, hidden=128, num_heads=4, num_kv_heads=2, head_dim=32), seed=5)
     with pytest.raises(KtlongError, match="set context_attention=cpu"):
-        session(lm, 0, "q4_0", "gpu", second_select_num=4).prefill(list(range(100)))
+        session(lm, "q4_0", "gpu", second_select_num=4).prefill(list(range(100)))
 
 
 def _host_blocks(decoder, layer: int) -> list[list[int]]:
@@ -64,8 +75,8 @@ def test_selection_on_the_device_reads_the_blocks_the_host_selects(tmp_path, kv_
     spec = TinySpec(num_layers=3, hidden=128 if wide else 64, num_heads=4, num_kv_heads=2, head_dim=32 if wide else 16)
     lm = tiny_model(tmp_path, spec, seed=7)
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, 298, size=length)]
-    cpu = session(lm, 0, kv_type, "cpu", second_select_num=4, block_scoring="device", **settings)
-    gpu = session(lm, 0, kv_type, "gpu", second_select_num=4, block_scoring="device", **settings)
+    cpu = session(lm, kv_type, "cpu", second_select_num=4, block_scoring="device", **settings)
+    gpu = session(lm, kv_type, "gpu", second_select_num=4, block_scoring="device", **settings)
     a, b = cpu.prefill(prompt), gpu.prefill(prompt)
     assert gpu.decoder.selection is not None and cpu.decoder.selection is None
     layers = gpu.decoder.global_layers
@@ -90,12 +101,11 @@ def test_auto_puts_context_attention_on_the_gpu_where_it_can():
 
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     bf16, q4 = kv_layout(2, 2, 64, 16, 512, "bf16"), kv_layout(2, 2, 64, 16, 512, "q4_0")
-    assert resolve_context_attention("auto", gpu, None, bf16, 0) == "gpu"
-    assert resolve_context_attention("auto", gpu, None, q4, 0) == "cpu"  # a format the kernel does not read
-    assert resolve_context_attention("auto", gpu, None, bf16, 64) == "cpu"  # the block cache was asked for
-    assert resolve_context_attention("auto", gpu, object(), bf16, 0) == "cpu"  # tensor parallelism
-    assert resolve_context_attention("cpu", gpu, None, bf16, 0) == "cpu"
-    assert resolve_context_attention("gpu", cpu, None, bf16, 0) == resolve_context_attention("auto", cpu, None, bf16, 0) == "cpu"
+    assert resolve_context_attention("auto", gpu, None, bf16) == "gpu"
+    assert resolve_context_attention("auto", gpu, None, q4) == "cpu"  # a format the kernel does not read
+    assert resolve_context_attention("auto", gpu, object(), bf16) == "cpu"  # tensor parallelism
+    assert resolve_context_attention("cpu", gpu, None, bf16) == "cpu"
+    assert resolve_context_attention("gpu", cpu, None, bf16) == resolve_context_attention("auto", cpu, None, bf16) == "cpu"
 
 
 def test_selecting_more_blocks_than_the_cache_holds_reads_them_all(tmp_path):
@@ -103,7 +113,7 @@ def test_selecting_more_blocks_than_the_cache_holds_reads_them_all(tmp_path):
     device reads every context block, as the CPU operator does."""
     lm = tiny_model(tmp_path, TinySpec(num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16), seed=5)
     prompt = [int(t) for t in np.random.default_rng(4).integers(0, 298, size=200)]
-    cpu, gpu = (session(lm, 0, "fp32", where, second_select_num=1000, block_scoring="device") for where in ("cpu", "gpu"))
+    cpu, gpu = (session(lm, "fp32", where, second_select_num=1000, block_scoring="device") for where in ("cpu", "gpu"))
     a, b = cpu.prefill(prompt), gpu.prefill(prompt)
     assert gpu.decoder.selection is not None
     for _ in range(6):

@@ -22,10 +22,10 @@ def test_replayed_decode_reading_dram_on_the_gpu_follows_the_cpu_operator(kv_typ
     gpu = session(model, True, kv_type, second_select_num=3, block_scoring=block_scoring, context_attention="gpu")
     a, b = cpu.prefill(ids), gpu.prefill(ids)
     decoder = gpu.decoder
-    assert type(decoder.cache).__name__ == "DramBlocks"
+    assert type(decoder.dram_blocks).__name__ == "DramBlocks"
     on_device = block_scoring == "auto"
     assert (decoder.selection is not None) == on_device
-    assert len(decoder.body.graphs) == 1 if on_device else decoder.body.cached_graphs
+    assert len(decoder.body.graphs) == 1 if on_device else decoder.body.dram_graphs
     same = compared = 0
     for i in range(100):  # past a window slide
         assert float((b - a).norm() / a.norm()) < 3e-2, i

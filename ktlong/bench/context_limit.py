@@ -24,7 +24,7 @@ from ktlong.session.plan import plan_session
 
 # what this bench reads of the config: what the memory plan counts
 READS = frozenset({"chunk_size", "block_size", "kv_type", "local_windows_len", "anchor_type", "anchor_num",
-                   "second_select_num", "device_cache_blocks", "block_scoring", "context_attention"})
+                   "second_select_num", "block_scoring", "context_attention"})
 
 MAX_TOKENS = 1 << 26
 

@@ -7,13 +7,10 @@ python -m ktlong.bench decode [--contexts 32k,128k,512k] [--tokens 32] [--set ke
     [--shape llama-3.1-8b|tiny] [--device auto|cpu|cuda]
 
 Rows: all blocks on the CPU (dense), sparse with every token on the CPU (no device window),
-and hybrid (device window + CPU sparse blocks; `hybrid-cache`, `graphs-cache`: with the device's cache of
-recently selected blocks, `device_cache_blocks` or twice top-k, and the share it served;
-`graphs-gpu-context`: the GPU reads every selected block from DRAM itself, `context_attention: gpu`,
+and hybrid (device window + CPU sparse blocks; `graphs-gpu-context`: the GPU reads every selected block from DRAM itself, `context_attention: gpu`,
 and selects them too when block scoring is on the device: one graph a token, and its "wait"
 column is the whole token's device time).
-Times per token: total, CPU operator, selection (with the cache, also its split, admissions and
-page gathers), waiting for q from the device, and the rest (device work after the CPU part,
+Times per token: total, CPU operator, selection, waiting for q from the device, and the rest (device work after the CPU part,
 merge, Python). Beside them the two floors of a token, measured in the same run: the K/V
 bytes the CPU operator read at the host's streaming-read rate (a Numba read of 1 GiB on the
 decode threads) plus those the GPU read from DRAM at its pinned-copy rate (1 GiB to the device),
@@ -74,8 +71,7 @@ def fill_random(host: HostKVCache, num_tokens: int, seed: int = 0):
 
 
 MODES = {"dense": "dense (all blocks on CPU)", "cpu": "sparse, CPU only", "hybrid": "hybrid",
-         "hybrid-cache": "hybrid + block cache",
-         "graphs": "hybrid + CUDA graphs", "graphs-cache": "hybrid + CUDA graphs + block cache",
+         "graphs": "hybrid + CUDA graphs",
          "graphs-gpu-context": "CUDA graphs, the GPU reads the selected blocks from DRAM",
          "graphs-cpu-scoring": "hybrid + CUDA graphs, CPU scoring"}
 
@@ -187,13 +183,10 @@ def main(argv=None) -> int:
     sparse = selection_settings(config, c.num_layers)
     sparse = dataclasses.replace(sparse, preselect_block=False, context_attention="cpu")  # gpu: its own mode
     local = config.local_windows_len
-    cache = config.device_cache_blocks or 2 * config.second_select_num  # graphs-cache: the option, else twice top-k
-    settings = {"dense": (selection_settings(config, c.num_layers, "dense"), local, False, 0),
-                "cpu": (sparse, 0, False, 0), "hybrid": (sparse, local, False, 0),
-                "hybrid-cache": (sparse, local, False, cache), "graphs": (sparse, local, True, 0),
-                "graphs-cache": (sparse, local, True, cache),
-                "graphs-gpu-context": (dataclasses.replace(sparse, context_attention="gpu"), local, True, 0),
-                "graphs-cpu-scoring": (dataclasses.replace(sparse, block_scoring="cpu"), local, True, 0)}
+    settings = {"dense": (selection_settings(config, c.num_layers, "dense"), local, False),
+                "cpu": (sparse, 0, False), "hybrid": (sparse, local, False), "graphs": (sparse, local, True),
+                "graphs-gpu-context": (dataclasses.replace(sparse, context_attention="gpu"), local, True),
+                "graphs-cpu-scoring": (dataclasses.replace(sparse, block_scoring="cpu"), local, True)}
     modes = [(MODES[m], *settings[m]) for m in modes]
     for context in contexts:
         layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size,
@@ -201,13 +194,13 @@ def main(argv=None) -> int:
                            anchor_type=config.anchor_type, anchor_num=config.anchor_num)
         host = HostKVCache(layout, pin=cuda)
         fill_random(host, context)
-        for name, settings, local, graphs, cache_blocks in modes:
+        for name, settings, local, graphs in modes:
             if name.startswith("dense") and context > 128 * 1024:
                 rows.append([f"{context // 1024}K", name, *["-"] * 11, "skipped (minutes per token)"])
                 continue
             host.reset()  # the previous row's tokens go
             host.advance(context)
-            decoder = HybridDecoder(model, host, settings, local, use_cuda_graph=graphs, cache_blocks=cache_blocks,
+            decoder = HybridDecoder(model, host, settings, local, use_cuda_graph=graphs,
                                     context_attention=settings.context_attention)
             if args.selection_drift is not None and decoder.selection is not None:
                 raise KtlongError("--selection_drift replaces the host's selection, and graphs-gpu-context selects "
@@ -230,13 +223,13 @@ def main(argv=None) -> int:
             n = tm.steps
             cpu, sel, wait = tm.cpu_attention / n, tm.selection / n, tm.device_wait / n
             # K/V the CPU read from DRAM at its stream rate, and what the GPU read there over PCIe
-            gpu_read = tm.cached * decoder.block_bytes if isinstance(decoder.cache, DramBlocks) else 0
+            gpu_read = tm.device_read * decoder.block_bytes if decoder.dram_blocks is not None else 0
             kv_floor = tm.kv_bytes / n / (stream_gbps * 1e9) + (gpu_read / n / (pcie_gbps * 1e9) if gpu_read else 0)
             rows.append(row := [f"{context // 1024}K", name, f"{1 / med:.1f}", f"{med * 1e3:.1f}", f"{cpu * 1e3:.1f}",
                          f"{sel * 1e3:.1f}", f"{wait * 1e3:.1f}", f"{(tm.total / n - cpu - sel - wait) * 1e3:.1f}",
                          f"{(tm.kv_bytes + gpu_read) / n / 1e6:.0f}", f"{kv_floor * 1e3:.1f}", f"{weight_floor * 1e3:.1f}",
                          f"{(kv_floor + weight_floor) * 1e3:.1f}",
-                         f"{tm.cached / tm.selected:.0%}" if tm.selected else "-",
+                         f"{tm.device_read / tm.selected:.0%}" if tm.selected else "-",
                          (f"peak GPU {torch.cuda.max_memory_allocated(device) / GIB:.1f} GiB, " if cuda else "")
                          + f"KV in DRAM {layout.num_layers * layout.layer_bytes() / GIB:.1f} GiB"])
             print("partial:", " | ".join(map(str, row)), flush=True)
@@ -248,5 +241,5 @@ def main(argv=None) -> int:
           f"read at the {'GPU' if cuda else 'DRAM'} copy rate of {hbm_gbps:,.0f} GB/s = {weight_floor * 1e3:.2f} ms")
     print_table(["context", "mode", "tok/s", "ms/token", "CPU attention", "selection", "wait for q",
                  "rest (GPU, merge, Python)", "K/V read MB", "K/V floor", "weights floor", "floors summed",
-                 "from block cache", "note"], rows)
+                 "read by the GPU", "note"], rows)
     return 0

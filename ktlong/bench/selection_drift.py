@@ -2,13 +2,11 @@
 
 python -m ktlong.bench selection-drift --model qwen2.5-coder-0.5b --length 8k --tokens 64
 
-Issue #19's premise: if each token's top-k blocks were mostly the previous tokens', blocks
-selected recently could stay in GPU memory and only the changed ones be read from DRAM. This
-prefills a needle prompt of the evaluation (real prose), decodes greedily, and records every
+If each token's top-k blocks were mostly the previous tokens', blocks selected recently could
+stay in GPU memory and only the changed ones be read from DRAM. This prefills a needle prompt of the evaluation (real prose), decodes greedily, and records every
 global layer's selected blocks per kv head at every token. Per layer it prints: of a token's
 selected blocks, the share the previous token also selected, the share any of the last W
-tokens selected (a cache of W tokens' blocks), and the new blocks per token and kv head; on a
-GPU, also the share the decoder's block cache (`device_cache_blocks`) served.
+tokens selected (a cache of W tokens' blocks), and the new blocks per token and kv head.
 """
 
 from __future__ import annotations
@@ -115,9 +113,6 @@ def main(argv=None) -> int:
     print(f"all layers: {prev:.0f}% of a token's blocks were the previous token's, {win:.0f}% were among "
           f"the last {args.window} tokens'")
     t = decoder.times
-    cache = (f"block cache of {decoder.cache.slots} blocks per kv head and layer served {t.cached / t.selected:.0%} "
-             "of the selected blocks" if decoder.cache is not None and t.selected else "no block cache")
     print(f"decode: {t.steps / t.total:.1f} tok/s; per token CPU attention {t.cpu_attention / t.steps * 1e3:.2f} ms, "
-          f"selection {t.selection / t.steps * 1e3:.2f} ms, waiting for the device {t.device_wait / t.steps * 1e3:.2f} "
-          f"ms; {cache}")
+          f"selection {t.selection / t.steps * 1e3:.2f} ms, waiting for the device {t.device_wait / t.steps * 1e3:.2f} ms")
     return 0

@@ -2,9 +2,8 @@
 
 The KV cache in DRAM is page-locked, and page-locked memory is mapped into the GPU's address
 space (unified addressing), so a kernel can read it over PCIe with no copy and no host thread.
-Here the attention over a global layer's selected blocks is the block cache's kernel
-(operators/cached_blocks_kernel.py) pointed at the layer's DRAM pages instead of device slots:
-block b of kv head h is row h * num_blocks + b of the head-major [KV, NB, B, R] table. Either the
+Here the attention over a global layer's selected blocks is one kernel
+(operators/selected_blocks_kernel.py) over the layer's DRAM pages: block b of kv head h is row h * num_blocks + b of the head-major [KV, NB, B, R] table. Either the
 device selects too (`selection`, ktlong/decode/device_selection.py: the rows come from its top-k,
 and a token is device work from end to end), or the host selects and writes the rows into a
 pinned index that the replayed part copies in (tensor parallelism, scores on the CPU). Either
@@ -12,10 +11,6 @@ way the GPU reads every selected block and the CPU operator none, but for one ca
 selecting, a dense layer's every block does not fit the index, and the CPU operator reads them. A
 token reads its selected K/V over PCIe once (285 MB at 8B shapes, 128K, q8_0); the CPU operator
 reads the same bytes from DRAM at the host's stream rate.
-
-With the host selecting, it keeps the DeviceBlockCache's interface (split, no_hits, stage_in,
-clear, attend), so the decoder and the captured parts treat it as a cache that holds every block
-and admits nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +18,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ktlong.decode.block_cache import HitIndex
 from ktlong.decode.device_selection import DeviceSelection
 from ktlong.errors import KtlongError
 from ktlong.kv.host_cache import HostKVCache
@@ -31,17 +25,17 @@ from ktlong.kv.pinned import PinnedTensors
 from operators import triton_installed
 
 
-def resolve_context_attention(setting: str, device: torch.device, tp, layout, cache_blocks: int) -> str:
+def resolve_context_attention(setting: str, device: torch.device, tp, layout) -> str:
     """`context_attention` for a session: auto is gpu on a GPU with triton, one rank (tensor
-    parallelism keeps the host's selection), a format the kernel reads and no block cache asked
-    for; cpu otherwise, and always on the CPU."""
+    parallelism keeps the host's selection) and a format the kernel reads; cpu otherwise, and
+    always on the CPU."""
     if device.type != "cuda":
         return "cpu"
     if setting != "auto":
         return setting
-    if tp is not None or cache_blocks or not triton_installed():
+    if tp is not None or not triton_installed():
         return "cpu"
-    from operators.cached_blocks_kernel import kernel_applies
+    from operators.selected_blocks_kernel import kernel_applies
 
     return "gpu" if kernel_applies(layout.kv_type, layout.block_size, layout.head_dim) else "cpu"
 
@@ -55,13 +49,13 @@ class DramBlocks:
         if not triton_installed():
             raise KtlongError("context_attention: gpu needs triton; install the GPU extra (pip install -e "
                               "\".[gpu]\") or set context_attention=cpu.")
-        from operators.cached_blocks_kernel import cached_blocks_attention, kernel_applies
+        from operators.selected_blocks_kernel import selected_blocks_attention, kernel_applies
 
         if not kernel_applies(layout.kv_type, layout.block_size, layout.head_dim):
             raise KtlongError(f"context_attention: gpu reads bf16, fp16, fp32 or q8_0 blocks with a power-of-two "
                               f"block_size and head_dim of at least 16 (here {layout.kv_type}, block "
                               f"{layout.block_size}, head_dim {layout.head_dim}); set context_attention=cpu.")
-        self.kernel, self.scale, self.block_size = cached_blocks_attention, scale, layout.block_size
+        self.kernel, self.scale, self.block_size = selected_blocks_attention, scale, layout.block_size
         KV, NB = layout.num_kv_heads, layout.num_blocks
         rows = KV * NB
         # each global layer's DRAM pages as [KV * NB, B, R] views (no copy), and their scales
@@ -79,7 +73,7 @@ class DramBlocks:
     def fits(self, blocks: np.ndarray) -> bool:
         return self.hits.fits(blocks)
 
-    def split(self, j: int, blocks: np.ndarray, counts: np.ndarray, step: int, k, v):
+    def split(self, j: int, blocks: np.ndarray, counts: np.ndarray):
         """Layer j's selection -> the rows the GPU reads; nothing left for the CPU."""
         S = blocks.shape[1]
         self.hits.index_np[j, :, :S] = self.head_rows + blocks
@@ -87,13 +81,9 @@ class DramBlocks:
         return self.none_left
 
     def no_hits(self, j: int):
+        """Layer j reads no blocks on the device this step (nothing selected, or a dense layer's
+        every block, which the CPU operator reads)."""
         self.hits.valid_np[j] = 0
-
-    def stage_in(self, j: int):
-        """Nothing to stage: the pages are read where they lie."""
-
-    def clear(self):
-        """Nothing held between steps."""
 
     def attend(self, j: int, q: torch.Tensor, base=None) -> tuple[torch.Tensor, torch.Tensor]:
         """q [H, D] over layer j's selected blocks in DRAM -> (out [H, D], lse [H]) float32;
@@ -101,3 +91,31 @@ class DramBlocks:
         (k, v), (ks, vs) = self.pages[j], self.scales[j]
         rows = self.selection.select(j, q) if self.selection is not None else self.hits.load(j)
         return self.kernel(q.float(), k, v, ks, vs, *rows, self.scale, base)
+
+
+class HitIndex:
+    """Per global layer, the page rows a step attends to on the device, per kv head, and how many
+    tokens of them count (whole blocks, first rows first): written by the host into pinned
+    buffers (index_np, valid_np), copied to the device by the replayed part (`load`)."""
+
+    def __init__(self, num_layers: int, num_kv: int, max_selected: int, fill: int, pinned: PinnedTensors,
+                 device: torch.device):
+        """max_selected: the most rows a layer's step names per kv head; fill: the row unused
+        entries name."""
+        self.max_selected = max_selected
+        self.host_index = pinned.pin(torch.full((num_layers, num_kv, max_selected), fill, dtype=torch.int64))
+        self.host_valid = pinned.pin(torch.zeros((num_layers, num_kv), dtype=torch.int64))
+        self.index_np, self.valid_np = self.host_index.numpy(), self.host_valid.numpy()
+        # on the device, one layer at a time (the replayed parts run in stream order)
+        self.index = torch.full((num_kv, max_selected), fill, dtype=torch.int64, device=device)
+        self.valid = torch.zeros(num_kv, dtype=torch.int64, device=device)
+
+    def fits(self, blocks: np.ndarray) -> bool:
+        """Whether a selection fits (dense layers read every block: CPU only)."""
+        return blocks.shape[1] <= self.max_selected
+
+    def load(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer j's rows and token counts on the device (queued copies; fixed shapes)."""
+        self.index.copy_(self.host_index[j], non_blocking=True)
+        self.valid.copy_(self.host_valid[j], non_blocking=True)
+        return self.index, self.valid

@@ -4,10 +4,10 @@ DRAM blocks, merged by log-sum-exp.
 Per global layer: the device computes q/k/v, appends k/v to its window, attends to the window
 and (with `block_scoring` on the device) scores every block, and hands q, k/v and the scores to
 the host (ktlong/decode/step.py); the host writes k/v through to DRAM, selects blocks and runs
-the CPU operator; the next device segment merges the two states and runs on. With a block cache
-(`device_cache_blocks`, ktlong/decode/block_cache.py) the device attends to the selected blocks
-it holds or takes in, and the CPU only to the rest: three states merge. On a CPU-only machine
-both parts run on the CPU with the same code.
+the CPU operator; the next device segment merges the two states and runs on. With
+`context_attention: gpu` the device reads the selected blocks from DRAM itself
+(ktlong/decode/dram_blocks.py), and, where it also selects, a token is one piece of device work.
+On a CPU-only machine both parts run on the CPU with the same code.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from cpu_ops.sparse_attention import sparse_attention
-from ktlong.decode.block_cache import DeviceBlockCache, host_words
 from ktlong.decode.dram_blocks import DramBlocks
 from ktlong.decode.step import DecodeStep
 from ktlong.decode.selection import DecodeBlockSelector, SelectionSettings, stored_view
@@ -27,6 +26,7 @@ from ktlong.decode.device_anchors import DeviceAnchors, scores_on_device
 from ktlong.decode.device_selection import DeviceSelection, selects_on_device
 from ktlong.decode.window import SINK_BLOCKS, DeviceWindow
 from ktlong.kv.host_cache import HostKVCache
+from ktlong.kv.pinned import host_words
 from ktlong.models.llama import LlamaModel
 from operators.block_summary import anchor_keys, block_summaries
 
@@ -40,17 +40,14 @@ class DecodeTimes:
     device_wait: float = 0.0  # waiting for q to reach the host (device work before it)
     kv_bytes: int = 0  # K/V bytes of the blocks the CPU operator read
     selected: int = 0  # (kv head, block) pairs selected, beyond the window
-    cached: int = 0  # of them, attended on the device (its block cache, or DRAM read by the device)
+    device_read: int = 0  # of them, read from DRAM by the device (`context_attention: gpu`)
 
 
 class HybridDecoder:
     def __init__(self, model: LlamaModel, host: HostKVCache, settings: SelectionSettings,
-                 local_windows_len: int, use_cuda_graph: bool = False, cache_blocks: int = 0,
-                 context_attention: str = "cpu"):
-        """cache_blocks: blocks per kv head and global layer that the device keeps of recent
-        selections (ktlong/decode/block_cache.py); 0: the CPU reads every selected block.
-        context_attention "gpu": the device reads every selected block where it lies in DRAM
-        (ktlong/decode/dram_blocks.py; cache_blocks is then unused)."""
+                 local_windows_len: int, use_cuda_graph: bool = False, context_attention: str = "cpu"):
+        """context_attention "gpu": the device reads every selected block where it lies in DRAM
+        (ktlong/decode/dram_blocks.py); "cpu": the Numba operator reads them."""
         assert context_attention in ("cpu", "gpu"), "resolve auto first (ktlong/decode/dram_blocks.py)"
         self.model, self.host, self.settings = model, host, settings
         layout = host.layout
@@ -73,19 +70,16 @@ class HybridDecoder:
         self.times = DecodeTimes()
         self.cuda = model.device.type == "cuda"
         # the device part: one body, replayed from CUDA graphs or run eagerly (ktlong/decode/step.py)
-        self.cache = None
+        self.dram_blocks = None
         self.selection = None  # the device selects too: a token is one piece of device work
         if context_attention == "gpu" and settings.second_select_num:
-            self.cache = DramBlocks(host, self.global_layers, settings.second_select_num, model.scale, model.device)
+            self.dram_blocks = DramBlocks(host, self.global_layers, settings.second_select_num, model.scale, model.device)
             if selects_on_device(self.selector, self.device_anchors, self.global_layers):
                 self.selection = DeviceSelection(self.selector, self.device_anchors, self.global_layers, model.device)
                 self.selection.load_candidates()
-                self.cache.selection = self.selection
-        elif cache_blocks and settings.second_select_num:
-            self.cache = DeviceBlockCache(layout, len(self.global_layers), cache_blocks, settings.second_select_num,
-                                          model.scale, model.device)
+                self.dram_blocks.selection = self.selection
         self.body = DecodeStep(model, self.window, self.global_layers, use_cuda_graph and self.cuda,
-                               self.device_anchors, self.cache)
+                               self.device_anchors, self.dram_blocks)
         # numpy views of the exchange buffers, read and written once per layer per token: a numpy
         # assignment costs a tenth of a torch indexing and copy_ call
         body = self.body
@@ -107,8 +101,6 @@ class HybridDecoder:
         window loads again, the anchors of the rewritten blocks are rebuilt (host and device
         copies), and selection starts over with the new prompt's preselection."""
         self.selector.build_all(self.host.num_tokens, self.global_layers, first_block)
-        if self.cache is not None:
-            self.cache.clear()
         if self.device_anchors is not None:  # small copies from pageable memory: before the window's DMA
             last = -(-self.host.num_tokens // self.block_size)
             for layer in self.global_layers:
@@ -155,7 +147,7 @@ class HybridDecoder:
                 self._context_part(j, layer, first, last, scores)
             else:  # nothing in DRAM beyond the window yet
                 self.lse_np[j] = -np.inf
-                if self.cache is not None:
+                if self.dram_blocks is not None:
                     self._device_blocks(j, layer)
             body.replay(j + 1)
         window.copy_to_sink(pos)
@@ -177,7 +169,7 @@ class HybridDecoder:
         logits = body.logits.clone()
         selected = self.selection.selected()
         self.times.selected += selected
-        self.times.cached += selected
+        self.times.device_read += selected
         self._end_step(pos, start)
         return logits
 
@@ -190,13 +182,13 @@ class HybridDecoder:
             k_dram.scales[:, b, t], v_dram.scales[:, b, t] = self.new_kv_scales[j, 0], self.new_kv_scales[j, 1]
 
     def _context_part(self, j: int, layer: int, first: int, last: int, device_scores=None):
-        """Global layer j's selected context blocks: those the device holds, or takes in now, are
-        attended there (replayed now, while the CPU reads the rest from DRAM), the rest here;
+        """Global layer j's selected context blocks: with the device reading DRAM, it attends to
+        them (replayed now); otherwise, and for a dense layer's every block, the CPU operator;
         o_np / lse_np get the CPU's state, the device keeps its own."""
         t1 = time.perf_counter()
         blocks, counts = self.selector.select(layer, self.step_index, self.q_np[j], first, last, device_scores)
         selected = int(counts.sum())
-        if self.cache is not None:
+        if self.dram_blocks is not None:
             blocks, counts = self._device_blocks(j, layer, blocks, counts)
         t2 = time.perf_counter()
         misses = int(counts.sum())
@@ -211,18 +203,17 @@ class HybridDecoder:
         self.times.cpu_attention += t3 - t2
         self.times.kv_bytes += misses * self.block_bytes
         self.times.selected += selected
-        self.times.cached += selected - misses
+        self.times.device_read += selected - misses
 
     def _device_blocks(self, j: int, layer: int, blocks=None, counts=None):
         """The device's share of global layer j's selected blocks (none when nothing is selected
-        or the selection is larger than the cache's buffers: a dense layer), replayed now ->
+        or the selection is larger than the device's index: a dense layer), replayed now ->
         the blocks and counts left for the CPU."""
-        if blocks is not None and self.cache.fits(blocks):
-            blocks, counts = self.cache.split(j, blocks, counts, self.step_index, self.k_stored[layer],
-                                              self.v_stored[layer])
+        if blocks is not None and self.dram_blocks.fits(blocks):
+            blocks, counts = self.dram_blocks.split(j, blocks, counts)
         else:
-            self.cache.no_hits(j)
-        self.body.replay_cached(j)
+            self.dram_blocks.no_hits(j)
+        self.body.replay_dram_blocks(j)
         return blocks, counts
 
     def _end_step(self, pos: int, start: float):

@@ -37,7 +37,6 @@ class SelectionSettings:
     preselect_block: bool
     preselect_block_count: int
     block_scoring: str  # auto | device | cpu (ktlong/decode/device_anchors.py)
-    device_cache_blocks: int = 0  # GPU memory's cache of recently selected blocks (ktlong/decode/block_cache.py)
     context_attention: str = "cpu"  # auto | cpu | gpu: the device selects and reads blocks in DRAM (ktlong/decode/dram_blocks.py)
 
 

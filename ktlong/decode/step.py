@@ -9,10 +9,9 @@ layer; the last segment ends with the logits. A global layer's window attention 
 own, queued after the segment: the host waits only for the segment's copies to host memory (an
 event recorded between the two), so the device attends to the window while the CPU selects and
 attends to the context blocks. Sliding-window layers
-live wholly inside a segment. With a block cache, global layer j also has a cached part, replayed
-after the host split its selection and before the CPU attends: it puts the staged pages (copied in
-just before, by the host) in their slots and attends to the blocks the device holds; segment j + 1
-merges its state too. With `context_attention: gpu` and the selection on the device as well
+live wholly inside a segment. With `context_attention: gpu` and the host selecting, global layer j
+also has a part that reads its selected blocks from DRAM, replayed after the host wrote their rows;
+segment j + 1 merges its state too. With the selection on the device as well
 (ktlong/decode/device_selection.py), nothing is left for the host between layers: the token is
 one body (`_token`: each segment, then its layer's window and context parts), one graph.
 
@@ -33,7 +32,6 @@ import sys
 
 import torch
 
-from ktlong.decode.block_cache import DeviceBlockCache
 from ktlong.decode.dram_blocks import DramBlocks
 from ktlong.decode.device_anchors import DeviceAnchors
 from ktlong.decode.window import DeviceWindow
@@ -46,16 +44,15 @@ from operators.window_attention import attention_with_lse, masked_window_attenti
 
 class DecodeStep:
     def __init__(self, model: LlamaModel, window: DeviceWindow, global_layers: list[int], capture: bool,
-                 anchors: DeviceAnchors | None = None, cache: DeviceBlockCache | DramBlocks | None = None):
+                 anchors: DeviceAnchors | None = None, dram_blocks: DramBlocks | None = None):
         """capture: replay the segments from CUDA graphs; otherwise run them eagerly.
         anchors: score every block of each global layer right after its q (`block_scoring`).
-        cache: attend each global layer's selected blocks that the device holds, or (DramBlocks)
-        all of them where they lie in DRAM (`cached`, a part of its own between segment j and
-        j + 1, replayed while the CPU reads the other blocks)."""
+        dram_blocks: attend each global layer's selected blocks where they lie in DRAM (`_dram_part`, a
+        part of its own between segment j and j + 1)."""
         self.model, self.window, self.capturing, self.anchors = model, window, capture, anchors
-        self.cache = cache
+        self.dram_blocks = dram_blocks
         # the device selects too (ktlong/decode/device_selection.py): a token is one body, `_token`
-        self.device_selects = isinstance(cache, DramBlocks) and cache.selection is not None
+        self.device_selects = dram_blocks is not None and dram_blocks.selection is not None
         self.global_layers = global_layers
         c, layout, dev = model.config, window.layout, model.device
         self.num_layers = c.num_layers
@@ -84,12 +81,12 @@ class DecodeStep:
         self.x = torch.zeros((1, c.hidden_size), dtype=model.dtype, device=dev)
         self.o_dev = torch.zeros((n, c.num_heads, c.head_dim), device=dev)
         self.lse_dev = torch.zeros((n, c.num_heads), device=dev)
-        # q of each global layer, for its window part (and its cached blocks)
+        # q of each global layer, for its window part (and its selected blocks)
         self.q_dev = torch.zeros((n, c.num_heads, c.head_dim), dtype=model.dtype, device=dev)
-        if cache is not None:  # the state of each global layer's cached blocks
+        if dram_blocks is not None:  # the state of each global layer's selected blocks
             self.o_hit = torch.zeros((n, c.num_heads, c.head_dim), device=dev)
             self.lse_hit = torch.full((n, c.num_heads), float("-inf"), device=dev)
-        self.cached_graphs: list[torch.cuda.CUDAGraph] = []
+        self.dram_graphs: list[torch.cuda.CUDAGraph] = []
         self.window_graphs: list[torch.cuda.CUDAGraph] = []
         # recorded after each segment's copies to host memory: what the host waits for
         self.copied = torch.cuda.Event() if dev.type == "cuda" else None
@@ -118,7 +115,7 @@ class DecodeStep:
                 self.o_cpu[j - 1].copy_(self.o_host[j - 1], non_blocking=True)  # written by the host before replay
                 self.lse_cpu[j - 1].copy_(self.lse_host[j - 1], non_blocking=True)
                 o, lse = merge_states(self.o_dev[j - 1], self.lse_dev[j - 1], self.o_cpu[j - 1], self.lse_cpu[j - 1])
-                if self.cache is not None:
+                if self.dram_blocks is not None:
                     o, _ = merge_states(o, lse, self.o_hit[j - 1], self.lse_hit[j - 1])
             self._finish(layer, o)
             start = layer + 1
@@ -148,13 +145,13 @@ class DecodeStep:
             self._segment(j)
             if j < len(self.global_layers):  # the window's state merged into the selected blocks'
                 window = self._window_attention(self.global_layers[j], self.q_dev[j])
-                o, _ = self.cache.attend(j, self.q_dev[j], base=window)
+                o, _ = self.dram_blocks.attend(j, self.q_dev[j], base=window)
                 self.o_hit[j].copy_(o)
-        self.cache.selection.report()
+        self.dram_blocks.selection.report()
 
-    def _cached(self, j: int):
-        """Global layer j's selected blocks that the device holds (the staged ones copied in first)."""
-        o, lse = self.cache.attend(j, self.q_dev[j])
+    def _dram_part(self, j: int):
+        """Global layer j's selected blocks, read from DRAM."""
+        o, lse = self.dram_blocks.attend(j, self.q_dev[j])
         self.o_hit[j].copy_(o)
         self.lse_hit[j].copy_(lse)
 
@@ -205,8 +202,8 @@ class DecodeStep:
                 self._segment(j)
                 if j < len(self.global_layers):
                     self._window(j)
-                    if self.cache is not None:
-                        self._cached(j)
+                    if self.dram_blocks is not None:
+                        self._dram_part(j)
         torch.cuda.current_stream(self.model.device).wait_stream(stream)
         pool = None
         try:
@@ -218,10 +215,10 @@ class DecodeStep:
                 self.graphs.append(graph)
                 if j < len(self.global_layers):
                     self.window_graphs.append(self._capture_part(self._window, j, pool))
-                    if self.cache is not None:
-                        self.cached_graphs.append(self._capture_part(self._cached, j, pool))
+                    if self.dram_blocks is not None:
+                        self.dram_graphs.append(self._capture_part(self._dram_part, j, pool))
         except RuntimeError as e:  # e.g. a collective of tensor parallelism this build cannot capture
-            self.graphs, self.window_graphs, self.cached_graphs, self.capturing = [], [], [], False
+            self.graphs, self.window_graphs, self.dram_graphs, self.capturing = [], [], [], False
             torch.cuda.synchronize(self.model.device)
             reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
             print(f"[CUDA graphs could not be captured ({reason}); decode runs eagerly]", file=sys.stderr)
@@ -266,15 +263,14 @@ class DecodeStep:
         if self.copied is not None:
             self.copied.synchronize()
 
-    def replay_cached(self, j: int):
-        """The device's part over global layer j's cached blocks. It reads the staging buffer the
-        host wrote just before; the host writes it again only at the next step, after waiting for
+    def replay_dram_blocks(self, j: int):
+        """The device's part over global layer j's selected blocks. It reads the rows the host
+        wrote just before; the host writes them again only at the next step, after waiting for
         this step's segments."""
-        self.cache.stage_in(j)
         if self.capturing:
-            self.cached_graphs[j].replay()
+            self.dram_graphs[j].replay()
         else:
-            self._cached(j)
+            self._dram_part(j)
 
     def replay_token(self):
         """The whole token when the device selects; the host waits for it (`wait`) once."""

@@ -16,19 +16,16 @@ from dataclasses import dataclass
 
 import numba
 import numpy as np
-import torch
 
 import cpu_ops.anchors
-import cpu_ops.block_cache
 import cpu_ops.block_select
 import cpu_ops.sparse_attention
 from cpu_ops.sparse_attention import sparse_attention
-from ktlong.decode.block_cache import DeviceBlockCache
 from ktlong.decode.selection import DecodeBlockSelector, SelectionSettings, stored_view
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import KVLayout
 
-KERNEL_MODULES = (cpu_ops.anchors, cpu_ops.block_cache, cpu_ops.block_select, cpu_ops.sparse_attention)
+KERNEL_MODULES = (cpu_ops.anchors, cpu_ops.block_select, cpu_ops.sparse_attention)
 
 
 @dataclass(frozen=True)
@@ -53,9 +50,8 @@ def _counts() -> tuple[int, int]:
 
 
 def compile_decode_kernels(layout: KVLayout, settings: SelectionSettings, num_heads: int,
-                           scale: float, cache_blocks: int = 0) -> CompileReport:
-    """Run selection and sparse attention once on 4 blocks shaped like `layout`, and with
-    cache_blocks the block cache's bookkeeping (ktlong/decode/block_cache.py)."""
+                           scale: float) -> CompileReport:
+    """Run selection and sparse attention once on 4 blocks shaped like `layout`."""
     start = time.perf_counter()
     compiled0, loaded0 = _counts()
     num_blocks = 4
@@ -76,8 +72,5 @@ def compile_decode_kernels(layout: KVLayout, settings: SelectionSettings, num_he
     blocks, counts = selector.select(0, 0, q, 0, num_blocks)
     k, v = stored_view(host, 0, "k"), stored_view(host, 0, "v")
     sparse_attention(q, k, v, blocks, counts, num_tokens, small.block_size, scale)
-    if cache_blocks:  # its host side only: split a selection, admit the misses, gather their pages
-        cache = DeviceBlockCache(small, 1, 1, 1, scale, torch.device("cpu"))
-        cache.split(0, blocks, counts, 0, k, v)
     compiled, loaded = _counts()
     return CompileReport(time.perf_counter() - start, compiled - compiled0, loaded - loaded0)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ktlong.decode.block_cache import block_cache_bytes
 from ktlong.decode.window import SINK_BLOCKS
 from ktlong.errors import ConfigError
 from ktlong.kv.layout import KVLayout
@@ -24,7 +23,6 @@ class MemoryPlan:
     workspace: int  # one chunk's activations, attention workspace, logits
     decode_window: int  # decode: sinks + local window of every layer (prefill's hidden states are gone)
     decode_anchors: int  # decode: the device copy of the anchors that blocks are scored with, if any
-    decode_cache: int  # decode: the device's cache of recently selected blocks, if any
     hidden_on_device: bool
     dram_kv: int  # global layers: every block
     dram_kv_sliding: int  # sliding-window layers: the tail the decode window loads
@@ -41,7 +39,7 @@ class MemoryPlan:
 
     @property
     def decode_device(self) -> int:
-        return self.weights + self.kv_pages + self.decode_window + self.decode_anchors + self.decode_cache
+        return self.weights + self.kv_pages + self.decode_window + self.decode_anchors
 
     @property
     def device_total(self) -> int:
@@ -61,8 +59,6 @@ class MemoryPlan:
                 (f"{dev} decode window", self.decode_window)]
         if self.decode_anchors:
             rows.append((f"{dev} decode anchors", self.decode_anchors))
-        if self.decode_cache:
-            rows.append((f"{dev} decode block cache", self.decode_cache))
         rows += [(f"{dev} peak" if self.device_is_gpu else "RAM peak for compute", self.device_total),
                  (f"{host} KV ({self.global_layers} global layers)", self.dram_kv)]
         if self.sliding_layers:
@@ -101,11 +97,8 @@ def decode_anchor_bytes(layout: KVLayout, anchors_per_block: int) -> int:
 
 def plan_memory(c: ModelConfig, num_weight_elements: int, act_bytes: int, layout: KVLayout,
                 chunk_size: int, budget_bytes: int, device_is_gpu: bool, local_windows_len: int = 4096,
-                device_anchors_per_block: int = 0, device_cache_blocks: int = 0,
-                second_select_num: int = 0) -> MemoryPlan:
-    """device_anchors_per_block: anchors per block when decode scores blocks on the GPU, else 0;
-    device_cache_blocks: the decode block cache's slots per kv head and layer (GPU only), which
-    reads up to second_select_num blocks per kv head and layer at a time."""
+                device_anchors_per_block: int = 0) -> MemoryPlan:
+    """device_anchors_per_block: anchors per block when decode scores blocks on the GPU, else 0."""
     weights = num_weight_elements * act_bytes
     kv_pages = layout.page_bytes()
     chunk = min(chunk_size, layout.capacity)
@@ -118,7 +111,6 @@ def plan_memory(c: ModelConfig, num_weight_elements: int, act_bytes: int, layout
         weights=weights, kv_pages=kv_pages, hidden=full_hidden if hidden_on_device else staging,
         workspace=workspace, decode_window=window,
         decode_anchors=decode_anchor_bytes(layout, device_anchors_per_block) if device_is_gpu else 0,
-        decode_cache=block_cache_bytes(layout, device_cache_blocks, second_select_num) if device_is_gpu else 0,
         hidden_on_device=hidden_on_device,
         dram_kv=layout.dram_kv_bytes(sliding=False), dram_kv_sliding=layout.dram_kv_bytes(sliding=True),
         dram_side_tables=layout.dram_side_table_bytes(),
@@ -152,8 +144,6 @@ def check_plan(plan: MemoryPlan, budget_bytes: int, device_is_gpu: bool, free_dr
                 "the weights alone do not fit: use a smaller or more quantised model")
         if plan.decode_anchors and fixed < budget_bytes and plan.decode_device > budget_bytes:
             hint += f", set block_scoring: cpu (saves {plan.decode_anchors / GIB:.2f} GiB of device anchors)"
-        if plan.decode_cache and fixed < budget_bytes and plan.decode_device > budget_bytes:
-            hint += f", lower device_cache_blocks (0 saves {plan.decode_cache / GIB:.2f} GiB)"
         raise ConfigError(f"The plan needs {plan.device_total / GIB:.1f} GiB of GPU memory but "
                           f"gpu_memory_budget_gb allows {budget_bytes / GIB:.1f} GiB; {hint}, lower "
                           "chunk_size, or raise gpu_memory_budget_gb if the GPU has more.")

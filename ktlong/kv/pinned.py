@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import sys
 
+import numpy as np
 import torch
 
 from ktlong.errors import KtlongError
@@ -72,3 +73,9 @@ class PinnedTensors:
     def __del__(self):
         for t in self._tensors:
             torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+def host_words(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a host tensor, 16-bit values as uint16 words (as stored_view gives DRAM)."""
+    sixteen = t.dtype in (torch.bfloat16, torch.float16, torch.int16)
+    return t.view(torch.int16).numpy().view(np.uint16) if sixteen else t.numpy()

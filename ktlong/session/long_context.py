@@ -41,14 +41,12 @@ class LongContextSession:
                  hidden_on_device: bool, compact: CompactParams | None, selection: SelectionSettings,
                  local_windows_len: int, use_cuda_graph: bool, follow_up_headroom: int | None = None,
                  prefill_headroom: int | None = None, resident_history: bool = True,
-                 device_cache_blocks: int | None = None, context_attention: str | None = None):
+                 context_attention: str | None = None):
         """follow_up_headroom: device bytes the plan leaves beside a decoder (its window, anchors
         and graphs), within which a follow-up's prefill runs while the decoder stays; None: no
         limit (the CPU). prefill_headroom: what the plan leaves beside a new prompt's prefill.
         resident_history: what a prefill leaves of that room keeps layers' history on the device
-        for the next follow-up (ktlong/kv/resident.py). device_cache_blocks: the decoder's block
-        cache (ktlong/decode/block_cache.py); None: selection's `device_cache_blocks` on a GPU, none
-        on the CPU, where device and DRAM are one memory. context_attention: who attends to the
+        for the next follow-up (ktlong/kv/resident.py). context_attention: who attends to the
         selected DRAM blocks (ktlong/decode/dram_blocks.py); None: selection's, resolved
         (`auto`: the GPU where it can; the CPU on the CPU)."""
         window = model.config.sliding_window
@@ -59,12 +57,8 @@ class LongContextSession:
         self.selection, self.local_windows_len = selection, local_windows_len
         self.use_cuda_graph, self.follow_up_headroom = use_cuda_graph, follow_up_headroom
         self.prefill_headroom = prefill_headroom
-        if device_cache_blocks is None:
-            device_cache_blocks = selection.device_cache_blocks if model.device.type == "cuda" else 0
-        self.device_cache_blocks = device_cache_blocks
         if context_attention is None:
-            context_attention = resolve_context_attention(selection.context_attention, model.device, model.tp, layout,
-                                                          device_cache_blocks)
+            context_attention = resolve_context_attention(selection.context_attention, model.device, model.tp, layout)
         self.context_attention = context_attention
         self.decoder: HybridDecoder | None = None
         self.model, self.layout = model, layout
@@ -105,8 +99,7 @@ class LongContextSession:
         this model (LayerMajorPrefill.warm_up) and decode's Triton kernels and graphs, by a
         prompt long enough for decode to select blocks and one decode step; then forgotten."""
         print("[kernels that compile on first use:", end="", file=log, flush=True)
-        report = compile_decode_kernels(self.layout, self.selection, self.model.config.num_heads, self.model.scale,
-                                        self.device_cache_blocks)
+        report = compile_decode_kernels(self.layout, self.selection, self.model.config.num_heads, self.model.scale)
         seconds = report.seconds
         if self.model.device.type == "cuda":
             start = time.perf_counter()
@@ -183,7 +176,7 @@ class LongContextSession:
             self.decoder = kept
         else:
             self.decoder = HybridDecoder(self.model, self.host, self.selection, self.local_windows_len,
-                                         self.use_cuda_graph, self.device_cache_blocks, self.context_attention)
+                                         self.use_cuda_graph, self.context_attention)
             self.decoder.capture_graphs()
         self.last_decode_setup_seconds = time.perf_counter() - start
         return logits

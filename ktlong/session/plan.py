@@ -77,7 +77,6 @@ def plan_session(config: Config, model_config: ModelConfig, num_weight_elements:
     on_device = scores_on_device(selection, device)
     anchors = anchors_per_block(config.anchor_type, config.anchor_num) if on_device else 0
     memory = plan_memory(model_config, num_weight_elements, dtype.itemsize, layout, config.chunk_size, budget,
-                         is_gpu, local_windows_len, anchors, selection.device_cache_blocks,
-                         config.second_select_num)
+                         is_gpu, local_windows_len, anchors)
     return SessionPlan(layout, memory, kv_type, resolve_cuda_graph(config.use_cuda_graph, device), max_seq_len,
                        budget, is_gpu, local_windows_len)

@@ -39,9 +39,7 @@ def compact_params(config: Config, attention: str | None = None) -> CompactParam
 
 def selection_settings(config: Config, num_layers: int, attention: str = "sparse") -> SelectionSettings:
     options = options_of(SelectionSettings, config)
-    if options["context_attention"] == "gpu":  # the device reads every selected block: no cache to keep
-        options["device_cache_blocks"] = 0
     if attention == "dense":  # every block, every layer
         options.update(second_select_num=1 << 30, dense_layer_num=num_layers, preselect_block=False,
-                       block_scoring="cpu", device_cache_blocks=0, context_attention="cpu")
+                       block_scoring="cpu", context_attention="cpu")
     return SelectionSettings(**options)

@@ -1,17 +1,16 @@
-"""Decode attention over selected KV blocks in one Triton kernel, for GPUs: the blocks a device
-block cache holds, or (`context_attention: gpu`) the blocks where they lie in pinned DRAM.
+"""Decode attention over selected KV blocks in one Triton kernel, for GPUs
+(`context_attention: gpu`): the blocks where they lie in pinned DRAM, read over PCIe.
 
-The torch version (ktlong/decode/block_cache.py: gather the hit pages, widen them to float32,
-then masked attention) writes the widened pages to memory and passes over them about twenty
-times a layer. Here one program takes one kv head's query group and a share of its hit blocks,
-reads each block where the cache holds it (bf16, fp16, fp32, or q8_0 with its scales, widened in
-registers), and keeps an online softmax; a few torch ops merge the shares by log-sum-exp. The
+Gathering the selected pages, widening them to float32 and attending with torch ops
+(operators/window_attention.attention_over_prefix, the tests' reference) writes the widened pages
+to memory and passes over them about twenty times a layer. Here one program takes one kv head's
+query group and a share of its selected blocks, reads each block where it lies (bf16, fp16, fp32,
+or q8_0 with its scales, widened in registers), and keeps an online softmax; a few torch ops merge the shares by log-sum-exp. The
 arithmetic is float32 throughout (tl.dot in IEEE precision), as the CPU's operator attends to
 the rest of the selection: the two parts must agree to float32 rounding, or a later selection
 can flip.
 
-This module needs triton; block_cache.py imports it only on a GPU where triton is installed,
-dram_blocks.py whenever it is asked for.
+This module needs triton; ktlong/decode/dram_blocks.py imports it when it is asked for.
 The CPU's tests run the kernel in Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py).
 """
 
@@ -27,7 +26,7 @@ KEYS = 32  # tokens per tile: a [32, head_dim] float32 tile of K and of V fit in
 
 
 @triton.jit
-def _cached_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, index_ptr, valid_ptr, out_ptr, lse_ptr,
+def _selected_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, index_ptr, valid_ptr, out_ptr, lse_ptr,
                              group, max_selected, scale,
                              stride_row, stride_token, stride_srow, stride_stoken,
                              BLOCK: tl.constexpr, DIM: tl.constexpr, ROWS: tl.constexpr, KEYS: tl.constexpr, PER_SHARE: tl.constexpr,
@@ -115,7 +114,7 @@ def kernel_applies(kv_type: str, block_size: int, head_dim: int) -> bool:
     return kv_type in ("bf16", "fp16", "fp32", "q8_0") and power_of_two(block_size) and power_of_two(head_dim)
 
 
-def cached_blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scales: torch.Tensor | None,
+def selected_blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scales: torch.Tensor | None,
                             v_scales: torch.Tensor | None, hit_index: torch.Tensor, hit_valid: torch.Tensor,
                             scale: float, base: tuple[torch.Tensor, torch.Tensor] | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +133,7 @@ def cached_blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     lse = torch.empty((num_kv, shares, rows), dtype=torch.float32, device=q.device)
     quant = k_scales is not None
     ks, vs = (k_scales, v_scales) if quant else (hit_index, hit_index)  # placeholders, never read
-    _cached_blocks_attention[(num_kv, shares)](
+    _selected_blocks_attention[(num_kv, shares)](
         q.contiguous(), k, v, ks, vs, hit_index, hit_valid, out, lse,
         group, max_selected, scale, k.stride(0), k.stride(1),
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,

@@ -1,11 +1,11 @@
-"""The block cache's Triton attention kernel against the torch path it replaces on GPUs: gather each
-kv head's hit pages, widen them to float32, attend over its valid tokens. On the CPU the kernel
+"""The selected blocks' Triton attention kernel against torch ops: gather each kv head's selected
+pages, widen them to float32, attend over its valid tokens. On the CPU the kernel
 runs in Triton's interpreter (tests/conftest.py); on a GPU compiled, on the device."""
 
 import pytest
 import torch
 
-from operators.cached_blocks_kernel import cached_blocks_attention, kernel_applies
+from operators.selected_blocks_kernel import selected_blocks_attention, kernel_applies
 from operators.kv_quant import dequantize_kv, quantize_kv
 from operators.window_attention import attention_over_prefix
 
@@ -32,7 +32,7 @@ def test_kernel_equals_attention_over_the_gathered_pages(kv_type, group):
     hit_index = torch.randint(0, rows, (num_kv, selected), generator=g)
     hit_valid = torch.tensor([10 * block, 0, 3 * block])  # all, none, some
     to = dict(device=DEVICE)
-    out, lse = cached_blocks_attention(q.to(**to), data[0].to(**to), data[1].to(**to),
+    out, lse = selected_blocks_attention(q.to(**to), data[0].to(**to), data[1].to(**to),
                                        None if scales is None else scales[0].to(**to),
                                        None if scales is None else scales[1].to(**to),
                                        hit_index.to(**to), hit_valid.to(**to), 0.125)
@@ -66,7 +66,7 @@ def test_a_base_state_merges_as_merge_states_would():
     base_lse[0] = float("-inf")  # query head 0: nothing in the window
     base_out[0] = 0
     to = dict(device=DEVICE)
-    out, lse = cached_blocks_attention(q.to(**to), data[0].to(**to), data[1].to(**to), None, None,
+    out, lse = selected_blocks_attention(q.to(**to), data[0].to(**to), data[1].to(**to), None, None,
                                        hit_index.to(**to), hit_valid.to(**to), 0.125,
                                        base=(base_out.to(**to), base_lse.to(**to)))
     k, v = (values[p][hit_index].view(num_kv, -1, dim) for p in range(2))
