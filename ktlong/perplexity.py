@@ -19,7 +19,7 @@ from ktlong.cli import print_error
 from ktlong.device import resolve_device, resolve_dtype
 from ktlong.errors import KtlongError
 from ktlong.kv.dense_cache import DenseKVCache
-from ktlong.gguf.loader import LoadedModel, load_model
+from ktlong.models.loader import LoadedModel, load_model
 from ktlong.gguf.model_config import RopeOptions
 
 

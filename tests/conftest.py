@@ -41,7 +41,7 @@ def gemma_path():
 
 @cache
 def _loaded(name):
-    from ktlong.gguf.loader import load_model
+    from ktlong.models.loader import load_model
 
     return load_model(str(_model_path(name)))
 

@@ -10,7 +10,7 @@ from ktlong.config import load_config, parse_set
 from ktlong.chat.conversation import Conversation, PromptTooLongError
 from ktlong.session.dense import DenseSession
 from ktlong.chat.generate import generate
-from ktlong.gguf.loader import load_model
+from ktlong.models.loader import load_model
 from ktlong.chat.sampling import Sampler
 from tests.reference_llama import reference_logits
 from tests.tiny_gguf import TinySpec, write_tiny_gguf

@@ -117,7 +117,7 @@ def test_eval_on_a_missing_gpu_is_one_sentence(no_user_file, capsys):
 
 
 def test_capture_keeps_the_chunks_q_and_the_layers_keys(no_user_file, tmp_path, capsys):
-    from ktlong.gguf.loader import load_model
+    from ktlong.models.loader import load_model
     from ktlong.kv.dense_cache import DenseKVCache
 
     path = tmp_path / "tiny.gguf"

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ktlong.config import ConfigError, load_config, option_names
 from ktlong.gguf.chat_template import ChatTemplate
-from ktlong.gguf.loader import load_model
+from ktlong.models.loader import load_model
 from ktlong.server.app import read_json
 from ktlong.server.protocol import ApiError, Defaults, Job, Prompting, check_model
 from ktlong.session.saved_cache import CacheFileError, load_cache, save_cache

@@ -6,7 +6,7 @@ from gguf import GGMLQuantizationType as T
 
 from ktlong.errors import GGUFError, ModelNotFoundError
 from ktlong.gguf.reader import GGUFFile
-from ktlong.gguf.loader import load_model
+from ktlong.models.loader import load_model
 from ktlong.gguf.registry import resolve_model_path
 from tests.tiny_gguf import TinySpec, write_tiny_gguf
 

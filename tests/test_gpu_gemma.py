@@ -9,7 +9,7 @@ import torch
 from tests.settings import flashprefill_settings, selection, with_anchors
 from ktlong.session.dense import DenseSession
 from ktlong.kv.layout import model_kv_layout
-from ktlong.gguf.loader import load_model
+from ktlong.models.loader import load_model
 from ktlong.session.long_context import LongContextSession
 from operators.chunk_attention import chunk_attention, flashinfer_available
 from operators.compact_attention import CompactParams

@@ -11,7 +11,7 @@ pytest.importorskip("starlette")
 
 from ktlong.chat.generate import generate
 from ktlong.chat.sampling import Sampler
-from ktlong.gguf.loader import load_model
+from ktlong.models.loader import load_model
 from ktlong.server.__main__ import make_app
 from tests.http_server import RunningServer, started
 from tests.tiny_gguf import TinySpec, write_tiny_gguf

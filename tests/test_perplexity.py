@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 
-from ktlong.gguf.loader import load_model
+from ktlong.models.loader import load_model
 from ktlong.perplexity import main, perplexity
 from tests.reference_llama import reference_logits
 from tests.tiny_gguf import TinySpec, write_tiny_gguf

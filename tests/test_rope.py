@@ -140,7 +140,7 @@ def test_yarn_logits_of_a_tiny_qwen2_equal_transformers(tmp_path):
     from gguf import GGMLQuantizationType as T
     from transformers import AutoModelForCausalLM
 
-    from ktlong.gguf.loader import load_model
+    from ktlong.models.loader import load_model
     from ktlong.gguf.model_config import RopeOptions
     from ktlong.kv.dense_cache import DenseKVCache
     from tests.tiny_gguf import TinySpec, write_tiny_gguf

@@ -118,7 +118,7 @@ def write_tiny_gguf(path: Path, spec: TinySpec, seed: int = 0,
 
 def tiny_model(folder: Path, spec: TinySpec, seed: int = 0):
     """Write the tiny model into folder and load it (float32, CPU)."""
-    from ktlong.gguf.loader import load_model
+    from ktlong.models.loader import load_model
 
     path = Path(folder) / "tiny.gguf"
     write_tiny_gguf(path, spec, seed=seed)

@@ -13,7 +13,7 @@ import torch
 
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import kv_layout
-from ktlong.gguf.loader import load_model
+from ktlong.models.loader import load_model
 from ktlong.prefill import LayerMajorPrefill
 
 

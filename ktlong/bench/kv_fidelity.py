@@ -25,7 +25,7 @@ from ktlong.device import resolve_device, resolve_dtype
 from ktlong.errors import KtlongError
 from ktlong.eval.runner import make_session
 from ktlong.eval.tasks import make_sample
-from ktlong.gguf.loader import load_model
+from ktlong.models.loader import load_model
 from ktlong.gguf.model_config import RopeOptions
 
 # what this bench reads of the config: the model, its RoPE and the KV layout (attention is dense)

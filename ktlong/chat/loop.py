@@ -11,7 +11,7 @@ from ktlong.errors import KtlongError
 from ktlong.chat.conversation import Conversation, PromptTooLongError
 from ktlong.session.dense import DenseSession
 from ktlong.chat.generate import generate
-from ktlong.gguf.loader import LoadedModel
+from ktlong.models.loader import LoadedModel
 from ktlong.chat.sampling import Sampler
 from ktlong.chat.text_file import read_text_file
 

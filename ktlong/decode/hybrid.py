@@ -24,8 +24,9 @@ from ktlong.decode.step import DecodeStep
 from ktlong.decode.selection import DecodeBlockSelector, SelectionSettings, stored_view
 from ktlong.decode.device_anchors import DeviceAnchors, scores_on_device
 from ktlong.decode.device_selection import DeviceSelection, selects_on_device
-from ktlong.decode.window import SINK_BLOCKS, DeviceWindow
+from ktlong.decode.window import DeviceWindow
 from ktlong.kv.host_cache import HostKVCache
+from ktlong.kv.layout import SINK_BLOCKS
 from ktlong.kv.pinned import host_words
 from ktlong.models.llama import LlamaModel
 from operators.block_summary import anchor_keys, block_summaries

@@ -12,11 +12,9 @@ from __future__ import annotations
 import torch
 
 from ktlong.kv.host_cache import HostKVCache
-from ktlong.kv.layout import KVLayout
+from ktlong.kv.layout import SINK_BLOCKS, KVLayout
 from ktlong.kv.pinned import copy_heads
 from operators.kv_quant import dequantize_kv
-
-SINK_BLOCKS = 1  # blocks at the start of the context the device always attends to
 
 
 class DeviceWindow:

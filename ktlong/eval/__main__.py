@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     from ktlong.errors import KtlongError
     from ktlong.eval.report import needle_heatmap, prefill_rows, summary_rows
     from ktlong.eval.runner import as_dicts, run_task, same_answers, split_variant, variant_config, write_json
-    from ktlong.gguf.loader import load_model, open_model
+    from ktlong.models.loader import load_model, open_model
     from ktlong.gguf.model_config import RopeOptions
     from ktlong.parallel.group import join_ranks, quiet_unless_main
     from ktlong.session.settings import ARMS

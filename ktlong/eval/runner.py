@@ -15,7 +15,7 @@ from ktlong.config import Config, parse_set
 from ktlong.chat.conversation import Conversation
 from ktlong.eval.tasks import first_integer, make_sample, score
 from ktlong.chat.generate import generate
-from ktlong.gguf.loader import LoadedModel
+from ktlong.models.loader import LoadedModel
 from ktlong.session.long_context import LongContextSession
 from ktlong.session.plan import plan_session
 from ktlong.chat.sampling import Sampler

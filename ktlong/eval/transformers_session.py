@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ktlong.errors import KtlongError
-from ktlong.gguf.loader import LoadedModel
+from ktlong.models.loader import LoadedModel
 
 
 def hf_rope_parameters(lm: LoadedModel, theta: float) -> dict:

@@ -18,6 +18,7 @@ from operators.kv_quant import QBLOCK, QUANTIZED, stored_row_shapes
 
 KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KV_TYPES = (*KV_DTYPES, *QUANTIZED)  # what DRAM may store; q8_0 and q4_0 as GGML's blocks
+SINK_BLOCKS = 1  # blocks at the start of the context decode's device window always attends to
 KEY_ANCHORS = ("DYNAMIC", "FIX")  # anchor types whose anchors are keys picked from the block
 
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ktlong.decode.window import SINK_BLOCKS
 from ktlong.errors import ConfigError
-from ktlong.kv.layout import KVLayout
+from ktlong.kv.layout import SINK_BLOCKS, KVLayout
 from ktlong.gguf.model_config import ModelConfig
 
 GIB = 1 << 30

@@ -5,11 +5,14 @@ read when the model does not split evenly."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
 from ktlong.errors import ConfigError
-from ktlong.gguf.model_config import ModelConfig
+
+if TYPE_CHECKING:  # the type only: parallel sits below gguf, whose weights it splits
+    from ktlong.gguf.model_config import ModelConfig
 
 
 def check_shardable(c: ModelConfig, world: int):

@@ -17,7 +17,7 @@ from ktlong.config import DEFAULT_FILE, Config, parse_set
 from ktlong.errors import ConfigError
 
 if TYPE_CHECKING:
-    from ktlong.gguf.loader import LoadedModel
+    from ktlong.models.loader import LoadedModel
 
 # flag -> option of configs/default.yaml
 FLAG_TO_OPTION = {"model": "model", "gguf_path": "model", "mode": "mode", "device": "device",
@@ -99,7 +99,7 @@ def start(config: Config, log=None) -> Started:
     """Check the model file, plan (and refuse what does not fit) before any weight is read, load
     the weights, and build the long-context session when the mode asks for one."""
     from ktlong.device import resolve_device, resolve_dtype
-    from ktlong.gguf.loader import load_model, open_model
+    from ktlong.models.loader import load_model, open_model
     from ktlong.gguf.model_config import RopeOptions
     from ktlong.parallel.group import join_ranks
     from ktlong.parallel.shard import rank_share
