@@ -18,120 +18,38 @@ from pathlib import Path
 import yaml
 
 from ktlong.errors import ConfigError
+from ktlong.options import OPTIONS, SECTIONS, Option, render_defaults
 
 DEFAULT_FILE = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 
-ENUMS = {
-    "mode": ("normal", "long_context"),
-    "dtype": ("auto", "float32", "bfloat16", "float16"),
-    "prefill_attention": ("dense", "compact"),
-    "context_attention": ("auto", "cpu", "gpu"),
-    "selector": ("flashprefill", "xattention", "topk"),
-    "attention_backend": ("auto", "fa2", "fa3", "torch"),
-    "kv_type": ("auto", "bf16", "fp16", "fp32", "q8_0", "q4_0"),
-    "rope_scaling": ("auto", "none", "linear", "yarn"),
-    "anchor_type": ("MAX", "MEAN", "QUEST", "DYNAMIC", "FIX"),
-    "head_select_mode": ("SHARED", "SEPARATE"),
-    "block_scoring": ("auto", "device", "cpu"),
-}
-# options that are true, false or "auto" (decided from the device and mode at run time)
-AUTO_BOOLS = ("use_cuda_graph",)
+ENUMS = {o.name: o.choices for o in OPTIONS.values() if o.choices}
 SECRETS = ("api_key",)
 # options that no longer exist -> why, for the message that asks to delete them
 REMOVED = {"device_cache_blocks": "the GPU reads the selected blocks from DRAM itself (context_attention: gpu)"}
 MAX_CONFIG_BYTES = 1 << 20  # a config file is a few KiB of 'option: value' lines
-# key -> (lowest allowed, highest allowed, lowest is exclusive)
-RANGES = {
-    "max_seq_len": (0, None, False), "gpu_memory_budget_gb": (0, None, True),
-    "rope_scale": (0, None, False), "yarn_orig_ctx": (0, None, False),
-    "chunk_size": (1, None, False), "alpha": (0, 1, False), "threshold": (0, 1, True),
-    "dense_above": (0, 1, True), "tail_queries": (0, None, False), "dense_tail": (0, None, False),
-    "prefill_dense_layer_num": (0, None, False),
-    "keep_blocks": (1, None, False), "stride": (1, None, False), "sink_blocks": (0, None, False),
-    "window_blocks": (0, None, False),
-    "subgroup_size": (1, None, False), "block_size": (16, 4096, False),
-    "local_windows_len": (0, None, False), "second_select_num": (0, None, False),
-    "anchor_num": (1, None, False), "dense_layer_num": (0, None, False),
-    "preselect_block_count": (1, None, False), "layer_step": (1, None, False),
-    "token_step": (1, None, False), "threads_num": (0, None, False),
-    "max_new_tokens": (1, None, False), "temperature": (0, None, False), "top_p": (0, 1, True),
-    "top_k": (0, None, False), "port": (1, 65535, False), "queue_size": (0, None, False),
-    "tensor_parallel": (1, None, False), "seed": (0, (1 << 63) - 1, False),
-}
 
 
 @dataclass(slots=True)
 class Config:
-    model: str
-    mode: str
-    device: str
-    dtype: str
-    max_seq_len: int
-    rope_scaling: str
-    rope_scale: float
-    yarn_orig_ctx: int
-    gpu_memory_budget_gb: float
-    use_cuda_graph: bool | str  # True, False or "auto"
-    resident_history: bool
-    tensor_parallel: int
-    chunk_size: int
-    prefill_attention: str
-    selector: str
-    alpha: float
-    keep_blocks: int
-    threshold: float
-    stride: int
-    sink_blocks: int
-    window_blocks: int
-    subgroup_size: int
-    dense_above: float
-    tail_queries: int
-    dense_tail: int
-    prefill_dense_layer_num: int
-    attention_backend: str
-    block_size: int
-    kv_type: str
-    local_windows_len: int
-    second_select_num: int
-    anchor_type: str
-    anchor_num: int
-    head_select_mode: str
-    dense_layer_num: int
-    preselect_block: bool
-    preselect_block_count: int
-    layer_step: int
-    token_step: int
-    block_scoring: str
-    context_attention: str
-    threads_num: int
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
-    use_chat_template: bool
-    system_prompt: str
-    host: str
-    port: int
-    queue_size: int
-    api_key: str
+    """One value per option of ktlong/options.py (the fields are made from its declarations),
+    checked when made."""
+    __annotations__ = {name: o.type for name, o in OPTIONS.items()} | {"sources": "dict[str, str]"}
     # where each value came from ("default", "FILE:LINE", "--set", "--flag")
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
-        for f in option_fields():
-            setattr(self, f.name, _checked_type(f, getattr(self, f.name), self.where(f.name)))
-        for key, allowed in ENUMS.items():
-            if getattr(self, key) not in allowed:
-                self._fail(key, f"must be one of {', '.join(allowed)}")
-        for key, (low, high, exclusive) in RANGES.items():
-            value = getattr(self, key)
+        for o in OPTIONS.values():
+            setattr(self, o.name, _checked_type(o, getattr(self, o.name), self.where(o.name)))
+            value = getattr(self, o.name)
+            if o.choices and value not in o.choices:
+                self._fail(o.name, f"must be one of {', '.join(o.choices)}")
             if isinstance(value, float) and not math.isfinite(value):
-                self._fail(key, "must be a finite number")
-            if (value <= low if exclusive else value < low) or (high is not None and value > high):
-                bound = f"{'above' if exclusive else 'at least'} {low}" + (
-                    f" and at most {high}" if high is not None else "")
-                self._fail(key, f"must be {bound}")
+                self._fail(o.name, "must be a finite number")
+            if o.low is not None and ((value <= o.low if o.low_exclusive else value < o.low)
+                                      or (o.high is not None and value > o.high)):
+                bound = f"{'above' if o.low_exclusive else 'at least'} {o.low}" + (
+                    f" and at most {o.high}" if o.high is not None else "")
+                self._fail(o.name, f"must be {bound}")
         cores = os.cpu_count() or 1
         if self.threads_num > cores:
             self._fail("threads_num", f"is more than this machine's {cores} cores; use at most {cores} "
@@ -173,12 +91,8 @@ class Config:
         return min(self.local_windows_len, max_seq_len)
 
 
-def option_fields() -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(Config) if f.name != "sources"]
-
-
 def option_names() -> list[str]:
-    return [f.name for f in option_fields()]
+    return list(OPTIONS)
 
 
 _SHORT_REPR = reprlib.Repr()
@@ -195,20 +109,20 @@ def shown_value(key: str, value) -> str:
     return _SHORT_REPR.repr(value)
 
 
-def _checked_type(f: dataclasses.Field, value, where: str):
-    if f.name in AUTO_BOOLS:
+def _checked_type(o: Option, value, where: str):
+    if o.type == "auto_bool":
         if isinstance(value, bool) or value == "auto":
             return value
-        raise ConfigError(f"Option '{f.name}' = {shown_value(f.name, value)} (from {where}) must be true, false "
+        raise ConfigError(f"Option '{o.name}' = {shown_value(o.name, value)} (from {where}) must be true, false "
                           "or auto.")
-    kind = {"str": str, "int": int, "float": float, "bool": bool}[f.type]
+    kind = {"str": str, "int": int, "float": float, "bool": bool}[o.type]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if kind is str and value is None:
         return ""
     if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
         return value
-    raise ConfigError(f"Option '{f.name}' = {shown_value(f.name, value)} (from {where}) must be "
+    raise ConfigError(f"Option '{o.name}' = {shown_value(o.name, value)} (from {where}) must be "
                       f"a{'n' if kind is int else ''} {kind.__name__}.")
 
 
@@ -279,17 +193,11 @@ def parse_set(items: list[str]) -> dict[str, tuple[object, str]]:
 
 
 def options_in(*sections: str) -> frozenset[str]:
-    """The options of configs/default.yaml's sections, named by their headers' first words
-    ("long-context prefill" for "# ---- long-context prefill (CompactAttention) ----")."""
-    found, current = {}, None
-    for line in DEFAULT_FILE.read_text().splitlines():
-        if line.startswith("# ---- "):
-            current = line.removeprefix("# ---- ").removesuffix(" ----").split(" (")[0]
-            found[current] = []
-        elif line and not line.startswith("#") and current is not None:
-            found[current].append(line.split(":", 1)[0].strip())
+    """The options of ktlong/options.py's sections, named by their titles' first words
+    ("long-context prefill" for "long-context prefill (CompactAttention)")."""
+    found = {title.split(" (")[0]: [o.name for o in options] for title, options in SECTIONS}
     unknown = set(sections) - set(found)
-    assert not unknown, f"configs/default.yaml has no section {unknown}; it has {list(found)}"
+    assert not unknown, f"ktlong/options.py has no section {unknown}; it has {list(found)}"
     return frozenset(name for section in sections for name in found[section])
 
 
@@ -333,14 +241,14 @@ def ensure_user_file(path: Path) -> bool:
 
 
 def default_config(**values) -> Config:
-    """The defaults of configs/default.yaml with `values` set over them (no user file)."""
-    options = {k: v for k, (v, _) in read_yaml_options(DEFAULT_FILE).items()}
-    return Config(**{**options, **values}, sources={k: "code" for k in values})
+    """The defaults with `values` set over them (no user file)."""
+    defaults = {name: o.default for name, o in OPTIONS.items()}
+    return Config(**{**defaults, **values}, sources={k: "code" for k in values})
 
 
 def load_config(config_file: str | None = None, overrides: dict[str, tuple[object, str]] | None = None,
                 user_file: Path | None = None, write_user_file: bool = True) -> Config:
-    layers = [read_yaml_options(DEFAULT_FILE)]
+    layers = [{name: (o.default, "default") for name, o in OPTIONS.items()}]
     user_file = user_file or user_config_path()
     if write_user_file and ensure_user_file(user_file):
         print(f"ktlong: wrote the default configuration to {user_file}", file=sys.stderr)
@@ -354,8 +262,6 @@ def load_config(config_file: str | None = None, overrides: dict[str, tuple[objec
         for key, (value, where) in layer.items():
             merged[key] = value
             sources[key] = "default" if i == 0 else where
-    missing = set(option_names()) - set(merged)
-    assert not missing, f"configs/default.yaml lacks {missing}"
     return Config(**merged, sources=sources)
 
 
@@ -374,14 +280,21 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m ktlong.config",
                                      description="Show the configuration in force.")
-    parser.add_argument("command", choices=["show", "path"], help="show: every option, its value "
-                        "and where it came from; path: the user config file")
+    parser.add_argument("command", choices=["show", "path", "defaults"], help="show: every option, its value "
+                        "and where it came from; path: the user config file; defaults: write configs/default.yaml "
+                        "from the declarations in ktlong/options.py")
     parser.add_argument("--config", help="an extra YAML file merged over the user file")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     try:
         if args.command == "path":
             print(user_config_path())
+            return 0
+        if args.command == "defaults":
+            tmp = DEFAULT_FILE.with_suffix(".yaml.tmp")
+            tmp.write_text(render_defaults())
+            tmp.replace(DEFAULT_FILE)
+            print(f"wrote {DEFAULT_FILE}")
             return 0
         print(show(load_config(args.config, parse_set(args.set))))
     except ConfigError as e:

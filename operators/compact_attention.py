@@ -31,8 +31,8 @@ SHORT_CHUNK = 64
 
 @dataclass(frozen=True, kw_only=True)
 class CompactParams:
-    """The prefill options of configs/default.yaml, same names (ktlong builds them from its config,
-    which holds the defaults and checks the values)."""
+    """The prefill options of ktlong/options.py, same names and types (ktlong builds them from its
+    config, which holds the values, checked; a test holds the names and types)."""
     selector: str  # flashprefill | xattention | topk | all (keep every block: dense)
     alpha: float
     keep_blocks: int  # topk: history blocks every group keeps

@@ -3,8 +3,9 @@
 import pytest
 import yaml
 
-from ktlong.config import (DEFAULT_FILE, Config, load_config, option_names, parse_set,
+from ktlong.config import (DEFAULT_FILE, Config, default_config, load_config, option_names, parse_set,
                            read_yaml_options)
+from ktlong.options import KINDS, OPTIONS, render_defaults
 from ktlong.errors import ConfigError
 
 
@@ -14,11 +15,51 @@ def user_file(tmp_path, monkeypatch):
     return tmp_path / "xdg" / "ktlong" / "config.yaml"
 
 
-def test_default_file_lists_every_option_once_with_a_comment():
+def test_default_file_is_the_declarations_rendered():
+    """configs/default.yaml cannot drift from ktlong/options.py: it is their rendering, and it
+    reads back as their defaults; every option once, with a comment."""
+    assert DEFAULT_FILE.read_text() == render_defaults(), "run python -m ktlong.config defaults"
+    values = yaml.safe_load(DEFAULT_FILE.read_text())
+    assert list(values) == option_names() == list(OPTIONS)
+    for name, o in OPTIONS.items():
+        assert values[name] == o.default and type(values[name]) is type(o.default), name
     lines = [l for l in DEFAULT_FILE.read_text().splitlines() if l and not l.startswith("#")]
-    keys = [l.split(":", 1)[0] for l in lines]
-    assert sorted(keys) == sorted(option_names())
     assert all("#" in l.split(":", 1)[1] for l in lines), "every option needs a comment"
+
+
+def test_declarations_are_whole():
+    """Each default passes its own checks, each help names every choice, and the config's fields
+    are the declarations."""
+    assert list(Config.__dataclass_fields__) == [*OPTIONS, "sources"]
+    for name, o in OPTIONS.items():
+        default_config(**{name: o.default})  # checked like any value
+        assert o.type in KINDS, name
+        for choice in o.choices:
+            assert choice in o.help, f"{name}'s help does not name its choice {choice}"
+
+
+def test_flags_follow_the_declarations(capsys):
+    """Each declared flag sets its option, with the option's type and choices."""
+    import local_chat
+    from ktlong.server.__main__ import build_parser as server_parser
+    from ktlong.session.startup import FLAG_TO_OPTION, overrides_from
+
+    samples = {"str": "x", "int": "3", "float": "0.5"}
+    for name, o in OPTIONS.items():
+        if not o.flag:
+            continue
+        parser = server_parser() if name in ("host", "port", "queue_size", "api_key") else local_chat.build_parser()
+        if o.type in ("bool", "auto_bool"):
+            argv, expected = [f"--no-{o.flag}"], False
+        else:
+            raw = o.choices[-1] if o.choices else samples[o.type]
+            argv, expected = [f"--{o.flag}", raw], {"int": int, "float": float, "str": str}[o.type](raw)
+        assert FLAG_TO_OPTION[o.flag] == name
+        assert overrides_from(parser.parse_args(argv)) [name] == (expected, f"--{o.flag}"), name
+        if o.choices:
+            with pytest.raises(SystemExit):
+                parser.parse_args([f"--{o.flag}", "no-such-choice"])
+    capsys.readouterr()
 
 
 def test_issue_options_exist():
@@ -164,7 +205,7 @@ def test_help_shows_groups_and_defaults(capsys):
     with pytest.raises(SystemExit):
         local_chat.build_parser().parse_args(["--help"])
     out = capsys.readouterr().out
-    for text in ("model:", "long context:", "generation:", "configuration:", "--cpu_infer",
+    for text in ("model and machine:", "KV cache and sparse decode:", "generation:", "configuration:", "--cpu_infer",
                  "--set KEY=VALUE", "default: 512"):
         assert text in out
 
@@ -235,3 +276,16 @@ def test_model_path_names_the_gguf_in_its_folder(tmp_path, user_file):
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
     overrides = overrides_from(local_chat.build_parser().parse_args(["--model_path", str(tmp_path)]))
     assert overrides["model"] == (str(tmp_path / "model.gguf"), "--model_path")
+
+
+def test_engine_settings_take_options_by_name_and_type():
+    """CompactParams (operators/, which imports nothing of ktlong) and SelectionSettings name the
+    options they take; each field is an option of the same type, so they cannot drift."""
+    import dataclasses
+
+    from ktlong.decode.selection import SelectionSettings
+    from operators.compact_attention import CompactParams
+
+    for settings in (CompactParams, SelectionSettings):
+        for f in dataclasses.fields(settings):
+            assert f.name in OPTIONS and f.type == OPTIONS[f.name].type, (settings.__name__, f.name)

@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # lowest first; a unit is a folder of ktlong/ or a module at its top
 LAYERS = [
     {"errors"},
+    {"options"},
     {"config", "device", "parallel"},
     {"gguf"},
     {"kv"},

@@ -25,8 +25,8 @@ from ktlong.kv.layout import KEY_ANCHORS
 
 @dataclass(frozen=True, kw_only=True)
 class SelectionSettings:
-    """The decode options of configs/default.yaml, same names; ktlong/session/settings.py builds
-    them from a Config, which holds the defaults and checks the values."""
+    """The decode options of ktlong/options.py, same names and types (a test holds them);
+    ktlong/session/settings.py builds them from a Config, which holds the values, checked."""
     second_select_num: int
     anchor_type: str
     anchor_num: int

@@ -6,7 +6,6 @@ import argparse
 import os
 import sys
 
-SERVER_FLAGS = {"host": "host", "port": "port", "api_key": "api_key", "queue_size": "queue_size"}
 API_KEY_VARIABLE = "KTLONG_API_KEY"
 
 
@@ -19,12 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "/v1/completions, /v1/models, /health).",
         epilog="A request that extends the previous conversation reuses its KV cache. Options not "
                "listed here: --set KEY=VALUE with any key of configs/default.yaml.")
-    d = add_config_flags(p)
-    server = p.add_argument_group("server")
-    server.add_argument("--host", help=f"address to listen on (default: {d['host']}; 0.0.0.0 exposes it)")
-    server.add_argument("--port", type=int, help=f"TCP port (default: {d['port']})")
-    server.add_argument("--api_key", help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_VARIABLE})")
-    server.add_argument("--queue_size", type=int, help=f"requests that may wait; more get 429 (default: {d['queue_size']})")
+    add_config_flags(p, server=True)
     return p
 
 
@@ -62,7 +56,7 @@ def main(argv=None) -> int:
     from ktlong.session.startup import FLAG_TO_OPTION, overrides_from, start
 
     try:
-        config = load_config(args.config, overrides_from(args, {**FLAG_TO_OPTION, **SERVER_FLAGS}))
+        config = load_config(args.config, overrides_from(args, FLAG_TO_OPTION))
         if config.tensor_parallel > 1:
             raise ConfigError("The server runs in one process; drop --tensor_parallel (local_chat.py, the "
                               "evaluation and the benches take it).")

@@ -11,59 +11,45 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import yaml
 
-from ktlong.config import DEFAULT_FILE, Config, parse_set
+from ktlong.config import SECRETS, Config, parse_set
 from ktlong.errors import ConfigError
+from ktlong.options import OPTIONS, SECTIONS
 
 if TYPE_CHECKING:
     from ktlong.models.loader import LoadedModel
 
-# flag -> option of configs/default.yaml
-FLAG_TO_OPTION = {"model": "model", "gguf_path": "model", "mode": "mode", "device": "device",
-                  "max_seq_len": "max_seq_len", "cpu_infer": "threads_num",
-                  "use_cuda_graph": "use_cuda_graph", "max_new_tokens": "max_new_tokens",
-                  "temperature": "temperature", "rope_scaling": "rope_scaling", "rope_scale": "rope_scale",
-                  "yarn_orig_ctx": "yarn_orig_ctx", "tensor_parallel": "tensor_parallel"}
+# flag -> option: every option declared with a flag (ktlong/options.py), and --gguf_path for the model
+FLAG_TO_OPTION = {o.flag: name for name, o in OPTIONS.items() if o.flag} | {"gguf_path": "model"}
+FLAG_TYPES = {"int": int, "float": float, "str": str}
 
 
-def default_values() -> dict:
-    return yaml.safe_load(DEFAULT_FILE.read_text())
-
-
-def add_config_flags(p: argparse.ArgumentParser) -> dict:
-    """The model, long-context, generation and configuration flags; returns the defaults shown."""
-    d = default_values()
-    model = p.add_argument_group("model")
-    model.add_argument("--gguf_path", help="GGUF file, or a folder holding one")
-    model.add_argument("--model", help=f"packaged model name or GGUF path (default: {d['model']})")
-    model.add_argument("--model_path", help="folder with the model's files; its .gguf is used when "
-                       "--gguf_path is not given (tokenizer and config are read from the GGUF)")
-    model.add_argument("--device", help=f"auto, cpu, cuda or cuda:N (default: {d['device']})")
-    model.add_argument("--rope_scaling", choices=["auto", "none", "linear", "yarn"],
-                       help="RoPE context extension, as llama.cpp's --rope-scaling (default: auto, the GGUF's)")
-    model.add_argument("--rope_scale", type=float, help="its factor, as --rope-scale (default: the GGUF's)")
-    model.add_argument("--yarn_orig_ctx", type=int, help="YaRN's original context, as --yarn-orig-ctx "
-                       "(default: the GGUF's)")
-    run = p.add_argument_group("long context")
-    run.add_argument("--mode", choices=["normal", "long_context"], help=f"default: {d['mode']}")
-    run.add_argument("--max_seq_len", type=int, help="longest prompt plus answer in tokens "
-                     "(default: the model's context length)")
-    run.add_argument("--cpu_infer", type=int, help=f"CPU threads (default: {d['threads_num']} = every core but one)")
-    run.add_argument("--use_cuda_graph", action=argparse.BooleanOptionalAction, default=None,
-                     help="long-context decode on a GPU: replay its device part from CUDA graphs "
-                          f"(default: {d['use_cuda_graph']}, on with CUDA)")
-    run.add_argument("--tensor_parallel", type=int, metavar="N", help="split heads and MLP columns over N "
-                     "ranks (GPUs, or CPU processes); start with torchrun --nproc_per_node N "
-                     f"(default: {d['tensor_parallel']})")
-    gen = p.add_argument_group("generation")
-    gen.add_argument("--max_new_tokens", type=int, help=f"default: {d['max_new_tokens']}")
-    gen.add_argument("--temperature", type=float, help=f"0 = greedy (default: {d['temperature']})")
+def add_config_flags(p: argparse.ArgumentParser, server: bool = False):
+    """The flags of the options declared with one (ktlong/options.py), grouped by section (the
+    server's section only with server), with --gguf_path, --model_path and the configuration's
+    --config and --set."""
+    for title, options in SECTIONS:
+        flagged = [o for o in options if o.flag]
+        if not flagged or (title.startswith("server") and not server):
+            continue
+        group = p.add_argument_group(title.split(" (")[0])
+        if title.startswith("model"):
+            group.add_argument("--gguf_path", help="GGUF file, or a folder holding one (as --model)")
+            group.add_argument("--model_path", help="folder with the model's files; its .gguf is used when "
+                               "--gguf_path is not given (tokenizer and config are read from the GGUF)")
+        for o in flagged:
+            shown = "(hidden)" if o.name in SECRETS else o.default if o.default != "" else "none"
+            extra = {"choices": o.choices} if o.choices else {}
+            if o.type in ("bool", "auto_bool"):
+                extra = {"action": argparse.BooleanOptionalAction, "default": None}
+            else:
+                extra["type"] = FLAG_TYPES[o.type]
+            flag_help = f"{o.comment()} (default: {shown})".replace("%", "%%")
+            group.add_argument(f"--{o.flag}", help=flag_help, **extra)
     cfg = p.add_argument_group("configuration")
     cfg.add_argument("--config", help="YAML file merged over ~/.config/ktlong/config.yaml")
     cfg.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="set any option, e.g. --set block_size=64 (repeatable)")
-    return d
 
 
 def overrides_from(args, flag_to_option: dict[str, str] = FLAG_TO_OPTION) -> dict:

@@ -1,0 +1,136 @@
+"""Every option, declared once: its default, type, allowed values, help and command-line flag.
+
+configs/default.yaml is rendered from these declarations (`python -m ktlong.config defaults`
+writes it; a test checks the file equals the rendering), the config's checks read them, and the
+commands' flags are made from them (ktlong/session/startup.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import yaml
+
+KINDS = ("str", "int", "float", "bool", "auto_bool")  # auto_bool: true, false or "auto"
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    default: object
+    help: str  # one line; names every choice of an option that has choices
+    choices: tuple[str, ...] = ()
+    low: float | None = None  # lowest allowed value
+    high: float | None = None  # highest allowed value
+    low_exclusive: bool = False  # the lowest value itself is not allowed
+    kind: str = ""  # one of KINDS; empty: the default's type
+    flag: str = ""  # the command-line flag that sets it (--flag), besides --set
+
+    @property
+    def type(self) -> str:
+        return self.kind or type(self.default).__name__
+
+    def range_text(self) -> str:
+        """The allowed range as default.yaml's comments write it: (>= 1), (> 0), [0, 1], (0, 1]."""
+        if self.low is None:
+            return ""
+        if self.high is None:
+            return f"({'>' if self.low_exclusive else '>='} {self.low})"
+        high = "2^63 - 1" if self.high == (1 << 63) - 1 else self.high
+        return f"{'(' if self.low_exclusive else '['}{self.low}, {high}]"
+
+    def comment(self) -> str:
+        return " ".join(part for part in (self.help, self.range_text()) if part)
+
+
+SECTIONS: list[tuple[str, list[Option]]] = [
+    ('model and machine', [
+        Option('model', 'smollm2-135m', 'a packaged model (smollm2-135m, qwen2.5-coder-0.5b, gemma3-270m) or a .gguf path', flag='model'),
+        Option('mode', 'normal', 'normal (dense, short prompts) | long_context (offloaded KV, sparse attention)', choices=('normal', 'long_context'), flag='mode'),
+        Option('device', 'auto', 'auto (cuda when present, else cpu) | cpu | cuda | cuda:N', flag='device'),
+        Option('dtype', 'auto', 'auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16 | float16', choices=('auto', 'float32', 'bfloat16', 'float16')),
+        Option('max_seq_len', 0, "longest prompt plus answer in tokens; 0 = the model's context length (extended by rope_scaling)", low=0, flag='max_seq_len'),
+        Option('rope_scaling', 'auto', "RoPE context extension, as llama.cpp's --rope-scaling: auto (what the GGUF says) | none | linear | yarn", choices=('auto', 'none', 'linear', 'yarn'), flag='rope_scaling'),
+        Option('rope_scale', 0.0, "context scaling factor, as --rope-scale (Qwen2.5: yarn and 4 reach 131,072); 0 = the GGUF's", low=0, flag='rope_scale'),
+        Option('yarn_orig_ctx', 0, "YaRN: the context the model was trained to, as --yarn-orig-ctx; 0 = the GGUF's", low=0, flag='yarn_orig_ctx'),
+        Option('gpu_memory_budget_gb', 24, 'GPU memory the plan may use, in GiB', low=0, low_exclusive=True, kind="float"),
+        Option('use_cuda_graph', 'auto', 'long-context decode: replay its GPU part from CUDA graphs: auto (on with CUDA) | true | false', kind="auto_bool", flag='use_cuda_graph'),
+        Option('resident_history', True, "long-context follow-ups: GPU memory the plan leaves free keeps some layers' history on the GPU between turns, so only the rest crosses from DRAM"),
+        Option('tensor_parallel', 1, 'ranks that split heads and MLP columns; start them with torchrun --nproc_per_node N', low=1, flag='tensor_parallel'),
+    ]),
+    ('long-context prefill (CompactAttention)', [
+        Option('chunk_size', 8192, 'prompt tokens per prefill chunk; a multiple of block_size', low=1),
+        Option('prefill_attention', 'compact', 'compact (block-sparse CompactAttention, the default: never more than one sample below dense on any task to 128K with YaRN; 1.8x faster prefill at 128K and 4.4x at 512K at 8B shapes; docs/decisions.md) | dense', choices=('dense', 'compact')),
+        Option('selector', 'topk', 'compact block selector: topk (the keep_blocks best blocks; docs/decisions.md) | flashprefill (alpha of the best score) | xattention (softmax mass)', choices=('flashprefill', 'xattention', 'topk')),
+        Option('alpha', 0.1, 'flashprefill: keep a kv block scoring at least alpha x the best; 0 keeps all', low=0, high=1),
+        Option('keep_blocks', 128, "topk: history blocks every query-head group keeps (sinks and window included), ranked as flashprefill scores them; a fixed count makes each chunk's attention cost the same at any length, so prefill grows close to linearly, and lets one attention plan serve every chunk and layer", low=1),
+        Option('threshold', 0.9, 'xattention: keep blocks until this softmax mass is covered; 1.0 keeps all', low=0, high=1, low_exclusive=True),
+        Option('stride', 8, 'xattention: antidiagonal scoring stride in tokens', low=1),
+        Option('sink_blocks', 1, 'compact: first blocks always kept', low=0),
+        Option('window_blocks', 2, 'compact: blocks nearest the diagonal always kept', low=0),
+        Option('subgroup_size', 4, 'compact: query heads that share one page list when a kv group is larger', low=1),
+        Option('tail_queries', 0, "flashprefill: the prompt's last N queries also score every history token, and keep each block whose best token is within alpha of their best (the question at the end keeps the key it asks about); 0 = block means only", low=0),
+        Option('dense_tail', 128, "compact: the prompt's last N queries (the question, and the position the first answer token comes from) attend to every history block, as dense prefill; 0 = as selected", low=0),
+        Option('prefill_dense_layer_num', 2, 'compact: first layers whose prefill attention stays dense (never selected), as dense_layer_num is for decode; 2 keeps multikey within one sample of dense at 128K', low=0),
+        Option('dense_above', 0.9, 'compact: a chunk whose selection keeps more of its history than this runs dense, where selecting costs more than it saves: the measured attention break-even is about 0.9 (Qwen2.5-0.5B) to 0.97 (LLaMA-8B); 1 = never', low=0, high=1, low_exclusive=True),
+        Option('attention_backend', 'auto', 'auto (fa3 on compute capability 9.x, else fa2) | fa2 | fa3 | torch (the reference; CPU always uses it)', choices=('auto', 'fa2', 'fa3', 'torch')),
+    ]),
+    ('KV cache and sparse decode', [
+        Option('block_size', 128, 'tokens per KV block; a power of two', low=16, high=4096),
+        Option('kv_type', 'auto', 'KV storage: auto (bf16; fp32 when the model computes in float32, as on the CPU) | bf16 | fp16 | fp32 | q8_0 | q4_0', choices=('auto', 'bf16', 'fp16', 'fp32', 'q8_0', 'q4_0')),
+        Option('local_windows_len', 4096, 'most recent tokens always attended, kept on the GPU', low=0),
+        Option('second_select_num', 32, 'context blocks selected per decode step', low=0),
+        Option('anchor_type', 'DYNAMIC', 'block representative tokens: MAX | MEAN | QUEST | DYNAMIC | FIX', choices=('MAX', 'MEAN', 'QUEST', 'DYNAMIC', 'FIX')),
+        Option('anchor_num', 1, 'representative tokens per block for DYNAMIC and FIX', low=1),
+        Option('head_select_mode', 'SHARED', 'SHARED (one selection summed over kv heads) | SEPARATE (per kv head)', choices=('SHARED', 'SEPARATE')),
+        Option('dense_layer_num', 0, 'first layers that read every context block; each costs O(context) per token', low=0),
+        Option('preselect_block', True, 'score blocks once after prefill from the last queries and select only among them'),
+        Option('preselect_block_count', 32, 'blocks kept by preselection', low=1),
+        Option('layer_step', 1, 'reselect blocks every layer_step layers, reuse in between', low=1),
+        Option('token_step', 1, 'reselect blocks every token_step tokens, reuse in between', low=1),
+        Option('block_scoring', 'auto', 'where blocks are scored: auto (the GPU when there is one, from a device copy of the anchors) | device | cpu', choices=('auto', 'device', 'cpu')),
+        Option('context_attention', 'auto', 'who attends to the selected context blocks in DRAM: auto (gpu on a GPU with triton, one rank, kv_type bf16/fp16/fp32/q8_0; else cpu) | cpu (the Numba operator) | gpu (the GPU reads them where they lie, over PCIe, zero-copy, and selects them too: one CUDA graph a token; ktlong/decode/dram_blocks.py; 50 vs 29 tok/s at 128K q8_0 on an H100, docs/decisions.md); unused on the CPU', choices=('auto', 'cpu', 'gpu')),
+        Option('threads_num', 0, 'CPU threads for the decode operator; 0 = every core but one', low=0, flag='cpu_infer'),
+    ]),
+    ('generation', [
+        Option('max_new_tokens', 512, 'most tokens generated per answer', low=1, flag='max_new_tokens'),
+        Option('temperature', 0.0, '0 = greedy; above 0 samples', low=0, flag='temperature'),
+        Option('top_p', 1.0, 'nucleus sampling mass', low=0, high=1, low_exclusive=True),
+        Option('top_k', 0, 'sample among the k likeliest tokens; 0 = no limit', low=0),
+        Option('seed', 0, 'random seed for sampling', low=0, high=(1 << 63) - 1),
+        Option('use_chat_template', True, "wrap prompts in the model's chat template: true | false"),
+        Option('system_prompt', '', "system message for the chat template; empty = the template's own default"),
+    ]),
+    ('server (python -m ktlong.server)', [
+        Option('host', '127.0.0.1', 'address the OpenAI-compatible server listens on; 0.0.0.0 exposes it to the network', flag='host'),
+        Option('port', 8000, 'its TCP port', low=1, high=65535, flag='port'),
+        Option('queue_size', 8, 'requests that may wait while one generates; more get 429', low=0, flag='queue_size'),
+        Option('api_key', '', 'when set, every /v1 request must send "Authorization: Bearer KEY"; KTLONG_API_KEY also sets it', flag='api_key'),
+    ]),
+]
+OPTIONS: dict[str, Option] = {o.name: o for _, options in SECTIONS for o in options}
+
+HEADER = """\
+# ktlong configuration. Every option, its default and its allowed values.
+# Precedence: these defaults <- ~/.config/ktlong/config.yaml <- --config FILE <- command line.
+# `python -m ktlong.config show` prints the value in force and where it came from.
+# Rendered from ktlong/options.py by `python -m ktlong.config defaults`; edit the declarations there.
+"""
+
+
+def yaml_value(value) -> str:
+    """A default as YAML writes it in a flow scalar ("" for the empty string)."""
+    if value == "":
+        return '""'
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
+
+
+def render_defaults() -> str:
+    """configs/default.yaml's text."""
+    lines = [HEADER]
+    for title, options in SECTIONS:
+        lines.append(f"# ---- {title} ----")
+        for o in options:
+            lines.append(f"{f'{o.name}: {yaml_value(o.default)}':<27} # {o.comment()}")
+        lines.append("")
+    return "\n".join(lines)
