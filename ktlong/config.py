@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from ktlong.errors import ConfigError
-from ktlong.options import OPTIONS, SECTIONS, Option, render_defaults
+from ktlong.options import OPTIONS, SECTIONS, Option
 
 DEFAULT_FILE = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 
@@ -275,33 +275,7 @@ def show(config: Config) -> str:
     return "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
+if __name__ == "__main__":  # python -m ktlong.config: the command sits above the engine
+    from ktlong.config_command import main
 
-    parser = argparse.ArgumentParser(prog="python -m ktlong.config",
-                                     description="Show the configuration in force.")
-    parser.add_argument("command", choices=["show", "path", "defaults"], help="show: every option, its value "
-                        "and where it came from; path: the user config file; defaults: write configs/default.yaml "
-                        "from the declarations in ktlong/options.py")
-    parser.add_argument("--config", help="an extra YAML file merged over the user file")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "path":
-            print(user_config_path())
-            return 0
-        if args.command == "defaults":
-            tmp = DEFAULT_FILE.with_suffix(".yaml.tmp")
-            tmp.write_text(render_defaults())
-            tmp.replace(DEFAULT_FILE)
-            print(f"wrote {DEFAULT_FILE}")
-            return 0
-        print(show(load_config(args.config, parse_set(args.set))))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
     sys.exit(main())

@@ -42,7 +42,7 @@ JOINT_QUANTIZE_TOKENS = 1024  # a chunk this short (a follow-up's question) quan
 
 
 def resolve_backend(requested: str, device: torch.device, head_dim: int, dtype: torch.dtype) -> str:
-    """auto: fa3 on compute capability 9.x (Hopper) where it builds, else fa2; torch without
+    """The attention_backend option for a session (ktlong/session/plan.py calls this). auto: fa3 on compute capability 9.x (Hopper) where it builds, else fa2; torch without
     FlashInfer or a GPU."""
     if device.type != "cuda" or requested == "torch":
         return "torch"
@@ -124,7 +124,8 @@ class LayerMajorPrefill:
         assert chunk_size % layout.block_size == 0
         self.model, self.layout, self.chunk_size = model, layout, chunk_size
         self.device = model.device
-        self.backend = resolve_backend(backend, self.device, model.config.head_dim, layout.dtype)
+        assert backend in ("fa2", "fa3", "torch"), "resolve_backend first (the plan does)"
+        self.backend = "torch" if self.device.type == "cpu" else backend
         self.hidden_on_device = hidden_on_device or self.device.type == "cpu"
         self.pages = DevicePages(layout, self.device)
         self.compact, self.dense_paged, self.is_sparse = None, None, compact is not None

@@ -24,7 +24,7 @@ def started(lm, model, **options) -> Started:
 
         plan = plan_session(config, lm.config, lm.num_weight_elements, max_seq_len, lm.model.device,
                             lm.model.dtype)
-        session = LongContextSession.from_config(lm.model, config, plan)
+        session = LongContextSession.from_plan(lm.model, plan)
     return Started(lm, config, max_seq_len, session)
 
 

@@ -1,20 +1,29 @@
 """Decode selection and CompactAttention settings for tests, built the way sessions build them:
-from the defaults of configs/default.yaml with some options set."""
+from the defaults with some options set."""
 
 import dataclasses
 
 from ktlong.config import default_config
 from ktlong.decode.selection import SelectionSettings
 from ktlong.kv.layout import KVLayout
+from ktlong.prefill import resolve_backend
 from ktlong.session.settings import compact_params, selection_settings
 from operators.compact_attention import CompactParams
 
 
-def selection(**options) -> SelectionSettings:
-    """Decode settings; the CPU operator attends to the selected blocks (on a GPU too: the
+def selection(device: str = "cpu", **options) -> SelectionSettings:
+    """Decode settings, resolved as a plan resolves them for a model on `device`: blocks scored
+    on a GPU device ("auto"); the CPU operator attends to the selected blocks (on a GPU too: the
     tests of the hybrid path's mechanism) unless a test sets context_attention itself."""
     options.setdefault("context_attention", "cpu")
+    if options.get("block_scoring", "auto") == "auto":
+        options["block_scoring"] = "device" if device == "cuda" else "cpu"
     return selection_settings(default_config(**options), num_layers=1 << 10)
+
+
+def gpu_backend(model) -> str:
+    """attention_backend auto, resolved for a model on the GPU as the plan resolves it."""
+    return resolve_backend("auto", model.device, model.config.head_dim, model.dtype)
 
 
 def compact_settings(**options) -> CompactParams:

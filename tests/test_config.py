@@ -178,12 +178,28 @@ def test_model_checks_run_before_weights(user_file):
 
 
 def test_config_show_prints_value_and_source(user_file, capsys):
-    from ktlong.config import main
+    from ktlong.config_command import main
 
     assert main(["show", "--set", "token_step=3"]) == 0
     out = capsys.readouterr().out
     row = next(l for l in out.splitlines() if l.startswith("token_step "))
     assert "3" in row and "--set token_step" in row
+
+
+def test_config_show_plan_prints_the_resolved_plan(user_file, capsys, smollm2_path):
+    """The plan for the named model on this machine (the CPU here): every auto resolved, as
+    local_chat prints it at start-up."""
+    from ktlong.config_command import main
+
+    assert main(["show", "--plan", "--model", "smollm2-135m", "--set", "max_seq_len=4096",
+                 "--set", "kv_type=q8_0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("SmolLM2-135M-Instruct.Q4_1.gguf: llama, 30 layers\n[plan for max_seq_len 4,096 on cpu")
+    for text in ("KV cache: q8_0 in DRAM", "attention backend torch", "scored on the CPU", "read by the CPU operator",
+                 "CUDA graphs off", "RAM for the KV cache"):
+        assert text in out
+    assert "auto" not in out
+    assert main(["show", "--plan", "--model", "no-such-model"]) == 2
 
 
 def test_local_chat_flags_map_to_options(user_file):

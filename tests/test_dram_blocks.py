@@ -13,13 +13,13 @@ from tests.settings import selection, with_anchors
 from tests.tiny_gguf import TinySpec, tiny_model
 
 
-def session(lm, kv_type="fp32", context_attention=None, **settings):
-    chosen = selection(**{"preselect_block": False, "dense_layer_num": 0, **settings})
+def session(lm, kv_type="fp32", context_attention="cpu", **settings):
+    chosen = selection(**{"preselect_block": False, "dense_layer_num": 0, "context_attention": context_attention,
+                          **settings})
     layout = with_anchors(model_kv_layout(lm.config, 16, 512, kv_type, local_windows_len=48,
                                           page_type="fp32" if kv_type in ("q8_0", "q4_0") else None), chosen)
     return LongContextSession(lm.model, layout, chunk_size=64, backend="torch", hidden_on_device=True, compact=None,
-                              selection=chosen, local_windows_len=48, use_cuda_graph=False,
-                              context_attention=context_attention)
+                              selection=chosen, local_windows_len=48, use_cuda_graph=False)
 
 
 @pytest.mark.parametrize("kv_type, settings", [("fp32", {}), ("q8_0", {"head_select_mode": "SEPARATE"})])
@@ -101,11 +101,11 @@ def test_auto_puts_context_attention_on_the_gpu_where_it_can():
 
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     bf16, q4 = kv_layout(2, 2, 64, 16, 512, "bf16"), kv_layout(2, 2, 64, 16, 512, "q4_0")
-    assert resolve_context_attention("auto", gpu, None, bf16) == "gpu"
-    assert resolve_context_attention("auto", gpu, None, q4) == "cpu"  # a format the kernel does not read
-    assert resolve_context_attention("auto", gpu, object(), bf16) == "cpu"  # tensor parallelism
-    assert resolve_context_attention("cpu", gpu, None, bf16) == "cpu"
-    assert resolve_context_attention("gpu", cpu, None, bf16) == resolve_context_attention("auto", cpu, None, bf16) == "cpu"
+    assert resolve_context_attention("auto", gpu, False, bf16) == "gpu"
+    assert resolve_context_attention("auto", gpu, False, q4) == "cpu"  # a format the kernel does not read
+    assert resolve_context_attention("auto", gpu, True, bf16) == "cpu"  # tensor parallelism
+    assert resolve_context_attention("cpu", gpu, False, bf16) == "cpu"
+    assert resolve_context_attention("gpu", cpu, False, bf16) == resolve_context_attention("auto", cpu, False, bf16) == "cpu"
 
 
 def test_selecting_more_blocks_than_the_cache_holds_reads_them_all(tmp_path):

@@ -4,7 +4,7 @@ step, and every counter advances under replay (a frozen counter is KTransformers
 import pytest
 import torch
 
-from tests.settings import selection, with_anchors
+from tests.settings import gpu_backend, selection, with_anchors
 from ktlong.kv.layout import kv_layout
 from ktlong.session.long_context import LongContextSession
 from ktlong.models.random_model import random_model
@@ -14,9 +14,9 @@ pytestmark = pytest.mark.gpu
 
 def session(model, use_graph, kv_type="bf16", **settings):
     c = model.config
-    chosen = selection(preselect_block=False, **settings)
+    chosen = selection("cuda", preselect_block=False, **settings)
     layout = with_anchors(kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 64, 1200, kv_type), chosen)
-    return LongContextSession(model, layout, chunk_size=256, backend="auto", hidden_on_device=True, compact=None,
+    return LongContextSession(model, layout, chunk_size=256, backend=gpu_backend(model), hidden_on_device=True, compact=None,
                               selection=chosen, local_windows_len=128,
                               use_cuda_graph=use_graph)
 

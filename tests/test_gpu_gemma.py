@@ -61,7 +61,7 @@ def test_gemma3_long_context_on_gpu_follows_dense(tmp_path, prefill_attention, c
     gpu = load_model(str(path), "cuda", torch.bfloat16)
     cpu = load_model(str(path), "cpu", torch.float32)
     ids = [int(t) for t in np.random.default_rng(8).integers(0, 300, size=700)]
-    chosen = selection(second_select_num=1000, preselect_block=False, context_attention=context_attention)
+    chosen = selection("cuda", second_select_num=1000, preselect_block=False, context_attention=context_attention)
     layout = with_anchors(model_kv_layout(gpu.config, 64, 800, "bf16", local_windows_len=128), chosen)
     compact = flashprefill_settings(alpha=0.0) if prefill_attention == "compact" else None  # alpha 0 keeps every block
     session = LongContextSession(gpu.model, layout, chunk_size=128, backend="fa2", hidden_on_device=True,
@@ -101,9 +101,9 @@ def test_dram_copies_wait_for_the_compute_stream(tmp_path, arch, monkeypatch):
     ids = list(np.random.default_rng(0).integers(0, 300, 700))
     dense = DenseSession(model, 800, 2048)
     dense.prefill(ids)
-    layout = with_anchors(model_kv_layout(model.config, 64, 800, "bf16", 256), selection())
+    layout = with_anchors(model_kv_layout(model.config, 64, 800, "bf16", 256), selection("cuda"))
     session = LongContextSession(model, layout, chunk_size=256, backend="fa2", hidden_on_device=True, compact=None,
-                                 selection=selection(), local_windows_len=256, use_cuda_graph=False)
+                                 selection=selection("cuda"), local_windows_len=256, use_cuda_graph=False)
     monkeypatch.setattr(model, "qkv", slow_qkv)
     session.prefill(ids)
     host = session.host

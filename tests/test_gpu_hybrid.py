@@ -7,7 +7,7 @@ import torch
 from ktlong.session.dense import DenseSession
 from ktlong.kv.layout import kv_layout
 from ktlong.session.long_context import LongContextSession
-from tests.settings import selection, with_anchors
+from tests.settings import gpu_backend, selection, with_anchors
 from ktlong.models.random_model import random_model
 from operators.chunk_attention import flashinfer_available
 from operators.merge_state import merge_states, merge_states_flashinfer
@@ -31,9 +31,9 @@ def test_hybrid_decode_on_gpu_follows_dense_decode(context_attention):
     model = random_model("tiny", torch.device("cuda"), torch.bfloat16)
     c = model.config
     ids = torch.randint(0, 1000, (700,), generator=torch.Generator().manual_seed(2)).tolist()
-    layout = with_anchors(kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 64, 800, "bf16"), selection())
-    hybrid = LongContextSession(model, layout, chunk_size=256, backend="auto", hidden_on_device=True, compact=None,
-                                selection=selection(second_select_num=1000, preselect_block=False,
+    layout = with_anchors(kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 64, 800, "bf16"), selection("cuda"))
+    hybrid = LongContextSession(model, layout, chunk_size=256, backend=gpu_backend(model), hidden_on_device=True, compact=None,
+                                selection=selection("cuda", second_select_num=1000, preselect_block=False,
                                                     context_attention=context_attention),
                                 local_windows_len=128, use_cuda_graph=False)
     dense = DenseSession(model, 800, 256)
@@ -60,11 +60,11 @@ def test_follow_up_on_gpu_follows_a_re_prefill(kv_type, compact):
 
     model = random_model("tiny", torch.device("cuda"), torch.bfloat16)
     c = model.config
-    chosen = selection(second_select_num=1000, preselect_block=False)
+    chosen = selection("cuda", second_select_num=1000, preselect_block=False)
     layout = with_anchors(kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 64, 1600, kv_type), chosen)
 
     def session():
-        return LongContextSession(model, layout, chunk_size=256, backend="auto", hidden_on_device=True,
+        return LongContextSession(model, layout, chunk_size=256, backend=gpu_backend(model), hidden_on_device=True,
                                   compact=flashprefill_settings(alpha=0.0) if compact else None, selection=chosen,
                                   local_windows_len=128, use_cuda_graph=True)
 
@@ -90,12 +90,12 @@ def test_graphs_kept_across_a_follow_up_decode_as_graphs_captured_after_it(conte
     captured after it."""
     model = random_model("tiny", torch.device("cuda"), torch.bfloat16)
     c = model.config
-    chosen = selection(second_select_num=2, preselect_block=False, anchor_type="MAX", block_scoring="device",
+    chosen = selection("cuda", second_select_num=2, preselect_block=False, anchor_type="MAX", block_scoring="device",
                        context_attention=context_attention)
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 64, 1600, "bf16", anchor_type="MAX")
 
     def session():
-        return LongContextSession(model, layout, chunk_size=256, backend="auto", hidden_on_device=True, compact=None,
+        return LongContextSession(model, layout, chunk_size=256, backend=gpu_backend(model), hidden_on_device=True, compact=None,
                                   selection=chosen, local_windows_len=128, use_cuda_graph=True)
 
     g = torch.Generator().manual_seed(4)
@@ -123,11 +123,11 @@ def test_follow_ups_over_resident_history_on_gpu_equal_follow_ups_over_dram(kv_t
     logits of one that moves every layer from DRAM, while fewer bytes cross."""
     model = random_model("tiny", torch.device("cuda"), torch.bfloat16)
     c = model.config
-    chosen = selection(second_select_num=1000, preselect_block=False)
+    chosen = selection("cuda", second_select_num=1000, preselect_block=False)
     layout = with_anchors(kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 64, 1600, kv_type), chosen)
 
     def session(resident):
-        return LongContextSession(model, layout, chunk_size=256, backend="auto", hidden_on_device=True,
+        return LongContextSession(model, layout, chunk_size=256, backend=gpu_backend(model), hidden_on_device=True,
                                   compact=None, selection=chosen, local_windows_len=128, use_cuda_graph=True,
                                   follow_up_headroom=8 << 30, prefill_headroom=(8 << 30) if room_at_prefill else None,
                                   resident_history=resident)

@@ -18,16 +18,18 @@ LAYERS = [
     {"decode", "prefill"},
     {"session"},
     {"chat", "cli"},
-    {"eval", "server", "perplexity"},
+    {"eval", "server", "perplexity", "config_command"},
     {"bench"},
 ]
 LEVEL = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 
 
 def imports(path: Path) -> list[str]:
-    """The absolute module names a file imports, outside `if TYPE_CHECKING:` blocks."""
+    """The absolute module names a file imports, outside `if TYPE_CHECKING:` blocks (types only)
+    and `if __name__ == "__main__":` blocks (a module's command, which sits above it)."""
     tree = ast.parse(path.read_text())
-    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and
+               ("TYPE_CHECKING" in ast.unparse(node.test) or "__main__" in ast.unparse(node.test))
                for n in ast.walk(node)}
     names = []
     for node in ast.walk(tree):

@@ -1,5 +1,7 @@
 """Long-context mode (layer-major prefill, DRAM cache, decode over it) generates what dense does."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -85,13 +87,12 @@ def test_a_follow_up_keeps_the_decoder_and_decodes_as_a_new_one_would(tiny, bloc
     kept for two tokens, anchors scored where the model runs, blocks filling during decode."""
     c = tiny.config
     chosen = selection(second_select_num=2, preselect_block=preselect, preselect_block_count=3, token_step=2,
-                       anchor_type="MAX", block_scoring=block_scoring)
+                       anchor_type="MAX", block_scoring=block_scoring, context_attention=context_attention)
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 400, "fp32", anchor_type="MAX")
 
     def new_session():
         return LongContextSession(tiny.model, layout, chunk_size=32, backend="torch", hidden_on_device=True,
-                                  compact=None, selection=chosen, local_windows_len=24, use_cuda_graph=False,
-                                  context_attention=context_attention)
+                                  compact=None, selection=chosen, local_windows_len=24, use_cuda_graph=False)
 
     rng = np.random.default_rng(7)
     first = [int(t) for t in rng.integers(0, 300, size=150)]
@@ -170,7 +171,7 @@ def test_local_chat_long_context_mode_answers(tmp_path, monkeypatch, capsys):
     assert local_chat.main(["--mode", "long_context", "--max_new_tokens", "24", "--set", "chunk_size=1024",
                             "--set", "kv_type=fp32"]) == 0
     captured = capsys.readouterr()
-    assert "Paris" in captured.out and "memory plan" in captured.err
+    assert "Paris" in captured.out and "[plan for max_seq_len" in captured.err and "decode: top 32 blocks" in captured.err
 
 
 def test_gemma3_sliding_layers_generate_like_dense_and_skip_offload(tmp_path):
@@ -288,8 +289,9 @@ def test_evaluation_arms_make_each_stage_sparse_or_dense(tiny, tmp_path, arm, sp
     from ktlong.session.plan import plan_session
 
     config = default_config(block_size=16, chunk_size=32, local_windows_len=32)
-    plan = plan_session(config, tiny.config, tiny.num_weight_elements, 256, torch.device("cpu"), torch.float32)
-    session = LongContextSession.from_config(tiny.model, config, plan, arm)
+    plan = plan_session(config, tiny.config, tiny.num_weight_elements, 256, torch.device("cpu"), torch.float32,
+                        attention=arm)
+    session = LongContextSession.from_plan(tiny.model, plan)
     assert session.engine.is_sparse == sparse_prefill
     assert (session.selection.second_select_num == config.second_select_num) == sparse_decode
     prompt = [int(t) for t in np.random.default_rng(5).integers(0, 300, size=200)]
@@ -320,8 +322,47 @@ def test_a_document_shorter_than_the_local_window_runs_from_the_config(tiny):
     config = default_config(block_size=16, chunk_size=32, mode="long_context")
     plan = plan_session(config, tiny.config, tiny.num_weight_elements, 128, torch.device("cpu"), torch.float32)
     assert plan.local_windows_len == 128 < config.local_windows_len
-    session = LongContextSession.from_config(tiny.model, config, plan)
+    session = LongContextSession.from_plan(tiny.model, plan)
     prompt = list(np.random.default_rng(3).integers(0, 300, size=45))
     dense = generate(DenseSession(tiny.model, 128, 32), prompt, 40, Sampler(), frozenset(), lambda i: "")
     long = generate(session, prompt, 40, Sampler(), frozenset(), lambda i: "")
     assert long.token_ids == dense.token_ids and len(long.token_ids) == 40
+
+
+def _autos(value, where="plan") -> list[str]:
+    """Where an 'auto' is left in a plan: its fields, and the fields of the settings it holds."""
+    import dataclasses
+
+    if isinstance(value, str):
+        return [where] if value == "auto" else []
+    if dataclasses.is_dataclass(value):
+        return [a for f in dataclasses.fields(value) for a in _autos(getattr(value, f.name), f"{where}.{f.name}")]
+    return []
+
+
+@pytest.mark.parametrize("arm", [None, "dense", "sparse"])
+def test_the_plan_resolves_every_auto_and_its_consumers_refuse_one(tiny, arm):
+    """Every option is 'auto' here, and none is left in the plan; the prefill and the decoder,
+    which take the plan's values, refuse an unresolved one rather than resolve it themselves."""
+    import torch
+
+    from ktlong.config import default_config
+    from ktlong.decode.hybrid import HybridDecoder
+    from ktlong.prefill import LayerMajorPrefill
+    from ktlong.session.plan import plan_session
+
+    config = default_config(block_size=16, chunk_size=32, kv_type="auto", context_attention="auto",
+                            block_scoring="auto", use_cuda_graph="auto", attention_backend="auto", threads_num=0)
+    plan = plan_session(config, tiny.config, tiny.num_weight_elements, 256, torch.device("cpu"), torch.float32,
+                        attention=arm)
+    assert _autos(plan) == []
+    assert (plan.kv_type, plan.attention_backend, plan.use_cuda_graph) == ("fp32", "torch", False)
+    assert (plan.selection.block_scoring, plan.selection.context_attention) == ("cpu", "cpu")
+    assert plan.threads >= 1
+    with pytest.raises(AssertionError, match="resolve_backend"):
+        LayerMajorPrefill(tiny.model, plan.layout, 32, "auto", True)
+    session = LongContextSession.from_plan(tiny.model, plan)
+    session.prefill(list(range(100)))
+    unresolved = dataclasses.replace(plan.selection, context_attention="auto")
+    with pytest.raises(AssertionError, match="resolve_selection"):
+        HybridDecoder(tiny.model, session.host, unresolved, plan.local_windows_len)

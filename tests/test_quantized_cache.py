@@ -12,7 +12,6 @@ from ktlong.kv.dense_cache import DenseKVCache
 from ktlong.session.dense import DenseSession
 from ktlong.session.long_context import LongContextSession
 from ktlong.session.plan import plan_session
-from ktlong.session.settings import selection_settings
 from operators.dense_attention import dense_attention
 from operators.kv_quant import dequantize_kv, quantize_kv
 from tests.tiny_gguf import TinySpec, tiny_model
@@ -26,8 +25,7 @@ def session(lm, kv_type, max_seq_len=512, **options):
     plan = plan_session(config, lm.config, 0, max_seq_len, lm.model.device, lm.model.dtype)
     assert plan.layout.kv_type == kv_type and plan.layout.dtype == torch.float32  # pages stay unquantised
     return LongContextSession(lm.model, plan.layout, chunk_size=64, backend="torch", hidden_on_device=True,
-                              compact=None, selection=selection_settings(config, lm.config.num_layers),
-                              local_windows_len=48, use_cuda_graph=False)
+                              compact=None, selection=plan.selection, local_windows_len=48, use_cuda_graph=False)
 
 
 def dense_kv(lm, ids):

@@ -39,7 +39,7 @@ from ktlong.kv.layout import kv_layout
 from ktlong.kv.memory_plan import GIB
 from ktlong.models.random_model import SHAPES, random_config, random_model
 from ktlong.parallel.group import join_ranks, quiet_unless_main
-from ktlong.session.plan import resolve_kv_type
+from ktlong.session.plan import resolve_kv_type, resolve_selection
 from ktlong.session.settings import selection_settings
 from operators.kv_quant import quantize_kv
 
@@ -170,7 +170,8 @@ def main(argv=None) -> int:
     print(f"{ranks}{where} + {set_decode_threads(config.threads_num)} CPU threads; {shape} random "
           f"{str(dtype).removeprefix('torch.')}; kv {config.kv_type}, block {config.block_size}, top-k "
           f"{config.second_select_num}, local {config.local_windows_len}, anchors {config.anchor_type}, "
-          f"{config.head_select_mode}, dense layers {config.dense_layer_num}, block scoring {config.block_scoring}, "
+          f"{config.head_select_mode}, dense layers {config.dense_layer_num}, block scoring "
+          f"{resolve_selection(selection_settings(config, c.num_layers), device, 1, None).block_scoring}, "
           f"selection {'real' if args.selection_drift is None else f'drifting, {args.selection_drift:.0%} kept'}; "
           f"ms per token, medians over "
           f"{args.tokens} tokens")
@@ -180,8 +181,9 @@ def main(argv=None) -> int:
     weight_bytes = weight_bytes_per_token(model)
     weight_floor = weight_bytes / (hbm_gbps * 1e9)
     rows = []
-    sparse = selection_settings(config, c.num_layers)
-    sparse = dataclasses.replace(sparse, preselect_block=False, context_attention="cpu")  # gpu: its own mode
+    sparse = dataclasses.replace(selection_settings(config, c.num_layers), preselect_block=False,
+                                 context_attention="cpu")  # gpu: its own mode
+    sparse = resolve_selection(sparse, device, tp.world if tp is not None else 1, None)
     local = config.local_windows_len
     settings = {"dense": (selection_settings(config, c.num_layers, "dense"), local, False),
                 "cpu": (sparse, 0, False), "hybrid": (sparse, local, False), "graphs": (sparse, local, True),

@@ -30,7 +30,7 @@ from ktlong.device import resolve_device
 from ktlong.kv.memory_plan import GIB
 from ktlong.models.random_model import SHAPES, num_weight_elements, random_config, random_model
 from ktlong.session.long_context import LongContextSession
-from ktlong.session.plan import plan_session
+from ktlong.session.plan import apply_threads, plan_session
 from ktlong.session.saved_cache import load_cache, save_cache
 
 # what this bench reads of the config: a session's prefill and decode on random weights
@@ -158,6 +158,7 @@ def main(argv=None) -> int:
     plans = [plan_session(config, c, num_weight_elements(c), n + args.question + 8, device, dtype) for n in contexts]
     for plan in plans:
         plan.check()
+    apply_threads(plans[0].threads)
     fp = {"bench": shape}
     if args.io_only:
         return io_rates(contexts, plans, fp, args.folder, model_config=c, device=device, dtype=dtype,
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
         questions = [torch.randint(0, c.vocab_size, (args.question,), generator=generator).tolist()
                      for _ in range(args.repeats)]
         question = questions[0]
-        session = LongContextSession.from_config(model, config, plan)
+        session = LongContextSession.from_plan(model, plan)
         reprefill = []
         for _ in range(args.repeats):
             session.reset()
@@ -199,7 +200,7 @@ def main(argv=None) -> int:
             path = f"{folder}/doc.kv"
             nbytes, save_s = timed(lambda: save_cache(path, session, fp, []))
             del session
-            fresh = LongContextSession.from_config(model, config, plan)
+            fresh = LongContextSession.from_plan(model, plan)
             evict(path)
             _, load_s = timed(lambda: load_cache(path, fresh, fp))
             _, after_load = timed(lambda: fresh.prefill(doc + question))

@@ -26,7 +26,7 @@ from ktlong.parallel.group import join_ranks, quiet_unless_main
 from ktlong.parallel.shard import shard_config
 from ktlong.prefill import LayerMajorPrefill, PrefillStats
 from ktlong.session.plan import plan_session
-from ktlong.session.settings import compact_params
+
 
 # what this bench reads of the config: the prefill options and what shapes the KV it writes
 READS = options_in("long-context prefill") | {"block_size", "kv_type", "anchor_type", "anchor_num", "threads_num",
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     print(f"{args.shape} random {dtype} weights on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
           f"chunk {config.chunk_size}, block {config.block_size}, GPU cap {config.gpu_memory_budget_gb} GiB"
           f"{' per GPU' if tp is not None else ''}{ranks}")
-    compact = compact_params(config)
+    compact = plans[0].compact
     arms = [("compact" if compact else "dense", compact)]
     if compact is not None and args.baseline == "dense":
         arms.append(("dense", None))
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         runs, backend = {arm: [] for arm, _ in arms}, ""
         for i in range(args.runs):
             for arm, params in arms:  # one engine at a time: the plan counts one set of pages
-                engine = LayerMajorPrefill(model, plan.layout, config.chunk_size, config.attention_backend,
+                engine = LayerMajorPrefill(model, plan.layout, plan.chunk_size, plan.attention_backend,
                                            memory.hidden_on_device, params)
                 if device.type == "cuda" and i == 0:  # kernels build on first use: not inside the timed runs
                     engine.warm_up(host)

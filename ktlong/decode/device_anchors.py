@@ -21,9 +21,11 @@ from ktlong.decode.selection import DecodeBlockSelector, SelectionSettings
 from operators.block_scores import device_block_scores
 
 
-def scores_on_device(settings: SelectionSettings, device: torch.device) -> bool:
-    """auto: on a GPU; device: with torch on the model's device, whatever it is; cpu: never."""
-    return settings.block_scoring == "device" or (settings.block_scoring == "auto" and device.type == "cuda")
+def scores_on_device(settings: SelectionSettings) -> bool:
+    """device: with torch on the model's device, whatever it is; cpu: never (the plan resolves
+    auto, ktlong/session/plan.py)."""
+    assert settings.block_scoring in ("device", "cpu"), "resolve_selection first"
+    return settings.block_scoring == "device"
 
 
 def _as_bf16(words: np.ndarray) -> torch.Tensor:

@@ -25,7 +25,7 @@ from ktlong.kv.pinned import PinnedTensors
 from operators import triton_installed
 
 
-def resolve_context_attention(setting: str, device: torch.device, tp, layout) -> str:
+def resolve_context_attention(setting: str, device: torch.device, tensor_parallel: bool, layout) -> str:
     """`context_attention` for a session: auto is gpu on a GPU with triton, one rank (tensor
     parallelism keeps the host's selection) and a format the kernel reads; cpu otherwise, and
     always on the CPU."""
@@ -33,7 +33,7 @@ def resolve_context_attention(setting: str, device: torch.device, tp, layout) ->
         return "cpu"
     if setting != "auto":
         return setting
-    if tp is not None or not triton_installed():
+    if tensor_parallel or not triton_installed():
         return "cpu"
     from operators.selected_blocks_kernel import kernel_applies
 

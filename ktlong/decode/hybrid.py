@@ -46,10 +46,12 @@ class DecodeTimes:
 
 class HybridDecoder:
     def __init__(self, model: LlamaModel, host: HostKVCache, settings: SelectionSettings,
-                 local_windows_len: int, use_cuda_graph: bool = False, context_attention: str = "cpu"):
-        """context_attention "gpu": the device reads every selected block where it lies in DRAM
-        (ktlong/decode/dram_blocks.py); "cpu": the Numba operator reads them."""
-        assert context_attention in ("cpu", "gpu"), "resolve auto first (ktlong/decode/dram_blocks.py)"
+                 local_windows_len: int, use_cuda_graph: bool = False):
+        """settings, resolved (ktlong/session/plan.py): context_attention "gpu": the device reads
+        every selected block where it lies in DRAM (ktlong/decode/dram_blocks.py); "cpu": the
+        Numba operator reads them."""
+        context_attention = settings.context_attention
+        assert context_attention in ("cpu", "gpu"), "resolve_selection first (ktlong/session/plan.py)"
         self.model, self.host, self.settings = model, host, settings
         layout = host.layout
         self.layout, self.block_size = layout, layout.block_size
@@ -63,7 +65,7 @@ class HybridDecoder:
         self._preselect()
         # block scores computed on the device from a copy of the anchors (`block_scoring`)
         self.device_anchors = (DeviceAnchors(self.selector, self.global_layers, model.device)
-                               if scores_on_device(settings, model.device) else None)
+                               if scores_on_device(settings) else None)
         self.k_stored = [stored_view(host, layer, "k") for layer in range(layout.num_layers)]
         self.v_stored = [stored_view(host, layer, "v") for layer in range(layout.num_layers)]
         self.block_bytes = 2 * layout.block_size * self.k_stored[0].nbytes_per_token()  # K and V of one head

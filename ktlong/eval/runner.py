@@ -17,7 +17,7 @@ from ktlong.eval.tasks import first_integer, make_sample, score
 from ktlong.chat.generate import generate
 from ktlong.models.loader import LoadedModel
 from ktlong.session.long_context import LongContextSession
-from ktlong.session.plan import plan_session
+from ktlong.session.plan import apply_threads, plan_session
 from ktlong.chat.sampling import Sampler
 
 MAX_NEW_TOKENS = {"passkey": 16, "needle": 32, "kvretrieval": 64, "multikey": 24}
@@ -57,9 +57,11 @@ def variant_config(config: Config, attention: str) -> Config:
 
 def make_session(lm: LoadedModel, config: Config, attention: str, max_seq_len: int) -> LongContextSession:
     device = lm.model.device
-    plan = plan_session(config, lm.config, lm.num_weight_elements, max_seq_len, device, lm.model.dtype)
+    plan = plan_session(config, lm.config, lm.num_weight_elements, max_seq_len, device, lm.model.dtype,
+                        config.tensor_parallel, attention)
     plan.check()
-    return LongContextSession.from_config(lm.model, config, plan, attention)
+    apply_threads(plan.threads)
+    return LongContextSession.from_plan(lm.model, plan)
 
 
 def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], depths: list[float],

@@ -13,7 +13,6 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from ktlong.config import Config
 from ktlong.errors import Cancelled
 from ktlong.kv.history_load import staging_bytes
 from ktlong.kv.host_cache import HostKVCache
@@ -23,12 +22,10 @@ from ktlong.kv.resident import ResidentHistory
 from ktlong.models.llama import LlamaModel
 from ktlong.prefill import LayerMajorPrefill
 from ktlong.decode.selection import SelectionSettings
-from ktlong.decode.dram_blocks import resolve_context_attention
 from ktlong.decode.hybrid import HybridDecoder
 from ktlong.decode.warm_up import compile_decode_kernels
 from ktlong.session.plan import SessionPlan
 from ktlong.session.prefix import cached_prefix
-from ktlong.session.settings import compact_params, selection_settings, split_arm
 from operators.compact_attention import CompactParams
 
 # device memory resident history leaves unused: the plan counts the decoder's buffers, not what
@@ -40,15 +37,13 @@ class LongContextSession:
     def __init__(self, model: LlamaModel, layout: KVLayout, *, chunk_size: int, backend: str,
                  hidden_on_device: bool, compact: CompactParams | None, selection: SelectionSettings,
                  local_windows_len: int, use_cuda_graph: bool, follow_up_headroom: int | None = None,
-                 prefill_headroom: int | None = None, resident_history: bool = True,
-                 context_attention: str | None = None):
+                 prefill_headroom: int | None = None, resident_history: bool = True):
         """follow_up_headroom: device bytes the plan leaves beside a decoder (its window, anchors
         and graphs), within which a follow-up's prefill runs while the decoder stays; None: no
         limit (the CPU). prefill_headroom: what the plan leaves beside a new prompt's prefill.
         resident_history: what a prefill leaves of that room keeps layers' history on the device
-        for the next follow-up (ktlong/kv/resident.py). context_attention: who attends to the
-        selected DRAM blocks (ktlong/decode/dram_blocks.py); None: selection's, resolved
-        (`auto`: the GPU where it can; the CPU on the CPU)."""
+        for the next follow-up (ktlong/kv/resident.py). backend and selection: resolved, as the
+        plan resolves them (from_plan)."""
         window = model.config.sliding_window
         assert not window or local_windows_len >= min(window, layout.capacity), "Config.local_window_for"
         assert tuple(layout.sliding) == tuple(model.config.sliding_layers), "use model_kv_layout"
@@ -57,9 +52,6 @@ class LongContextSession:
         self.selection, self.local_windows_len = selection, local_windows_len
         self.use_cuda_graph, self.follow_up_headroom = use_cuda_graph, follow_up_headroom
         self.prefill_headroom = prefill_headroom
-        if context_attention is None:
-            context_attention = resolve_context_attention(selection.context_attention, model.device, model.tp, layout)
-        self.context_attention = context_attention
         self.decoder: HybridDecoder | None = None
         self.model, self.layout = model, layout
         self.max_seq_len = layout.capacity
@@ -76,20 +68,16 @@ class LongContextSession:
         self.saved_file = None  # the file this session last saved to or loaded from (saved_cache.SavedFile)
 
     @classmethod
-    def from_config(cls, model: LlamaModel, config: Config, plan: SessionPlan,
-                    attention: str | None = None) -> "LongContextSession":
-        """The session local_chat, the evaluation and the benches run. attention: an arm of
-        ktlong/session/settings.ARMS ("dense" or "sparse" force exact or sparse attention in
-        prefill and decode, "sparse-prefill" and "sparse-decode" one stage each; the evaluation
-        compares them); None follows prefill_attention and the decode selection options."""
-        prefill, decode = split_arm(attention)
-        session = cls(model, plan.layout, chunk_size=config.chunk_size, backend=config.attention_backend,
-                      hidden_on_device=plan.memory.hidden_on_device, compact=compact_params(config, prefill),
-                      selection=selection_settings(config, model.config.num_layers, decode),
-                      local_windows_len=plan.local_windows_len, use_cuda_graph=plan.use_cuda_graph,
+    def from_plan(cls, model: LlamaModel, plan: SessionPlan) -> "LongContextSession":
+        """The session local_chat, the evaluation, the benches and the server run: everything
+        as the plan resolved it (ktlong/session/plan.py), its kernels built (warm_up)."""
+        session = cls(model, plan.layout, chunk_size=plan.chunk_size, backend=plan.attention_backend,
+                      hidden_on_device=plan.memory.hidden_on_device, compact=plan.compact,
+                      selection=plan.selection, local_windows_len=plan.local_windows_len,
+                      use_cuda_graph=plan.use_cuda_graph,
                       follow_up_headroom=plan.budget_bytes - plan.memory.decode_device if plan.is_gpu else None,
                       prefill_headroom=plan.budget_bytes - plan.memory.prefill_device if plan.is_gpu else None,
-                      resident_history=config.resident_history)
+                      resident_history=plan.resident_history)
         session.warm_up()
         return session
 
@@ -176,7 +164,7 @@ class LongContextSession:
             self.decoder = kept
         else:
             self.decoder = HybridDecoder(self.model, self.host, self.selection, self.local_windows_len,
-                                         self.use_cuda_graph, self.context_attention)
+                                         self.use_cuda_graph)
             self.decoder.capture_graphs()
         self.last_decode_setup_seconds = time.perf_counter() - start
         return logits

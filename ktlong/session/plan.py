@@ -1,30 +1,43 @@
-"""What a long-context session will be, decided from the config before any weight is read:
-the KV type and layout, the memory plan (checked against the GPU budget and free DRAM), where
-prefill's hidden states live, CUDA graphs and the decode threads.
+"""What a long-context session will be, decided from the config before any weight is read, in
+one frozen object: the KV type and layout, the memory plan (checked against the GPU budget and
+free DRAM), where prefill's hidden states live, CompactAttention's settings and the attention
+backend, decode's selection (where blocks are scored and who reads them), CUDA graphs and the
+decode threads. Every `auto` is resolved here and nowhere else.
 
 local_chat, the evaluation, the benches and the server all take this one way:
-`plan_session(...)`, then `LongContextSession.from_config(model, config, plan)`.
+`plan_session(...)`, `apply_threads(plan.threads)`, then `LongContextSession.from_plan(model, plan)`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import dataclasses
+
 import torch
 
 from cpu_ops.anchors import anchors_per_block
-from cpu_ops.threads import set_decode_threads
+from cpu_ops.threads import decode_threads, set_decode_threads
 from ktlong.config import Config
 from ktlong.decode.device_anchors import scores_on_device
+from ktlong.decode.dram_blocks import resolve_context_attention
+from ktlong.decode.selection import SelectionSettings
 from ktlong.gguf.model_config import ModelConfig
 from ktlong.kv.layout import KVLayout, model_kv_layout
 from ktlong.kv.memory_plan import GIB, MemoryPlan, available_dram_bytes, check_plan, plan_memory
-from ktlong.session.settings import selection_settings
+from ktlong.prefill import resolve_backend
+from ktlong.session.settings import compact_params, selection_settings, split_arm
+from operators.compact_attention import CompactParams
 from operators.kv_quant import QUANTIZED
 
 
 @dataclass(frozen=True)
 class SessionPlan:
+    """Everything a long-context session will run, every `auto` of the config resolved: the
+    session, its prefill and decoder and the memory plan take their settings from here, never
+    from the config."""
+    device: torch.device
+    dtype: torch.dtype
     layout: KVLayout
     memory: MemoryPlan
     kv_type: str
@@ -33,10 +46,27 @@ class SessionPlan:
     budget_bytes: int
     is_gpu: bool
     local_windows_len: int  # the device window: local_windows_len, or all of a shorter max_seq_len
+    chunk_size: int
+    attention_backend: str  # fa2 | fa3 | torch
+    compact: CompactParams | None  # None: dense prefill
+    selection: SelectionSettings  # block_scoring device | cpu; context_attention cpu | gpu
+    threads: int  # the decode operator's CPU threads (apply_threads sets them at start-up)
+    resident_history: bool
 
     def describe(self) -> str:
-        return (f"[memory plan for max_seq_len {self.max_seq_len:,}, kv_type {self.kv_type}]\n"
-                f"{self.memory.table()}")
+        s, c = self.selection, self.compact
+        prefill = (f"compact ({c.selector}, keep_blocks {c.keep_blocks}, dense_above {c.dense_above}, "
+                   f"{c.prefill_dense_layer_num} dense layers)" if c is not None else "dense")
+        lines = [f"[plan for max_seq_len {self.max_seq_len:,} on {self.device} ({str(self.dtype).removeprefix('torch.')})]",
+                 f"  prefill: {prefill}, chunk {self.chunk_size}, attention backend {self.attention_backend}",
+                 f"  KV cache: {self.kv_type} in DRAM, block {self.layout.block_size}, device window "
+                 f"{self.local_windows_len} tokens",
+                 f"  decode: top {s.second_select_num} blocks by {s.anchor_type} anchors ({s.head_select_mode}), "
+                 f"scored on the {'GPU' if s.block_scoring == 'device' and self.is_gpu else 'CPU'}, read by the "
+                 f"{'GPU' if s.context_attention == 'gpu' else 'CPU operator'}; CUDA graphs "
+                 f"{'on' if self.use_cuda_graph else 'off'}; {self.threads} CPU thread{'s' if self.threads > 1 else ''}",
+                 self.memory.table()]
+        return "\n".join(lines)
 
     def check(self):
         """Refuse a plan that does not fit the GPU budget or free DRAM, naming what would fit."""
@@ -55,28 +85,44 @@ def resolve_cuda_graph(use_cuda_graph: bool | str, device: torch.device) -> bool
     return device.type == "cuda" and use_cuda_graph in (True, "auto")
 
 
-def apply_threads(threads_num: int) -> int:
-    """CPU threads of the decode operator (every core but one by default) and of torch."""
-    if threads_num:
-        torch.set_num_threads(threads_num)
-    return set_decode_threads(threads_num)
+def resolve_selection(settings: SelectionSettings, device: torch.device, tensor_parallel: int,
+                      layout: KVLayout | None) -> SelectionSettings:
+    """block_scoring auto: the device on a GPU; context_attention auto: the GPU where its kernel
+    reads the layout's blocks (ktlong/decode/dram_blocks.py). layout: needed only to resolve
+    context_attention's auto. On the CPU both are cpu."""
+    scoring = settings.block_scoring
+    if scoring == "auto":
+        scoring = "device" if device.type == "cuda" else "cpu"
+    where = resolve_context_attention(settings.context_attention, device, tensor_parallel > 1, layout)
+    return dataclasses.replace(settings, block_scoring=scoring, context_attention=where)
+
+
+def apply_threads(threads: int):
+    """The start-up step that sets the CPU threads: the decode operator's and torch's."""
+    torch.set_num_threads(threads)
+    set_decode_threads(threads)
 
 
 def plan_session(config: Config, model_config: ModelConfig, num_weight_elements: int, max_seq_len: int,
-                 device: torch.device, dtype: torch.dtype) -> SessionPlan:
-    """Decide; `SessionPlan.check()` refuses what does not fit (callers print the plan first)."""
+                 device: torch.device, dtype: torch.dtype, tensor_parallel: int = 1,
+                 attention: str | None = None) -> SessionPlan:
+    """Decide; `SessionPlan.check()` refuses what does not fit (callers print the plan first).
+    attention: an evaluation arm (ktlong/session/settings.ARMS); None follows the config."""
     local_windows_len = config.local_window_for(max_seq_len, model_config.sliding_window)
-    apply_threads(config.threads_num)
     kv_type = resolve_kv_type(config.kv_type, dtype)
     page_type = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     layout = model_kv_layout(model_config, config.block_size, max_seq_len, kv_type, local_windows_len,
                              page_type if kv_type in QUANTIZED else None, config.anchor_type, config.anchor_num)
     budget = int(config.gpu_memory_budget_gb * GIB)
     is_gpu = device.type == "cuda"
-    selection = selection_settings(config, model_config.num_layers)
-    on_device = scores_on_device(selection, device)
-    anchors = anchors_per_block(config.anchor_type, config.anchor_num) if on_device else 0
+    prefill, decode = split_arm(attention)
+    selection = resolve_selection(selection_settings(config, model_config.num_layers, decode), device,
+                                  tensor_parallel, layout)
+    anchors = anchors_per_block(config.anchor_type, config.anchor_num) if scores_on_device(selection) else 0
     memory = plan_memory(model_config, num_weight_elements, dtype.itemsize, layout, config.chunk_size, budget,
                          is_gpu, local_windows_len, anchors)
-    return SessionPlan(layout, memory, kv_type, resolve_cuda_graph(config.use_cuda_graph, device), max_seq_len,
-                       budget, is_gpu, local_windows_len)
+    return SessionPlan(device, dtype, layout, memory, kv_type, resolve_cuda_graph(config.use_cuda_graph, device),
+                       max_seq_len, budget, is_gpu, local_windows_len, config.chunk_size,
+                       resolve_backend(config.attention_backend, device, model_config.head_dim, layout.dtype),
+                       compact_params(config, prefill), selection, decode_threads(config.threads_num),
+                       config.resident_history)

@@ -89,6 +89,7 @@ def start(config: Config, log=None) -> Started:
     from ktlong.gguf.model_config import RopeOptions
     from ktlong.parallel.group import join_ranks
     from ktlong.parallel.shard import rank_share
+    from cpu_ops.threads import decode_threads
     from ktlong.session.plan import apply_threads, plan_session
 
     log = log or sys.stderr
@@ -106,11 +107,11 @@ def start(config: Config, log=None) -> Started:
         print("[use_cuda_graph: graphs replay the long-context decode step on a GPU; ignored here]", file=log)
     plan = None
     if config.mode == "long_context":
-        plan = plan_session(config, model_config, num_weight_elements, max_seq_len, device, dtype)
+        plan = plan_session(config, model_config, num_weight_elements, max_seq_len, device, dtype,
+                            config.tensor_parallel)
         print(plan.describe(), file=log)
         plan.check()
-    else:
-        apply_threads(config.threads_num)
+    apply_threads(plan.threads if plan is not None else decode_threads(config.threads_num))
     lm = load_model(config.model, device, dtype, RopeOptions.of(config), tp)
     c = lm.config
     print(f"[loaded {lm.path.name}: {c.arch}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} "
@@ -120,5 +121,5 @@ def start(config: Config, log=None) -> Started:
     if plan is not None:
         from ktlong.session.long_context import LongContextSession
 
-        session = LongContextSession.from_config(lm.model, config, plan)
+        session = LongContextSession.from_plan(lm.model, plan)
     return Started(lm, config, max_seq_len, session, tp)
