@@ -20,6 +20,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ktlong.errors import ConfigError
@@ -76,6 +77,9 @@ class PrefillStats:
     density_per_layer: list[float] = field(default_factory=list)  # kept history fraction (compact)
     dense_chunks: int = 0  # compact chunks run dense because the selector kept nearly everything
     history_seconds: float = 0.0  # a follow-up: loading the history from DRAM into the pages
+    # global layer -> [KV, blocks] float32: the attention mass the prompt's last queries put on
+    # each block, which decode's preselection reads
+    block_mass: dict[int, np.ndarray] = field(default_factory=dict)
     _events: list = field(default_factory=list, repr=False)  # (stats field, start, end) CUDA events
 
     @property
@@ -203,8 +207,7 @@ class LayerMajorPrefill:
             for name, a, b in stats._events:
                 setattr(stats, name, getattr(stats, name) + a.elapsed_time(b) / 1e3)
             stats.peak_device_bytes = torch.cuda.max_memory_allocated(self.device)
-        for layer, mass in run.masses:
-            host.prompt_block_mass[layer] = mass.cpu().numpy()
+        stats.block_mass = {layer: mass.cpu().numpy() for layer, mass in run.masses}
         host.advance(len(token_ids))
         stats.seconds = time.perf_counter() - start
         return logits, stats

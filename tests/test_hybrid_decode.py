@@ -156,7 +156,7 @@ def test_preselection_restricts_candidates_to_the_top_blocks_of_the_last_prompt_
     assert all(c is not None and (c.sum(1) == 4).all() for c in cand)
     assert all(not c[:, :first].any() and not c[:, last:].any() for c in cand)  # context blocks only
     for layer, c in enumerate(cand):  # SHARED: the 4 context blocks with most prompt attention mass
-        mass = s.host.prompt_block_mass[layer][:, first:last].sum(0)
+        mass = s.block_mass[layer][:, first:last].sum(0)
         assert set(np.flatnonzero(c[0])) == set(first + np.argsort(-mass)[:4])
     calls = spy(s.decoder)
     s.step(7)

@@ -54,7 +54,7 @@ def test_a_loaded_cache_continues_as_the_saved_session(tiny, tmp_path, kv_type):
             assert torch.equal(loaded.host.tokens(layer, which, 0, n), saved.host.tokens(layer, which, 0, n))
         assert torch.equal(loaded.host.key_max[layer][:, :7], saved.host.key_max[layer][:, :7])
         assert torch.equal(loaded.host.anchor_keys[layer][:, :7], saved.host.anchor_keys[layer][:, :7])
-        np.testing.assert_array_equal(loaded.host.prompt_block_mass[layer], saved.host.prompt_block_mass[layer])
+        np.testing.assert_array_equal(loaded.block_mass[layer], saved.block_mass[layer])
     follow = saved.ids + prompt(40, seed=1)
     a, b = saved.prefill(follow), loaded.prefill(follow)
     assert loaded.last_stats.num_tokens == 40  # only the new tokens
@@ -252,7 +252,7 @@ def same_cache(a, b):
             assert torch.equal(a.host.tokens(layer, which, 0, n), b.host.tokens(layer, which, 0, n))
         for table in ("key_mean", "key_max", "key_min", "anchor_keys"):
             assert torch.equal(getattr(a.host, table)[layer][:, :blocks], getattr(b.host, table)[layer][:, :blocks])
-        np.testing.assert_array_equal(a.host.prompt_block_mass[layer], b.host.prompt_block_mass[layer])
+        np.testing.assert_array_equal(a.block_mass[layer], b.block_mass[layer])
 
 
 def test_a_follow_ups_save_appends_only_what_changed_and_loads_as_a_whole_save(tiny, tmp_path):

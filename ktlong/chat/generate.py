@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ktlong.errors import Cancelled
-from ktlong.session.dense import DenseSession
+from ktlong.session.protocol import Session
 from ktlong.chat.sampling import Sampler
 from ktlong.chat.text_stream import TextStream
 
@@ -26,7 +26,7 @@ class Generation:
         return max(len(self.token_ids) - 1, 0) / self.decode_seconds if self.decode_seconds else 0.0
 
 
-def generate(session: DenseSession, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler,
+def generate(session: Session, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler,
              stop_ids: frozenset[int], decode: Callable[[list[int]], str],
              on_text: Callable[[str], None] = lambda s: None, show_progress: bool = False,
              should_stop: Callable[[], bool] | None = None) -> Generation:

@@ -10,6 +10,7 @@ from ktlong.config import Config
 from ktlong.errors import KtlongError
 from ktlong.chat.conversation import Conversation, PromptTooLongError
 from ktlong.session.dense import DenseSession
+from ktlong.session.protocol import Session
 from ktlong.chat.generate import generate
 from ktlong.models.loader import LoadedModel
 from ktlong.chat.sampling import Sampler
@@ -22,7 +23,8 @@ HELP = ('Type a message. Empty line: send the prompt file. A file path: send tha
 
 class ChatLoop:
     def __init__(self, lm: LoadedModel, config: Config, max_seq_len: int, prompt_file: str | None,
-                 out=None, err=None, session=None, save_kv: str | None = None, load_kv: str | None = None):
+                 out=None, err=None, session: Session | None = None, save_kv: str | None = None,
+                 load_kv: str | None = None):
         self.lm, self.config, self.max_seq_len = lm, config, max_seq_len
         self.prompt_file, self.save_kv, self.load_kv = prompt_file, save_kv, load_kv
         self.failed: list[str] = []  # what the command line asked for and could not be done
@@ -105,16 +107,16 @@ class ChatLoop:
                 return self.read_file(stripped) or ""
             return line
 
+    def _cache_needs(self) -> str:
+        return "--mode long_context" if self.config.mode != "long_context" else "--tensor_parallel 1"
+
     def save(self, path: str) -> bool:
         """The KV cache and the conversation to a file (ktlong/session/saved_cache.py); False
         after a notice of why not."""
         from ktlong.session.saved_cache import fingerprint, save_cache
 
-        if not hasattr(self.session, "host"):
-            self.notice("saving the KV cache needs --mode long_context")
-            return False
-        if self.session.model.tp is not None:
-            self.notice("saving the KV cache needs --tensor_parallel 1")
+        if not self.session.saves_cache:
+            self.notice(f"saving the KV cache needs {self._cache_needs()}")
             return False
         try:
             start = time.perf_counter()
@@ -136,11 +138,8 @@ class ChatLoop:
         of why not."""
         from ktlong.session.saved_cache import fingerprint, load_cache
 
-        if not hasattr(self.session, "host"):
-            self.notice("loading a KV cache needs --mode long_context")
-            return False
-        if self.session.model.tp is not None:
-            self.notice("loading a KV cache needs --tensor_parallel 1")
+        if not self.session.saves_cache:
+            self.notice(f"loading a KV cache needs {self._cache_needs()}")
             return False
         try:
             start = time.perf_counter()

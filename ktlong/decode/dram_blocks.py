@@ -42,9 +42,10 @@ def resolve_context_attention(setting: str, device: torch.device, tensor_paralle
 
 class DramBlocks:
     def __init__(self, host: HostKVCache, global_layers: list[int], max_selected: int, scale: float,
-                 device: torch.device):
+                 device: torch.device, selection: DeviceSelection | None = None):
         """global_layers: the layers indexed 0..n-1 here; max_selected: the most blocks a step
-        selects per kv head (second_select_num)."""
+        selects per kv head (second_select_num); selection: the device's own (it picks the rows),
+        or None (the host writes them: split)."""
         layout = host.layout
         if not triton_installed():
             raise KtlongError("context_attention: gpu needs triton; install the GPU extra (pip install -e "
@@ -68,7 +69,7 @@ class DramBlocks:
         self.hits = HitIndex(len(global_layers), KV, max_selected, 0, self._pinned, device)
         self.head_rows = (np.arange(KV, dtype=np.int64) * NB)[:, None]
         self.none_left = (np.zeros((KV, 1), np.int32), np.zeros(KV, np.int32))
-        self.selection: DeviceSelection | None = None  # set by the decoder when the device selects
+        self.selection = selection
 
     def fits(self, blocks: np.ndarray) -> bool:
         return self.hits.fits(blocks)

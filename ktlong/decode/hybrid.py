@@ -46,23 +46,27 @@ class DecodeTimes:
 
 class HybridDecoder:
     def __init__(self, model: LlamaModel, host: HostKVCache, settings: SelectionSettings,
-                 local_windows_len: int, use_cuda_graph: bool = False):
+                 local_windows_len: int, use_cuda_graph: bool = False,
+                 block_mass: dict[int, np.ndarray] | None = None, resident=None):
         """settings, resolved (ktlong/session/plan.py): context_attention "gpu": the device reads
         every selected block where it lies in DRAM (ktlong/decode/dram_blocks.py); "cpu": the
-        Numba operator reads them."""
+        Numba operator reads them. block_mass: the prefill's attention mass per global layer and
+        block (PrefillStats.block_mass), for preselection. resident: the layers whose rows the
+        device keeps between turns (ktlong/kv/resident.py), where the window reads them."""
         context_attention = settings.context_attention
         assert context_attention in ("cpu", "gpu"), "resolve_selection first (ktlong/session/plan.py)"
         self.model, self.host, self.settings = model, host, settings
         layout = host.layout
         self.layout, self.block_size = layout, layout.block_size
         self.window = DeviceWindow(layout, local_windows_len, SINK_BLOCKS * layout.block_size, model.device)
-        self.window.load_from_host(host)
+        self.resident = resident
+        self.window.load_from_host(host, resident)
         c = model.config
         assert not c.sliding_window or local_windows_len >= c.sliding_window, "the window must cover sliding layers"
         self.global_layers = layout.global_layers
         self.selector = DecodeBlockSelector(settings, host, c.num_heads, model.tp)
         self.selector.build_all(host.num_tokens, self.global_layers)
-        self._preselect()
+        self._preselect(block_mass or {})
         # block scores computed on the device from a copy of the anchors (`block_scoring`)
         self.device_anchors = (DeviceAnchors(self.selector, self.global_layers, model.device)
                                if scores_on_device(settings) else None)
@@ -76,11 +80,11 @@ class HybridDecoder:
         self.dram_blocks = None
         self.selection = None  # the device selects too: a token is one piece of device work
         if context_attention == "gpu" and settings.second_select_num:
-            self.dram_blocks = DramBlocks(host, self.global_layers, settings.second_select_num, model.scale, model.device)
             if selects_on_device(self.selector, self.device_anchors, self.global_layers):
                 self.selection = DeviceSelection(self.selector, self.device_anchors, self.global_layers, model.device)
                 self.selection.load_candidates()
-                self.dram_blocks.selection = self.selection
+            self.dram_blocks = DramBlocks(host, self.global_layers, settings.second_select_num, model.scale,
+                                          model.device, self.selection)
         self.body = DecodeStep(model, self.window, self.global_layers, use_cuda_graph and self.cuda,
                                self.device_anchors, self.dram_blocks)
         # numpy views of the exchange buffers, read and written once per layer per token: a numpy
@@ -90,14 +94,14 @@ class HybridDecoder:
         self.new_kv_scales = host_words(body.kv_scales_host)
         self.q_np, self.o_np, self.lse_np = body.q_host.numpy(), body.o_host.numpy(), body.lse_host.numpy()
 
-    def _preselect(self):
+    def _preselect(self, block_mass: dict[int, np.ndarray]):
         first, last = self.window.context_blocks
-        for layer, mass in self.host.prompt_block_mass.items():
+        for layer, mass in block_mass.items():
             if layer in self.global_layers:
                 self.selector.preselect(layer, mass, first, last)
 
     @torch.inference_mode()
-    def extend(self, first_block: int):
+    def extend(self, first_block: int, block_mass: dict[int, np.ndarray]):
         """A follow-up's prefill rewrote the cache from block first_block on and extended it:
         go on from there as a new decoder would, keeping the device buffers and the captured
         graphs (building and capturing them again is most of a short follow-up's setup). The
@@ -108,8 +112,8 @@ class HybridDecoder:
             last = -(-self.host.num_tokens // self.block_size)
             for layer in self.global_layers:
                 self.device_anchors.update(layer, first_block, last)
-        self.window.load_from_host(self.host)  # queued; crosses while the host preselects
-        self._preselect()
+        self.window.load_from_host(self.host, self.resident)  # queued; crosses while the host preselects
+        self._preselect(block_mass)
         if self.selection is not None:
             self.selection.load_candidates()
         self.step_index = 0

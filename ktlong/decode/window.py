@@ -38,22 +38,23 @@ class DeviceWindow:
         """Block-aligned start that keeps at least local_windows_len on the device."""
         return max(end - self.local_windows_len, 0) // self.block_size * self.block_size
 
-    def load_from_host(self, host: HostKVCache):
-        """After prefill: copy the sink tokens and the window of every layer to the device."""
+    def load_from_host(self, host: HostKVCache, resident=None):
+        """After prefill: copy the sink tokens and the window of every layer to the device.
+        resident: the layers whose rows the device keeps between turns (ktlong/kv/resident.py),
+        read there."""
         end = host.num_tokens
         self.end = end
         self.window_start = self.first_window_position(end)
         n, sinks = end - self.window_start, min(self.sink_tokens, end)
         for layer in range(self.layout.num_layers):
             for which, window, sink in (("k", self.k, self.sink_k), ("v", self.v, self.sink_v)):
-                self._load(window[layer, :, :n], host, layer, which, self.window_start, end)
+                self._load(window[layer, :, :n], host, resident, layer, which, self.window_start, end)
                 if not self.layout.is_sliding(layer):  # sliding layers never read the sink
-                    self._load(sink[layer, :, :sinks], host, layer, which, 0, sinks)
+                    self._load(sink[layer, :, :sinks], host, resident, layer, which, 0, sinks)
 
-    def _load(self, dst: torch.Tensor, host: HostKVCache, layer: int, which: str, start: int, end: int):
+    def _load(self, dst: torch.Tensor, host: HostKVCache, resident, layer: int, which: str, start: int, end: int):
         """q8_0 / q4_0 widen on the device: the quantised bytes cross, the window holds dtype. A
-        layer whose rows the device keeps between turns (host.resident) is read there."""
-        resident = host.resident
+        resident layer is read where the device keeps it."""
         if resident is not None and layer in resident.rows and resident.valid[layer] >= end:
             resident.widen(layer, which, start, end, dst)
             return

@@ -52,15 +52,6 @@ into when the tables are not pinned (maps_files).
         self.anchor_keys = [alloc((H, n, layout.anchor_keys, D), torch.float32) for n in tables]
         self.first_block = [0] * layout.num_layers
         self.num_tokens = 0  # tokens held; changed only by advance(), truncate() and reset()
-        # leading tokens unchanged since the cache was last saved or loaded (set there): a save
-        # appends from the block this ends in (ktlong/session/saved_cache.py)
-        self.stable_tokens = 0
-        # global layer -> [KV, blocks] float32: attention mass the last prompt queries put on each
-        # block, measured by prefill, read by decode's preselection
-        self.prompt_block_mass: dict[int, np.ndarray] = {}
-        # device copies of some layers' rows kept between turns (ktlong/kv/resident.py): cut
-        # wherever this cache is cut, so that they never outlive the rows they were made from
-        self.resident = None
 
     def advance(self, num_new: int):
         """num_new more tokens are in the cache (their K/V and side tables written)."""
@@ -68,19 +59,13 @@ into when the tables are not pinned (maps_files).
         self.num_tokens += num_new
 
     def reset(self):
-        self.num_tokens = self.stable_tokens = 0
-        self.prompt_block_mass = {}
-        if self.resident is not None:
-            self.resident.truncate(0)
+        self.num_tokens = 0
 
     def truncate(self, num_tokens: int):
         """Keep the first num_tokens tokens (a follow-up diverges there); what lies after is
         written over. Not for sliding layers, whose DRAM holds only the tail."""
         assert num_tokens <= self.num_tokens and not self.layout.sliding
         self.num_tokens = num_tokens
-        self.stable_tokens = min(self.stable_tokens, num_tokens)
-        if self.resident is not None:
-            self.resident.truncate(num_tokens)
 
     def place_tails(self, num_tokens: int):
         """Before a prefill of num_tokens: sliding layers keep the blocks that end the prompt."""

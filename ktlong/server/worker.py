@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from ktlong.chat.generate import generate
 from ktlong.chat.sampling import Sampler
 from ktlong.errors import KtlongError
+from ktlong.session.protocol import Session
 from ktlong.server.protocol import ApiError, Job
 from ktlong.server.stop_strings import StopStrings
 
@@ -52,7 +53,7 @@ class Ticket:
 
 
 class Worker:
-    def __init__(self, session, tokenizer, queue_size: int, log=None):
+    def __init__(self, session: Session, tokenizer, queue_size: int, log=None):
         self.session, self.tokenizer, self.queue_size = session, tokenizer, queue_size
         self.log = log or sys.stderr
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ktlong-generate")

@@ -22,6 +22,8 @@ class DenseSession:
         self.ids: list[int] = []  # tokens whose K/V are in the cache, in order
         self.last_prefill_tokens = 0  # tokens the last prefill computed (the rest came from the cache)
 
+    saves_cache = False  # a file of the dense cache is not offered: long-context mode saves its DRAM cache
+
     def reset(self):
         self.ids = []
 

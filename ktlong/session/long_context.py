@@ -59,8 +59,14 @@ class LongContextSession:
         self.host = HostKVCache(layout, pin=model.device.type == "cuda")
         self.resident = None
         if resident_history and follow_up_headroom is not None and not layout.sliding:
-            self.resident = self.host.resident = ResidentHistory(layout, model.device)
+            self.resident = ResidentHistory(layout, model.device)
         self.ids: list[int] = []
+        # global layer -> [KV, blocks]: the last prefill's attention mass per block (PrefillStats),
+        # which decode's preselection reads; saved with the cache
+        self.block_mass: dict = {}
+        # leading tokens unchanged since the cache was last saved or loaded (ktlong/session/saved_cache.py
+        # sets it): a save appends from the block this ends in
+        self.stable_tokens = 0
         self.last_stats = None
         self.last_prefill_tokens = 0  # tokens the last prefill computed (the rest came from the cache)
         self.last_decode_setup_seconds = 0.0  # after the last prefill: the decoder built, its graphs captured
@@ -107,10 +113,22 @@ class LongContextSession:
         wanted = self.local_windows_len + (self.selection.second_select_num + 2) * B
         return max(1, min(wanted, self.max_seq_len - 1))
 
+    @property
+    def saves_cache(self) -> bool:
+        """One rank holds the whole cache: it can go to a file (ktlong/session/saved_cache.py)."""
+        return self.model.tp is None
+
     def reset(self):
-        self.ids = []
+        self.ids, self.block_mass, self.stable_tokens = [], {}, 0
         self.host.reset()
+        self._cut_resident(0)
         self.decoder = None
+
+    def _cut_resident(self, num_tokens: int):
+        """The device copies of layers' rows are cut wherever the cache is, so that they never
+        outlive the rows they were made from."""
+        if self.resident is not None:
+            self.resident.truncate(num_tokens)
 
     def reusable(self, prompt_ids: list[int]) -> int:
         """How many leading tokens of prompt_ids the cache already holds: the common prefix
@@ -137,6 +155,8 @@ class LongContextSession:
         self.decoder = None
         if history:
             self.host.truncate(history)
+            self._cut_resident(history)
+            self.stable_tokens = min(self.stable_tokens, history)
         else:
             self.reset()
         new = prompt_ids[history:]
@@ -158,16 +178,22 @@ class LongContextSession:
             print(f"[CompactAttention kept {sum(densities) / len(densities):.1%} of history blocks; "
                   f"per layer: {shown}]", file=sys.stderr)
         self.ids = list(prompt_ids)
+        self.block_mass = self.last_stats.block_mass
         start = time.perf_counter()
         if kept is not None:
-            kept.extend(history // self.layout.block_size)
+            kept.extend(history // self.layout.block_size, self.block_mass)
             self.decoder = kept
         else:
-            self.decoder = HybridDecoder(self.model, self.host, self.selection, self.local_windows_len,
-                                         self.use_cuda_graph)
-            self.decoder.capture_graphs()
+            self.decoder = self.new_decoder()
         self.last_decode_setup_seconds = time.perf_counter() - start
         return logits
+
+    def new_decoder(self) -> HybridDecoder:
+        """A decoder over the cache as it is, its graphs captured."""
+        decoder = HybridDecoder(self.model, self.host, self.selection, self.local_windows_len, self.use_cuda_graph,
+                                self.block_mass, self.resident)
+        decoder.capture_graphs()
+        return decoder
 
     def _follow_up_room(self, num_new: int) -> tuple[bool, bool, int]:
         """(keep the decoder, prefetch the history, bytes left for resident history) for a

@@ -101,7 +101,7 @@ def _tensors(session, first_block: int, num_tokens: int, masses: dict[int, int] 
     host, layout = session.host, session.layout
     blocks = -(-num_tokens // layout.block_size)
     if masses is not None:
-        host.prompt_block_mass = {layer: np.zeros((layout.num_kv_heads, n), np.float32) for layer, n in masses.items()}
+        session.block_mass = {layer: np.zeros((layout.num_kv_heads, n), np.float32) for layer, n in masses.items()}
     out = {}
     for layer in range(layout.num_layers):
         for name in TABLES:
@@ -109,8 +109,8 @@ def _tensors(session, first_block: int, num_tokens: int, masses: dict[int, int] 
             if t.shape[1] and t.shape[-1]:
                 for h in range(layout.num_kv_heads):
                     out[f"{name}.{layer}.{h}"] = t[h, first_block:blocks]
-        if layer in host.prompt_block_mass:
-            mass = torch.from_numpy(host.prompt_block_mass[layer])
+        if layer in session.block_mass:
+            mass = torch.from_numpy(session.block_mass[layer])
             for h in range(layout.num_kv_heads):
                 out[f"prompt_block_mass.{layer}.{h}"] = mass[h]
     return out
@@ -133,7 +133,7 @@ def _append_from(state: SavedFile | None, path: Path, session) -> int | None:
         return None
     if (st.st_ino, st.st_size) != (state.inode, state.size) or state.appended_size >= state.whole_size:
         return None
-    first = min(state.num_tokens, session.host.stable_tokens) // session.layout.block_size
+    first = min(state.num_tokens, session.stable_tokens) // session.layout.block_size
     return first or None  # from block 0 an append is the whole again
 
 
@@ -161,7 +161,7 @@ def save_cache(path: str | os.PathLike, session, fp: dict, turns: list) -> int:
                 f.truncate(state.size)  # best effort: readers would skip a cut record anyway
                 raise
         state.num_tokens, state.appended, state.appended_size = num_tokens, state.appended + 1, state.appended_size + size
-        session.host.stable_tokens = num_tokens
+        session.stable_tokens = num_tokens
         return size
     header["fingerprint"] = fp
     head, placed, size, digest = encode_record(WHOLE, header, _tensors(session, 0, num_tokens))
@@ -183,7 +183,7 @@ def save_cache(path: str | os.PathLike, session, fp: dict, turns: list) -> int:
     finally:
         os.close(dir_fd)
     session.saved_file = SavedFile(path.resolve(), path.stat().st_ino, num_tokens, digest, size)
-    session.host.stable_tokens = num_tokens
+    session.stable_tokens = num_tokens
     return size
 
 
@@ -346,7 +346,7 @@ def _load(path: Path, fd: int, mapped: mmap.mmap, session, fp: dict) -> list:
         raise CacheFileError(f"{path} has a malformed header ({type(e).__name__}: {e}); save it again.") from None
     last = records[-1].header
     session.host.advance(last["num_tokens"])
-    session.host.stable_tokens = last["num_tokens"]
+    session.stable_tokens = last["num_tokens"]
     session.ids = list(last["token_ids"])
     st = os.fstat(fd)
     session.saved_file = SavedFile(path.resolve(), st.st_ino, last["num_tokens"], records[0].digest, records[0].end,

@@ -1,0 +1,33 @@
+"""What the chat, the server and the evaluation ask of a session (dense or long-context): a
+conversation's tokens in a KV cache, reused by common prefix, prefilled and then decoded one
+token at a time."""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+
+class Session(Protocol):
+    ids: list[int]  # the tokens whose K/V the cache holds, in order
+    max_seq_len: int
+    last_prefill_tokens: int  # tokens the last prefill computed (the rest came from the cache)
+
+    @property
+    def saves_cache(self) -> bool:
+        """Whether its KV cache can be saved to a file and loaded back (ktlong/session/saved_cache.py)."""
+
+    def reset(self) -> None:
+        """Forget the conversation."""
+
+    def reusable(self, prompt_ids: list[int]) -> int:
+        """How many leading tokens of prompt_ids the cache holds, leaving at least the last to compute."""
+
+    def prefill(self, prompt_ids: list[int], show_progress: bool = False,
+                should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
+        """Make the cache hold prompt_ids; the last token's logits [vocab]. should_stop is asked
+        between chunks; when it says so, Cancelled is raised."""
+
+    def step(self, token_id: int) -> torch.Tensor:
+        """Append one token; its logits [vocab]."""
