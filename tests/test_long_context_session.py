@@ -347,7 +347,7 @@ def test_the_plan_resolves_every_auto_and_its_consumers_refuse_one(tiny, arm):
     import torch
 
     from ktlong.config import default_config
-    from ktlong.decode.hybrid import HybridDecoder
+    from ktlong.decode.decoder import Decoder
     from ktlong.prefill import LayerMajorPrefill
     from ktlong.session.plan import plan_session
 
@@ -365,4 +365,4 @@ def test_the_plan_resolves_every_auto_and_its_consumers_refuse_one(tiny, arm):
     session.prefill(list(range(100)))
     unresolved = dataclasses.replace(plan.selection, context_attention="auto")
     with pytest.raises(AssertionError, match="resolve_selection"):
-        HybridDecoder(tiny.model, session.host, unresolved, plan.local_windows_len)
+        Decoder(tiny.model, session.host, unresolved, plan.local_windows_len)

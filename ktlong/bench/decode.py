@@ -33,7 +33,7 @@ from ktlong.config import load_config, options_in, parse_set, refuse_unread
 from ktlong.device import resolve_device
 from ktlong.errors import KtlongError
 from ktlong.decode.dram_blocks import DramBlocks
-from ktlong.decode.hybrid import HybridDecoder
+from ktlong.decode.decoder import Decoder
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import kv_layout
 from ktlong.kv.memory_plan import GIB
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
                 continue
             host.reset()  # the previous row's tokens go
             host.advance(context)
-            decoder = HybridDecoder(model, host, settings, local, use_cuda_graph=graphs,
+            decoder = Decoder(model, host, settings, local, use_cuda_graph=graphs,
                                     context_attention=settings.context_attention)
             if args.selection_drift is not None and decoder.selection is not None:
                 raise KtlongError("--selection_drift replaces the host's selection, and graphs-gpu-context selects "

@@ -40,8 +40,8 @@ def selects_on_device(selector: DecodeBlockSelector, anchors: DeviceAnchors | No
     s = selector.s
     if anchors is None or selector.tp is not None or not s.second_select_num:
         return False
-    sparse = [layer for layer in global_layers if layer >= s.dense_layer_num]
-    return not sparse or (sparse[0] - s.dense_layer_num) % s.layer_step == 0
+    sparse = [layer for layer in global_layers if not s.is_dense(layer)]
+    return not sparse or s.scores(sparse[0])
 
 
 class DeviceSelection:
@@ -57,9 +57,9 @@ class DeviceSelection:
         self.role: list[str | int] = []
         scoring = None
         for j, layer in enumerate(global_layers):
-            if layer < s.dense_layer_num:
+            if s.is_dense(layer):
                 self.role.append("dense")
-            elif (layer - s.dense_layer_num) % s.layer_step != 0 and scoring is not None:
+            elif not s.scores(layer) and scoring is not None:
                 self.role.append(scoring)
             else:
                 self.role.append("score")
@@ -85,26 +85,20 @@ class DeviceSelection:
 
     def load_candidates(self):
         """After build_all and preselect: the preselection mask of every layer to the device."""
-        sel = self.selector
         for j, layer in enumerate(self.layers):
-            candidates = sel.candidates[layer]
-            if candidates is None:
+            allowed = self.selector.competing(layer, per_head=not self.anchors.shared)
+            if allowed is None:
                 self.bias[j].zero_()
                 continue
-            if self.anchors.shared:
-                allowed = candidates.any(0, keepdims=True)
-            else:
-                allowed = candidates.copy()
-            allowed[:, sel.prompt_blocks:] = True  # generated blocks always compete
             self.bias[j].copy_(torch.from_numpy(np.where(allowed, 0.0, -np.inf).astype(np.float32)))
         self.has_selection = False
 
     def set_step(self, step: int, first: int, last: int):
         """The host's part of a step: the context range and whether this step reselects."""
-        fresh = step % self.settings.token_step == 0 or not self.has_selection
+        fresh = self.settings.reselects(step) or not self.has_selection
         self._params_host.copy_(torch.tensor([first, last, int(fresh)]))
         self.params.copy_(self._params_host, non_blocking=True)
-        self.has_selection = self.has_selection or last - first > self.k
+        self.has_selection = self.has_selection or self.settings.crowded(first, last)
 
     def select(self, j: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Global layer j's selection from q [H, D] -> (rows [KV, S], valid tokens [KV]), fixed
@@ -127,7 +121,7 @@ class DeviceSelection:
         else:
             scores = self.anchors.scores(self.layers[j], q)  # [R, NB]
             inside = (self.blocks >= first) & (self.blocks < last)
-            crowded = (last - first) > self.k  # more context blocks than places: preselection applies
+            crowded = (last - first) > self.k  # SelectionSettings.crowded, on device values
             bias = torch.where(crowded, self.bias[j], torch.zeros_like(self.bias[j]))
             scores = torch.where(inside, scores + bias, torch.full_like(scores, float("-inf")))
         top, picked = torch.topk(scores, self.places, dim=1)  # best first: the kernel reads the first count

@@ -39,6 +39,26 @@ class SelectionSettings:
     block_scoring: str  # auto | device | cpu (ktlong/decode/device_anchors.py)
     context_attention: str = "cpu"  # auto | cpu | gpu: the device selects and reads blocks in DRAM (ktlong/decode/dram_blocks.py)
 
+    # ---- the rules of selection, one statement for the host's selector (below) and the device's
+    # (ktlong/decode/device_selection.py), which only execute them differently
+    def is_dense(self, layer: int) -> bool:
+        """The first dense_layer_num layers read every context block."""
+        return layer < self.dense_layer_num
+
+    def scores(self, layer: int) -> bool:
+        """A sparse layer scores its blocks every layer_step layers; those in between reuse the
+        blocks of the last layer that scored."""
+        return (layer - self.dense_layer_num) % self.layer_step == 0
+
+    def reselects(self, step: int) -> bool:
+        """A step selects anew every token_step tokens; those in between keep the last selection."""
+        return step % self.token_step == 0
+
+    def crowded(self, first: int, last: int) -> bool:
+        """The context blocks [first, last) outnumber the places: selection (and preselection)
+        applies; otherwise every one of them is read."""
+        return last - first > self.second_select_num
+
 
 def stored_view(host: HostKVCache, layer: int, which: str) -> StoredKV:
     """A zero-copy numpy view of one layer's host K or V ([KV, NB, B, R]) for the CPU kernels."""
@@ -112,19 +132,29 @@ class DecodeBlockSelector:
         np.put_along_axis(keep, top, True, axis=1)
         self.candidates[layer] = keep
 
+    def competing(self, layer: int, per_head: bool) -> np.ndarray | None:
+        """The blocks that may win after preselection -> [KV, NB] bool per kv head, or [1, NB]
+        any head's; None without preselection. Generated blocks always compete."""
+        candidates = self.candidates[layer]
+        if candidates is None:
+            return None
+        allowed = candidates.copy() if per_head else candidates.any(0, keepdims=True)
+        allowed[:, self.prompt_blocks:] = True
+        return allowed
+
     # ---- selection ---------------------------------------------------------------------
     def select(self, layer: int, step: int, q: np.ndarray, first: int, last: int, device_scores=None):
         """Blocks in [first, last) for the CPU to attend to -> (blocks [KV, S] int32, counts [KV]).
         device_scores: None, or a function returning this layer's scores of every block [R, NB]
         computed on the device (ktlong/decode/device_anchors.py), called only if this step scores."""
         s = self.s
-        if layer < s.dense_layer_num or last - first <= s.second_select_num:
+        if s.is_dense(layer) or not s.crowded(first, last):
             blocks = np.tile(np.arange(first, last, dtype=np.int32), (self.num_kv, 1))
             return blocks, np.full(self.num_kv, last - first, np.int32)
         cached = self.cache.get(layer)
-        if cached is not None and step % s.token_step != 0:
+        if cached is not None and not s.reselects(step):
             return cached[0], cached[1]
-        if (layer - s.dense_layer_num) % s.layer_step != 0 and self.last_selected_layer in self.cache:
+        if not s.scores(layer) and self.last_selected_layer in self.cache:
             blocks, counts, _ = self.cache[self.last_selected_layer]
         else:
             blocks, counts = self._score_and_pick(layer, q, first, last, device_scores)
@@ -139,9 +169,7 @@ class DecodeBlockSelector:
         candidates = self.candidates[layer]
         ids = self.block_ids[first:last]
         if candidates is not None:
-            allowed = candidates[:, first:last].any(0)
-            allowed[max(self.prompt_blocks - first, 0):] = True  # generated blocks always compete
-            ids = ids[allowed]
+            ids = ids[self.competing(layer, per_head=False)[0, first:last]]
         if device_scores is not None:
             scores = device_scores()
             scores = scores[:, first:last] if candidates is None else scores[:, ids]
@@ -150,7 +178,7 @@ class DecodeBlockSelector:
         if shared and self.tp is not None:
             scores = self.tp.all_reduce_host(np.ascontiguousarray(scores, dtype=np.float32))
         if candidates is not None and not shared:  # SEPARATE: each head among its own candidates
-            scores[~candidates[:, ids] & (ids < self.prompt_blocks)] = -np.inf
+            scores[~self.competing(layer, per_head=True)[:, ids]] = -np.inf
         k = self.s.second_select_num
         blocks = np.zeros((self.num_kv, max(k, 1)), np.int32)
         counts = np.zeros(self.num_kv, np.int32)

@@ -1,4 +1,4 @@
-"""The device part of a hybrid decode step, one body run eagerly or replayed from CUDA graphs
+"""The device part of a decode step, one body run eagerly or replayed from CUDA graphs
 (`use_cuda_graph`), as one model path serves both.
 
 A decode step alternates device work and CPU attention, once per global layer, so it is

@@ -3,7 +3,7 @@
 
 Runs TASK (passkey, needle, kvretrieval, multikey) through the long-context path of
 local_chat.py --mode long_context: layer-major prefill (CompactAttention when sparse) and
-hybrid decode, with the model's chat template, dense and sparse on the same prompts.
+sparse decode, with the model's chat template, dense and sparse on the same prompts.
 """
 
 from __future__ import annotations

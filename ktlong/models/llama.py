@@ -3,7 +3,7 @@
 Gemma 3 adds q/k RMS norms, norms after attention and after the MLP, a GELU-tanh MLP,
 embeddings scaled by sqrt(hidden), and sliding-window layers with their own RoPE base.
 
-Engines (dense generation, layer-major prefill, hybrid decode) call the per-layer pieces
+Engines (dense generation, layer-major prefill, sparse decode) call the per-layer pieces
 `qkv`, `attention_output` and `mlp` (with the residuals: `residual_block`); `forward` is the plain dense path built from them.
 """
 

@@ -1,7 +1,8 @@
 """Long-context generation state: layer-major prefill into the DRAM KV cache, then decode.
 
-Decode is hybrid (ktlong/decode/hybrid.py): the device attends to sinks and the local
-window, the CPU to the blocks it selects from DRAM, merged by log-sum-exp.
+Decode (ktlong/decode/decoder.py): the device attends to sinks and the local window, and the
+GPU (reading pinned DRAM) or the CPU operator to the blocks selected from the rest, merged by
+log-sum-exp.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ktlong.kv.resident import ResidentHistory
 from ktlong.models.llama import LlamaModel
 from ktlong.prefill import LayerMajorPrefill
 from ktlong.decode.selection import SelectionSettings
-from ktlong.decode.hybrid import HybridDecoder
+from ktlong.decode.decoder import Decoder
 from ktlong.decode.warm_up import compile_decode_kernels
 from ktlong.session.plan import SessionPlan
 from ktlong.session.prefix import cached_prefix
@@ -52,7 +53,7 @@ class LongContextSession:
         self.selection, self.local_windows_len = selection, local_windows_len
         self.use_cuda_graph, self.follow_up_headroom = use_cuda_graph, follow_up_headroom
         self.prefill_headroom = prefill_headroom
-        self.decoder: HybridDecoder | None = None
+        self.decoder: Decoder | None = None
         self.model, self.layout = model, layout
         self.max_seq_len = layout.capacity
         self.engine = LayerMajorPrefill(model, layout, chunk_size, backend, hidden_on_device, compact)
@@ -188,9 +189,9 @@ class LongContextSession:
         self.last_decode_setup_seconds = time.perf_counter() - start
         return logits
 
-    def new_decoder(self) -> HybridDecoder:
+    def new_decoder(self) -> Decoder:
         """A decoder over the cache as it is, its graphs captured."""
-        decoder = HybridDecoder(self.model, self.host, self.selection, self.local_windows_len, self.use_cuda_graph,
+        decoder = Decoder(self.model, self.host, self.selection, self.local_windows_len, self.use_cuda_graph,
                                 self.block_mass, self.resident)
         decoder.capture_graphs()
         return decoder

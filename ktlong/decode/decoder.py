@@ -1,12 +1,14 @@
-"""Hybrid decode: device attention over sinks + local window, CPU attention over selected
-DRAM blocks, merged by log-sum-exp.
+"""Decode over the DRAM cache, one token at a time: the device attends to the sinks and the
+local window, and to blocks selected from the rest, merged by log-sum-exp.
 
-Per global layer: the device computes q/k/v, appends k/v to its window, attends to the window
-and (with `block_scoring` on the device) scores every block, and hands q, k/v and the scores to
-the host (ktlong/decode/step.py); the host writes k/v through to DRAM, selects blocks and runs
-the CPU operator; the next device segment merges the two states and runs on. With
-`context_attention: gpu` the device reads the selected blocks from DRAM itself
-(ktlong/decode/dram_blocks.py), and, where it also selects, a token is one piece of device work.
+Who reads the selected blocks is the plan's `context_attention`:
+- gpu: the device reads them where they lie in pinned DRAM (ktlong/decode/dram_blocks.py), and
+  where it also selects them (ktlong/decode/device_selection.py) a token is one piece of device
+  work, one CUDA graph;
+- cpu (hybrid): per global layer the device computes q/k/v, appends k/v to its window, attends
+  to the window and (with `block_scoring` on the device) scores every block, and hands q, k/v
+  and the scores to the host (ktlong/decode/step.py); the host writes k/v through to DRAM,
+  selects blocks and runs the Numba operator; the next device segment merges the two states.
 On a CPU-only machine both parts run on the CPU with the same code.
 """
 
@@ -44,7 +46,7 @@ class DecodeTimes:
     device_read: int = 0  # of them, read from DRAM by the device (`context_attention: gpu`)
 
 
-class HybridDecoder:
+class Decoder:
     def __init__(self, model: LlamaModel, host: HostKVCache, settings: SelectionSettings,
                  local_windows_len: int, use_cuda_graph: bool = False,
                  block_mass: dict[int, np.ndarray] | None = None, resident=None):
