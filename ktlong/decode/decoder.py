@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cpu_ops.sparse_attention import sparse_attention
+from ktlong.decode.context_attention import ContextAttention, CpuContextAttention, GpuContextAttention
 from ktlong.decode.dram_blocks import DramBlocks
 from ktlong.decode.step import DecodeStep
 from ktlong.decode.selection import DecodeBlockSelector, SelectionSettings, stored_view
@@ -95,6 +95,11 @@ class Decoder:
         self.new_kv = host_words(body.kv_host)  # [global layers, 2, KV, R] as DRAM stores them
         self.new_kv_scales = host_words(body.kv_scales_host)
         self.q_np, self.o_np, self.lse_np = body.q_host.numpy(), body.o_host.numpy(), body.lse_host.numpy()
+        # who reads the blocks the host selects (a token the device selects for runs as one piece)
+        self.context: ContextAttention = CpuContextAttention(self.q_np, self.o_np, self.lse_np, self.k_stored,
+                                                             self.v_stored, self.block_size, model.scale)
+        if self.dram_blocks is not None:
+            self.context = GpuContextAttention(self.dram_blocks, body, self.context)
 
     def _preselect(self, block_mass: dict[int, np.ndarray]):
         first, last = self.window.context_blocks
@@ -155,9 +160,7 @@ class Decoder:
                 scores = None if self.device_anchors is None else body.scores_host[j].numpy
                 self._context_part(j, layer, first, last, scores)
             else:  # nothing in DRAM beyond the window yet
-                self.lse_np[j] = -np.inf
-                if self.dram_blocks is not None:
-                    self._device_blocks(j, layer)
+                self.context.attend(j, layer, None, None, 0)
             body.replay(j + 1)
         window.copy_to_sink(pos)
         logits = body.logits.clone()
@@ -191,39 +194,19 @@ class Decoder:
             k_dram.scales[:, b, t], v_dram.scales[:, b, t] = self.new_kv_scales[j, 0], self.new_kv_scales[j, 1]
 
     def _context_part(self, j: int, layer: int, first: int, last: int, device_scores=None):
-        """Global layer j's selected context blocks: with the device reading DRAM, it attends to
-        them (replayed now); otherwise, and for a dense layer's every block, the CPU operator;
-        o_np / lse_np get the CPU's state, the device keeps its own."""
+        """Global layer j's context blocks in [first, last): selected by the host, attended by the
+        context attention (the CPU operator, or the device reading DRAM)."""
         t1 = time.perf_counter()
         blocks, counts = self.selector.select(layer, self.step_index, self.q_np[j], first, last, device_scores)
-        selected = int(counts.sum())
-        if self.dram_blocks is not None:
-            blocks, counts = self._device_blocks(j, layer, blocks, counts)
         t2 = time.perf_counter()
-        misses = int(counts.sum())
-        if misses:
-            self.o_np[j], self.lse_np[j] = sparse_attention(self.q_np[j], self.k_stored[layer], self.v_stored[layer],
-                                                            blocks, counts, last * self.block_size, self.block_size,
-                                                            self.model.scale)
-        else:
-            self.lse_np[j] = -np.inf
+        read_by_cpu = self.context.attend(j, layer, blocks, counts, last * self.block_size)
         t3 = time.perf_counter()
+        selected = int(counts.sum())
         self.times.selection += t2 - t1
         self.times.cpu_attention += t3 - t2
-        self.times.kv_bytes += misses * self.block_bytes
+        self.times.kv_bytes += read_by_cpu * self.block_bytes
         self.times.selected += selected
-        self.times.device_read += selected - misses
-
-    def _device_blocks(self, j: int, layer: int, blocks=None, counts=None):
-        """The device's share of global layer j's selected blocks (none when nothing is selected
-        or the selection is larger than the device's index: a dense layer), replayed now ->
-        the blocks and counts left for the CPU."""
-        if blocks is not None and self.dram_blocks.fits(blocks):
-            blocks, counts = self.dram_blocks.split(j, blocks, counts)
-        else:
-            self.dram_blocks.no_hits(j)
-        self.body.replay_dram_blocks(j)
-        return blocks, counts
+        self.times.device_read += selected - read_by_cpu
 
     def _end_step(self, pos: int, start: float):
         self.window.advance()
