@@ -202,8 +202,7 @@ def main(argv=None) -> int:
                 continue
             host.reset()  # the previous row's tokens go
             host.advance(context)
-            decoder = Decoder(model, host, settings, local, use_cuda_graph=graphs,
-                                    context_attention=settings.context_attention)
+            decoder = Decoder(model, host, settings, local, use_cuda_graph=graphs)
             if args.selection_drift is not None and decoder.selection is not None:
                 raise KtlongError("--selection_drift replaces the host's selection, and graphs-gpu-context selects "
                                   "on the device; add --set block_scoring=cpu to keep the selection on the host.")
