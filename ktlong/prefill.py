@@ -217,9 +217,9 @@ class LayerMajorPrefill:
         and Triton compile on first use: up to 90 s on a fresh machine, then a load from the
         disk cache): a prompt of one block (the dense and paged attention kernels, the block
         summaries, the observation scores, the quantiser), a short follow-up over it (fa2 where
-        fa3 runs long chunks) and the dense rows CompactAttention gives the prompt's last
-        queries. The selected chunks run the paged kernel the first prompt built. `host` is
-        left empty."""
+        fa3 runs long chunks), the dense rows CompactAttention gives the prompt's last queries,
+        and topk's selection kernels. The selected chunks run the paged kernel the first prompt
+        built. `host` is left empty."""
         first = min(self.layout.block_size, self.layout.capacity)
         self.run([0] * first, host)
         if not self.layout.sliding and first + 8 <= self.layout.capacity:
@@ -228,6 +228,13 @@ class LayerMajorPrefill:
             rows = self.pages.tokens(self.pages.k)[:, :first]  # [KV, first, D]
             q = rows.new_zeros((min(8, first), self.model.config.num_heads, rows.shape[-1]))
             chunk_attention(q, rows, rows, self.model.scale, self.backend)
+        if self.cuda and self.compact is not None and self.compact.params.selector == "topk":
+            # the selection's Triton kernels: a one-block prompt selects nothing
+            c, num_hist = self.model.config, self.layout.num_blocks
+            q = torch.zeros((self.chunk_size, c.num_heads, c.head_dim), dtype=self.layout.dtype, device=self.device)
+            self.compact.topk_indices(q, self.pooled_keys, num_hist, self.compact.num_keep(num_hist),
+                                      self.pages.k.shape[1], self.chunk_size, None)
+        if self.cuda:
             torch.cuda.synchronize(self.device)
         host.reset()
 

@@ -24,10 +24,11 @@ import triton.language as tl
 ROWS = 64  # query-block rows a program step scores (a chunk of 8,192 tokens has 64 blocks)
 BLOCKS = 64  # history blocks a program of _row_best scores a step
 SPLIT = 512  # history blocks a program of _row_best covers: at 1M tokens (8,192 blocks) 16 programs a row tile
-MARGIN_BLOCKS = 16  # history blocks a program of _group_margin scores: more programs, as few groups as kv heads
+MARGIN_BLOCKS = 16
+SPAN = 256  # page indices a program of _page_indices writes a step (fixed: one build for every length)  # history blocks a program of _group_margin scores: more programs, as few groups as kv heads
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_qb", "num_hist"])  # one build for every chunk's lengths
 def _row_best(pq_ptr, pk_ptr, best_ptr, num_qb, num_hist, scale, s_pq_b, s_pq_h, s_pk_h, s_pk_b,
               HEADS_PER_KV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCKS: tl.constexpr,
               SPLIT: tl.constexpr):
@@ -50,7 +51,7 @@ def _row_best(pq_ptr, pk_ptr, best_ptr, num_qb, num_hist, scale, s_pq_b, s_pq_h,
     tl.store(best_ptr + (split * num_heads + h) * num_qb + rows, best, mask=rows < num_qb)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_qb", "num_hist", "num_splits", "sink_blocks", "window_blocks"])
 def _group_margin(pq_ptr, pk_ptr, best_ptr, out_ptr, num_qb, num_hist, num_splits, num_heads, scale, sink_blocks,
                   window_blocks, s_pq_b, s_pq_h, s_pk_h, s_pk_b, GROUP: tl.constexpr, HEADS_PER_KV: tl.constexpr,
                   D: tl.constexpr, ROWS: tl.constexpr, BLOCKS: tl.constexpr):
@@ -81,7 +82,7 @@ def _group_margin(pq_ptr, pk_ptr, best_ptr, out_ptr, num_qb, num_hist, num_split
     tl.store(out_ptr + g * num_hist + blocks, margin, mask=real)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_keep", "chunk_first_block", "chunk_blocks"])
 def _page_indices(ids_ptr, out_ptr, num_keep, chunk_first_block, chunk_blocks, blocks_per_head,
                   GROUPS_PER_KV: tl.constexpr, SPAN: tl.constexpr):
     """Program g: out[g] = kv(g) * blocks_per_head + [the kept ids..., the chunk's blocks...] (int32)."""
@@ -148,7 +149,6 @@ def topk_page_indices(q: torch.Tensor, pooled_keys: torch.Tensor, num_hist: int,
     if out is None:
         out = torch.empty(num_groups * per_group, dtype=torch.int32, device=q.device)
     assert out.dtype == torch.int32 and out.numel() == num_groups * per_group and out.is_contiguous()
-    span = min(1024, triton.next_power_of_2(per_group))
     _page_indices[(num_groups,)](ids, out, num_keep, num_hist, chunk_blocks, blocks_per_head,
-                                 GROUPS_PER_KV=num_groups // num_kv_heads, SPAN=span)
+                                 GROUPS_PER_KV=num_groups // num_kv_heads, SPAN=SPAN)
     return out

@@ -171,7 +171,7 @@ def main(argv=None) -> int:
           f"{str(dtype).removeprefix('torch.')}; kv {config.kv_type}, block {config.block_size}, top-k "
           f"{config.second_select_num}, local {config.local_windows_len}, anchors {config.anchor_type}, "
           f"{config.head_select_mode}, dense layers {config.dense_layer_num}, block scoring "
-          f"{resolve_selection(selection_settings(config, c.num_layers), device, 1, None).block_scoring}, "
+          f"{'device' if cuda and config.block_scoring != 'cpu' else 'cpu'}, "
           f"selection {'real' if args.selection_drift is None else f'drifting, {args.selection_drift:.0%} kept'}; "
           f"ms per token, medians over "
           f"{args.tokens} tokens")
