@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-ROWS = 64  # query-block rows a program step scores (a chunk of 8,192 tokens has 64 blocks)
+BEST_ROWS = 16  # query-block rows a program of _row_best scores (small tiles: more programs, shorter loops)
+MARGIN_ROWS = 64  # query-block rows _group_margin scores a step (a chunk of 8,192 tokens has 64 blocks)
 BLOCKS = 64  # history blocks a program of _row_best scores a step
 SPLIT = 512  # history blocks a program of _row_best covers: at 1M tokens (8,192 blocks) 16 programs a row tile
 MARGIN_BLOCKS = 16
@@ -124,14 +125,14 @@ def group_margins(q: torch.Tensor, pooled_keys: torch.Tensor, num_hist: int, blo
     strides = (pq.stride(0), pq.stride(1), pooled_keys.stride(0), pooled_keys.stride(1))
     num_splits = triton.cdiv(num_hist, SPLIT)
     best = torch.empty((num_splits, num_heads, num_qb), dtype=torch.float32, device=q.device)
-    _row_best[(num_heads, triton.cdiv(num_qb, ROWS), num_splits)](
+    _row_best[(num_heads, triton.cdiv(num_qb, BEST_ROWS), num_splits)](
         pq, pooled_keys, best, num_qb, num_hist, scale, *strides,
-        HEADS_PER_KV=heads_per_kv, D=dim, ROWS=ROWS, BLOCKS=BLOCKS, SPLIT=SPLIT)
+        HEADS_PER_KV=heads_per_kv, D=dim, ROWS=BEST_ROWS, BLOCKS=BLOCKS, SPLIT=SPLIT)
     out = torch.empty((num_heads // group_size, num_hist), dtype=torch.float32, device=q.device)
     _group_margin[(out.shape[0], triton.cdiv(num_hist, MARGIN_BLOCKS))](
         pq, pooled_keys, best, out, num_qb, num_hist, num_splits, num_heads, scale, sink_blocks, window_blocks,
         *strides,
-        GROUP=group_size, HEADS_PER_KV=heads_per_kv, D=dim, ROWS=ROWS, BLOCKS=MARGIN_BLOCKS)
+        GROUP=group_size, HEADS_PER_KV=heads_per_kv, D=dim, ROWS=MARGIN_ROWS, BLOCKS=MARGIN_BLOCKS)
     return out
 
 

@@ -35,7 +35,7 @@ def reference_margins(q, pooled_keys, num_hist, scale, group_size, sink, window)
 @pytest.mark.parametrize("num_q, num_hist, group_size, sink, window", [
     (4 * B, 70, 2, 1, 2),  # blocks past a program's 64
     (3 * B + 5, 9, 4, 0, 0),  # a partial last query block, no sinks or window
-    (70 * B, 130, 1, 2, 3),  # query blocks past a program's 64 rows
+    (70 * B, 130, 1, 2, 3),  # query blocks past a program's 16 and 64 rows
     (2 * B, 1100, 2, 1, 2),  # history past one program's 512 blocks: row maxima in three parts
 ])
 def test_margins_equal_the_rule(num_q, num_hist, group_size, sink, window):
