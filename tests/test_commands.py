@@ -66,6 +66,7 @@ def test_every_option_a_command_reads_exists():
         assert reads <= set(option_names())
 
 
+@pytest.mark.slow  # seconds on the 2-core machine: the full suite runs it, the fast lane does not
 def test_prefill_bench_runs_the_configs_prefill_against_dense(no_user_file, capsys):
     args = ["prefill", "--shape", "tiny", "--lengths", "16k", "--device", "cpu", "--set", "block_size=64",
             "--set", "chunk_size=1024", "--set", "prefill_dense_layer_num=0"]

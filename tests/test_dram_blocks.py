@@ -59,6 +59,7 @@ def _device_blocks(decoder, j: int) -> list[list[int]]:
     return [sorted((index[h, :valid[h]] - h * selection.num_blocks).tolist()) for h in range(len(valid))]
 
 
+@pytest.mark.slow  # seconds on the 2-core machine: the full suite runs it, the fast lane does not
 @pytest.mark.parametrize("kv_type, length, settings", [
     ("fp32", 300, {}),
     ("fp32", 300, {"preselect_block": True, "preselect_block_count": 6, "dense_layer_num": 1}),

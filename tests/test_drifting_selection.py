@@ -2,6 +2,7 @@
 fills the rest from the real selection."""
 
 import numpy as np
+import pytest
 
 from ktlong.bench.drifting_selection import DriftingSelection
 
@@ -21,6 +22,7 @@ def run(share, shared, steps=300):
     return history
 
 
+@pytest.mark.slow  # seconds on the 2-core machine: the full suite runs it, the fast lane does not
 def test_share_one_keeps_the_first_selection_and_zero_follows_the_real_one():
     assert all((h == run(1.0, False)[0]).all() for h in run(1.0, False))
     rng = np.random.default_rng(1)

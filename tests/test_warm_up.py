@@ -29,6 +29,7 @@ def run_once(kv_type: str, anchor_type: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # seconds on the 2-core machine: the full suite runs it, the fast lane does not
 @pytest.mark.parametrize("kv_type,anchor_type", [("bf16", "DYNAMIC"), ("fp32", "QUEST"), ("q8_0", "MAX")])
 def test_second_process_loads_every_decode_kernel_from_the_cache(kv_type, anchor_type):
     first = run_once(kv_type, anchor_type)  # compiles what no earlier run has cached
