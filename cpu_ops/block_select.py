@@ -14,6 +14,7 @@ import numba as nb
 import numpy as np
 
 from cpu_ops.bf16 import bf16_value
+from cpu_ops.checks import expect
 
 QUEST = 1  # score kind: 0 = max over anchors of q . a, 1 = Quest bound (anchors are min, max)
 
@@ -79,10 +80,14 @@ def score_blocks(q, anchors, ids, kind, shared, out):
 
 def block_scores(q: np.ndarray, anchors: np.ndarray, ids: np.ndarray, kind: int, shared: bool) -> np.ndarray:
     """Checked launcher of score_blocks -> scores float32 [1 if shared else KV, len(ids)]."""
+    expect("anchors", anchors, ndim=4, dtype=np.uint16)
     num_kv, num_blocks, _, dim = anchors.shape
-    assert q.dtype == np.float32 and q.ndim == 2 and q.shape[1] == dim and q.shape[0] % num_kv == 0
-    assert anchors.dtype == np.uint16 and ids.dtype == np.int32 and ids.ndim == 1
-    assert len(ids) == 0 or (0 <= ids.min() and ids.max() < num_blocks), "block ids out of range"
+    expect("q", q, ndim=2, dtype=np.float32)
+    expect("ids", ids, ndim=1, dtype=np.int32)
+    if q.shape[1] != dim or q.shape[0] % num_kv:
+        raise ValueError(f"q {q.shape} must hold whole groups of anchors' {num_kv} kv heads, head_dim {dim}")
+    if len(ids) and (ids.min() < 0 or ids.max() >= num_blocks):
+        raise ValueError(f"ids must lie in 0..{num_blocks - 1}, got {ids.min()}..{ids.max()}")
     out = np.empty((1 if shared else num_kv, len(ids)), np.float32)
     score_blocks(np.ascontiguousarray(q), anchors, ids, kind, shared, out)
     return out

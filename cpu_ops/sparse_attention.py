@@ -14,6 +14,7 @@ import numba as nb
 import numpy as np
 
 from cpu_ops.bf16 import as_float32
+from cpu_ops.checks import expect
 from cpu_ops.kv_storage import KIND, StoredKV, decode, load_rows
 from cpu_ops.prefetch import prefetch
 
@@ -206,10 +207,16 @@ def sparse_attention(q: np.ndarray, k: StoredKV, v: StoredKV, blocks: np.ndarray
                      num_tokens: int, block_size: int, scale: float, threads: int | None = None):
     """q: float32 [H, D]; blocks: int32 [KV, S] (first counts[h] used, any order) ->
     out float32 [H, D], lse float32 [H] (natural log)."""
+    expect("q", q, ndim=2, dtype=np.float32)
+    expect("blocks", blocks, ndim=2, dtype=np.int32)
     num_heads, dim = q.shape
     num_kv = blocks.shape[0]
-    assert k.kind == v.kind and k.head_dim == dim and num_heads % num_kv == 0
-    assert counts.shape == (num_kv,) and (counts <= blocks.shape[1]).all()
+    expect("counts", counts, shape=(num_kv,), dtype=np.int32)
+    if k.kind != v.kind or k.head_dim != dim or num_heads % num_kv:
+        raise ValueError(f"k and v ({k.kind}, {v.kind}, head_dim {k.head_dim}) must be one kind with q's head_dim "
+                         f"{dim}, and q's {num_heads} heads whole groups of blocks' {num_kv} kv heads")
+    if (counts > blocks.shape[1]).any() or (counts < 0).any():
+        raise ValueError(f"counts {counts.tolist()} must lie in 0..{blocks.shape[1]} (blocks' width)")
     items = max(1, threads or nb.get_num_threads())  # one equal share of the blocks per thread
     group = num_heads // num_kv
     part_m = np.empty((num_kv, items, group), np.float32)

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from operators.checks import expect
+
 BLOCKS = 32  # blocks a program scores
 
 
@@ -52,7 +54,13 @@ def masked_block_scores(vec: torch.Tensor, anchors: torch.Tensor, bias: torch.Te
     """vec [KV, W] float32; anchors [KV, NB, W] bfloat16 (contiguous); bias [1 or KV, NB] float32
     (0, or -inf for a block preselection left out); params: device int64 [first, last, ...] ->
     scores float32 [1 if shared else KV, NB]. Fixed shapes, no sync."""
+    expect("anchors", anchors, ndim=3, dtype=torch.bfloat16)
     num_kv, num_blocks, width = anchors.shape
+    expect("vec", vec, shape=(num_kv, width), dtype=torch.float32, device=anchors.device)
+    expect("bias", bias, shape=(1 if shared else num_kv, num_blocks), dtype=torch.float32, device=anchors.device)
+    expect("params", params, ndim=1, dtype=torch.int64, device=anchors.device)
+    if not anchors.is_contiguous():
+        raise ValueError("anchors must be contiguous")
     out = torch.empty((1 if shared else num_kv, num_blocks), dtype=torch.float32, device=vec.device)
     _masked_scores[(triton.cdiv(num_blocks, BLOCKS),)](vec.contiguous(), anchors, bias, params, out, num_blocks,
                                                        selected, NUM_KV=num_kv, W=width, SHARED=shared, BLOCKS=BLOCKS)

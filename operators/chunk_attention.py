@@ -6,6 +6,8 @@ import importlib.util
 
 import torch
 
+from operators.checks import expect
+
 from operators.dense_attention import dense_attention
 
 
@@ -20,8 +22,11 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     Returns [T, H, D]; causal, bottom-right aligned; with window > 0 each query sees only the
     last `window` keys up to itself.
     """
-    assert q.dim() == 3 and k.dim() == 3 and k.shape == v.shape and k.shape[1] >= q.shape[0]
-    assert q.dtype == k.dtype == v.dtype and q.device == k.device
+    expect("q", q, ndim=3)
+    expect("k", k, ndim=3, dtype=q.dtype, device=q.device)
+    expect("v", v, shape=tuple(k.shape), dtype=q.dtype, device=q.device)
+    if k.shape[1] < q.shape[0] or q.shape[1] % k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} must be the last of the keys {tuple(k.shape)}, with whole kv groups")
     if backend == "torch":
         return dense_attention(q, k, v, scale, window)
     # fa3's single-request kernel dies (SIGFPE) on this strided HND view in FlashInfer 0.6.9:

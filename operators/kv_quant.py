@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from operators.checks import expect
+
 QBLOCK = 32
 QUANTIZED = ("q8_0", "q4_0")
 
@@ -29,7 +31,9 @@ def stored_row_shapes(kv_type: str, head_dim: int) -> tuple[int, int]:
 def quantize_kv(x: torch.Tensor, kv_type: str) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [..., D] (any float dtype) -> data (int8 [..., D] or uint8 [..., D/2]) and scales
     (int16 [..., D/32], the bits of float16 values), on x's device."""
-    assert kv_type in QUANTIZED and x.shape[-1] % QBLOCK == 0, (kv_type, x.shape)
+    if kv_type not in QUANTIZED or x.shape[-1] % QBLOCK:
+        raise ValueError(f"quantize_kv takes {' or '.join(QUANTIZED)} rows of a multiple of {QBLOCK} values, "
+                         f"got {kv_type} and shape {tuple(x.shape)}")
     blocks = x.float().reshape(*x.shape[:-1], -1, QBLOCK)  # [..., D/32, 32]
     if kv_type == "q8_0":
         d = blocks.abs().amax(-1, keepdim=True) / 127
@@ -55,8 +59,12 @@ def dequantize_kv(data: torch.Tensor, scales: torch.Tensor, kv_type: str, dtype:
     """The inverse of quantize_kv up to the format's rounding: -> [..., D] of dtype, or written
     into out (its dtype; the last dimension contiguous). Each value is its integer times the
     block's scale in float32, rounded once to the output type, in one pass (q4_0: one per half)."""
-    d = scales.view(torch.float16).float()[..., None]  # [..., D/32, 1]
+    if kv_type not in QUANTIZED:
+        raise ValueError(f"dequantize_kv takes {' or '.join(QUANTIZED)}, got {kv_type}")
+    expect("data", data, dtype=torch.int8 if kv_type == "q8_0" else torch.uint8)
     blocks = data.shape[-1] // (QBLOCK if kv_type == "q8_0" else QBLOCK // 2)
+    expect("scales", scales, shape=(*data.shape[:-1], blocks), dtype=torch.int16, device=data.device)
+    d = scales.view(torch.float16).float()[..., None]  # [..., D/32, 1]
     if out is None:
         out = torch.empty((*data.shape[:-1], blocks * QBLOCK), dtype=dtype, device=data.device)
     values = out.view(*out.shape[:-1], blocks, QBLOCK)

@@ -11,11 +11,17 @@ import math
 
 import torch
 
+from operators.checks import expect
+
 LN2 = math.log(2.0)
 
 
 def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor):
     """o_*: [H, D]; lse_*: [H] float32 (natural log) -> (o [H, D] float32, lse [H])."""
+    expect("o_a", o_a, ndim=2)
+    expect("o_b", o_b, shape=tuple(o_a.shape), device=o_a.device)
+    expect("lse_a", lse_a, shape=(o_a.shape[0],), dtype=torch.float32, device=o_a.device)
+    expect("lse_b", lse_b, shape=(o_a.shape[0],), dtype=torch.float32, device=o_a.device)
     m = torch.maximum(lse_a, lse_b)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from operators.checks import expect
+
 
 @triton.jit
 def _rms_norm(x_ptr, w_ptr, out_ptr, n, eps, BLOCK: tl.constexpr):
@@ -31,6 +33,7 @@ def _rms_norm(x_ptr, w_ptr, out_ptr, n, eps, BLOCK: tl.constexpr):
 def rms_norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., N], weight [N] -> [..., N] in the type torch's `normed * weight` gives."""
     n = x.shape[-1]
+    expect("weight", weight, shape=(n,), device=x.device)
     rows = x.reshape(-1, n).contiguous()
     out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     if rows.shape[0]:

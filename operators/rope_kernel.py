@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from operators.checks import expect
+
 
 @triton.jit
 def _rope(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, dim, rot, HALF: tl.constexpr, PASS: tl.constexpr):
@@ -44,8 +46,14 @@ def _rope(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, dim, rot, HALF: tl.constexpr,
 
 def rope_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D]; cos, sin [T, rot] float32 (half-split, as rope_cos_sin gives) -> [T, H, D]."""
+    expect("x", x, ndim=3)
     tokens, heads, dim = x.shape
+    expect("cos", cos, ndim=2, dtype=torch.float32, device=x.device)
+    expect("sin", sin, shape=tuple(cos.shape), dtype=torch.float32, device=x.device)
     rot = cos.shape[-1]
+    if cos.shape[0] != tokens or rot > dim or rot % 2:
+        raise ValueError(f"cos and sin {tuple(cos.shape)} must hold an even rotary width of at most head_dim "
+                         f"{dim} for each of x's {tokens} tokens")
     x = x.contiguous()
     out = torch.empty_like(x)
     if tokens:

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from operators.checks import expect
+
 SHARES = 16  # programs per kv head: a share of its hit blocks each
 KEYS = 32  # tokens per tile: a [32, head_dim] float32 tile of K and of V fit in registers (a whole
            # 128-token block spilled: 770 us a call on the H100 at 8B shapes)
@@ -123,8 +125,18 @@ def selected_blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     hit_valid [KV] tokens that count (whole blocks, first ones first) -> out [H, D], lse [H]
     float32 (natural log; -inf and 0 for a head that holds nothing). base: a state (out [H, D],
     lse [H] float32) over other keys to merge in, e.g. the window's. Fixed shapes, no sync."""
+    expect("q", q, ndim=2, dtype=torch.float32)
+    expect("k", k, ndim=3, device=q.device)
+    expect("v", v, shape=tuple(k.shape), dtype=k.dtype, device=q.device)
+    expect("hit_index", hit_index, ndim=2, dtype=torch.int64, device=q.device)
+    expect("hit_valid", hit_valid, shape=(hit_index.shape[0],), dtype=torch.int64, device=q.device)
+    if k_scales is not None:
+        expect("k_scales", k_scales, shape=(k.shape[0], k.shape[1], None), dtype=torch.int16, device=q.device)
+        expect("v_scales", v_scales, shape=tuple(k_scales.shape), dtype=torch.int16, device=q.device)
     num_heads, dim = q.shape
     num_kv, max_selected = hit_index.shape
+    if num_heads % num_kv:
+        raise ValueError(f"q's {num_heads} heads must be whole groups of hit_index's {num_kv} kv heads")
     group = num_heads // num_kv
     rows = max(16, triton.next_power_of_2(group))
     shares = min(SHARES, max(max_selected, 1))

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from operators.checks import expect
+
 BEST_ROWS = 16  # query-block rows a program of _row_best scores (small tiles: more programs, shorter loops)
 MARGIN_ROWS = 64  # query-block rows _group_margin scores a step (a chunk of 8,192 tokens has 64 blocks)
 BLOCKS = 64  # history blocks a program of _row_best scores a step
@@ -115,10 +117,16 @@ def group_margins(q: torch.Tensor, pooled_keys: torch.Tensor, num_hist: int, blo
     """q [T, H, D]; pooled_keys [KV, >= num_hist, D] float32 -> [H / group_size, num_hist] float32:
     each group's best margin per history block, the sinks and the window +inf (what
     block_selector.topk_group_blocks ranks)."""
+    expect("q", q, ndim=3)
+    expect("pooled_keys", pooled_keys, ndim=3, dtype=torch.float32, device=q.device)
     num_heads, dim = q.shape[1], q.shape[2]
     num_kv = pooled_keys.shape[0]
-    assert pooled_keys.dtype == torch.float32 and pooled_keys.stride(2) == 1 and pooled_keys.shape[1] >= num_hist
-    assert dim >= 16 and dim & (dim - 1) == 0 and num_heads % num_kv == 0 and num_heads % group_size == 0
+    if pooled_keys.shape[2] != dim or pooled_keys.stride(2) != 1 or pooled_keys.shape[1] < num_hist:
+        raise ValueError(f"pooled_keys {tuple(pooled_keys.shape)} must hold {num_hist} blocks of q's head_dim {dim}, "
+                         "each row contiguous")
+    if dim < 16 or dim & (dim - 1) or num_heads % num_kv or num_heads % group_size:
+        raise ValueError(f"q's {num_heads} heads of {dim} must be whole groups of {num_kv} kv heads and of "
+                         f"{group_size}, head_dim a power of two of at least 16")
     pq = pooled_query_blocks(q, block_size)  # [nqb, H, D]
     num_qb = pq.shape[0]
     heads_per_kv = num_heads // num_kv

@@ -174,7 +174,7 @@ def test_block_scores_are_max_anchor_dot_summed_over_the_group(anchor_type, anch
                          for h in range(KV)])
     np.testing.assert_allclose(scores, expected.sum(0, keepdims=True) if shared else expected, rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(block_scores(q, stored, ids, 0, shared), scores)  # the checked launcher
-    with pytest.raises(AssertionError, match="out of range"):
+    with pytest.raises(ValueError, match="ids must lie in 0..11, got 3..12"):
         block_scores(q, stored, np.array([3, 12], np.int32), 0, shared)
 
 
