@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     plans = [plan_session(config, c, num_weight_elements(c), n + args.question + 8, device, dtype) for n in contexts]
     for plan in plans:
         plan.check()
-    apply_threads(plans[0].threads)
+    apply_threads(plans[0].threads, plans[0].torch_threads)
     fp = {"bench": shape}
     if args.io_only:
         return io_rates(contexts, plans, fp, args.folder, model_config=c, device=device, dtype=dtype,

@@ -60,7 +60,7 @@ def make_session(lm: LoadedModel, config: Config, attention: str, max_seq_len: i
     plan = plan_session(config, lm.config, lm.num_weight_elements, max_seq_len, device, lm.model.dtype,
                         config.tensor_parallel, attention)
     plan.check()
-    apply_threads(plan.threads)
+    apply_threads(plan.threads, plan.torch_threads)
     return LongContextSession.from_plan(lm.model, plan)
 
 

@@ -5,7 +5,7 @@ backend, decode's selection (where blocks are scored and who reads them), CUDA g
 decode threads. Every `auto` is resolved here and nowhere else.
 
 local_chat, the evaluation, the benches and the server all take this one way:
-`plan_session(...)`, `apply_threads(plan.threads)`, then `LongContextSession.from_plan(model, plan)`.
+`plan_session(...)`, `apply_threads(plan.threads, plan.torch_threads)`, then `LongContextSession.from_plan(model, plan)`.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class SessionPlan:
     compact: CompactParams | None  # None: dense prefill
     selection: SelectionSettings  # block_scoring device | cpu; context_attention cpu | gpu
     threads: int  # the decode operator's CPU threads (apply_threads sets them at start-up)
+    torch_threads: int  # torch's, when threads_num asks for a number; 0: torch's own default
     resident_history: bool
 
     def describe(self) -> str:
@@ -97,9 +98,11 @@ def resolve_selection(settings: SelectionSettings, device: torch.device, tensor_
     return dataclasses.replace(settings, block_scoring=scoring, context_attention=where)
 
 
-def apply_threads(threads: int):
-    """The start-up step that sets the CPU threads: the decode operator's and torch's."""
-    torch.set_num_threads(threads)
+def apply_threads(threads: int, torch_threads: int = 0):
+    """The start-up step that sets the CPU threads: the decode operator's, and torch's when a
+    number was asked for (0 leaves torch's default, every core)."""
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
     set_decode_threads(threads)
 
 
@@ -125,4 +128,4 @@ def plan_session(config: Config, model_config: ModelConfig, num_weight_elements:
                        max_seq_len, budget, is_gpu, local_windows_len, config.chunk_size,
                        resolve_backend(config.attention_backend, device, model_config.head_dim, layout.dtype),
                        compact_params(config, prefill), selection, decode_threads(config.threads_num),
-                       config.resident_history)
+                       config.threads_num, config.resident_history)

@@ -111,7 +111,10 @@ def start(config: Config, log=None) -> Started:
                             config.tensor_parallel)
         print(plan.describe(), file=log)
         plan.check()
-    apply_threads(plan.threads if plan is not None else decode_threads(config.threads_num))
+    if plan is not None:
+        apply_threads(plan.threads, plan.torch_threads)
+    else:
+        apply_threads(decode_threads(config.threads_num), config.threads_num)
     lm = load_model(config.model, device, dtype, RopeOptions.of(config), tp)
     c = lm.config
     print(f"[loaded {lm.path.name}: {c.arch}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} "
