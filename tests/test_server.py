@@ -433,3 +433,51 @@ def test_a_signal_ends_a_stream_with_an_error_event_and_the_server_within_second
     assert json.loads(events[-2])["error"]["code"] == "server_shutting_down"
     assert seconds < 2.0, seconds
     assert "Traceback" not in log
+
+
+def test_tokenize_counts_what_a_request_would_prefill_and_detokenize_inverts_it(server, lm):
+    """/tokenize renders a chat request with the template (the assistant's turn opened) or takes a
+    completion's prompt, as the tokenizer encodes them; max_model_len says what fits."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]
+    status, data = server.raw("POST", "/tokenize", json.dumps({"model": MODEL, "messages": messages}))
+    out = json.loads(data)
+    expected = lm.tokenizer.encode(lm.chat_template.render(messages), parse_special=True)
+    assert status == 200 and out["tokens"] == expected and out["count"] == len(expected)
+    assert out["max_model_len"] == 8192  # the model's context (max_seq_len 0)
+    text = "The quick brown fox"
+    status, data = server.raw("POST", "/tokenize", json.dumps({"prompt": text}))
+    assert json.loads(data)["tokens"] == lm.tokenizer.encode(text, parse_special=False)
+    status, data = server.raw("POST", "/detokenize", json.dumps({"tokens": json.loads(data)["tokens"]}))
+    assert status == 200 and json.loads(data) == {"prompt": text}
+    status, data = server.raw("POST", "/detokenize", json.dumps({"tokens": [10 ** 9]}))
+    assert status == 400 and json.loads(data)["error"]["param"] == "tokens"
+    card = server.client().models.retrieve(MODEL)
+    assert card.model_extra["max_model_len"] == 8192
+
+
+def test_metrics_count_what_the_requests_used(server):
+    """/metrics (Prometheus text) against the usage the official client reports."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        status, data = server.raw("GET", "/metrics")
+        assert status == 200
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(data.decode()) for s in family.samples}
+
+    before = scrape()
+    client = server.client()
+    messages = [{"role": "user", "content": "Name three colours."}]
+    first = client.chat.completions.create(model=MODEL, messages=messages)
+    second = client.chat.completions.create(model=MODEL, messages=messages)  # the same prompt: cached
+    after = scrape()
+    delta = lambda name, labels=(): after.get((name, labels), 0) - before.get((name, labels), 0)
+    usages = [first.usage, second.usage]
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    assert delta("ktlong_prompt_tokens_total", (("source", "cached"),)) == cached > 0
+    assert delta("ktlong_prompt_tokens_total", (("source", "prefilled"),)) == sum(u.prompt_tokens for u in usages) - cached
+    assert delta("ktlong_completion_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert delta("ktlong_requests_total", (("result", "completed"),)) == 2
+    assert delta("ktlong_time_to_first_token_seconds_count") == 2
+    assert after[("ktlong_kv_cache_bytes", ())] > 0 and after[("ktlong_queue_depth", ())] == 0
+    assert 0 < after[("ktlong_compact_density", ())] <= 1 and after[("ktlong_prefill_tokens_per_second", ())] > 0

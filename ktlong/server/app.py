@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ktlong.server.metrics import CONTENT_TYPE
 from ktlong.server.protocol import ApiError, Prompting, check_model, chunk, new_id, response, usage
 from ktlong.server.worker import Outcome, QueueFull, Ticket, Worker
 
@@ -88,7 +89,8 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
     async def health(request: Request):
         return JSONResponse({"status": "ok", "model": model_id, **worker.status()})
 
-    card = {"id": model_id, "object": "model", "created": created, "owned_by": "ktlong"}
+    card = {"id": model_id, "object": "model", "created": created, "owned_by": "ktlong",
+            "max_model_len": prompting.max_seq_len}
     max_body = prompting.max_seq_len * BODY_BYTES_PER_TOKEN + BODY_BYTES_BESIDES
 
     async def models(request: Request):
@@ -159,6 +161,20 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
             watcher.cancel()
             ticket.cancel()
 
+    async def tokenize(request: Request):
+        check_key(request)
+        body = await read_json(request, max_body)
+        ids = await run_in_threadpool(prompting.token_ids, body)
+        return JSONResponse({"count": len(ids), "max_model_len": prompting.max_seq_len, "tokens": ids})
+
+    async def detokenize(request: Request):
+        check_key(request)
+        body = await read_json(request, max_body)
+        return JSONResponse({"prompt": prompting.detokenize(body)})
+
+    async def metrics(request: Request):
+        return Response(worker.metrics.render(), media_type=CONTENT_TYPE)
+
     async def chat(request: Request):
         return await complete(request, "chat")
 
@@ -178,7 +194,9 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
     routes = [Route("/health", health, methods=["GET"]), Route("/v1/models", models, methods=["GET"]),
               Route("/v1/models/{model:path}", model, methods=["GET"]),
               Route("/v1/chat/completions", chat, methods=["POST"]),
-              Route("/v1/completions", completions, methods=["POST"])]
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"]),
+              Route("/metrics", metrics, methods=["GET"])]
     handlers = {ApiError: api_error, HTTPException: http_error, Exception: server_error}
 
     @contextlib.asynccontextmanager

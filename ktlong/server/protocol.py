@@ -201,6 +201,17 @@ class Prompting:
         self.longest_token = max(len(t) for t in tokenizer.tokens)
 
     def chat_job(self, body: dict) -> Job:
+        return self._job("chat", self.chat_ids(body), body, "messages")
+
+    def completion_job(self, body: dict) -> Job:
+        return self._job("completion", self.completion_ids(body), body, "prompt")
+
+    def token_ids(self, body: dict) -> list[int]:
+        """/tokenize: a chat request's messages as the template renders them (with the assistant's
+        turn opened, as a chat completion sends them), or a completion's prompt."""
+        return self.chat_ids(body) if "messages" in body else self.completion_ids(body)
+
+    def chat_ids(self, body: dict) -> list[int]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise bad("messages", "'messages' is required: a non-empty list of {\"role\", \"content\"} objects.")
@@ -209,9 +220,9 @@ class Prompting:
         rendered = [{"role": r, "content": c} for r, c in turns]
         if self.system_prompt and turns[0][0] != "system":
             rendered.insert(0, {"role": "system", "content": self.system_prompt})
-        return self._job("chat", encode_messages(self.tokenizer, self.template, rendered), body, "messages")
+        return encode_messages(self.tokenizer, self.template, rendered)
 
-    def completion_job(self, body: dict) -> Job:
+    def completion_ids(self, body: dict) -> list[int]:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -228,7 +239,17 @@ class Prompting:
             raise bad("prompt", "'prompt' is required: a string, a list of one string, or a list of token ids.")
         if not ids:
             raise bad("prompt", "'prompt' is empty.")
-        return self._job("completion", ids, body, "prompt")
+        return ids
+
+    def detokenize(self, body: dict) -> str:
+        """/detokenize: {"tokens": [ids]} -> their text."""
+        tokens = body.get("tokens")
+        vocab = len(self.tokenizer.tokens)
+        if not (isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
+            raise bad("tokens", "'tokens' is required: a list of token ids.")
+        if not all(0 <= t < vocab for t in tokens):
+            raise bad("tokens", f"'tokens' holds a token id outside the vocabulary (0 to {vocab - 1}).")
+        return self.tokenizer.decode(tokens)
 
     def _check_length(self, num_chars: int, param: str):
         """Refuse, before tokenizing it, text that holds more tokens than max_seq_len whatever it

@@ -21,6 +21,7 @@ from ktlong.chat.generate import generate
 from ktlong.chat.sampling import Sampler
 from ktlong.errors import KtlongError
 from ktlong.session.protocol import Session
+from ktlong.server.metrics import ServerMetrics
 from ktlong.server.protocol import ApiError, Job
 from ktlong.server.stop_strings import StopStrings
 
@@ -55,6 +56,8 @@ class Ticket:
 class Worker:
     def __init__(self, session: Session, tokenizer, queue_size: int, log=None):
         self.session, self.tokenizer, self.queue_size = session, tokenizer, queue_size
+        self.metrics = ServerMetrics(queue_depth=lambda: self.status()["waiting"],
+                                     cache_bytes=lambda: session.cache_bytes)
         self.log = log or sys.stderr
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ktlong-generate")
         self.lock = threading.Lock()
@@ -117,6 +120,7 @@ class Worker:
             with self.lock:
                 self.counts[result] += 1
                 self.tickets.discard(ticket)
+            self.metrics.requests.labels(result).inc()
 
     def _generate(self, job: Job, ticket: Ticket) -> Outcome | None:
         stops = StopStrings(job.stop)
@@ -134,6 +138,8 @@ class Worker:
         with self.lock:
             self.prefilled_tokens += self.session.last_prefill_tokens
             self.cached_tokens += cached
+        self.metrics.finished(self.session.last_prefill_tokens, cached, len(gen.token_ids), gen.prefill_seconds,
+                              gen.decode_seconds, self.session.prefill_density)
         if ticket.cancelled.is_set():
             return None
         tail = stops.flush()

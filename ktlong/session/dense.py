@@ -23,6 +23,11 @@ class DenseSession:
         self.last_prefill_tokens = 0  # tokens the last prefill computed (the rest came from the cache)
 
     saves_cache = False  # a file of the dense cache is not offered: long-context mode saves its DRAM cache
+    prefill_density = None  # no CompactAttention
+
+    @property
+    def cache_bytes(self) -> int:
+        return 2 * self.cache.k.numel() * self.cache.k.element_size()
 
     def reset(self):
         self.ids = []

@@ -115,6 +115,16 @@ class LongContextSession:
         return max(1, min(wanted, self.max_seq_len - 1))
 
     @property
+    def cache_bytes(self) -> int:
+        layout = self.layout
+        return layout.dram_kv_bytes(sliding=False) + layout.dram_kv_bytes(sliding=True) + layout.dram_side_table_bytes()
+
+    @property
+    def prefill_density(self) -> float | None:
+        densities = self.last_stats.density_per_layer if self.last_stats is not None else []
+        return sum(densities) / len(densities) if densities else (1.0 if self.last_stats is not None else None)
+
+    @property
     def saves_cache(self) -> bool:
         """One rank holds the whole cache: it can go to a file (ktlong/session/saved_cache.py)."""
         return self.model.tp is None

@@ -15,6 +15,15 @@ class Session(Protocol):
     last_prefill_tokens: int  # tokens the last prefill computed (the rest came from the cache)
 
     @property
+    def cache_bytes(self) -> int:
+        """Bytes its KV cache holds (allocated for max_seq_len tokens)."""
+
+    @property
+    def prefill_density(self) -> float | None:
+        """The fraction of history blocks CompactAttention kept in the last prefill (1.0 when it
+        ran dense); None for a session without CompactAttention."""
+
+    @property
     def saves_cache(self) -> bool:
         """Whether its KV cache can be saved to a file and loaded back (ktlong/session/saved_cache.py)."""
 
