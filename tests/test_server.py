@@ -481,3 +481,25 @@ def test_metrics_count_what_the_requests_used(server):
     assert delta("ktlong_time_to_first_token_seconds_count") == 2
     assert after[("ktlong_kv_cache_bytes", ())] > 0 and after[("ktlong_queue_depth", ())] == 0
     assert 0 < after[("ktlong_compact_density", ())] <= 1 and after[("ktlong_prefill_tokens_per_second", ())] > 0
+
+
+def test_a_stream_shows_itself_alive_during_a_long_prefill(lm):
+    """Keep-alive comments while the prompt prefills (here every 20 ms of a prefill of a few
+    thousand tokens on the CPU); the official client skips them and reads the answer."""
+    app, _ = make_app(started(lm, MODEL, max_new_tokens=4, keepalive_seconds=0.02, chunk_size=256))
+    s = RunningServer(app)
+    try:
+        document = " ".join(f"Item {i} weighs {i * 3} grams." for i in range(300))
+        body = {"model": MODEL, "stream": True, "max_tokens": 4,
+                "messages": [{"role": "user", "content": document + " What does item 7 weigh?"}]}
+        status, data = s.raw("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        events = data.decode().split("\n\n")
+        first_content = next(i for i, e in enumerate(events) if '"content": "' in e and '"content": ""' not in e)
+        assert status == 200 and ": keep-alive" in events[1:first_content]  # after the role chunk, in prefill
+        assert events[-2] == "data: [DONE]"
+        streamed = s.client().chat.completions.create(**body)
+        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        ids = chat_ids(lm, body["messages"])
+        assert text == reference(lm, ids, 4).text
+    finally:
+        s.stop()

@@ -45,7 +45,7 @@ def make_app(started, log=None):
                           Defaults(config.max_new_tokens, config.temperature, config.top_p, config.top_k, config.seed))
     api_key = config.api_key or os.environ.get(API_KEY_VARIABLE, "")
     worker = Worker(session, lm.tokenizer, config.queue_size, log)
-    return build_app(worker, prompting, model_id(config.model, lm.path), api_key), api_key
+    return build_app(worker, prompting, model_id(config.model, lm.path), api_key, config.keepalive_seconds), api_key
 
 
 def main(argv=None) -> int:

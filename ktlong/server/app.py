@@ -74,7 +74,11 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str = "") -> Starlette:
+KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it, the connection stays busy
+
+
+def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str = "",
+              keepalive_seconds: float = 5.0) -> Starlette:
     created = int(time.time())
 
     def check_key(request: Request):
@@ -145,7 +149,16 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
             if kind == "chat":
                 yield sse(chunk(kind, rid, model_id, "", None, first=True))
             while True:
-                event = await ticket.events.get()
+                getting = asyncio.ensure_future(ticket.events.get())
+                try:
+                    done, _ = await asyncio.wait({getting}, timeout=keepalive_seconds)
+                finally:
+                    if not getting.done():  # a get cancelled before it took an event leaves it queued
+                        getting.cancel()
+                if not done:  # nothing yet (a long prefill): show the connection alive
+                    yield KEEPALIVE
+                    continue
+                event = getting.result()
                 if isinstance(event, ApiError):
                     yield sse(event.body())
                     break
