@@ -503,3 +503,27 @@ def test_a_stream_shows_itself_alive_during_a_long_prefill(lm):
         assert text == reference(lm, ids, 4).text
     finally:
         s.stop()
+
+
+def test_return_progress_streams_the_prefill_as_it_goes(lm):
+    """With return_progress, the stream carries prefill progress chunks (no choices; done rises
+    to the tokens this prefill computes) before the answer, which the official client reads as
+    empty chunks; without stream it is refused."""
+    app, _ = make_app(started(lm, MODEL, max_new_tokens=4, chunk_size=256))
+    s = RunningServer(app)
+    try:
+        document = " ".join(f"Item {i} weighs {i * 3} grams." for i in range(300))
+        messages = [{"role": "user", "content": document + " What does item 7 weigh?"}]
+        client = s.client()
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True, max_tokens=4,
+                                                     extra_body={"return_progress": True}))
+        progress = [c.model_extra["prompt_progress"] for c in chunks if not c.choices]
+        total = len(chat_ids(lm, messages))
+        assert progress and progress[-1]["done"] == progress[-1]["total"] == total
+        assert [p["done"] for p in progress] == sorted(p["done"] for p in progress)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == reference(lm, chat_ids(lm, messages), 4).text
+        with pytest.raises(openai.BadRequestError, match="return_progress"):
+            client.chat.completions.create(model=MODEL, messages=messages, extra_body={"return_progress": True})
+    finally:
+        s.stop()

@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from ktlong.server.metrics import CONTENT_TYPE
 from ktlong.server.protocol import ApiError, Prompting, check_model, chunk, new_id, response, usage
-from ktlong.server.worker import Outcome, QueueFull, Ticket, Worker
+from ktlong.server.worker import Outcome, Progress, QueueFull, Ticket, Worker
 
 # JSON bytes a prompt token may take (escaped text runs to 6 bytes a character), and room for
 # the rest of a request: a body past max_seq_len of them cannot fit and is refused as it arrives
@@ -162,6 +162,10 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
                 if isinstance(event, ApiError):
                     yield sse(event.body())
                     break
+                if isinstance(event, Progress):
+                    yield sse(chunk(kind, rid, model_id, None, None, progress={
+                        "done": event.done, "total": event.total, "elapsed_seconds": round(event.elapsed, 3)}))
+                    continue
                 if isinstance(event, Outcome):
                     yield sse(chunk(kind, rid, model_id, None, event.finish_reason))
                     if include_usage:

@@ -45,6 +45,7 @@ class Job:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    progress: bool = False  # stream prefill progress events (return_progress)
 
 
 @dataclass(frozen=True)
@@ -268,12 +269,15 @@ class Prompting:
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = _integer(body, name, d.max_tokens, 1)
         stream, include_usage = _stream(body)
+        progress = body.get("return_progress", False)
+        if not isinstance(progress, bool) or (progress and not stream):
+            raise bad("return_progress", "'return_progress' must be true or false, and true needs 'stream': true.")
         return Job(kind=kind, prompt_ids=ids, max_tokens=max_tokens,
                    temperature=_number(body, "temperature", d.temperature, 0.0, 2.0),
                    top_p=_number(body, "top_p", d.top_p, 0.0, 1.0, low_open=True),
                    top_k=_integer(body, "top_k", d.top_k, 0),
                    seed=_integer(body, "seed", None, 0, 2**63 - 1) or secrets.randbits(63),  # none: a fresh draw
-                   stop=_stop(body), stream=stream, include_usage=include_usage)
+                   stop=_stop(body), stream=stream, include_usage=include_usage, progress=progress)
 
 
 def new_id(kind: str) -> str:
@@ -297,12 +301,15 @@ def response(kind: str, rid: str, model_id: str, text: str, finish: str, use: di
 
 
 def chunk(kind: str, rid: str, model_id: str, text: str | None, finish: str | None, first: bool = False,
-          use: dict | None = None) -> dict:
-    """One server-sent event's object; with `use`, the closing usage chunk (no choices)."""
+          use: dict | None = None, progress: dict | None = None) -> dict:
+    """One server-sent event's object; with `use`, the closing usage chunk, with `progress` a
+    prefill progress chunk (neither has choices)."""
     out = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
            "created": int(time.time()), "model": model_id}
     if use is not None:
         return {**out, "choices": [], "usage": use}
+    if progress is not None:
+        return {**out, "choices": [], "prompt_progress": progress}
     if kind == "chat":
         delta = ({"role": "assistant", "content": text or ""} if first else
                  ({"content": text} if text else {}))

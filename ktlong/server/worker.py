@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
+import time
 import traceback
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +33,17 @@ class Outcome:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens whose K/V the session already held
+
+
+@dataclass
+class Progress:
+    """A long prefill's progress: prompt tokens computed so far of those it computes."""
+    done: int
+    total: int
+    elapsed: float
+
+
+PROGRESS_EVERY = 0.5  # seconds between progress events (a prefill reports after every chunk of every layer)
 
 
 class QueueFull(Exception):
@@ -131,9 +143,18 @@ class Worker:
                 ticket.put(text)
 
         sampler = Sampler(job.temperature, job.top_p, job.top_k, job.seed)
+        start, last = time.perf_counter(), [0.0]
+
+        def on_progress(done: int, total: int):
+            now = time.perf_counter() - start
+            if done == total or now - last[0] >= PROGRESS_EVERY:
+                last[0] = now
+                ticket.put(Progress(done, total, now))
+
         gen = generate(self.session, job.prompt_ids, job.max_tokens, sampler, self.tokenizer.stop_ids,
                        self.tokenizer.decode, on_text=on_text,
-                       should_stop=lambda: ticket.cancelled.is_set() or stops.hit)
+                       should_stop=lambda: ticket.cancelled.is_set() or stops.hit,
+                       on_progress=on_progress if job.progress else None)
         cached = len(job.prompt_ids) - self.session.last_prefill_tokens
         with self.lock:
             self.prefilled_tokens += self.session.last_prefill_tokens

@@ -37,7 +37,8 @@ class DenseSession:
         return cached_prefix(self.ids, prompt_ids)
 
     def prefill(self, prompt_ids: list[int], show_progress: bool = False,
-                should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
+                should_stop: Callable[[], bool] | None = None,
+                on_progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
         """Make the cache hold exactly prompt_ids; return the last token's logits [vocab].
         should_stop is asked between chunks; when it says so, Cancelled is raised and the cache
         holds the chunks done so far."""
@@ -57,6 +58,8 @@ class DenseSession:
             logits = self.model.forward(torch.tensor(chunk), self.cache, len(self.ids), last_only=True)
             self.ids.extend(chunk)
             bar.update(len(chunk))
+            if on_progress is not None:
+                on_progress(len(self.ids) - reuse, len(todo))
         bar.close()
         return logits[-1]
 

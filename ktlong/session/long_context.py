@@ -148,7 +148,8 @@ class LongContextSession:
         return 0 if self.layout.sliding else cached_prefix(self.ids, prompt_ids)
 
     def prefill(self, prompt_ids: list[int], show_progress: bool = False,
-                should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
+                should_stop: Callable[[], bool] | None = None,
+                on_progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
         """Prefill what the cache does not hold yet: all of a new prompt, or the new tokens of a
         follow-up (the conversation so far, extended) over the history in DRAM. should_stop is
         asked after every chunk of every layer; when it says so, the half-written cache is
@@ -174,7 +175,7 @@ class LongContextSession:
         layers = self.model.config.num_layers
         bar = tqdm(total=len(new), unit="tok", desc="prefill", leave=False,
                    disable=not show_progress or len(new) <= self.engine.chunk_size)
-        progress = _ScaledProgress(bar, 1.0 / layers, should_stop)
+        progress = _ScaledProgress(bar, 1.0 / layers, should_stop, on_progress)
         self.last_prefill_tokens = len(new)
         try:
             logits, self.last_stats = self.engine.run(new, self.host, progress, history, prefetch, self.resident)
@@ -235,8 +236,9 @@ class _ScaledProgress:
     """The engine reports tokens per layer; the bar counts prompt tokens. It is also where a
     prefill is stopped: after any chunk of any layer."""
 
-    def __init__(self, bar, scale, should_stop=None):
+    def __init__(self, bar, scale, should_stop=None, on_progress=None):
         self.bar, self.scale, self.done, self.should_stop = bar, scale, 0.0, should_stop
+        self.on_progress = on_progress
 
     def update(self, n):
         if self.should_stop is not None and self.should_stop():
@@ -245,3 +247,5 @@ class _ScaledProgress:
         step = min(int(self.done + 1e-6), self.bar.total) - self.bar.n
         if step > 0:
             self.bar.update(step)
+        if self.on_progress is not None:
+            self.on_progress(min(int(self.done + 1e-6), self.bar.total), self.bar.total)

@@ -34,9 +34,11 @@ class Session(Protocol):
         """How many leading tokens of prompt_ids the cache holds, leaving at least the last to compute."""
 
     def prefill(self, prompt_ids: list[int], show_progress: bool = False,
-                should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
+                should_stop: Callable[[], bool] | None = None,
+                on_progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
         """Make the cache hold prompt_ids; the last token's logits [vocab]. should_stop is asked
-        between chunks; when it says so, Cancelled is raised."""
+        between chunks; when it says so, Cancelled is raised. on_progress(done, total): the
+        prompt tokens prefilled so far of those this prefill computes, after every chunk."""
 
     def step(self, token_id: int) -> torch.Tensor:
         """Append one token; its logits [vocab]."""
