@@ -106,6 +106,7 @@ SECTIONS: list[tuple[str, list[Option]]] = [
         Option('port', 8000, 'its TCP port', low=1, high=65535, flag='port'),
         Option('queue_size', 8, 'requests that may wait while one generates; more get 429', low=0, flag='queue_size'),
         Option('api_key', '', 'when set, every /v1 request must send "Authorization: Bearer KEY"; KTLONG_API_KEY also sets it', flag='api_key'),
+        Option('finish_prefill_on_disconnect', True, 'a client that goes away during prefill lets the prefill finish into the KV cache, so that its retry reuses it (generation stops when the prefill ends); false stops the prefill at once'),
         Option('keepalive_seconds', 5.0, 'a streamed answer sends an SSE comment after this many seconds without an event (a long prefill), so that proxies and clients see the connection alive', low=0, low_exclusive=True),
     ]),
 ]

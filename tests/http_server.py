@@ -44,10 +44,10 @@ class RunningServer:
             time.sleep(0.05)
         self.url = f"http://127.0.0.1:{self.port}"
 
-    def client(self, api_key="none", **kw):
+    def client(self, api_key="none", timeout=120, **kw):
         import openai
 
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120, **kw)
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=timeout, **kw)
 
     def raw(self, method, path, body=None, headers=None):
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)

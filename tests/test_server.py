@@ -527,3 +527,55 @@ def test_return_progress_streams_the_prefill_as_it_goes(lm):
             client.chat.completions.create(model=MODEL, messages=messages, extra_body={"return_progress": True})
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("finish", [True, False])
+def test_a_prefill_whose_client_left_finishes_into_the_cache(lm, finish):
+    """finish_prefill_on_disconnect (on by default): the client hangs up during a long prefill;
+    the prefill finishes, no token is generated, and the retry finds the prompt cached (all but
+    its last token, computed anew for its logits). Off: the prefill stops and the retry computes
+    what the cache lacks."""
+    app, _ = make_app(started(lm, MODEL, max_new_tokens=4, chunk_size=128, finish_prefill_on_disconnect=finish))
+    s = RunningServer(app)
+    try:
+        document = " ".join(f"Item {i} weighs {i * 3} grams." for i in range(400))
+        messages = [{"role": "user", "content": document + " What does item 7 weigh?"}]
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", json.dumps({"model": MODEL, "messages": messages}),
+                     {"Content-Type": "application/json"})
+        deadline = time.time() + 20
+        while not s.health()["generating"]:
+            assert time.time() < deadline
+            time.sleep(0.02)
+        conn.sock.shutdown(socket.SHUT_RDWR)  # in prefill: the whole prompt takes seconds here
+        conn.close()
+        while (h := s.health())["generating"]:
+            assert time.time() < deadline + 60
+            time.sleep(0.05)
+        assert h["requests"]["cancelled"] == 1 and h["requests"]["completed"] == 0
+        retry = s.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+        prompt = len(chat_ids(lm, messages))
+        cached = retry.usage.prompt_tokens_details.cached_tokens
+        assert (cached == prompt - 1) if finish else (cached < prompt - 128)
+        assert retry.choices[0].message.content == reference(lm, chat_ids(lm, messages), 4).text
+    finally:
+        s.stop()
+
+
+def test_a_stream_outlives_a_client_time_out_shorter_than_its_prefill(lm):
+    """The official client with a time-out (here 1 s; 600 s by default) shorter than the prefill:
+    streamed, the keep-alives reset its read time-out, and the answer arrives whole."""
+    app, _ = make_app(started(lm, MODEL, max_new_tokens=4, chunk_size=128, keepalive_seconds=0.2))
+    s = RunningServer(app)
+    try:
+        document = " ".join(f"Item {i} weighs {i * 3} grams." for i in range(400))
+        messages = [{"role": "user", "content": document + " What does item 7 weigh?"}]
+        client = s.client(timeout=1.0)
+        start = time.perf_counter()
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True, max_tokens=4))
+        elapsed = time.perf_counter() - start
+        assert elapsed > 1.0  # the prefill alone outlasted the client's time-out
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == reference(lm, chat_ids(lm, messages), 4).text
+    finally:
+        s.stop()

@@ -30,16 +30,18 @@ def generate(session: Session, prompt_ids: list[int], max_new_tokens: int, sampl
              stop_ids: frozenset[int], decode: Callable[[list[int]], str],
              on_text: Callable[[str], None] = lambda s: None, show_progress: bool = False,
              should_stop: Callable[[], bool] | None = None,
-             on_progress: Callable[[int, int], None] | None = None) -> Generation:
+             on_progress: Callable[[int, int], None] | None = None,
+             should_stop_prefill: Callable[[], bool] | None = None) -> Generation:
     """Greedy or sampled continuation of prompt_ids; Ctrl-C ends it early, keeping what was made,
     and so does should_stop (asked between prefill chunks and before every token). on_progress:
-    the prefill's (tokens done, tokens it computes) after every chunk."""
+    the prefill's (tokens done, tokens it computes) after every chunk. should_stop_prefill: asked
+    between prefill chunks instead of should_stop, where a stop should let the prefill finish."""
     stream = TextStream(decode)
     max_new_tokens = min(max_new_tokens, session.max_seq_len - len(prompt_ids))
     start = time.perf_counter()
     finish, prefill_done = "length", start
     try:
-        logits = session.prefill(prompt_ids, show_progress, should_stop, on_progress)
+        logits = session.prefill(prompt_ids, show_progress, should_stop_prefill or should_stop, on_progress)
         prefill_done = time.perf_counter()
         for i in range(max_new_tokens):
             if should_stop is not None and should_stop():

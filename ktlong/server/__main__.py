@@ -44,7 +44,7 @@ def make_app(started, log=None):
     prompting = Prompting(lm.tokenizer, template, config.system_prompt, started.max_seq_len,
                           Defaults(config.max_new_tokens, config.temperature, config.top_p, config.top_k, config.seed))
     api_key = config.api_key or os.environ.get(API_KEY_VARIABLE, "")
-    worker = Worker(session, lm.tokenizer, config.queue_size, log)
+    worker = Worker(session, lm.tokenizer, config.queue_size, log, config.finish_prefill_on_disconnect)
     return build_app(worker, prompting, model_id(config.model, lm.path), api_key, config.keepalive_seconds), api_key
 
 

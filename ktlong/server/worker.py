@@ -66,8 +66,11 @@ class Ticket:
 
 
 class Worker:
-    def __init__(self, session: Session, tokenizer, queue_size: int, log=None):
+    def __init__(self, session: Session, tokenizer, queue_size: int, log=None, finish_prefill: bool = True):
+        """finish_prefill: a request whose client went away during prefill finishes the prefill
+        into the cache (its retry reuses it) and stops before the first token."""
         self.session, self.tokenizer, self.queue_size = session, tokenizer, queue_size
+        self.finish_prefill = finish_prefill
         self.metrics = ServerMetrics(queue_depth=lambda: self.status()["waiting"],
                                      cache_bytes=lambda: session.cache_bytes)
         self.log = log or sys.stderr
@@ -154,7 +157,9 @@ class Worker:
         gen = generate(self.session, job.prompt_ids, job.max_tokens, sampler, self.tokenizer.stop_ids,
                        self.tokenizer.decode, on_text=on_text,
                        should_stop=lambda: ticket.cancelled.is_set() or stops.hit,
-                       on_progress=on_progress if job.progress else None)
+                       on_progress=on_progress if job.progress else None,
+                       should_stop_prefill=lambda: self.closing.is_set() or (ticket.cancelled.is_set()
+                                                                             and not self.finish_prefill))
         cached = len(job.prompt_ids) - self.session.last_prefill_tokens
         with self.lock:
             self.prefilled_tokens += self.session.last_prefill_tokens
