@@ -22,7 +22,6 @@ from ktlong.options import OPTIONS, SECTIONS, Option
 
 DEFAULT_FILE = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 
-ENUMS = {o.name: o.choices for o in OPTIONS.values() if o.choices}
 SECRETS = ("api_key",)
 # options that no longer exist -> why, for the message that asks to delete them
 REMOVED = {"device_cache_blocks": "the GPU reads the selected blocks from DRAM itself (context_attention: gpu)"}
