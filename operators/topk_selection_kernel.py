@@ -1,6 +1,6 @@
 """CompactAttention's topk selection in three Triton kernels and one top-k, for GPUs.
 
-operators/block_selector.py's topk_group_blocks followed by block_union.fixed_page_lists is about
+operators/block_selector.py's topk_group_blocks followed by block_union.fixed_page_indices is about
 twenty small operations a chunk and layer (pooling, the score product, row maxima, margins, the
 group maxima, the sink and window slices, the page arithmetic). On a small model their fixed
 cost is a fifth of the attention they save. Here:
@@ -27,8 +27,8 @@ BEST_ROWS = 16  # query-block rows a program of _row_best scores (small tiles: m
 MARGIN_ROWS = 64  # query-block rows _group_margin scores a step (a chunk of 8,192 tokens has 64 blocks)
 BLOCKS = 64  # history blocks a program of _row_best scores a step
 SPLIT = 512  # history blocks a program of _row_best covers: at 1M tokens (8,192 blocks) 16 programs a row tile
-MARGIN_BLOCKS = 16
-SPAN = 256  # page indices a program of _page_indices writes a step (fixed: one build for every length)  # history blocks a program of _group_margin scores: more programs, as few groups as kv heads
+MARGIN_BLOCKS = 16  # history blocks a program of _group_margin scores: more programs, as few groups as kv heads
+SPAN = 256  # page indices a program of _page_indices writes a step (fixed: one build for every length)
 
 
 @triton.jit(do_not_specialize=["num_qb", "num_hist"])  # one build for every chunk's lengths
