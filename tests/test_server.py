@@ -579,3 +579,61 @@ def test_a_stream_outlives_a_client_time_out_shorter_than_its_prefill(lm):
         assert text == reference(lm, chat_ids(lm, messages), 4).text
     finally:
         s.stop()
+
+
+def reference_logprobs(lm, ids, steps, k):
+    """The model's own log-softmax at each greedy step, computed here step by step: [(token,
+    logprob, [(token, logprob) best first])]."""
+    import torch
+
+    session = DenseSession(lm.model, 8192, 64)
+    logits = session.prefill(ids)
+    out = []
+    for _ in range(steps):
+        logp = torch.log_softmax(logits.double(), -1)
+        token = int(logp.argmax())
+        if token in lm.tokenizer.stop_ids:
+            break
+        values, top = torch.topk(logp, k)
+        out.append((token, float(logp[token]), list(zip(top.tolist(), values.tolist()))))
+        logits = session.step(token)
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_are_the_models_own_log_softmax(lm, stream):
+    """Chat (logprobs, top_logprobs 5) and completions (logprobs 3), whole and streamed, against
+    the log-softmax computed independently at each greedy step."""
+    app, _ = make_app(started(lm, MODEL, max_new_tokens=6))
+    s = RunningServer(app)
+    try:
+        client = s.client()
+        messages = [{"role": "user", "content": QUESTION}]
+        ref = reference_logprobs(lm, chat_ids(lm, messages), 6, 5)
+        text = lambda t: lm.tokenizer.decode([t])
+        out = client.chat.completions.create(model=MODEL, messages=messages, logprobs=True, top_logprobs=5,
+                                             max_tokens=6, stream=stream)
+        entries = ([e for c in out if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+                   if stream else out.choices[0].logprobs.content)
+        assert len(entries) == len(ref)
+        for e, (token, lp, top) in zip(entries, ref):
+            assert e.token == text(token) and e.logprob == pytest.approx(lp, abs=1e-4)
+            assert e.bytes == list(text(token).encode("utf-8"))
+            assert [a.token for a in e.top_logprobs] == [text(t) for t, _ in top]
+            assert [a.logprob for a in e.top_logprobs] == pytest.approx([v for _, v in top], abs=1e-4)
+        prompt = "1, 2, 3, 4,"
+        ref = reference_logprobs(lm, lm.tokenizer.encode(prompt, parse_special=False), 6, 3)
+        done = client.completions.create(model=MODEL, prompt=prompt, logprobs=3, max_tokens=6, stream=stream)
+        if stream:
+            parts = [c.choices[0].logprobs for c in done if c.choices and c.choices[0].logprobs]
+            tokens = [t for p in parts for t in p.tokens]
+            values = [v for p in parts for v in p.token_logprobs]
+        else:
+            tokens, values = done.choices[0].logprobs.tokens, done.choices[0].logprobs.token_logprobs
+            assert done.choices[0].logprobs.text_offset[1] == len(tokens[0])
+        assert tokens == [text(t) for t, _, _ in ref]
+        assert values == pytest.approx([lp for _, lp, _ in ref], abs=1e-4)
+        with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+            client.chat.completions.create(model=MODEL, messages=messages, top_logprobs=21, logprobs=True)
+    finally:
+        s.stop()

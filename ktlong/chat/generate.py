@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from ktlong.errors import Cancelled
 from ktlong.session.protocol import Session
 from ktlong.chat.sampling import Sampler
@@ -31,11 +33,13 @@ def generate(session: Session, prompt_ids: list[int], max_new_tokens: int, sampl
              on_text: Callable[[str], None] = lambda s: None, show_progress: bool = False,
              should_stop: Callable[[], bool] | None = None,
              on_progress: Callable[[int, int], None] | None = None,
-             should_stop_prefill: Callable[[], bool] | None = None) -> Generation:
+             should_stop_prefill: Callable[[], bool] | None = None,
+             on_token: Callable[[int, torch.Tensor], None] | None = None) -> Generation:
     """Greedy or sampled continuation of prompt_ids; Ctrl-C ends it early, keeping what was made,
     and so does should_stop (asked between prefill chunks and before every token). on_progress:
     the prefill's (tokens done, tokens it computes) after every chunk. should_stop_prefill: asked
-    between prefill chunks instead of should_stop, where a stop should let the prefill finish."""
+    between prefill chunks instead of should_stop, where a stop should let the prefill finish.
+    on_token(token, logits): each generated token with the logits it was sampled from."""
     stream = TextStream(decode)
     max_new_tokens = min(max_new_tokens, session.max_seq_len - len(prompt_ids))
     start = time.perf_counter()
@@ -51,6 +55,8 @@ def generate(session: Session, prompt_ids: list[int], max_new_tokens: int, sampl
             if token in stop_ids:
                 finish = "stop"
                 break
+            if on_token is not None:
+                on_token(token, logits)
             on_text(stream.push(token))
             if i + 1 < max_new_tokens:
                 logits = session.step(token)

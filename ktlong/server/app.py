@@ -17,7 +17,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ktlong.server.metrics import CONTENT_TYPE
-from ktlong.server.protocol import ApiError, Prompting, check_model, chunk, new_id, response, usage
+from ktlong.chat.logprobs import TokenLogprob
+from ktlong.server.protocol import ApiError, Prompting, check_model, chunk, logprobs_body, new_id, response, usage
 from ktlong.server.worker import Outcome, Progress, QueueFull, Ticket, Worker
 
 # JSON bytes a prompt token may take (escaped text runs to 6 bytes a character), and room for
@@ -93,6 +94,7 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
     async def health(request: Request):
         return JSONResponse({"status": "ok", "model": model_id, **worker.status()})
 
+    token_text = lambda token: prompting.tokenizer.decode([token])  # a token's own text, as it would print
     card = {"id": model_id, "object": "model", "created": created, "owned_by": "ktlong",
             "max_model_len": prompting.max_seq_len}
     max_body = prompting.max_seq_len * BODY_BYTES_PER_TOKEN + BODY_BYTES_BESIDES
@@ -124,7 +126,7 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
             return StreamingResponse(stream(request, ticket, kind, rid, job.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         watcher = asyncio.create_task(watch_disconnect(request, ticket))
-        pieces = []
+        pieces, logprobs = [], []
         try:
             while True:
                 getting = asyncio.ensure_future(ticket.events.get())
@@ -134,14 +136,18 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
                     return Response(status_code=499)
                 if isinstance(event := getting.result(), (Outcome, ApiError)):
                     break
-                pieces.append(event)
+                if isinstance(event, TokenLogprob):
+                    logprobs.append(event)
+                else:
+                    pieces.append(event)
         finally:
             watcher.cancel()
             ticket.cancel()  # no-op when finished; stops the worker when this handler was cancelled
         if isinstance(event, ApiError):
             raise event
         use = usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
-        return JSONResponse(response(kind, rid, model_id, "".join(pieces), event.finish_reason, use))
+        body_logprobs = logprobs_body(kind, logprobs, token_text) if job.logprobs is not None else None
+        return JSONResponse(response(kind, rid, model_id, "".join(pieces), event.finish_reason, use, body_logprobs))
 
     async def stream(request: Request, ticket: Ticket, kind: str, rid: str, include_usage: bool):
         watcher = asyncio.create_task(watch_disconnect(request, ticket))
@@ -162,6 +168,9 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
                 if isinstance(event, ApiError):
                     yield sse(event.body())
                     break
+                if isinstance(event, TokenLogprob):
+                    yield sse(chunk(kind, rid, model_id, None, None, logprobs=logprobs_body(kind, [event], token_text)))
+                    continue
                 if isinstance(event, Progress):
                     yield sse(chunk(kind, rid, model_id, None, None, progress={
                         "done": event.done, "total": event.total, "elapsed_seconds": round(event.elapsed, 3)}))

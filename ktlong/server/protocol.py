@@ -9,6 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from ktlong.chat.logprobs import MAX_TOP
 from ktlong.gguf.chat_template import ChatTemplate
 from ktlong.gguf.tokenizer import GGUFTokenizer
 
@@ -46,6 +47,7 @@ class Job:
     stream: bool
     include_usage: bool
     progress: bool = False  # stream prefill progress events (return_progress)
+    logprobs: int | None = None  # each token's logprob and this many alternatives; None: none
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ def _refuse_unsupported(body: dict):
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
             raise bad(name, f"'{name}' is not supported here; leave it out or set it to 0.")
-    for name in ("logprobs", "top_logprobs", "tools", "functions", "logit_bias", "suffix", "tool_choice",
+    for name in ("tools", "functions", "logit_bias", "suffix", "tool_choice",
                  "function_call", "parallel_tool_calls", "reasoning_effort", "modalities", "audio",
                  "web_search_options", "prediction", "min_p", "repetition_penalty", "typical_p", "guided_json",
                  "guided_regex", "guided_choice", "guided_grammar"):
@@ -101,6 +103,36 @@ def _refuse_unsupported(body: dict):
     response_format = body.get("response_format")
     if response_format not in (None, {"type": "text"}):
         raise bad("response_format", "Only plain text answers are supported; leave 'response_format' out.")
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """Chat: logprobs true|false and top_logprobs 0..20; completions: logprobs 0..20 (null: off)
+    -> the alternatives asked for, or None."""
+    if kind == "completion":
+        return _integer(body, "logprobs", None, 0, MAX_TOP)
+    on = body.get("logprobs", False)
+    if on is None:
+        on = False
+    if not isinstance(on, bool):
+        raise bad("logprobs", "'logprobs' must be true or false.")
+    top = _integer(body, "top_logprobs", None, 0, MAX_TOP)
+    if top is not None and not on:
+        raise bad("top_logprobs", "'top_logprobs' needs 'logprobs': true.")
+    return (top or 0) if on else None
+
+
+def logprobs_body(kind: str, entries: list, token_text) -> dict:
+    """Token logprobs (chat.logprobs.TokenLogprob) as the OpenAI API writes them: chat's content
+    list, or completions' tokens / token_logprobs / top_logprobs / text_offset."""
+    if kind == "chat":
+        item = lambda token, lp: {"token": token_text(token), "logprob": lp,
+                                  "bytes": list(token_text(token).encode("utf-8"))}
+        return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                            for e in entries]}
+    texts = [token_text(e.token) for e in entries]
+    offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -277,7 +309,8 @@ class Prompting:
                    top_p=_number(body, "top_p", d.top_p, 0.0, 1.0, low_open=True),
                    top_k=_integer(body, "top_k", d.top_k, 0),
                    seed=_integer(body, "seed", None, 0, 2**63 - 1) or secrets.randbits(63),  # none: a fresh draw
-                   stop=_stop(body), stream=stream, include_usage=include_usage, progress=progress)
+                   stop=_stop(body), stream=stream, include_usage=include_usage, progress=progress,
+                   logprobs=_logprobs(body, kind))
 
 
 def new_id(kind: str) -> str:
@@ -290,18 +323,19 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def response(kind: str, rid: str, model_id: str, text: str, finish: str, use: dict) -> dict:
+def response(kind: str, rid: str, model_id: str, text: str, finish: str, use: dict,
+             logprobs: dict | None = None) -> dict:
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish}
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_id,
                 "choices": [choice], "usage": use}
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_id,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], "usage": use}
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}], "usage": use}
 
 
 def chunk(kind: str, rid: str, model_id: str, text: str | None, finish: str | None, first: bool = False,
-          use: dict | None = None, progress: dict | None = None) -> dict:
+          use: dict | None = None, progress: dict | None = None, logprobs: dict | None = None) -> dict:
     """One server-sent event's object; with `use`, the closing usage chunk, with `progress` a
     prefill progress chunk (neither has choices)."""
     out = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
@@ -313,7 +347,7 @@ def chunk(kind: str, rid: str, model_id: str, text: str | None, finish: str | No
     if kind == "chat":
         delta = ({"role": "assistant", "content": text or ""} if first else
                  ({"content": text} if text else {}))
-        out["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        out["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
     else:
-        out["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
+        out["choices"] = [{"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}]
     return out

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ktlong.chat.generate import generate
+from ktlong.chat.logprobs import token_logprob
 from ktlong.chat.sampling import Sampler
 from ktlong.errors import KtlongError
 from ktlong.session.protocol import Session
@@ -154,8 +155,11 @@ class Worker:
                 last[0] = now
                 ticket.put(Progress(done, total, now))
 
+        def on_token(token: int, logits):  # a TokenLogprob precedes its token's text
+            ticket.put(token_logprob(logits, token, job.logprobs))
+
         gen = generate(self.session, job.prompt_ids, job.max_tokens, sampler, self.tokenizer.stop_ids,
-                       self.tokenizer.decode, on_text=on_text,
+                       self.tokenizer.decode, on_text=on_text, on_token=on_token if job.logprobs is not None else None,
                        should_stop=lambda: ticket.cancelled.is_set() or stops.hit,
                        on_progress=on_progress if job.progress else None,
                        should_stop_prefill=lambda: self.closing.is_set() or (ticket.cancelled.is_set()
