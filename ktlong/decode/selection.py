@@ -85,6 +85,8 @@ class DecodeBlockSelector:
                                   self.num_anchors, layout.head_dim), np.uint16)  # bfloat16 words
                         for i in range(layout.num_layers)]
         self.candidates: list[np.ndarray | None] = [None] * layout.num_layers  # [KV, NB] bool
+        # per layer, what `competing` gives (per kv head, any head's), made once by preselect
+        self._competing: list[tuple[np.ndarray, np.ndarray] | None] = [None] * layout.num_layers
         self.prompt_blocks = 0
         self.cache: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # layer -> blocks, counts, step
         self.last_selected_layer = -1
@@ -100,6 +102,7 @@ class DecodeBlockSelector:
         for layer in range(len(self.anchors)) if layers is None else layers:
             self.update_blocks(layer, first_block, num_blocks)
         self.candidates = [None] * len(self.anchors)
+        self._competing = [None] * len(self.anchors)
         self.cache = {}
         self.last_selected_layer = -1
 
@@ -131,16 +134,15 @@ class DecodeBlockSelector:
         top = np.argpartition(-total, count - 1, axis=1)[:, :count] if count else np.zeros((self.num_kv, 0), int)
         np.put_along_axis(keep, top, True, axis=1)
         self.candidates[layer] = keep
+        allowed = keep.copy()
+        allowed[:, self.prompt_blocks:] = True  # generated blocks always compete
+        self._competing[layer] = (allowed, allowed.any(0, keepdims=True))
 
     def competing(self, layer: int, per_head: bool) -> np.ndarray | None:
         """The blocks that may win after preselection -> [KV, NB] bool per kv head, or [1, NB]
-        any head's; None without preselection. Generated blocks always compete."""
-        candidates = self.candidates[layer]
-        if candidates is None:
-            return None
-        allowed = candidates.copy() if per_head else candidates.any(0, keepdims=True)
-        allowed[:, self.prompt_blocks:] = True
-        return allowed
+        any head's; None without preselection. Generated blocks always compete. Not to be written."""
+        masks = self._competing[layer]
+        return None if masks is None else masks[0 if per_head else 1]
 
     # ---- selection ---------------------------------------------------------------------
     def select(self, layer: int, step: int, q: np.ndarray, first: int, last: int, device_scores=None):
