@@ -628,9 +628,11 @@ def test_logprobs_are_the_models_own_log_softmax(lm, stream):
             parts = [c.choices[0].logprobs for c in done if c.choices and c.choices[0].logprobs]
             tokens = [t for p in parts for t in p.tokens]
             values = [v for p in parts for v in p.token_logprobs]
+            offsets = [o for p in parts for o in p.text_offset]
         else:
             tokens, values = done.choices[0].logprobs.tokens, done.choices[0].logprobs.token_logprobs
-            assert done.choices[0].logprobs.text_offset[1] == len(tokens[0])
+            offsets = done.choices[0].logprobs.text_offset
+        assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]  # where each starts
         assert tokens == [text(t) for t, _, _ in ref]
         assert values == pytest.approx([lp for _, lp, _ in ref], abs=1e-4)
         with pytest.raises(openai.BadRequestError, match="top_logprobs"):

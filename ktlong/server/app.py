@@ -151,6 +151,7 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
 
     async def stream(request: Request, ticket: Ticket, kind: str, rid: str, include_usage: bool):
         watcher = asyncio.create_task(watch_disconnect(request, ticket))
+        offset = 0  # completions: where the next token's text starts in the answer
         try:
             if kind == "chat":
                 yield sse(chunk(kind, rid, model_id, "", None, first=True))
@@ -169,7 +170,9 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
                     yield sse(event.body())
                     break
                 if isinstance(event, TokenLogprob):
-                    yield sse(chunk(kind, rid, model_id, None, None, logprobs=logprobs_body(kind, [event], token_text)))
+                    yield sse(chunk(kind, rid, model_id, None, None,
+                                    logprobs=logprobs_body(kind, [event], token_text, offset)))
+                    offset += len(token_text(event.token))
                     continue
                 if isinstance(event, Progress):
                     yield sse(chunk(kind, rid, model_id, None, None, progress={

@@ -4,6 +4,7 @@ and the response and stream-chunk objects. No model code here; text becomes toke
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import time
 import uuid
@@ -121,16 +122,17 @@ def _logprobs(body: dict, kind: str) -> int | None:
     return (top or 0) if on else None
 
 
-def logprobs_body(kind: str, entries: list, token_text) -> dict:
+def logprobs_body(kind: str, entries: list, token_text, offset: int = 0) -> dict:
     """Token logprobs (chat.logprobs.TokenLogprob) as the OpenAI API writes them: chat's content
-    list, or completions' tokens / token_logprobs / top_logprobs / text_offset."""
+    list, or completions' tokens / token_logprobs / top_logprobs / text_offset (offset: where the
+    first entry's text starts in the answer)."""
     if kind == "chat":
         item = lambda token, lp: {"token": token_text(token), "logprob": lp,
                                   "bytes": list(token_text(token).encode("utf-8"))}
         return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
                             for e in entries]}
     texts = [token_text(e.token) for e in entries]
-    offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    offsets = list(itertools.accumulate((len(t) for t in texts[:-1]), initial=offset)) if texts else []
     return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
 
