@@ -43,7 +43,8 @@ JOINT_QUANTIZE_TOKENS = 1024  # a chunk this short (a follow-up's question) quan
 
 
 def resolve_backend(requested: str, device: torch.device, head_dim: int, dtype: torch.dtype) -> str:
-    """The attention_backend option for a session (ktlong/session/plan.py calls this). auto: fa3 on compute capability 9.x (Hopper) where it builds, else fa2; torch without
+    """The attention_backend option for a session (ktlong/session/plan.py calls this). auto: fa3
+    on compute capability 9.x (Hopper) where it builds, else fa2; torch without
     FlashInfer or a GPU."""
     if device.type != "cuda" or requested == "torch":
         return "torch"
@@ -128,8 +129,9 @@ class LayerMajorPrefill:
         assert chunk_size % layout.block_size == 0
         self.model, self.layout, self.chunk_size = model, layout, chunk_size
         self.device = model.device
-        assert backend in ("fa2", "fa3", "torch"), "resolve_backend first (the plan does)"
-        self.backend = "torch" if self.device.type == "cpu" else backend
+        assert backend == "torch" or (backend in ("fa2", "fa3") and self.device.type == "cuda"), \
+            "resolve_backend first (the plan does)"
+        self.backend = backend
         self.hidden_on_device = hidden_on_device or self.device.type == "cpu"
         self.pages = DevicePages(layout, self.device)
         self.compact, self.dense_paged, self.is_sparse = None, None, compact is not None

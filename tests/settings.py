@@ -3,10 +3,13 @@ from the defaults with some options set."""
 
 import dataclasses
 
+import torch
+
 from ktlong.config import default_config
 from ktlong.decode.selection import SelectionSettings
 from ktlong.kv.layout import KVLayout
 from ktlong.prefill import resolve_backend
+from ktlong.session.plan import resolve_block_scoring
 from ktlong.session.settings import compact_params, selection_settings
 from operators.compact_attention import CompactParams
 
@@ -16,8 +19,7 @@ def selection(device: str = "cpu", **options) -> SelectionSettings:
     on a GPU device ("auto"); the CPU operator attends to the selected blocks (on a GPU too: the
     tests of the hybrid path's mechanism) unless a test sets context_attention itself."""
     options.setdefault("context_attention", "cpu")
-    if options.get("block_scoring", "auto") == "auto":
-        options["block_scoring"] = "device" if device == "cuda" else "cpu"
+    options["block_scoring"] = resolve_block_scoring(options.get("block_scoring", "auto"), torch.device(device))
     return selection_settings(default_config(**options), num_layers=1 << 10)
 
 

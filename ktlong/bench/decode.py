@@ -39,7 +39,7 @@ from ktlong.kv.layout import kv_layout
 from ktlong.kv.memory_plan import GIB
 from ktlong.models.random_model import SHAPES, random_config, random_model
 from ktlong.parallel.group import join_ranks, quiet_unless_main
-from ktlong.session.plan import resolve_kv_type, resolve_selection
+from ktlong.session.plan import resolve_block_scoring, resolve_kv_type, resolve_selection
 from ktlong.session.settings import selection_settings
 from operators.kv_quant import quantize_kv
 
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
           f"{str(dtype).removeprefix('torch.')}; kv {config.kv_type}, block {config.block_size}, top-k "
           f"{config.second_select_num}, local {config.local_windows_len}, anchors {config.anchor_type}, "
           f"{config.head_select_mode}, dense layers {config.dense_layer_num}, block scoring "
-          f"{'device' if cuda and config.block_scoring != 'cpu' else 'cpu'}, "
+          f"{resolve_block_scoring(config.block_scoring, device)}, "
           f"selection {'real' if args.selection_drift is None else f'drifting, {args.selection_drift:.0%} kept'}; "
           f"ms per token, medians over "
           f"{args.tokens} tokens")

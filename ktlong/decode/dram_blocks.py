@@ -66,7 +66,7 @@ class DramBlocks:
                          host.v_scales[g].view(rows, *host.v_scales[g].shape[2:])) for g in global_layers]
                        if layout.is_quantized else [(None, None)] * len(global_layers))
         self._pinned = PinnedTensors(device.type == "cuda")
-        self.hits = HitIndex(len(global_layers), KV, max_selected, 0, self._pinned, device)
+        self.hits = HitIndex(len(global_layers), KV, max_selected, self._pinned, device)
         self.head_rows = (np.arange(KV, dtype=np.int64) * NB)[:, None]
         self.none_left = (np.zeros((KV, 1), np.int32), np.zeros(KV, np.int32))
         self.selection = selection
@@ -99,16 +99,15 @@ class HitIndex:
     tokens of them count (whole blocks, first rows first): written by the host into pinned
     buffers (index_np, valid_np), copied to the device by the replayed part (`load`)."""
 
-    def __init__(self, num_layers: int, num_kv: int, max_selected: int, fill: int, pinned: PinnedTensors,
+    def __init__(self, num_layers: int, num_kv: int, max_selected: int, pinned: PinnedTensors,
                  device: torch.device):
-        """max_selected: the most rows a layer's step names per kv head; fill: the row unused
-        entries name."""
+        """max_selected: the most rows a layer's step names per kv head (unused entries name row 0)."""
         self.max_selected = max_selected
-        self.host_index = pinned.pin(torch.full((num_layers, num_kv, max_selected), fill, dtype=torch.int64))
+        self.host_index = pinned.pin(torch.zeros((num_layers, num_kv, max_selected), dtype=torch.int64))
         self.host_valid = pinned.pin(torch.zeros((num_layers, num_kv), dtype=torch.int64))
         self.index_np, self.valid_np = self.host_index.numpy(), self.host_valid.numpy()
         # on the device, one layer at a time (the replayed parts run in stream order)
-        self.index = torch.full((num_kv, max_selected), fill, dtype=torch.int64, device=device)
+        self.index = torch.zeros((num_kv, max_selected), dtype=torch.int64, device=device)
         self.valid = torch.zeros(num_kv, dtype=torch.int64, device=device)
 
     def fits(self, blocks: np.ndarray) -> bool:

@@ -203,7 +203,7 @@ class LongContextSession:
     def new_decoder(self) -> Decoder:
         """A decoder over the cache as it is, its graphs captured."""
         decoder = Decoder(self.model, self.host, self.selection, self.local_windows_len, self.use_cuda_graph,
-                                self.block_mass, self.resident)
+                          self.block_mass, self.resident)
         decoder.capture_graphs()
         return decoder
 

@@ -10,9 +10,8 @@ local_chat, the evaluation, the benches and the server all take this one way:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
@@ -86,16 +85,21 @@ def resolve_cuda_graph(use_cuda_graph: bool | str, device: torch.device) -> bool
     return device.type == "cuda" and use_cuda_graph in (True, "auto")
 
 
+def resolve_block_scoring(block_scoring: str, device: torch.device) -> str:
+    """auto: the device on a GPU, else the CPU."""
+    if block_scoring != "auto":
+        return block_scoring
+    return "device" if device.type == "cuda" else "cpu"
+
+
 def resolve_selection(settings: SelectionSettings, device: torch.device, tensor_parallel: int,
                       layout: KVLayout | None) -> SelectionSettings:
-    """block_scoring auto: the device on a GPU; context_attention auto: the GPU where its kernel
-    reads the layout's blocks (ktlong/decode/dram_blocks.py). layout: needed only to resolve
-    context_attention's auto. On the CPU both are cpu."""
-    scoring = settings.block_scoring
-    if scoring == "auto":
-        scoring = "device" if device.type == "cuda" else "cpu"
+    """block_scoring (resolve_block_scoring), and context_attention: auto is the GPU where its
+    kernel reads the layout's blocks (ktlong/decode/dram_blocks.py), and on the CPU it is always
+    cpu. layout: needed only to resolve context_attention's auto."""
     where = resolve_context_attention(settings.context_attention, device, tensor_parallel > 1, layout)
-    return dataclasses.replace(settings, block_scoring=scoring, context_attention=where)
+    return dataclasses.replace(settings, block_scoring=resolve_block_scoring(settings.block_scoring, device),
+                               context_attention=where)
 
 
 def apply_threads(threads: int, torch_threads: int = 0):

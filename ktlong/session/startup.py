@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-
 from ktlong.config import SECRETS, Config, parse_set
 from ktlong.errors import ConfigError
 from ktlong.options import OPTIONS, SECTIONS
@@ -111,7 +110,6 @@ def start(config: Config, log=None) -> Started:
                             config.tensor_parallel)
         print(plan.describe(), file=log)
         plan.check()
-    if plan is not None:
         apply_threads(plan.threads, plan.torch_threads)
     else:
         apply_threads(decode_threads(config.threads_num), config.threads_num)
