@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         stats = {arm: median_stats(r) for arm, r in runs.items()}
         for arm, arm_stats in stats.items():
             speedup = f"{stats['dense'].seconds / arm_stats.seconds:.2f}x" if "dense" in stats else "-"
-            each = "/".join(f"{r.seconds:.1f}" for r in runs[arm])
+            each = "/".join(_seconds(r.seconds) for r in runs[arm])
             rows.append(_row(length, plan, arm, arm_stats, speedup, backend) + [each])
         del host
         if device.type == "cuda":
@@ -129,7 +129,12 @@ def _row(length, plan, arm, stats, speedup, backend) -> list[str]:
     density = f"{sum(densities) / len(densities) if densities else 1.0:.1%}"
     rest = stats.seconds - stats.attention_seconds - stats.selection_seconds
     share = f"{stats.selection_seconds / stats.attention_seconds:.1%}" if stats.attention_seconds else "-"
-    return [f"{length // 1024}K", plan.kv_type, arm, density, f"{stats.tokens_per_second:,.0f}", f"{stats.seconds:.1f}",
-            f"{stats.selection_seconds:.2f}", f"{stats.attention_seconds:.1f}", f"{rest:.1f}", share,
+    return [f"{length // 1024}K", plan.kv_type, arm, density, f"{stats.tokens_per_second:,.0f}", _seconds(stats.seconds),
+            f"{stats.selection_seconds:.2f}", _seconds(stats.attention_seconds), _seconds(rest), share,
             "GPU" if memory.hidden_on_device else "DRAM", speedup, f"{peak / GIB:.2f}", f"{memory.prefill_device / GIB:.2f}",
             f"{peak / memory.prefill_device:.3f}" if peak else "-", backend]
+
+
+def _seconds(seconds: float) -> str:
+    """Two decimals below 10 s, where one would hide a 5% difference."""
+    return f"{seconds:.2f}" if seconds < 10 else f"{seconds:.1f}"
