@@ -107,6 +107,10 @@ SECTIONS: list[tuple[str, list[Option]]] = [
         Option('queue_size', 8, 'requests that may wait while one generates; more get 429', low=0, flag='queue_size'),
         Option('api_key', '', 'when set, every /v1 request must send "Authorization: Bearer KEY"; KTLONG_API_KEY also sets it', flag='api_key'),
         Option('finish_prefill_on_disconnect', True, 'a client that goes away during prefill lets the prefill finish into the KV cache, so that its retry reuses it (generation stops when the prefill ends); false stops the prefill at once'),
+        Option('cache_dram_gb', 8.0, 'long-context mode: GiB of DRAM for the KV caches of earlier conversations, kept whole so that a request going back to one reuses it; the least recently used goes first (to cache_dir); 0 = only the conversation in use', low=0, flag='cache_dram_gb'),
+        Option('cache_dir', '', 'long-context mode: folder where conversations evicted from DRAM are written as saved caches, and found again after a restart; empty = no disk tier', flag='cache_dir'),
+        Option('cache_disk_gb', 64.0, 'most GiB the files in cache_dir may take; the least recently used go first', low=0, low_exclusive=True, flag='cache_disk_gb'),
+        Option('cache_min_tokens', 1024, 'an earlier conversation is brought back for a prompt that shares at least this many leading tokens with it', low=1),
         Option('keepalive_seconds', 5.0, 'a streamed answer sends an SSE comment after this many seconds without an event (a long prefill), so that proxies and clients see the connection alive', low=0, low_exclusive=True),
     ]),
 ]

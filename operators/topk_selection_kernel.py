@@ -24,10 +24,10 @@ import triton.language as tl
 from operators.checks import expect
 
 BEST_ROWS = 16  # query-block rows a program of _row_best scores (small tiles: more programs, shorter loops)
-MARGIN_ROWS = 64  # query-block rows _group_margin scores a step (a chunk of 8,192 tokens has 64 blocks)
+MARGIN_ROWS = 16  # query-block rows _group_margin scores a step (larger tiles measured slower on an H100)
 BLOCKS = 64  # history blocks a program of _row_best scores a step
 SPLIT = 512  # history blocks a program of _row_best covers: at 1M tokens (8,192 blocks) 16 programs a row tile
-MARGIN_BLOCKS = 16  # history blocks a program of _group_margin scores: more programs, as few groups as kv heads
+MARGIN_BLOCKS = 64  # history blocks a program of _group_margin scores
 SPAN = 256  # page indices a program of _page_indices writes a step (fixed: one build for every length)
 
 

@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from ktlong.config import (DEFAULT_FILE, Config, default_config, load_config, option_names, parse_set,
+from ktlong.config import (DEFAULT_FILE, Config, default_config, load_config, option_names, options_in, parse_set,
                            read_yaml_options)
 from ktlong.options import KINDS, OPTIONS, render_defaults
 from ktlong.errors import ConfigError
@@ -48,7 +48,8 @@ def test_flags_follow_the_declarations(capsys):
     for name, o in OPTIONS.items():
         if not o.flag:
             continue
-        parser = server_parser() if name in ("host", "port", "queue_size", "api_key") else local_chat.build_parser()
+        server = name in options_in("server")
+        parser = server_parser() if server else local_chat.build_parser()
         if o.type in ("bool", "auto_bool"):
             argv, expected = [f"--no-{o.flag}"], False
         else:

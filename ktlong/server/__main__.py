@@ -44,8 +44,31 @@ def make_app(started, log=None):
     prompting = Prompting(lm.tokenizer, template, config.system_prompt, started.max_seq_len,
                           Defaults(config.max_new_tokens, config.temperature, config.top_p, config.top_k, config.seed))
     api_key = config.api_key or os.environ.get(API_KEY_VARIABLE, "")
-    worker = Worker(session, lm.tokenizer, config.queue_size, log, config.finish_prefill_on_disconnect)
+    worker = Worker(session, lm.tokenizer, config.queue_size, log, config.finish_prefill_on_disconnect,
+                    cache_store(config, started, session, log))
     return build_app(worker, prompting, model_id(config.model, lm.path), api_key, config.keepalive_seconds), api_key
+
+
+def cache_store(config, started, session, log=None):
+    """The conversations kept besides the session's (ktlong/server/cache_store.py): long-context
+    sessions that save their cache, on models without sliding-window layers (whose DRAM keeps
+    only a tail, which no later request can reuse); None otherwise."""
+    from ktlong.errors import ConfigError
+    from ktlong.kv.memory_plan import GIB
+    from ktlong.server.cache_store import CacheStore
+    from ktlong.session.saved_cache import fingerprint
+
+    usable = started.session is not None and session.saves_cache and not session.layout.sliding
+    if not usable:
+        if config.cache_dir:
+            raise ConfigError("cache_dir keeps long-context caches: add --mode long_context, or drop --cache_dir "
+                              "(a model with sliding-window layers cannot reuse them)." if started.session is None
+                              else "cache_dir cannot keep this model's caches: its sliding-window layers keep only "
+                                   "a tail in DRAM; drop --cache_dir.")
+        return None
+    write = (lambda line: print(line, file=log or sys.stderr, flush=True))
+    return CacheStore(session, fingerprint(started.lm.path, session, config), int(config.cache_dram_gb * GIB),
+                      config.cache_dir, int(config.cache_disk_gb * GIB), config.cache_min_tokens, write)
 
 
 def main(argv=None) -> int:
@@ -62,6 +85,7 @@ def main(argv=None) -> int:
                               "evaluation and the benches take it).")
         check_port(config.host, config.port)  # before minutes of loading, not after
         started = start(config)
+        app, api_key = make_app(started)
     except KtlongError as e:
         print_error(e)
         return 2
@@ -69,7 +93,6 @@ def main(argv=None) -> int:
 
     from ktlong.server.stopping import StoppingServer
 
-    app, api_key = make_app(started)
     if config.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"[warning: listening on {config.host} without an API key; anyone who reaches this port can "
               f"use the model (set --api_key or ${API_KEY_VARIABLE})]", file=sys.stderr)

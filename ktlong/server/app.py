@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ktlong.server.metrics import CONTENT_TYPE
+from ktlong.session.cache_records import CacheFileError
 from ktlong.chat.logprobs import TokenLogprob
 from ktlong.server.protocol import ApiError, Prompting, check_model, chunk, logprobs_body, new_id, response, usage
 from ktlong.server.worker import Outcome, Progress, QueueFull, Ticket, Worker
@@ -145,7 +146,7 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
             ticket.cancel()  # no-op when finished; stops the worker when this handler was cancelled
         if isinstance(event, ApiError):
             raise event
-        use = usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
+        use = usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens, event.cached_from)
         body_logprobs = logprobs_body(kind, logprobs, token_text) if job.logprobs is not None else None
         return JSONResponse(response(kind, rid, model_id, "".join(pieces), event.finish_reason, use, body_logprobs))
 
@@ -182,7 +183,7 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
                     yield sse(chunk(kind, rid, model_id, None, event.finish_reason))
                     if include_usage:
                         yield sse(chunk(kind, rid, model_id, None, None, use=usage(
-                            event.prompt_tokens, event.completion_tokens, event.cached_tokens)))
+                            event.prompt_tokens, event.completion_tokens, event.cached_tokens, event.cached_from)))
                     break
                 yield sse(chunk(kind, rid, model_id, event, None))
             yield "data: [DONE]\n\n"
@@ -200,6 +201,35 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
         check_key(request)
         body = await read_json(request, max_body)
         return JSONResponse({"prompt": prompting.detokenize(body)})
+
+    def cache_store():
+        store = worker.store
+        if store is None:
+            raise ApiError(404, "This server keeps no cache of conversations: it needs --mode long_context and a "
+                           "model without sliding-window layers.", code="no_cache_store")
+        return store
+
+    async def cache_list(request: Request):
+        check_key(request)
+        listing = await run_in_threadpool(cache_store().listing)  # waits while a spill holds the index
+        return JSONResponse({"object": "list", "data": listing})
+
+    async def cache_entry(request: Request):
+        """POST /cache/{id}/save or /restore, DELETE /cache/{id}: on the worker's thread, after
+        the generation that runs."""
+        check_key(request)
+        store, entry_id = cache_store(), request.path_params["id"]
+        action = request.path_params.get("action", "erase")
+        if action not in ("save", "restore", "erase"):
+            raise ApiError(404, "No such endpoint: POST /cache/{id}/save or /cache/{id}/restore, DELETE /cache/{id}.")
+        try:
+            result = await asyncio.wrap_future(worker.call(getattr(store, action), entry_id))
+        except KeyError:
+            raise ApiError(404, f"There is no cached conversation '{entry_id[:40]}'; GET /cache lists them.",
+                           code="cache_entry_not_found") from None
+        except CacheFileError as e:
+            raise ApiError(400, str(e), code="cache_error") from None
+        return JSONResponse(result if result is not None else {"id": entry_id, "deleted": True})
 
     async def metrics(request: Request):
         return Response(worker.metrics.render(), media_type=CONTENT_TYPE)
@@ -225,7 +255,9 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
               Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"]),
-              Route("/metrics", metrics, methods=["GET"])]
+              Route("/metrics", metrics, methods=["GET"]), Route("/cache", cache_list, methods=["GET"]),
+              Route("/cache/{id}/{action}", cache_entry, methods=["POST"]),
+              Route("/cache/{id}", cache_entry, methods=["DELETE"])]
     handlers = {ApiError: api_error, HTTPException: http_error, Exception: server_error}
 
     @contextlib.asynccontextmanager

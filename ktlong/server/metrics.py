@@ -14,8 +14,9 @@ TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200
 
 
 class ServerMetrics:
-    def __init__(self, queue_depth: Callable[[], int], cache_bytes: Callable[[], int]):
-        """queue_depth: requests waiting; cache_bytes: bytes of KV cache the session holds in DRAM."""
+    def __init__(self, queue_depth: Callable[[], int], dram_bytes: Callable[[], int], disk_bytes: Callable[[], int]):
+        """queue_depth: requests waiting; dram_bytes, disk_bytes: bytes of KV cache the server
+        holds in DRAM (the session's and the conversations kept) and in its cache folder."""
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram("ktlong_time_to_first_token_seconds", "Time from a request's start of prefill "
                               "to its first token", buckets=TTFT_BUCKETS, registry=r)
@@ -24,20 +25,23 @@ class ServerMetrics:
         self.decode_rate = Gauge("ktlong_decode_tokens_per_second", "Decode speed of the last request that "
                                  "decoded more than one token", registry=r)
         self.prompt_tokens = Counter("ktlong_prompt_tokens", "Prompt tokens, by where their K/V came from: "
-                                     "prefilled now or cached from an earlier request", ["source"], registry=r)
+                                     "prefilled now, or cached from an earlier request (kept by the session, "
+                                     "in DRAM or on disk)", ["source"], registry=r)
         self.completion_tokens = Counter("ktlong_completion_tokens", "Tokens generated", registry=r)
         self.requests = Counter("ktlong_requests", "Requests, by how they ended", ["result"], registry=r)
         self.density = Gauge("ktlong_compact_density", "Fraction of history blocks CompactAttention kept in "
                              "the last long-context prefill (1 when it ran dense)", registry=r)
         Gauge("ktlong_queue_depth", "Requests waiting while one generates", registry=r).set_function(queue_depth)
-        Gauge("ktlong_kv_cache_bytes", "Bytes of KV cache the server holds in DRAM", registry=r).set_function(
-            cache_bytes)
+        held = Gauge("ktlong_kv_cache_bytes", "Bytes of KV cache the server holds, by tier", ["tier"], registry=r)
+        held.labels("dram").set_function(dram_bytes)
+        held.labels("disk").set_function(disk_bytes)
 
-    def finished(self, prefilled: int, cached: int, generated: int, prefill_seconds: float,
+    def finished(self, prefilled: int, cached: int, cached_from: str | None, generated: int, prefill_seconds: float,
                  decode_seconds: float, density: float | None):
         """A request's figures, once its answer is done."""
         self.prompt_tokens.labels("prefilled").inc(prefilled)
-        self.prompt_tokens.labels("cached").inc(cached)
+        if cached:
+            self.prompt_tokens.labels(cached_from).inc(cached)
         self.completion_tokens.inc(generated)
         if generated:
             self.ttft.observe(prefill_seconds)

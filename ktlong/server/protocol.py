@@ -319,10 +319,14 @@ def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, cached_from: str | None) -> dict:
+    """OpenAI's usage, and where the cached tokens came from: session (the conversation the
+    session holds), dram or disk (ktlong/server/cache_store.py)."""
+    details = {"cached_tokens": cached_tokens}
+    if cached_from is not None:
+        details["cached_from"] = cached_from
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": details}
 
 
 def response(kind: str, rid: str, model_id: str, text: str, finish: str, use: dict,

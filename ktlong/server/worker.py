@@ -23,6 +23,7 @@ from ktlong.chat.logprobs import token_logprob
 from ktlong.chat.sampling import Sampler
 from ktlong.errors import KtlongError
 from ktlong.session.protocol import Session
+from ktlong.server.cache_store import CacheStore
 from ktlong.server.metrics import ServerMetrics
 from ktlong.server.protocol import ApiError, Job
 from ktlong.server.stop_strings import StopStrings
@@ -34,6 +35,7 @@ class Outcome:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens whose K/V the session already held
+    cached_from: str | None  # where those came from: session, dram or disk (ktlong/server/cache_store.py)
 
 
 @dataclass
@@ -67,13 +69,16 @@ class Ticket:
 
 
 class Worker:
-    def __init__(self, session: Session, tokenizer, queue_size: int, log=None, finish_prefill: bool = True):
+    def __init__(self, session: Session, tokenizer, queue_size: int, log=None, finish_prefill: bool = True,
+                 store: CacheStore | None = None):
         """finish_prefill: a request whose client went away during prefill finishes the prefill
-        into the cache (its retry reuses it) and stops before the first token."""
+        into the cache (its retry reuses it) and stops before the first token. store: the
+        conversations kept besides the session's (None: only the session's)."""
         self.session, self.tokenizer, self.queue_size = session, tokenizer, queue_size
-        self.finish_prefill = finish_prefill
-        self.metrics = ServerMetrics(queue_depth=lambda: self.status()["waiting"],
-                                     cache_bytes=lambda: session.cache_bytes)
+        self.finish_prefill, self.store = finish_prefill, store
+        dram = store.dram_bytes if store is not None else lambda: session.cache_bytes
+        disk = store.disk_bytes if store is not None else lambda: 0
+        self.metrics = ServerMetrics(queue_depth=lambda: self.status()["waiting"], dram_bytes=dram, disk_bytes=disk)
         self.log = log or sys.stderr
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ktlong-generate")
         self.lock = threading.Lock()
@@ -112,9 +117,16 @@ class Worker:
                     "requests": {k: self.counts[k] for k in ("completed", "cancelled", "rejected", "failed")},
                     "prefilled_tokens": self.prefilled_tokens, "cached_tokens": self.cached_tokens}
 
+    def call(self, fn, *args):
+        """Run fn on the thread that owns the session, after what is running; a future."""
+        return self.executor.submit(fn, *args)
+
     def close(self):
+        """Stop, then write the conversations kept in DRAM to disk (with a cache_dir)."""
         self.shutdown()
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        if self.store is not None:
+            self.executor.submit(self.store.close)
+        self.executor.shutdown(wait=True, cancel_futures=False)
 
     def _run(self, job: Job, ticket: Ticket):
         result = "failed"
@@ -158,6 +170,7 @@ class Worker:
         def on_token(token: int, logits):  # a TokenLogprob precedes its token's text
             ticket.put(token_logprob(logits, token, job.logprobs))
 
+        where = self.store.prepare(job.prompt_ids) if self.store is not None else "session"
         gen = generate(self.session, job.prompt_ids, job.max_tokens, sampler, self.tokenizer.stop_ids,
                        self.tokenizer.decode, on_text=on_text, on_token=on_token if job.logprobs is not None else None,
                        should_stop=lambda: ticket.cancelled.is_set() or stops.hit,
@@ -165,10 +178,12 @@ class Worker:
                        should_stop_prefill=lambda: self.closing.is_set() or (ticket.cancelled.is_set()
                                                                              and not self.finish_prefill))
         cached = len(job.prompt_ids) - self.session.last_prefill_tokens
+        if self.store is not None:
+            self.store.finished()
         with self.lock:
             self.prefilled_tokens += self.session.last_prefill_tokens
             self.cached_tokens += cached
-        self.metrics.finished(self.session.last_prefill_tokens, cached, len(gen.token_ids), gen.prefill_seconds,
+        self.metrics.finished(self.session.last_prefill_tokens, cached, where, len(gen.token_ids), gen.prefill_seconds,
                               gen.decode_seconds, self.session.prefill_density)
         if ticket.cancelled.is_set():
             return None
@@ -176,4 +191,4 @@ class Worker:
         if tail:
             ticket.put(tail)
         finish = "stop" if stops.hit or gen.finish_reason == "stop" else "length"
-        return Outcome(finish, len(job.prompt_ids), len(gen.token_ids), cached)
+        return Outcome(finish, len(job.prompt_ids), len(gen.token_ids), cached, where if cached else None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -141,6 +142,19 @@ class LongContextSession:
         if self.resident is not None:
             self.resident.truncate(num_tokens)
 
+    def exchange(self, incoming: "HeldConversation") -> "HeldConversation":
+        """Swap conversations, no copy: the session's cache is handed over whole (the server's
+        cache store keeps it in DRAM) and `incoming` taken in its place, an earlier handed-over
+        one or empty() on a free host cache. The next prefill builds the decoder."""
+        assert incoming.layout == self.layout and incoming.host is not self.host
+        outgoing = HeldConversation(self.layout, self.host, self.ids, self.block_mass, self.stable_tokens,
+                                    self.saved_file)
+        self.decoder = None
+        self._cut_resident(0)  # the device copies were of the outgoing conversation's rows
+        self.host, self.ids, self.block_mass = incoming.host, list(incoming.ids), incoming.block_mass
+        self.stable_tokens, self.saved_file = incoming.stable_tokens, incoming.saved_file
+        return outgoing
+
     def reusable(self, prompt_ids: list[int]) -> int:
         """How many leading tokens of prompt_ids the cache already holds: the common prefix
         with the conversation so far, leaving at least one token to prefill (its logits are the
@@ -249,3 +263,20 @@ class _ScaledProgress:
             self.bar.update(step)
         if self.on_progress is not None:
             self.on_progress(min(int(self.done + 1e-6), self.bar.total), self.bar.total)
+
+
+@dataclass
+class HeldConversation:
+    """A conversation's cache outside the session: what LongContextSession.exchange hands over,
+    with the attributes a saved cache is written from (ktlong/session/saved_cache.py)."""
+    layout: KVLayout
+    host: HostKVCache
+    ids: list[int]
+    block_mass: dict
+    stable_tokens: int
+    saved_file: object  # saved_cache.SavedFile | None
+
+    @classmethod
+    def empty(cls, layout: KVLayout, host: HostKVCache) -> "HeldConversation":
+        host.reset()
+        return cls(layout, host, [], {}, 0, None)

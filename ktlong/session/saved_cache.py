@@ -137,9 +137,12 @@ def _append_from(state: SavedFile | None, path: Path, session) -> int | None:
     return first or None  # from block 0 an append is the whole again
 
 
-def save_cache(path: str | os.PathLike, session, fp: dict, turns: list) -> int:
+def save_cache(path: str | os.PathLike, session, fp: dict, turns: list, make_room=None) -> int:
     """Write the session's cache to path (appending to the file this session saved last when it
-    can); returns the bytes written."""
+    can); returns the bytes written. session: a LongContextSession or what it detached (a
+    HeldConversation). make_room(size): called with the bytes about to be written, before
+    anything is, and whether they replace the file whole; it raises CacheFileError when they may
+    not be written (a disk budget)."""
     path = check_save_path(path)
     num_tokens = session.host.num_tokens
     if not num_tokens:
@@ -151,7 +154,7 @@ def save_cache(path: str | os.PathLike, session, fp: dict, turns: list) -> int:
     if first_block is not None:
         header.update(whole=state.whole_digest, sequence=state.appended + 1, first_block=first_block)
         head, placed, size, _ = encode_record(APPENDED, header, _tensors(session, first_block, num_tokens), COPIED_ALIGN)
-        _check_space(folder, size)
+        _check_space(folder, size, make_room, False)
         with open(path, "r+b") as f:
             try:
                 write_record(f, state.size, head, placed, size)
@@ -165,7 +168,7 @@ def save_cache(path: str | os.PathLike, session, fp: dict, turns: list) -> int:
         return size
     header["fingerprint"] = fp
     head, placed, size, digest = encode_record(WHOLE, header, _tensors(session, 0, num_tokens))
-    _check_space(folder, size)
+    _check_space(folder, size, make_room, True)
     _remove_orphans(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=folder)
     try:
@@ -225,7 +228,9 @@ def _running(pid: int) -> bool:
     return True
 
 
-def _check_space(folder: Path, size: int):
+def _check_space(folder: Path, size: int, make_room=None, whole: bool = True):
+    if make_room is not None:
+        make_room(size, whole)
     free = shutil.disk_usage(folder).free
     if free < size:
         raise CacheFileError(f"Saving the cache needs {size / 2**30:.2f} GiB but {folder} has "
@@ -290,6 +295,17 @@ def _records(path: Path, mapped: mmap.mmap, fp: dict, capacity: int) -> list[Rec
             raise CacheFileError(f"{path} holds {n:,} tokens and this session's max_seq_len is {capacity:,}; "
                                  f"raise --max_seq_len to at least {n}.")
     return records
+
+
+def saved_token_ids(path: str | os.PathLike, fp: dict, capacity: int) -> list[int]:
+    """The token ids a saved cache holds, its header checked as load_cache checks it (the
+    fingerprint, every record's header) without reading the tables; CacheFileError otherwise."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise CacheFileError(f"{path} is empty, not a saved ktlong cache.")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            return list(_records(path, mapped, fp, capacity)[-1].header["token_ids"])
 
 
 class DamagedAppend(Exception):

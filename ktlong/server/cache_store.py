@@ -1,0 +1,325 @@
+"""The server's cache of many conversations, in DRAM and on disk.
+
+The session works on one conversation (the live one). When a request starts another, the live
+one is handed over whole (LongContextSession.exchange: its DRAM host cache changes owner, no
+copy) and held in DRAM, up to cache_dram_gb of held caches; past that, the least recently used
+one is spilled to a file in cache_dir (the saved-cache format of ktlong/session/saved_cache.py:
+fingerprint, checksums, atomic whole writes, appends of what changed), up to cache_disk_gb of
+files, the least recently used going first. A request whose prompt shares at least
+cache_min_tokens leading tokens with a held or spilled conversation, more than with the live
+one, gets that conversation back: from DRAM by a swap, from disk by a load. A restart finds the
+files again (their headers checked against this session's fingerprint).
+
+Every method that touches the session runs on the worker's thread; `lock` guards the index
+for readers on the event loop (listing, metrics).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ktlong.errors import ConfigError
+from ktlong.kv.host_cache import HostKVCache
+from ktlong.session.cache_records import CacheFileError
+from ktlong.session.long_context import HeldConversation, LongContextSession
+from ktlong.session.prefix import cached_prefix
+from ktlong.session.saved_cache import load_cache, save_cache, saved_token_ids
+
+SUFFIX = ".ktkv"
+ENTRY_ID = re.compile(r"[0-9a-f]{12}")
+
+
+@dataclass
+class Entry:
+    id: str
+    ids: list[int]  # the tokens its cache holds (the live entry's: the session's, as last parked)
+    last_used: float
+    held: HeldConversation | None = None  # held in DRAM
+    disk_bytes: int = 0  # its file's size; 0: not on disk
+    disk_tokens: int = 0  # tokens its file holds
+
+
+class CacheStore:
+    def __init__(self, session: LongContextSession, fingerprint: dict, dram_bytes: int, folder: str,
+                 disk_bytes: int, min_tokens: int, log):
+        self.session, self.fp, self.min_tokens, self.log = session, fingerprint, min_tokens, log
+        self.slots = dram_bytes // session.cache_bytes  # host caches held besides the session's
+        self.folder = Path(folder).expanduser() if folder else None
+        self.disk_budget = disk_bytes
+        self.entries: dict[str, Entry] = {}
+        self.live: Entry | None = None  # the conversation the session holds
+        self.spare: list[HostKVCache] = []  # free host caches, within the slots
+        self.lock = threading.Lock()
+        if self.folder is not None:
+            self._scan()
+
+    # ---- what the worker asks before and after a generation ----
+
+    def prepare(self, prompt_ids: list[int]) -> str | None:
+        """Make the session hold the conversation that shares the longest prefix with
+        prompt_ids (its own, or one held or spilled); returns where the reused tokens come from
+        (session, dram or disk), None for a new conversation."""
+        with self.lock:
+            session = self.session
+            live = session.reusable(prompt_ids)
+            keep = live > 0 and (not self._worth_keeping() or live >= len(session.ids) - 1
+                                 or (live >= self.min_tokens and 2 * live >= len(session.ids)))
+            best, best_n = None, 0
+            for entry in self.entries.values():
+                n = cached_prefix(entry.ids, prompt_ids) if entry is not self.live else 0
+                if n > best_n:
+                    best, best_n = entry, n
+            if best is not None and best_n >= self.min_tokens and best_n > (live if keep else 0):
+                where = "dram" if best.held is not None else "disk"
+                if self._bring(best):
+                    return where
+            elif keep:
+                self.live.last_used = time.time()
+                return "session"
+            self._park_live()
+            self.live = Entry(self._new_id(), [], time.time())
+            self.entries[self.live.id] = self.live
+            return None
+
+    def finished(self):
+        """After a generation: the live entry's tokens and time."""
+        with self.lock:
+            if self.live is not None:
+                self.live.ids, self.live.last_used = list(self.session.ids), time.time()
+
+    # ---- the operator's endpoints ----
+
+    def listing(self) -> list[dict]:
+        with self.lock:
+            return [self._describe(e) for e in sorted(self.entries.values(), key=lambda e: -e.last_used)
+                    if e is not self.live or self.session.ids]
+
+    def save(self, entry_id: str) -> dict:
+        """Write one conversation to its file now (an append when the file is the one it left)."""
+        with self.lock:
+            entry = self._entry(entry_id)
+            if self.folder is None:
+                raise CacheFileError("This server has no cache_dir; start it with --cache_dir FOLDER to save "
+                                     "conversations to disk.")
+            if entry.held is None and entry is not self.live:
+                return self._describe(entry)  # only on disk: saved already
+            if not self._spill(entry, self.session if entry is self.live else entry.held):
+                raise CacheFileError(f"Could not save conversation {entry_id}; the server's log says why.")
+            return self._describe(entry)
+
+    def restore(self, entry_id: str) -> dict:
+        """Make one conversation the session's (a request that extends it prefills only its new
+        tokens)."""
+        with self.lock:
+            entry = self._entry(entry_id)
+            if entry is not self.live and not self._bring(entry):
+                raise CacheFileError(f"Conversation {entry_id}'s file could not be loaded; the server's log says "
+                                     "why.")
+            return self._describe(entry)
+
+    def erase(self, entry_id: str):
+        """Forget one conversation: out of DRAM, its file removed."""
+        with self.lock:
+            entry = self._entry(entry_id)
+            if entry is self.live:
+                self.session.reset()
+                self.live = None
+            elif entry.held is not None:
+                self.spare.append(entry.held.host)
+            self._remove_file(entry)
+            del self.entries[entry.id]
+
+    def close(self):
+        """At shutdown: every conversation in DRAM written to its file (with a cache_dir)."""
+        with self.lock:
+            if self.folder is None:
+                return
+            for entry in list(self.entries.values()):
+                if entry is self.live and self._worth_keeping():
+                    entry.ids = list(self.session.ids)
+                    self._spill(entry, self.session)
+                elif entry.held is not None:
+                    self._spill(entry, entry.held)
+
+    def dram_bytes(self) -> int:
+        held = sum(e.held is not None for e in self.entries.values())
+        return (1 + held + len(self.spare)) * self.session.cache_bytes
+
+    def disk_bytes(self) -> int:
+        return sum(e.disk_bytes for e in self.entries.values())
+
+    # ---- moving conversations ----
+
+    def _worth_keeping(self) -> bool:
+        """Whether the live conversation is kept when another takes the session: long enough
+        to be worth a restore."""
+        return self.live is not None and len(self.session.ids) >= self.min_tokens
+
+    def _bring(self, entry: Entry) -> bool:
+        """entry becomes the session's conversation, the live one parked first; False (the
+        entry dropped, the session empty) when its file cannot be loaded."""
+        session, layout = self.session, self.session.layout
+        if entry.held is not None:
+            outgoing = session.exchange(entry.held)
+            entry.held = None
+            self._keep_outgoing(outgoing)
+        else:
+            self._park_live()
+            try:
+                load_cache(self._path(entry), session, self.fp)
+            except (CacheFileError, OSError) as e:
+                self.log(f"[cache: conversation {entry.id} dropped: {e}]")
+                del self.entries[entry.id]
+                session.reset()
+                self.live = None
+                return False
+            entry.ids = list(session.ids)
+        self.live, entry.last_used = entry, time.time()
+        assert session.layout is layout
+        return True
+
+    def _keep_outgoing(self, outgoing: HeldConversation):
+        """What a swap handed over: held when it was worth keeping, else its host cache freed."""
+        live = self.live
+        if live is not None and len(outgoing.ids) >= self.min_tokens:
+            live.ids, live.held = list(outgoing.ids), outgoing
+        else:
+            self.spare.append(outgoing.host)
+            if live is not None:
+                self._fall_back(live)
+        self.live = None
+
+    def _park_live(self):
+        """The session emptied, its conversation held in DRAM (a slot freed by spilling the least
+        recently used one to disk when all are taken), or spilled at once without slots, or
+        forgotten when too short to keep."""
+        live, session = self.live, self.session
+        if live is None or not self._worth_keeping():
+            session.reset()
+            if live is not None:
+                self._fall_back(live)
+            self.live = None
+            return
+        live.ids = list(session.ids)
+        host = self._free_host()
+        if host is None:  # no DRAM slots: straight to disk
+            if not self._spill(live, session):
+                del self.entries[live.id]
+            session.reset()
+        else:
+            live.held = session.exchange(HeldConversation.empty(session.layout, host))
+        self.live = None
+
+    def _fall_back(self, entry: Entry):
+        """A conversation the session dropped: what its file holds stays an entry."""
+        if not entry.disk_bytes:
+            self.entries.pop(entry.id, None)
+            return
+        try:
+            entry.ids = saved_token_ids(self._path(entry), self.fp, self.session.max_seq_len)
+        except (CacheFileError, OSError) as e:
+            self.log(f"[cache: conversation {entry.id} dropped: {e}]")
+            self.entries.pop(entry.id, None)
+
+    def _free_host(self) -> HostKVCache | None:
+        """A host cache for the session: a spare, a new one within the slots, or the least
+        recently used held conversation's after spilling it; None without slots."""
+        if self.spare:
+            return self.spare.pop()
+        held = [e for e in self.entries.values() if e.held is not None]
+        if len(held) < self.slots:
+            return HostKVCache(self.session.layout, pin=not self.session.host.maps_files)
+        if not held:
+            return None
+        victim = min(held, key=lambda e: e.last_used)
+        host = victim.held.host
+        if not self._spill(victim, victim.held):
+            del self.entries[victim.id]
+        victim.held = None
+        return host
+
+    # ---- the disk tier ----
+
+    def _spill(self, entry: Entry, source) -> bool:
+        """Write entry's cache (the session's or a held one) to its file; False when it could
+        not be (no cache_dir, over the disk budget, a failed write: logged)."""
+        if self.folder is None:
+            return False
+        try:
+            save_cache(self._path(entry), source, self.fp, [], make_room=lambda size, whole: self._make_room(size, whole, entry))
+        except (CacheFileError, OSError) as e:
+            self.log(f"[cache: conversation {entry.id} not written to disk: {e}]")
+            return False
+        entry.disk_bytes, entry.disk_tokens = self._path(entry).stat().st_size, len(source.ids)
+        return True
+
+    def _make_room(self, size: int, whole: bool, writing: Entry):
+        """Remove the least recently used files until `size` bytes fit cache_disk_gb (a whole
+        write replaces the entry's file; an append adds to it)."""
+        while self.disk_bytes() - (writing.disk_bytes if whole else 0) + size > self.disk_budget:
+            others = [e for e in self.entries.values() if e.disk_bytes and e is not writing]
+            if not others:
+                raise CacheFileError(f"it needs {size / 2**30:.2f} GiB and cache_disk_gb allows "
+                                     f"{self.disk_budget / 2**30:.2f} GiB; raise cache_disk_gb")
+            victim = min(others, key=lambda e: e.last_used)
+            self._remove_file(victim)
+            if victim.held is None and victim is not self.live:
+                del self.entries[victim.id]
+
+    def _remove_file(self, entry: Entry):
+        if entry.disk_bytes:
+            self._path(entry).unlink(missing_ok=True)
+            entry.disk_bytes = entry.disk_tokens = 0
+            if entry.held is not None:
+                entry.held.saved_file = None
+            elif entry is self.live:
+                self.session.saved_file = None
+
+    def _scan(self):
+        """The files of an earlier run, their headers checked; others are left alone."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cache_dir {self.folder} cannot be a folder ({e.strerror or e}); name another.") from None
+        if not os.access(self.folder, os.W_OK):
+            raise ConfigError(f"cache_dir {self.folder} is not writable; name another.")
+        for path in sorted(self.folder.glob("*" + SUFFIX)):
+            if not ENTRY_ID.fullmatch(path.stem):
+                continue
+            try:
+                ids = saved_token_ids(path, self.fp, self.session.max_seq_len)
+                st = path.stat()
+            except (CacheFileError, OSError) as e:
+                self.log(f"[cache: {path.name} skipped: {e}]")
+                continue
+            self.entries[path.stem] = Entry(path.stem, ids, st.st_mtime, disk_bytes=st.st_size,
+                                            disk_tokens=len(ids))
+
+    def _path(self, entry: Entry) -> Path:
+        return self.folder / f"{entry.id}{SUFFIX}"
+
+    def _new_id(self) -> str:
+        while (new := secrets.token_hex(6)) in self.entries:
+            pass
+        return new
+
+    def _entry(self, entry_id: str) -> Entry:
+        entry = self.entries.get(entry_id) if ENTRY_ID.fullmatch(entry_id) else None
+        if entry is None or (entry is self.live and not self.session.ids):
+            raise KeyError(entry_id)
+        return entry
+
+    def _describe(self, entry: Entry) -> dict:
+        live = entry is self.live
+        where = (["session"] if live else []) + (["dram"] if entry.held is not None else []) + \
+            (["disk"] if entry.disk_bytes else [])
+        return {"id": entry.id, "tokens": len(self.session.ids) if live else len(entry.ids), "where": where,
+                "dram_bytes": self.session.cache_bytes if live or entry.held is not None else 0,
+                "disk_bytes": entry.disk_bytes, "disk_tokens": entry.disk_tokens,
+                "last_used": round(entry.last_used, 3)}
