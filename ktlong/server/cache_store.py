@@ -164,13 +164,14 @@ class CacheStore:
     def _bring(self, entry: Entry) -> bool:
         """entry becomes the session's conversation, the live one parked first; False (the
         entry dropped, the session empty) when its file cannot be loaded."""
-        session, layout = self.session, self.session.layout
+        session = self.session
         if entry.held is not None:
             outgoing = session.exchange(entry.held)
             entry.held = None
             self._keep_outgoing(outgoing)
         else:
             self._park_live()
+            start = time.perf_counter()
             try:
                 load_cache(self._path(entry), session, self.fp)
             except (CacheFileError, OSError) as e:
@@ -180,8 +181,10 @@ class CacheStore:
                 self.live = None
                 return False
             entry.ids = list(session.ids)
+            seconds = time.perf_counter() - start
+            self.log(f"[cache: conversation {entry.id} loaded from disk: {len(entry.ids):,} tokens, "
+                     f"{entry.disk_bytes / 2**30:.2f} GiB in {seconds:.2f} s ({entry.disk_bytes / 2**30 / seconds:.2f} GiB/s)]")
         self.live, entry.last_used = entry, time.time()
-        assert session.layout is layout
         return True
 
     def _keep_outgoing(self, outgoing: HeldConversation):
