@@ -72,7 +72,7 @@ SECTIONS: list[tuple[str, list[Option]]] = [
         Option('tail_queries', 0, "flashprefill: the prompt's last N queries also score every history token, and keep each block whose best token is within alpha of their best (the question at the end keeps the key it asks about); 0 = block means only", low=0),
         Option('dense_tail', 128, "compact: the prompt's last N queries (the question, and the position the first answer token comes from) attend to every history block, as dense prefill; 0 = as selected", low=0),
         Option('prefill_dense_layer_num', 2, 'compact: first layers whose prefill attention stays dense (never selected), as dense_layer_num is for decode; 2 keeps multikey within one sample of dense at 128K', low=0),
-        Option('dense_above', 0.9, 'compact: a chunk whose selection keeps more of its history than this runs dense, where selecting costs more than it saves: the measured attention break-even is about 0.9 (Qwen2.5-0.5B) to 0.97 (LLaMA-8B); 1 = never', low=0, high=1, low_exclusive=True),
+        Option('dense_above', 0.6, 'compact: a chunk whose selection keeps more of its history than this runs dense, where selecting and planning cost more than they save (on an H100, Qwen2.5-0.5B shapes gained nothing from compact chunks keeping 2/3 of their history; docs/decisions.md); 1 = never', low=0, high=1, low_exclusive=True),
         Option('attention_backend', 'auto', 'auto (fa3 on compute capability 9.x, else fa2) | fa2 | fa3 | torch (the reference; CPU always uses it)', choices=('auto', 'fa2', 'fa3', 'torch')),
     ]),
     ('KV cache and sparse decode', [

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from operators.checks import expect
+from operators.checks import expect, readable_by
 
 SHARES = 16  # programs per kv head: a share of its hit blocks each
 KEYS = 32  # tokens per tile: a [32, head_dim] float32 tile of K and of V fit in registers (a whole
@@ -126,13 +126,14 @@ def selected_blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     float32 (natural log; -inf and 0 for a head that holds nothing). base: a state (out [H, D],
     lse [H] float32) over other keys to merge in, e.g. the window's. Fixed shapes, no sync."""
     expect("q", q, ndim=2, dtype=torch.float32)
-    expect("k", k, ndim=3, device=q.device)
-    expect("v", v, shape=tuple(k.shape), dtype=k.dtype, device=q.device)
+    expect("k", k, ndim=3)
+    expect("v", v, shape=tuple(k.shape), dtype=k.dtype)
     expect("hit_index", hit_index, ndim=2, dtype=torch.int64, device=q.device)
     expect("hit_valid", hit_valid, shape=(hit_index.shape[0],), dtype=torch.int64, device=q.device)
     if k_scales is not None:
-        expect("k_scales", k_scales, shape=(k.shape[0], k.shape[1], None), dtype=torch.int16, device=q.device)
-        expect("v_scales", v_scales, shape=tuple(k_scales.shape), dtype=torch.int16, device=q.device)
+        expect("k_scales", k_scales, shape=(k.shape[0], k.shape[1], None), dtype=torch.int16)
+        expect("v_scales", v_scales, shape=tuple(k_scales.shape), dtype=torch.int16)
+    readable_by(q.device, k=k, v=v, k_scales=k_scales, v_scales=v_scales)  # the DRAM cache is read in place
     num_heads, dim = q.shape
     num_kv, max_selected = hit_index.shape
     if num_heads % num_kv:
