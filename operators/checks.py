@@ -28,10 +28,3 @@ def same_device(**tensors: torch.Tensor):
     if len(set(devices.values())) > 1:
         raise ValueError("inputs must be on one device, got " + ", ".join(f"{n} on {d}" for n, d in devices.items()))
 
-
-def readable_by(device: torch.device, **tensors: torch.Tensor | None):
-    """Tensors a kernel on `device` reads: on it, or in pinned host memory, which a GPU kernel
-    reads in place over PCIe (the DRAM KV cache)."""
-    for name, t in tensors.items():
-        if t is not None and t.device != device and not (t.device.type == "cpu" and t.is_pinned()):
-            raise ValueError(f"{name} must be on {device} or in pinned host memory, got {t.device}")

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from operators.checks import expect, readable_by
+from operators.checks import expect
 
 SHARES = 16  # programs per kv head: a share of its hit blocks each
 KEYS = 32  # tokens per tile: a [32, head_dim] float32 tile of K and of V fit in registers (a whole
@@ -133,7 +133,8 @@ def selected_blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if k_scales is not None:
         expect("k_scales", k_scales, shape=(k.shape[0], k.shape[1], None), dtype=torch.int16)
         expect("v_scales", v_scales, shape=tuple(k_scales.shape), dtype=torch.int16)
-    readable_by(q.device, k=k, v=v, k_scales=k_scales, v_scales=v_scales)  # the DRAM cache is read in place
+    # k, v and their scales may lie on q's device or in host memory registered with CUDA (the DRAM
+    # cache, read in place over PCIe); torch cannot tell registered memory, so their device is not checked
     num_heads, dim = q.shape
     num_kv, max_selected = hit_index.shape
     if num_heads % num_kv:
