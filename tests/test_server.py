@@ -163,7 +163,7 @@ def test_models_and_health(server):
     ({"model": MODEL, "messages": [{"role": "user", "content": "x " * 9000}]}, 400, "messages",
      "context_length_exceeded"),
     *[({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], name: value}, 400, name, None)
-      for name, value in [("tool_choice", "auto"), ("reasoning_effort", "high"), ("modalities", ["text", "audio"]),
+      for name, value in [("tool_choice", "required"), ("reasoning_effort", "high"), ("modalities", ["text", "audio"]),
                           ("web_search_options", {"search_context_size": "low"}), ("prediction", {"type": "content"}),
                           ("min_p", 0.1), ("repetition_penalty", 1.2)]],
 ])

@@ -20,7 +20,7 @@ from ktlong.server.metrics import CONTENT_TYPE
 from ktlong.session.cache_records import CacheFileError
 from ktlong.chat.logprobs import TokenLogprob
 from ktlong.server.protocol import ApiError, Prompting, check_model, chunk, logprobs_body, new_id, response, usage
-from ktlong.server.worker import Outcome, Progress, QueueFull, Ticket, Worker
+from ktlong.server.worker import Outcome, Progress, QueueFull, Ticket, ToolCalls, Worker
 
 # JSON bytes a prompt token may take (escaped text runs to 6 bytes a character), and room for
 # the rest of a request: a body past max_seq_len of them cannot fit and is refused as it arrives
@@ -127,7 +127,7 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
             return StreamingResponse(stream(request, ticket, kind, rid, job.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         watcher = asyncio.create_task(watch_disconnect(request, ticket))
-        pieces, logprobs = [], []
+        pieces, logprobs, calls = [], [], None
         try:
             while True:
                 getting = asyncio.ensure_future(ticket.events.get())
@@ -139,6 +139,8 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
                     break
                 if isinstance(event, TokenLogprob):
                     logprobs.append(event)
+                elif isinstance(event, ToolCalls):
+                    calls = event.calls
                 else:
                     pieces.append(event)
         finally:
@@ -148,7 +150,8 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
             raise event
         use = usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens, event.cached_from)
         body_logprobs = logprobs_body(kind, logprobs, token_text) if job.logprobs is not None else None
-        return JSONResponse(response(kind, rid, model_id, "".join(pieces), event.finish_reason, use, body_logprobs))
+        return JSONResponse(response(kind, rid, model_id, "".join(pieces), event.finish_reason, use, body_logprobs,
+                                     calls))
 
     async def stream(request: Request, ticket: Ticket, kind: str, rid: str, include_usage: bool):
         watcher = asyncio.create_task(watch_disconnect(request, ticket))
@@ -174,6 +177,9 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
                     yield sse(chunk(kind, rid, model_id, None, None,
                                     logprobs=logprobs_body(kind, [event], token_text, offset)))
                     offset += len(token_text(event.token))
+                    continue
+                if isinstance(event, ToolCalls):
+                    yield sse(chunk(kind, rid, model_id, None, None, tool_calls=event.calls))
                     continue
                 if isinstance(event, Progress):
                     yield sse(chunk(kind, rid, model_id, None, None, progress={

@@ -5,6 +5,7 @@ and the response and stream-chunk objects. No model code here; text becomes toke
 from __future__ import annotations
 
 import itertools
+import json
 import secrets
 import time
 import uuid
@@ -13,8 +14,9 @@ from dataclasses import dataclass
 from ktlong.chat.logprobs import MAX_TOP
 from ktlong.gguf.chat_template import ChatTemplate
 from ktlong.gguf.tokenizer import GGUFTokenizer
+from ktlong.server.tool_calls import ToolFormat, tool_format
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 4
 
 
@@ -49,6 +51,10 @@ class Job:
     include_usage: bool
     progress: bool = False  # stream prefill progress events (return_progress)
     logprobs: int | None = None  # each token's logprob and this many alternatives; None: none
+    tools: ToolFormat | None = None  # read the answer's tool calls in this format
+    tool_names: tuple[str, ...] = ()  # the functions it may call
+    forced: str = ""  # the opening of a call the prompt ends with (tool_choice required or named)
+    parallel_calls: bool = True  # false: the first call only (parallel_tool_calls)
 
 
 @dataclass(frozen=True)
@@ -91,8 +97,7 @@ def _refuse_unsupported(body: dict):
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
             raise bad(name, f"'{name}' is not supported here; leave it out or set it to 0.")
-    for name in ("tools", "functions", "logit_bias", "suffix", "tool_choice",
-                 "function_call", "parallel_tool_calls", "reasoning_effort", "modalities", "audio",
+    for name in ("functions", "logit_bias", "suffix", "function_call", "reasoning_effort", "modalities", "audio",
                  "web_search_options", "prediction", "min_p", "repetition_penalty", "typical_p", "guided_json",
                  "guided_regex", "guided_choice", "guided_grammar"):
         if body.get(name) not in (None, False, 0, [], {}):
@@ -193,7 +198,37 @@ def message_text(message, i: int) -> tuple[str, str]:
     return ("system" if role == "developer" else role), content
 
 
-def encode_messages(tokenizer: GGUFTokenizer, template: ChatTemplate, messages: list[dict]) -> list[int]:
+def _is_tool(tool) -> bool:
+    f = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+    return isinstance(f, dict) and isinstance(f.get("name"), str) and bool(f["name"]) and \
+        isinstance(f.get("parameters", {}), dict) and isinstance(f.get("description", ""), str)
+
+
+def tool_fields(message: dict, rendered: dict, i: int) -> dict:
+    """rendered with an assistant message's tool calls (their arguments as objects, which
+    templates write with tojson) and a tool message's call id."""
+    where = f"messages[{i}]"
+    if rendered["role"] == "tool" and isinstance(message.get("tool_call_id"), str):
+        rendered["tool_call_id"] = message["tool_call_id"]
+    calls = message.get("tool_calls") if rendered["role"] == "assistant" else None
+    if not calls:
+        return rendered
+    out = []
+    for call in calls if isinstance(calls, list) else [None]:
+        f = call.get("function") if isinstance(call, dict) else None
+        try:
+            arguments = json.loads(f["arguments"]) if isinstance(f, dict) and isinstance(f.get("arguments"), str) else None
+        except json.JSONDecodeError:
+            arguments = None
+        if not (isinstance(f.get("name") if f else None, str) and isinstance(arguments, dict)):
+            raise bad(f"{where}.tool_calls", f"'{where}.tool_calls' must be a list of {{\"id\", \"type\": \"function\", "
+                      "\"function\": {\"name\", \"arguments\": a JSON object as a string}}.")
+        out.append({"id": call.get("id", ""), "type": "function", "function": {"name": f["name"], "arguments": arguments}})
+    return {**rendered, "tool_calls": out}
+
+
+def encode_messages(tokenizer: GGUFTokenizer, template: ChatTemplate, messages: list[dict],
+                    tools: list | None = None) -> list[int]:
     """The rendered conversation's ids, each message's text encoded as plain text: a special
     token written in a message (`<|im_end|>`, say) stays text and cannot forge a turn, while the
     template's own markers are tokens. The template renders placeholders in place of the texts,
@@ -203,7 +238,7 @@ def encode_messages(tokenizer: GGUFTokenizer, template: ChatTemplate, messages: 
     broken up (defused)."""
     if not tokenizer.space_prefix:
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use code points
-        rendered = template.render([{**m, "content": mark} for m, mark in zip(messages, marks)])
+        rendered = template.render([{**m, "content": mark} for m, mark in zip(messages, marks)], tools=tools)
         ids, start = [], 0
         for mark, message in zip(marks, messages):
             at = rendered.find(mark, start)
@@ -214,7 +249,8 @@ def encode_messages(tokenizer: GGUFTokenizer, template: ChatTemplate, messages: 
             start = at + len(mark)
         else:
             return ids + tokenizer.encode(rendered[start:], add_bos=None if start == 0 else False)
-    return tokenizer.encode(template.render([{**m, "content": defused(tokenizer, m["content"])} for m in messages]))
+    return tokenizer.encode(template.render([{**m, "content": defused(tokenizer, m["content"])} for m in messages],
+                                            tools=tools))
 
 
 def defused(tokenizer: GGUFTokenizer, text: str) -> str:
@@ -234,28 +270,67 @@ class Prompting:
         self.tokenizer, self.template, self.system_prompt = tokenizer, template, system_prompt
         self.max_seq_len, self.defaults = max_seq_len, defaults
         self.longest_token = max(len(t) for t in tokenizer.tokens)
+        self.tool_format = tool_format(template.source)
 
     def chat_job(self, body: dict) -> Job:
-        return self._job("chat", self.chat_ids(body), body, "messages")
+        fmt, forced, tools = self._tools(body)
+        ids = self.chat_ids(body, tools)
+        if forced:  # the call the prompt opens, its markers as the template's tokens
+            ids += self.tokenizer.encode(forced, add_bos=False)
+        parallel = body.get("parallel_tool_calls", True)
+        if not isinstance(parallel, bool):
+            raise bad("parallel_tool_calls", "'parallel_tool_calls' must be true or false.")
+        names = tuple(t["function"]["name"] for t in tools or ())
+        return self._job("chat", ids, body, "messages", fmt, forced, parallel, names)
 
     def completion_job(self, body: dict) -> Job:
+        if body.get("tools") or body.get("tool_choice"):
+            raise bad("tools", "Tools are for /v1/chat/completions; leave 'tools' out of a completion.")
         return self._job("completion", self.completion_ids(body), body, "prompt")
 
     def token_ids(self, body: dict) -> list[int]:
-        """/tokenize: a chat request's messages as the template renders them (with the assistant's
-        turn opened, as a chat completion sends them), or a completion's prompt."""
-        return self.chat_ids(body) if "messages" in body else self.completion_ids(body)
+        """/tokenize: a chat request's messages (and tools) as the template renders them (with the
+        assistant's turn opened, as a chat completion sends them), or a completion's prompt."""
+        return self.chat_ids(body, self._tools(body)[2]) if "messages" in body else self.completion_ids(body)
 
-    def chat_ids(self, body: dict) -> list[int]:
+    def chat_ids(self, body: dict, tools: list | None = None) -> list[int]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise bad("messages", "'messages' is required: a non-empty list of {\"role\", \"content\"} objects.")
         turns = [message_text(m, i) for i, m in enumerate(messages)]
         self._check_length(sum(len(c) for _, c in turns), "messages")
-        rendered = [{"role": r, "content": c} for r, c in turns]
+        rendered = [tool_fields(m, {"role": r, "content": c}, i) for i, (m, (r, c)) in enumerate(zip(messages, turns))]
         if self.system_prompt and turns[0][0] != "system":
             rendered.insert(0, {"role": "system", "content": self.system_prompt})
-        return encode_messages(self.tokenizer, self.template, rendered)
+        return encode_messages(self.tokenizer, self.template, rendered, tools)
+
+    def _tools(self, body: dict) -> tuple[ToolFormat | None, str, list | None]:
+        """(the format the answer's calls are read in, the opening of a forced call, the tools
+        the template renders) from 'tools' and 'tool_choice'."""
+        tools, choice = body.get("tools"), body.get("tool_choice")
+        if not tools:
+            if choice not in (None, "none", "auto"):
+                raise bad("tool_choice", "'tool_choice' needs 'tools'.")
+            return None, "", None
+        if not (isinstance(tools, list) and all(_is_tool(t) for t in tools)):
+            raise bad("tools", "'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ..., "
+                      "\"description\": ..., \"parameters\": {JSON schema}}}.")
+        if choice == "none":
+            return None, "", None
+        if self.tool_format is None:
+            raise bad("tools", "This model's chat template has no tool support; leave 'tools' out, or serve a "
+                      "model whose template renders tools.")
+        names = [t["function"]["name"] for t in tools]
+        if choice in (None, "auto"):
+            return self.tool_format, "", tools
+        if choice == "required":
+            return self.tool_format, self.tool_format.forced(None), tools
+        named = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
+            choice.get("type") == "function" and isinstance(choice.get("function"), dict) else None
+        if named not in names:
+            raise bad("tool_choice", "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                      "\"function\": {\"name\": NAME}} naming one of 'tools'.")
+        return self.tool_format, self.tool_format.forced(named), [t for t in tools if t["function"]["name"] == named]
 
     def completion_ids(self, body: dict) -> list[int]:
         prompt = body.get("prompt")
@@ -293,7 +368,8 @@ class Prompting:
             raise bad(param, f"The prompt is {num_chars:,} characters, more than this server's max_seq_len of "
                       f"{self.max_seq_len:,} tokens can hold; shorten it.", "context_length_exceeded")
 
-    def _job(self, kind: str, ids: list[int], body: dict, prompt_param: str) -> Job:
+    def _job(self, kind: str, ids: list[int], body: dict, prompt_param: str, tools: ToolFormat | None = None,
+             forced: str = "", parallel: bool = True, names: tuple[str, ...] = ()) -> Job:
         _refuse_unsupported(body)
         d = self.defaults
         if len(ids) >= self.max_seq_len:
@@ -312,7 +388,8 @@ class Prompting:
                    top_k=_integer(body, "top_k", d.top_k, 0),
                    seed=_integer(body, "seed", None, 0, 2**63 - 1) or secrets.randbits(63),  # none: a fresh draw
                    stop=_stop(body), stream=stream, include_usage=include_usage, progress=progress,
-                   logprobs=_logprobs(body, kind))
+                   logprobs=_logprobs(body, kind), tools=tools, tool_names=names, forced=forced,
+                   parallel_calls=parallel)
 
 
 def new_id(kind: str) -> str:
@@ -330,10 +407,12 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, cached
 
 
 def response(kind: str, rid: str, model_id: str, text: str, finish: str, use: dict,
-             logprobs: dict | None = None) -> dict:
+             logprobs: dict | None = None, tool_calls: list | None = None) -> dict:
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": finish}
+        message = {"role": "assistant", "content": text if text or not tool_calls else None}
+        if tool_calls:
+            message["tool_calls"] = [call.body() for call in tool_calls]
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_id,
                 "choices": [choice], "usage": use}
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_id,
@@ -341,7 +420,8 @@ def response(kind: str, rid: str, model_id: str, text: str, finish: str, use: di
 
 
 def chunk(kind: str, rid: str, model_id: str, text: str | None, finish: str | None, first: bool = False,
-          use: dict | None = None, progress: dict | None = None, logprobs: dict | None = None) -> dict:
+          use: dict | None = None, progress: dict | None = None, logprobs: dict | None = None,
+          tool_calls: list | None = None) -> dict:
     """One server-sent event's object; with `use`, the closing usage chunk, with `progress` a
     prefill progress chunk (neither has choices)."""
     out = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
@@ -353,6 +433,8 @@ def chunk(kind: str, rid: str, model_id: str, text: str | None, finish: str | No
     if kind == "chat":
         delta = ({"role": "assistant", "content": text or ""} if first else
                  ({"content": text} if text else {}))
+        if tool_calls:
+            delta["tool_calls"] = [call.body(i) for i, call in enumerate(tool_calls)]
         out["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
     else:
         out["choices"] = [{"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}]

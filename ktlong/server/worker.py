@@ -27,6 +27,7 @@ from ktlong.server.cache_store import CacheStore
 from ktlong.server.metrics import ServerMetrics
 from ktlong.server.protocol import ApiError, Job
 from ktlong.server.stop_strings import StopStrings
+from ktlong.server.tool_calls import ToolCallStream
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,12 @@ class Progress:
 
 
 PROGRESS_EVERY = 0.5  # seconds between progress events (a prefill reports after every chunk of every layer)
+
+
+@dataclass(frozen=True)
+class ToolCalls:
+    """The answer's tool calls, read out of its text once it is done (before its Outcome)."""
+    calls: list
 
 
 class QueueFull(Exception):
@@ -152,9 +159,12 @@ class Worker:
 
     def _generate(self, job: Job, ticket: Ticket) -> Outcome | None:
         stops = StopStrings(job.stop)
+        held = ToolCallStream(job.tools, job.tool_names, job.forced) if job.tools is not None else None
 
         def on_text(piece: str):
             text = stops.push(piece)
+            if held is not None:
+                text = held.push(text)
             if text:
                 ticket.put(text)
 
@@ -187,8 +197,15 @@ class Worker:
                               gen.decode_seconds, self.session.prefill_density)
         if ticket.cancelled.is_set():
             return None
-        tail = stops.flush()
+        tail, calls = stops.flush(), []
+        if held is not None:
+            tail = held.push(tail)
+            rest, calls = held.finish()
+            tail += rest
+            calls = calls if job.parallel_calls else calls[:1]
         if tail:
             ticket.put(tail)
-        finish = "stop" if stops.hit or gen.finish_reason == "stop" else "length"
+        if calls:
+            ticket.put(ToolCalls(calls))
+        finish = "tool_calls" if calls else "stop" if stops.hit or gen.finish_reason == "stop" else "length"
         return Outcome(finish, len(job.prompt_ids), len(gen.token_ids), cached, where if cached else None)
