@@ -148,11 +148,12 @@ class CacheStore:
                     self._spill(entry, entry.held)
 
     def dram_bytes(self) -> int:
-        held = sum(e.held is not None for e in self.entries.values())
+        """For /metrics, from the event loop: a copy of the index, which the worker may be changing."""
+        held = sum(e.held is not None for e in list(self.entries.values()))
         return (1 + held + len(self.spare)) * self.session.cache_bytes
 
     def disk_bytes(self) -> int:
-        return sum(e.disk_bytes for e in self.entries.values())
+        return sum(e.disk_bytes for e in list(self.entries.values()))
 
     # ---- moving conversations ----
 
