@@ -100,6 +100,7 @@ SECTIONS: list[tuple[str, list[Option]]] = [
         Option('seed', 0, 'random seed for sampling', low=0, high=(1 << 63) - 1),
         Option('use_chat_template', True, "wrap prompts in the model's chat template: true | false"),
         Option('system_prompt', '', "system message for the chat template; empty = the template's own default"),
+        Option('chat_template_file', '', "a Jinja chat template file used instead of the GGUF's (as transformers' chat_template); empty = the GGUF's", flag='chat_template_file'),
     ]),
     ('server (python -m ktlong.server)', [
         Option('host', '127.0.0.1', 'address the OpenAI-compatible server listens on; 0.0.0.0 exposes it to the network', flag='host'),

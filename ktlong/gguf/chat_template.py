@@ -48,3 +48,33 @@ class ChatTemplate:
         except TemplateError as e:
             raise KtlongError(f"The model's chat template failed ({e}); pass --no_chat_template "
                               "to send the raw prompt.") from None
+
+
+MAX_TEMPLATE_BYTES = 1 << 20  # templates are kilobytes; a larger file is not one
+
+
+def read_chat_template(path: str) -> str:
+    """A chat template file's text, refused in one sentence when it cannot be one: missing, too
+    large, not UTF-8, or not Jinja that compiles."""
+    from pathlib import Path
+
+    file = Path(path).expanduser()
+    try:
+        if file.stat().st_size > MAX_TEMPLATE_BYTES:
+            raise KtlongError(f"Chat template {file} is larger than 1 MiB; name a Jinja chat template file.")
+        source = file.read_text(encoding="utf-8")
+        ChatTemplate(source)  # compiles it
+    except OSError as e:
+        raise KtlongError(f"Cannot read chat template {file} ({e.strerror or e}); check --chat_template_file.") from None
+    except UnicodeDecodeError:
+        raise KtlongError(f"Chat template {file} is not UTF-8 text; name a Jinja chat template file.") from None
+    except TemplateError as e:
+        raise KtlongError(f"Chat template {file} is not valid Jinja ({e}); fix it or drop --chat_template_file.") from None
+    return source
+
+
+def template_for(tokenizer, source: str | None) -> ChatTemplate:
+    """The template with the tokenizer's bos and eos tokens, as transformers passes them."""
+    text = tokenizer.token_text
+    return ChatTemplate(source, bos_token=text(tokenizer.bos_id) if tokenizer.bos_id is not None else "",
+                        eos_token=text(tokenizer.eos_id) if tokenizer.eos_id is not None else "")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ktlong.gguf.chat_template import ChatTemplate
+from ktlong.gguf.chat_template import ChatTemplate, template_for
 from ktlong.gguf.reader import GGUFFile
 from ktlong.gguf.model_config import ModelConfig, RopeOptions
 from ktlong.gguf.registry import resolve_model_path
@@ -46,9 +46,9 @@ def open_model(name_or_path: str | None, rope: RopeOptions = RopeOptions()) -> t
 
 def load_model(name_or_path: str | None, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None, rope: RopeOptions = RopeOptions(),
-               tp: "TensorParallel | None" = None) -> LoadedModel:
+               tp: "TensorParallel | None" = None, chat_template: str | None = None) -> LoadedModel:
     """With tp, this rank's share of the heads and MLP columns; config and model are the rank's
-    (ktlong/parallel/shard.py)."""
+    (ktlong/parallel/shard.py). chat_template: a template's source used instead of the GGUF's."""
     start = time.perf_counter()
     device = torch.device(device)
     gf, config = open_model(name_or_path, rope)
@@ -58,9 +58,6 @@ def load_model(name_or_path: str | None, device: str | torch.device = "cpu",
     tokenizer = GGUFTokenizer(gf)
     weights = load_weights(gf, config, device, dtype or default_dtype(device),
                            (tp.rank, tp.world) if tp is not None else None)
-    tok = tokenizer.token_text
-    template = ChatTemplate(tokenizer.chat_template,
-                            bos_token=tok(tokenizer.bos_id) if tokenizer.bos_id is not None else "",
-                            eos_token=tok(tokenizer.eos_id) if tokenizer.eos_id is not None else "")
+    template = template_for(tokenizer, chat_template if chat_template is not None else tokenizer.chat_template)
     return LoadedModel(gf.path, rank_config, tokenizer, template, LlamaModel(rank_config, weights, tp),
                        time.perf_counter() - start, elements)
