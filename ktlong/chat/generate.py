@@ -10,6 +10,7 @@ import torch
 
 from ktlong.errors import Cancelled
 from ktlong.session.protocol import Session
+from ktlong.chat.constrained import JsonConstraint
 from ktlong.chat.sampling import Sampler
 from ktlong.chat.text_stream import TextStream
 
@@ -34,12 +35,15 @@ def generate(session: Session, prompt_ids: list[int], max_new_tokens: int, sampl
              should_stop: Callable[[], bool] | None = None,
              on_progress: Callable[[int, int], None] | None = None,
              should_stop_prefill: Callable[[], bool] | None = None,
-             on_token: Callable[[int, torch.Tensor], None] | None = None) -> Generation:
+             on_token: Callable[[int, torch.Tensor], None] | None = None,
+             constraint: JsonConstraint | None = None) -> Generation:
     """Greedy or sampled continuation of prompt_ids; Ctrl-C ends it early, keeping what was made,
     and so does should_stop (asked between prefill chunks and before every token). on_progress:
     the prefill's (tokens done, tokens it computes) after every chunk. should_stop_prefill: asked
     between prefill chunks instead of should_stop, where a stop should let the prefill finish.
-    on_token(token, logits): each generated token with the logits it was sampled from."""
+    on_token(token, logits): each generated token with the logits it was sampled from.
+    constraint: a grammar the answer keeps to (its tokens masked before sampling); the answer
+    ends when the grammar does."""
     stream = TextStream(decode)
     max_new_tokens = min(max_new_tokens, session.max_seq_len - len(prompt_ids))
     start = time.perf_counter()
@@ -51,13 +55,20 @@ def generate(session: Session, prompt_ids: list[int], max_new_tokens: int, sampl
             if should_stop is not None and should_stop():
                 finish = "cancelled"
                 break
+            if constraint is not None:
+                logits = constraint.mask(logits)
             token = sampler(logits)
             if token in stop_ids:
                 finish = "stop"
                 break
+            if constraint is not None:
+                constraint.consume(token)
             if on_token is not None:
                 on_token(token, logits)
             on_text(stream.push(token))
+            if constraint is not None and constraint.done:
+                finish = "stop"
+                break
             if i + 1 < max_new_tokens:
                 logits = session.step(token)
     except KeyboardInterrupt:

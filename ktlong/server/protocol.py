@@ -11,7 +11,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from ktlong.chat.constrained import ANY_OBJECT, json_grammar
 from ktlong.chat.logprobs import MAX_TOP
+from ktlong.errors import KtlongError
 from ktlong.gguf.chat_template import ChatTemplate
 from ktlong.gguf.tokenizer import GGUFTokenizer
 from ktlong.server.tool_calls import ToolFormat, tool_format
@@ -55,6 +57,7 @@ class Job:
     tool_names: tuple[str, ...] = ()  # the functions it may call
     forced: str = ""  # the opening of a call the prompt ends with (tool_choice required or named)
     parallel_calls: bool = True  # false: the first call only (parallel_tool_calls)
+    grammar: str | None = None  # llguidance grammar the answer keeps to (response_format json_object, json_schema)
 
 
 @dataclass(frozen=True)
@@ -106,9 +109,6 @@ def _refuse_unsupported(body: dict):
         raise bad("echo", "'echo' is not supported by this server; leave it out.")
     if _integer(body, "best_of", 1, 1) != 1:
         raise bad("best_of", "'best_of' must be 1 here.")
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise bad("response_format", "Only plain text answers are supported; leave 'response_format' out.")
 
 
 def _logprobs(body: dict, kind: str) -> int | None:
@@ -196,6 +196,27 @@ def message_text(message, i: int) -> tuple[str, str]:
     if not isinstance(content, str):
         raise bad(f"{where}.content", f"'{where}.content' must be a string.")
     return ("system" if role == "developer" else role), content
+
+
+def _response_grammar(body: dict) -> str | None:
+    """The grammar of response_format: none for text, any JSON object for json_object, the
+    schema's answers for json_schema (strict or not: it is always enforced)."""
+    fmt = body.get("response_format")
+    if fmt is None or fmt == {"type": "text"}:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    spec = fmt.get("json_schema") if kind == "json_schema" else None
+    if kind == "json_object":
+        schema = ANY_OBJECT
+    elif isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict):
+        schema = spec.get("schema", ANY_OBJECT)
+    else:
+        raise bad("response_format", "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                  "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}.")
+    try:
+        return json_grammar(schema)
+    except KtlongError as e:
+        raise bad("response_format", str(e)) from None
 
 
 def _is_tool(tool) -> bool:
@@ -286,6 +307,8 @@ class Prompting:
     def completion_job(self, body: dict) -> Job:
         if body.get("tools") or body.get("tool_choice"):
             raise bad("tools", "Tools are for /v1/chat/completions; leave 'tools' out of a completion.")
+        if body.get("response_format") not in (None, {"type": "text"}):
+            raise bad("response_format", "'response_format' is for /v1/chat/completions; leave it out of a completion.")
         return self._job("completion", self.completion_ids(body), body, "prompt")
 
     def token_ids(self, body: dict) -> list[int]:
@@ -389,7 +412,7 @@ class Prompting:
                    seed=_integer(body, "seed", None, 0, 2**63 - 1) or secrets.randbits(63),  # none: a fresh draw
                    stop=_stop(body), stream=stream, include_usage=include_usage, progress=progress,
                    logprobs=_logprobs(body, kind), tools=tools, tool_names=names, forced=forced,
-                   parallel_calls=parallel)
+                   parallel_calls=parallel, grammar=_response_grammar(body) if kind == "chat" else None)
 
 
 def new_id(kind: str) -> str:

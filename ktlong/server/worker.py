@@ -18,6 +18,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ktlong.chat.constrained import JsonConstraint
 from ktlong.chat.generate import generate
 from ktlong.chat.logprobs import token_logprob
 from ktlong.chat.sampling import Sampler
@@ -181,12 +182,14 @@ class Worker:
             ticket.put(token_logprob(logits, token, job.logprobs))
 
         where = self.store.prepare(job.prompt_ids) if self.store is not None else "session"
+        constraint = JsonConstraint(self.tokenizer, job.grammar) if job.grammar is not None else None
         gen = generate(self.session, job.prompt_ids, job.max_tokens, sampler, self.tokenizer.stop_ids,
                        self.tokenizer.decode, on_text=on_text, on_token=on_token if job.logprobs is not None else None,
                        should_stop=lambda: ticket.cancelled.is_set() or stops.hit,
                        on_progress=on_progress if job.progress else None,
                        should_stop_prefill=lambda: self.closing.is_set() or (ticket.cancelled.is_set()
-                                                                             and not self.finish_prefill))
+                                                                             and not self.finish_prefill),
+                       constraint=constraint)
         cached = len(job.prompt_ids) - self.session.last_prefill_tokens
         if self.store is not None:
             self.store.finished()
