@@ -122,12 +122,12 @@ def test_the_mask_keeps_what_the_grammar_allows(real_model):
     import torch
     from llguidance import LLMatcher
 
-    from ktlong.chat.constrained import JsonConstraint, guidance_tokenizer, json_grammar
+    from ktlong.chat.constrained import JsonConstraint, json_grammar
 
     lm = real_model(MODEL)
     grammar = json_grammar(SCHEMAS[3])
     constraint = JsonConstraint(lm.tokenizer, grammar)
-    reference = LLMatcher(guidance_tokenizer(lm.tokenizer), grammar)
+    reference = LLMatcher(lm.tokenizer.guidance, grammar)
     for token in lm.tokenizer.encode('{"colour":"green"}', add_bos=False):
         masked = constraint.mask(torch.zeros(lm.tokenizer.vocab_size + 3))
         bits = reference.compute_bitmask()  # bit t of the little-endian words: token t may follow

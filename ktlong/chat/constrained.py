@@ -16,17 +16,6 @@ from ktlong.errors import KtlongError
 ANY_OBJECT = {"type": "object"}  # response_format json_object: any JSON object
 
 
-def guidance_tokenizer(tokenizer):
-    """The llguidance view of a GGUF tokenizer (made once per tokenizer: about 0.2 s)."""
-    cached = getattr(tokenizer, "_guidance", None)
-    if cached is None:
-        from llguidance import LLTokenizer
-
-        cached = LLTokenizer(tokenizer._tk.to_str(), n_vocab=tokenizer.vocab_size, eos_token=tokenizer.eos_id)
-        tokenizer._guidance = cached
-    return cached
-
-
 def json_grammar(schema: dict) -> str:
     """The grammar of answers valid under schema, checked; KtlongError names what llguidance
     cannot take. No free whitespace between JSON tokens: an answer cannot run on in spaces."""
@@ -44,7 +33,7 @@ class JsonConstraint:
         from llguidance import LLMatcher
 
         self.vocab = tokenizer.vocab_size
-        self.matcher = LLMatcher(guidance_tokenizer(tokenizer), grammar)
+        self.matcher = LLMatcher(tokenizer.guidance, grammar)
         if self.matcher.is_error():
             raise KtlongError(f"The JSON schema cannot be enforced ({self.matcher.get_error()[:300]}).")
 

@@ -9,6 +9,8 @@ when special tokens are allowed.
 
 from __future__ import annotations
 
+import functools
+
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from ktlong.errors import GGUFError
@@ -129,6 +131,14 @@ class GGUFTokenizer:
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self._tk.decode(ids, skip_special_tokens=skip_special)
+
+    @functools.cached_property
+    def guidance(self):
+        """llguidance's tokenizer over the same vocabulary and rules, for constrained decoding
+        (ktlong/chat/constrained.py); made on first use, about 0.2 s."""
+        from llguidance import LLTokenizer
+
+        return LLTokenizer(self._tk.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_id)
 
     def token_text(self, token_id: int) -> str:
         return self.tokens[token_id]

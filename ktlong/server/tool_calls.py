@@ -37,7 +37,6 @@ def _call(name, arguments, names) -> ToolCall | None:
 class ToolFormat:
     """How one model family writes its calls: what opens one (the text a stream holds back from),
     how a forced call starts, and how the answer's calls are read."""
-    name = ""
     opening = ""
 
     def forced(self, function: str | None) -> str:
@@ -50,7 +49,7 @@ class ToolFormat:
 
 
 class HermesFormat(ToolFormat):
-    name, opening, closing = "qwen", "<tool_call>", "</tool_call>"
+    opening, closing = "<tool_call>", "</tool_call>"
 
     def forced(self, function: str | None) -> str:
         head = self.opening + '\n{"name": '
@@ -77,7 +76,7 @@ class HermesFormat(ToolFormat):
 
 
 class Llama31Format(ToolFormat):
-    name, opening = "llama3.1", "<|python_tag|>"
+    opening = "<|python_tag|>"
 
     def forced(self, function: str | None) -> str:
         return '{"name": ' + (json.dumps(function) + ', "parameters": ' if function else '"')
