@@ -110,6 +110,9 @@ def test_documents_come_back_from_dram_and_disk_and_survive_a_restart(lm, tmp_pa
         assert cache_list(restarted)[some]["where"][0] == "session"
         status, data = restarted.raw("POST", f"/cache/{some}/save")
         assert status == 200 and "disk" in json.loads(data)["where"]
+        status, data = restarted.raw("POST", f"/cache/{some}/erase")  # erasing is DELETE's, not a POST's
+        assert status == 404 and "No such endpoint" in json.loads(data)["error"]["message"]
+        assert (tmp_path / f"{some}.ktkv").exists()
         status, _ = restarted.raw("DELETE", f"/cache/{some}")
         assert status == 200 and not (tmp_path / f"{some}.ktkv").exists() and some not in cache_list(restarted)
         for method, path in (("DELETE", "/cache/0123456789ab"), ("POST", "/cache/nothing/restore"),

@@ -225,8 +225,8 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
         the generation that runs."""
         check_key(request)
         store, entry_id = cache_store(), request.path_params["id"]
-        action = request.path_params.get("action", "erase")
-        if action not in ("save", "restore", "erase"):
+        action = "erase" if request.method == "DELETE" else request.path_params["action"]
+        if action not in ("save", "restore") and request.method == "POST":
             raise ApiError(404, "No such endpoint: POST /cache/{id}/save or /cache/{id}/restore, DELETE /cache/{id}.")
         try:
             result = await asyncio.wrap_future(worker.call(getattr(store, action), entry_id))
