@@ -46,8 +46,8 @@ class ChatTemplate:
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                         bos_token=self.bos_token, eos_token=self.eos_token, tools=tools)
         except TemplateError as e:
-            raise KtlongError(f"The model's chat template failed ({e}); pass --no_chat_template "
-                              "to send the raw prompt.") from None
+            raise KtlongError(f"The model's chat template failed ({e}); pass --set use_chat_template=false to "
+                              "send the raw prompt, or --chat_template_file FILE.") from None
 
 
 MAX_TEMPLATE_BYTES = 1 << 20  # templates are kilobytes; a larger file is not one
