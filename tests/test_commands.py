@@ -33,6 +33,7 @@ def one_sentence_error(capsys, *needles):
     (["decode", "--contexts", "0"], ["'0'"]),
     (["decode-op", "--contexts", "big"], ["'big'"]),
     (["decode", "--device", "cpu", "--modes", "hybrid,graphs"], ["graphs modes", "need a GPU"]),
+    (["structured", "--tokens", "1"], ["--tokens"]),
 ])
 def test_bench_errors_are_one_sentence(no_user_file, capsys, argv, needles):
     assert bench(argv) == 2
@@ -44,6 +45,7 @@ def test_bench_errors_are_one_sentence(no_user_file, capsys, argv, needles):
     ["decode", "--set", "keep_blocks=64"], ["decode", "--set", "context_attention=gpu"],
     ["follow-up", "--set", "port=9000"], ["context-limit", "--set", "alpha=0.5"],
     ["kv-fidelity", "--set", "selector=xattention"], ["selection-drift", "--set", "max_new_tokens=3"],
+    ["structured", "--set", "temperature=0.7"],
 ])
 def test_benches_refuse_options_they_would_not_read(no_user_file, capsys, argv):
     assert bench(argv) == 2
