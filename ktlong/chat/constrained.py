@@ -14,6 +14,7 @@ import torch
 from ktlong.errors import KtlongError
 
 ANY_OBJECT = {"type": "object"}  # response_format json_object: any JSON object
+_BITS = torch.arange(32, dtype=torch.int32)  # bit i of a word: token 32 * word + i
 
 
 def json_grammar(schema: dict) -> str:
@@ -38,13 +39,16 @@ class JsonConstraint:
             raise KtlongError(f"The JSON schema cannot be enforced ({self.matcher.get_error()[:300]}).")
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [vocab] with every token the grammar forbids at -inf (a copy)."""
-        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = torch.from_numpy(np.unpackbits(bits, bitorder="little")[:self.vocab].astype(bool))
-        out = logits.clone()
-        out[:self.vocab][~allowed.to(logits.device, non_blocking=True)] = float("-inf")
-        out[self.vocab:] = float("-inf")
-        return out
+        """logits [vocab] with every token the grammar forbids at -inf (a copy). The bitmask
+        (one bit a token, little-endian 32-bit words) goes to the logits' device packed, 4 KB
+        for 128K tokens, and is unpacked there: no host sync, no index list."""
+        words = torch.from_numpy(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32).copy())
+        words = words.to(logits.device, non_blocking=True)
+        allowed = ((words[:, None] >> _BITS.to(logits.device)) & 1).view(-1).bool()
+        keep = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        n = min(self.vocab, allowed.shape[0])
+        keep[:n] = allowed[:n]
+        return logits.masked_fill(~keep, float("-inf"))
 
     def consume(self, token: int):
         if not self.matcher.consume_token(token):

@@ -58,6 +58,7 @@ class GGUFTokenizer:
         self.special_names = tuple(token.content for token in added)  # parsed as tokens in text
         # each encode() of a SentencePiece-style model with a space prefix starts a word
         self.space_prefix = model == "llama" and bool(gf.get("tokenizer.ggml.add_space_prefix", False))
+        self.byte_level = model == "gpt2"  # pre-tokenized by regexes, then byte-level BPE (ktlong/gguf/text_cache.py)
         self.vocab_size = len(tokens)
         self.control_ids = frozenset(i for i, t in enumerate(types) if t in (CONTROL, UNUSED))
         self.bos_id = gf.get("tokenizer.ggml.bos_token_id")
@@ -120,14 +121,20 @@ class GGUFTokenizer:
         return ids
 
     def _encode_plain(self, text: str) -> list[int]:
-        # The pre-tokenizer and model alone skip the added-token matcher.
-        pieces = self._tk.pre_tokenizer.pre_tokenize_str(text) if self._tk.pre_tokenizer else [(text, None)]
-        ids = []
-        for piece, _ in pieces:
+        return self.encode_pieces(text)[0]
+
+    def encode_pieces(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """text's ids as plain text (special tokens' names stay text), and for each pre-token
+        piece (start offset in text, ids before it). The pre-tokenizer and model alone: the
+        added-token matcher is skipped."""
+        pieces = self._tk.pre_tokenizer.pre_tokenize_str(text) if self._tk.pre_tokenizer else [(text, (0, len(text)))]
+        ids, starts = [], []
+        for piece, (start, _) in pieces:
+            starts.append((start, len(ids)))
             if self._tk.normalizer is not None:
                 piece = self._tk.normalizer.normalize_str(piece)
             ids.extend(t.id for t in self._tk.model.tokenize(piece))
-        return ids
+        return ids, starts
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self._tk.decode(ids, skip_special_tokens=skip_special)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ktlong.chat.constrained import ANY_OBJECT, json_grammar
 from ktlong.chat.logprobs import MAX_TOP
 from ktlong.errors import KtlongError
+from ktlong.gguf.text_cache import TextCache
 from ktlong.gguf.chat_template import ChatTemplate
 from ktlong.gguf.tokenizer import GGUFTokenizer
 from ktlong.server.tool_calls import ToolFormat, tool_format
@@ -249,14 +250,16 @@ def tool_fields(message: dict, rendered: dict, i: int) -> dict:
 
 
 def encode_messages(tokenizer: GGUFTokenizer, template: ChatTemplate, messages: list[dict],
-                    tools: list | None = None) -> list[int]:
+                    tools: list | None = None, texts: TextCache | None = None) -> list[int]:
     """The rendered conversation's ids, each message's text encoded as plain text: a special
     token written in a message (`<|im_end|>`, say) stays text and cannot forge a turn, while the
     template's own markers are tokens. The template renders placeholders in place of the texts,
     and the pieces between them are encoded as the template's. Where that cannot give the ids of
     the whole (a tokenizer that starts every encoding with a space, a template that changes a
     text and so loses its placeholder), the whole is encoded with the texts' special tokens
-    broken up (defused)."""
+    broken up (defused). texts: where the messages' texts are encoded, reusing the ids of long
+    texts that earlier requests shared a prefix with."""
+    plain = texts.encode if texts is not None else lambda t: tokenizer.encode(t, add_bos=False, parse_special=False)
     if not tokenizer.space_prefix:
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use code points
         rendered = template.render([{**m, "content": mark} for m, mark in zip(messages, marks)], tools=tools)
@@ -266,7 +269,7 @@ def encode_messages(tokenizer: GGUFTokenizer, template: ChatTemplate, messages: 
             if at < 0:
                 break
             ids += tokenizer.encode(rendered[start:at], add_bos=None if start == 0 else False)
-            ids += tokenizer.encode(message["content"], add_bos=False, parse_special=False)
+            ids += plain(message["content"])
             start = at + len(mark)
         else:
             return ids + tokenizer.encode(rendered[start:], add_bos=None if start == 0 else False)
@@ -292,6 +295,7 @@ class Prompting:
         self.max_seq_len, self.defaults = max_seq_len, defaults
         self.longest_token = max(len(t) for t in tokenizer.tokens)
         self.tool_format = tool_format(template.source)
+        self.texts = TextCache(tokenizer)  # a document asked about again is not encoded again
 
     def chat_job(self, body: dict) -> Job:
         fmt, forced, tools = self._tools(body)
@@ -325,7 +329,7 @@ class Prompting:
         rendered = [tool_fields(m, {"role": r, "content": c}, i) for i, (m, (r, c)) in enumerate(zip(messages, turns))]
         if self.system_prompt and turns[0][0] != "system":
             rendered.insert(0, {"role": "system", "content": self.system_prompt})
-        return encode_messages(self.tokenizer, self.template, rendered, tools)
+        return encode_messages(self.tokenizer, self.template, rendered, tools, self.texts)
 
     def _tools(self, body: dict) -> tuple[ToolFormat | None, str, list | None]:
         """(the format the answer's calls are read in, the opening of a forced call, the tools
