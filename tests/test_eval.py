@@ -209,3 +209,30 @@ def test_results_are_saved_after_every_sample(monkeypatch, tmp_path):
     assert [(r["attention"], r["length"], r["sample"]) for r in saved] == [
         (a, n, i) for a in ("dense", "sparse") for n in (300, 400) for i in (0, 1)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log", "results.json"]
+
+
+def longest_units(count, length) -> int:
+    """The most units whose prompt fits length, by doubling then halving (count grows with units)."""
+    lo, hi = 1, 2
+    while count(hi) <= length:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if count(mid) <= length else (lo, mid)
+    return lo
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_samples_are_the_longest_that_fit(task):
+    """The prompt make_sample settles on has the most units that fit, as a plain search finds
+    them, at lengths from a few units to thousands; and it counts few long prompts on the way."""
+    import random
+
+    gen = TASKS[task]
+    units_words = lambda u: words(gen(random.Random(5), u, 0.5)[0])
+    for length in (60, 400, 1500, 20000):
+        counted = []
+        spy = lambda text: counted.append(words(text)) or counted[-1]
+        s = make_sample(task, length, 0.5, seed=5, count_tokens=spy)
+        assert s.prompt == gen(random.Random(5), longest_units(units_words, length), 0.5)[0]
+        assert sum(n > length / 2 for n in counted) <= 10, counted

@@ -103,6 +103,32 @@ TASKS: dict[str, Callable] = {"passkey": passkey, "needle": needle, "kvretrieval
                               "multikey": multikey}
 
 
+def _bracket(count: Callable[[int], int], length: int) -> tuple[int, int]:
+    """(lo, hi): lo units fit in length tokens (or lo is 1), hi units do not. A prompt grows
+    about linearly in its units, so two small prompts give an estimate and the bracket is
+    widened from it by doubling steps: a few counts of long prompts, each a tokenization of up
+    to `length` tokens, instead of the dozen that doubling from 8 takes."""
+    n8, n64 = count(8), count(64)
+    if n8 > length:
+        return 1, 8
+    if n64 > length:
+        return 8, 64
+    per_unit = max((n64 - n8) / 56, 1e-6)
+    guess = max(64, int(64 + (length - n64) / per_unit))
+    step = max(1, guess // 500)
+    if count(guess) <= length:
+        lo, hi = guess, guess + step
+        while count(hi) <= length:
+            lo, step = hi, step * 2
+            hi = lo + step
+    else:
+        lo, hi = guess - step, guess
+        while lo > 64 and count(lo) > length:
+            hi, step = lo, step * 2
+            lo = max(64, hi - step)
+    return lo, hi
+
+
 def make_sample(task: str, length: int, depth: float, seed: int, count_tokens: Callable[[str], int]) -> Sample:
     """The longest prompt of this task that renders to at most `length` tokens."""
     gen = TASKS[task]
@@ -111,9 +137,7 @@ def make_sample(task: str, length: int, depth: float, seed: int, count_tokens: C
         prompt, answer = gen(random.Random(seed), units, depth)
         return prompt, answer, count_tokens(prompt)
 
-    lo, hi = 1, 8
-    while build(hi)[2] <= length:
-        lo, hi = hi, hi * 2
+    lo, hi = _bracket(lambda units: build(units)[2], length)
     while hi - lo > 1:  # largest unit count that fits
         mid = (lo + hi) // 2
         if build(mid)[2] <= length:
