@@ -58,22 +58,16 @@ class LongContextSession:
         self.model, self.layout = model, layout
         self.max_seq_len = layout.capacity
         self.engine = LayerMajorPrefill(model, layout, chunk_size, backend, hidden_on_device, compact)
-        self.host = HostKVCache(layout, pin=model.device.type == "cuda")
+        # the conversation the session works on: its DRAM cache, tokens and bookkeeping, in one
+        # object that exchange() hands over whole
+        self.conversation = HeldConversation.empty(layout, HostKVCache(layout, pin=model.device.type == "cuda"))
         self.resident = None
         if resident_history and follow_up_headroom is not None and not layout.sliding:
             self.resident = ResidentHistory(layout, model.device)
-        self.ids: list[int] = []
-        # global layer -> [KV, blocks]: the last prefill's attention mass per block (PrefillStats),
-        # which decode's preselection reads; saved with the cache
-        self.block_mass: dict = {}
-        # leading tokens unchanged since the cache was last saved or loaded (ktlong/session/saved_cache.py
-        # sets it): a save appends from the block this ends in
-        self.stable_tokens = 0
         self.last_stats = None
         self.last_prefill_tokens = 0  # tokens the last prefill computed (the rest came from the cache)
         self.last_decode_setup_seconds = 0.0  # after the last prefill: the decoder built, its graphs captured
         self.last_follow_up = (False, False)  # the last prefill's (decoder kept, history prefetched)
-        self.saved_file = None  # the file this session last saved to or loaded from (saved_cache.SavedFile)
 
     @classmethod
     def from_plan(cls, model: LlamaModel, plan: SessionPlan) -> "LongContextSession":
@@ -130,9 +124,18 @@ class LongContextSession:
         """One rank holds the whole cache: it can go to a file (ktlong/session/saved_cache.py)."""
         return self.model.tp is None
 
+    # the conversation's fields, read and set where the session's were (ktlong/session/saved_cache.py)
+    host = property(lambda self: self.conversation.host)
+    ids = property(lambda self: self.conversation.ids, lambda self, v: setattr(self.conversation, "ids", v))
+    block_mass = property(lambda self: self.conversation.block_mass,
+                          lambda self, v: setattr(self.conversation, "block_mass", v))
+    stable_tokens = property(lambda self: self.conversation.stable_tokens,
+                             lambda self, v: setattr(self.conversation, "stable_tokens", v))
+    saved_file = property(lambda self: self.conversation.saved_file,
+                          lambda self, v: setattr(self.conversation, "saved_file", v))
+
     def reset(self):
-        self.ids, self.block_mass, self.stable_tokens = [], {}, 0
-        self.host.reset()
+        self.conversation = HeldConversation.empty(self.layout, self.host)
         self._cut_resident(0)
         self.decoder = None
 
@@ -147,12 +150,9 @@ class LongContextSession:
         cache store keeps it in DRAM) and `incoming` taken in its place, an earlier handed-over
         one or empty() on a free host cache. The next prefill builds the decoder."""
         assert incoming.layout == self.layout and incoming.host is not self.host
-        outgoing = HeldConversation(self.layout, self.host, self.ids, self.block_mass, self.stable_tokens,
-                                    self.saved_file)
+        outgoing, self.conversation = self.conversation, incoming
         self.decoder = None
         self._cut_resident(0)  # the device copies were of the outgoing conversation's rows
-        self.host, self.ids, self.block_mass = incoming.host, list(incoming.ids), incoming.block_mass
-        self.stable_tokens, self.saved_file = incoming.stable_tokens, incoming.saved_file
         return outgoing
 
     def reusable(self, prompt_ids: list[int]) -> int:
@@ -267,14 +267,19 @@ class _ScaledProgress:
 
 @dataclass
 class HeldConversation:
-    """A conversation's cache outside the session: what LongContextSession.exchange hands over,
-    with the attributes a saved cache is written from (ktlong/session/saved_cache.py)."""
+    """A conversation's cache and bookkeeping: the session's own, or one outside it that
+    LongContextSession.exchange handed over, with the attributes a saved cache is written from
+    (ktlong/session/saved_cache.py)."""
     layout: KVLayout
     host: HostKVCache
     ids: list[int]
+    # global layer -> [KV, blocks]: the last prefill's attention mass per block (PrefillStats),
+    # which decode's preselection reads; saved with the cache
     block_mass: dict
+    # leading tokens unchanged since the cache was last saved or loaded (saved_cache.py sets it):
+    # a save appends from the block this ends in
     stable_tokens: int
-    saved_file: object  # saved_cache.SavedFile | None
+    saved_file: object  # saved_cache.SavedFile | None: the file last saved to or loaded from
 
     @classmethod
     def empty(cls, layout: KVLayout, host: HostKVCache) -> "HeldConversation":
