@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from ktlong.chat.constrained import ANY_OBJECT, json_grammar
 from ktlong.chat.logprobs import MAX_TOP
 from ktlong.errors import KtlongError
-from ktlong.gguf.text_cache import TextCache
 from ktlong.gguf.chat_template import ChatTemplate
+from ktlong.gguf.text_cache import TextCache
 from ktlong.gguf.tokenizer import GGUFTokenizer
 from ktlong.server.tool_calls import ToolFormat, tool_format
 
