@@ -56,6 +56,9 @@ def test_a_document_asked_about_again_is_encoded_from_its_end(tokenizer, monkeyp
         cut = rng.randrange(len(doc))
         for text in (doc[:cut], doc[:cut] + "\nchanged line\n" + doc[cut:], files[-1] * 3):
             assert cache.encode(text) == plain(tokenizer, text)
+    blob = "".join(chr(33 + (i * 7919) % 90) for i in range(300_000))  # no space: no cut is settled
+    for text in (blob + "\n\nWhat is it?", blob + " and so on"):
+        assert cache.encode(text) == plain(tokenizer, text)
     assert len(cache.texts) <= cache.keep
 
 

@@ -16,7 +16,6 @@ rest on its own. Tokenizers of another kind (SentencePiece's) encode every text 
 from __future__ import annotations
 
 import bisect
-import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -24,7 +23,6 @@ from dataclasses import dataclass
 MIN_CHARS = 4096  # shorter texts are encoded whole: their encoding is cheaper than the lookup
 KEEP = 8  # texts remembered, least recently used out
 MARGIN = 64  # a cut lies this many characters before the texts part, at least
-_SPACE, _NOT_SPACE = re.compile(r"\s"), re.compile(r"\S")
 
 
 @dataclass
@@ -49,9 +47,7 @@ class TextCache:
             return self.tokenizer.encode(text, add_bos=False, parse_special=False)
         with self.lock:
             base, shared = self._closest(text)
-        n = bisect.bisect_right(base.cuts, shared - MARGIN) if base is not None else 0
-        while n and not self._settled(text, base.cuts[n - 1], shared):
-            n -= 1
+        n = bisect.bisect_right(base.cuts, self._latest_cut(text, shared)) if base is not None else 0
         cut, count = (base.cuts[n - 1], base.counts[n - 1]) if n else (0, 0)
         tail, pieces = self.tokenizer.encode_pieces(text[cut:])
         found = [(cut + at, count + before) for at, before in pieces if at]
@@ -67,12 +63,17 @@ class TextCache:
         return list(entry.ids)
 
     @staticmethod
-    def _settled(text: str, cut: int, shared: int) -> bool:
-        """Whether the pre-tokens before cut were decided by the shared characters alone: a
-        space and something else lie between cut and the last shared character, so the run of
-        one class that the cut stands in ends inside the shared part, and so does the one
-        character the patterns look past a run."""
-        return bool(_SPACE.search(text, cut, shared - 1) and _NOT_SPACE.search(text, cut, shared - 1))
+    def _latest_cut(text: str, shared: int) -> int:
+        """The latest offset at which the pre-tokens before it were decided by the first `shared`
+        characters alone: MARGIN before them, with a space and something else between it and the
+        last shared character (so the run of one class the cut stands in ends inside the shared
+        part, and so does the one character the patterns look past a run). -1: none."""
+        end = shared - 1
+        space = max(text.rfind(c, 0, end) for c in " \t\n\r")
+        other = end - 1
+        while other >= 0 and text[other].isspace():
+            other -= 1
+        return min(space, other, shared - MARGIN)
 
     def _closest(self, text: str) -> tuple[_Encoded | None, int]:
         """The remembered text sharing the longest prefix with text, and that prefix's length."""
