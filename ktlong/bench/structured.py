@@ -27,6 +27,7 @@ from ktlong.cli import parse_lengths, print_table
 from ktlong.config import greedy_session_options, load_config, parse_set, refuse_unread
 from ktlong.device import resolve_device, resolve_dtype
 from ktlong.errors import KtlongError
+from ktlong.eval.runner import make_session
 from ktlong.eval.tasks import make_sample
 from ktlong.gguf.model_config import RopeOptions
 from ktlong.models.loader import load_model
@@ -82,8 +83,6 @@ def main(argv=None) -> int:
     if max(lengths) + args.tokens + 128 > lm.config.context_length:
         raise KtlongError(f"--lengths up to {max(lengths)} leave no room to decode in the model's context of "
                           f"{lm.config.context_length} tokens; use shorter lengths (or rope_scaling).")
-    from ktlong.eval.runner import make_session
-
     session = make_session(lm, config, "sparse", max(lengths) + 256)
     grammar = json_grammar(SCHEMA)
     conversation = Conversation(lm.tokenizer, lm.chat_template if config.use_chat_template else None)
