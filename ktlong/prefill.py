@@ -31,6 +31,7 @@ from ktlong.kv.layout import KVLayout
 from ktlong.kv.pinned import copy_heads
 from ktlong.kv.resident import ResidentHistory
 from ktlong.models.llama import LlamaModel
+from operators import triton_installed
 from operators.block_summary import anchor_keys, block_summaries, token_importance
 from operators.chunk_attention import chunk_attention, flashinfer_available
 from operators.compact_attention import CompactAttention, CompactParams
@@ -146,6 +147,12 @@ class LayerMajorPrefill:
         self.pooled_keys = torch.zeros((layout.num_kv_heads, layout.num_blocks, layout.head_dim),
                                        dtype=torch.float32, device=self.device)
         self.cuda = self.device.type == "cuda"
+        # the block summaries in Triton kernels (operators/block_summary_kernel.py) where they run
+        self.summary_kernel = False
+        if self.cuda and triton_installed():
+            from operators.block_summary_kernel import kernel_applies
+
+            self.summary_kernel = kernel_applies(layout.block_size, layout.head_dim)
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         # called with (layer, q, chunk start, chunk end, pages) before each chunk's attention
         self.attention_hook: Callable[[int, torch.Tensor, int, int, DevicePages], None] | None = None
@@ -315,19 +322,8 @@ class LayerMajorPrefill:
             return
         B = self.layout.block_size
         b0, b1 = s // B, -(-e // B)
-        k_blocks = self.pages.k[:, b0:b1]  # [KV, nb, B, D]; a follow-up's first block holds history too
-        valid = e - b0 * B
-        mean, kmax, kmin = block_summaries(k_blocks, valid)
-        self.pooled_keys[:, b0:b1] = mean
-        tables = [(host.key_mean[layer][:, b0:b1], mean), (host.key_max[layer][:, b0:b1], kmax),
-                  (host.key_min[layer][:, b0:b1], kmin)]
-        if self.layout.anchor_keys:
-            importance = None
-            if self.layout.anchor_type == "DYNAMIC":
-                keys = self.pages.tokens(self.pages.k)[:, b0 * B:e]
-                importance = token_importance(q[-IMPORTANCE_QUERIES:], keys, self.model.scale)  # [KV, valid]
-            anchors = anchor_keys(k_blocks, valid, self.layout.anchor_type, self.layout.anchor_num, importance)
-            tables.append((host.anchor_keys[layer][:, b0:b1], anchors))
+        summaries = self._summaries(q, b0, b1, e)
+        tables = [(getattr(host, name)[layer][:, b0:b1], values) for name, values in summaries.items()]
         self._copy_kv(layer, s, e, run)
         with self._after_compute():
             for dst, values in tables:
@@ -335,6 +331,35 @@ class LayerMajorPrefill:
                 if self.cuda:
                     values.record_stream(self.copy_stream)
         stats.bytes_to_host += sum(values.numel() * 4 for _, values in tables)
+
+    def _summaries(self, q, b0: int, b1: int, e: int) -> dict[str, torch.Tensor]:
+        """The side tables of blocks b0..b1 (keys up to e; a follow-up's first block holds history
+        too), by HostKVCache table name, float32; the means also become the selector's pooled keys."""
+        layout = self.layout
+        k_blocks = self.pages.k[:, b0:b1]  # [KV, nb, B, D]
+        valid = e - b0 * layout.block_size
+        dynamic = layout.anchor_keys and layout.anchor_type == "DYNAMIC"
+        if self.summary_kernel:  # a few launches instead of forty (ktlong's prefill is launch-bound on small models)
+            from operators.block_summary_kernel import summarize_blocks
+
+            one_anchor = dynamic and layout.anchor_num == 1
+            mean = self.pooled_keys[:, b0:b1]
+            q_last = q[-IMPORTANCE_QUERIES:].to(k_blocks.dtype) if one_anchor else None
+            kmax, kmin, anchors = summarize_blocks(k_blocks, valid, mean, self.model.scale, q_last)
+        else:
+            mean, kmax, kmin = block_summaries(k_blocks, valid)
+            self.pooled_keys[:, b0:b1] = mean
+            anchors = None
+        tables = {"key_mean": mean, "key_max": kmax, "key_min": kmin}
+        if layout.anchor_keys:
+            if anchors is None:
+                importance = None
+                if dynamic:
+                    keys = self.pages.tokens(self.pages.k)[:, b0 * layout.block_size:e]
+                    importance = token_importance(q[-IMPORTANCE_QUERIES:], keys, self.model.scale)  # [KV, valid]
+                anchors = anchor_keys(k_blocks, valid, layout.anchor_type, layout.anchor_num, importance)
+            tables["anchor_keys"] = anchors
+        return tables
 
     def _after_compute(self):
         """Where copies to the host run: on a GPU the copy stream, after everything the compute

@@ -30,15 +30,23 @@ class FlashInferPagedExecutor:
 
         assert backend in ("fa2", "fa3", "auto")
         self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(float_workspace(device), "NHD", backend=backend)
+        self.staged: torch.cuda.Event | None = None  # the last plan's copy out of the wrapper's host buffer
 
     def plan(self, num_tokens: int, groups: torch.Tensor, pages: PageLists, head_dim: int,
              block_size: int, scale: float, dtype: torch.dtype):
         num_groups, size = groups.shape
         qo_indptr = torch.arange(num_groups + 1, dtype=torch.int32) * num_tokens
         last = torch.full((num_groups,), pages.last_page_len, dtype=torch.int32)
+        # FlashInfer writes a plan into one page-locked host buffer and copies it to the device on
+        # the stream; the host runs ahead of the stream, so the last plan's copy must have left
+        # that buffer before this plan overwrites it (the host stays at most one plan ahead)
+        if self.staged is not None:
+            self.staged.synchronize()
         self.wrapper.plan(qo_indptr, pages.indptr, pages.indices, last, num_qo_heads=size, num_kv_heads=1,
                           head_dim_qk=head_dim, page_size=block_size, causal=True, sm_scale=scale,
                           q_data_type=dtype, kv_data_type=dtype)
+        self.staged = torch.cuda.Event()
+        self.staged.record()
 
     def reads_indices_from(self, indices: torch.Tensor) -> bool:
         """Whether the plan reads the page indices from this very tensor: FlashInfer keeps a
@@ -49,19 +57,17 @@ class FlashInferPagedExecutor:
 
     def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
             groups: torch.Tensor) -> torch.Tensor:
-        """q: [T, H, D] -> [T, H, D]; call plan() first for this chunk's page lists."""
+        """q: [T, H, D] -> [T, H, D]; call plan() first for this chunk's page lists. The groups
+        are runs of consecutive heads (block_union.execution_groups), so each group's queries
+        are a strided view of q: one copy lays them out as FlashInfer's requests, one copy back."""
         assert q.dtype == k_pages.dtype == v_pages.dtype and k_pages.is_contiguous()
         num_tokens, num_heads, dim = q.shape
         num_groups, size = groups.shape
         num_kv, blocks, block_size, _ = k_pages.shape
-        order = groups.reshape(-1).to(q.device)
-        q_grouped = q[:, order].view(num_tokens, num_groups, size, dim).transpose(0, 1)
-        q_grouped = q_grouped.reshape(num_groups * num_tokens, size, dim)
+        q_grouped = q.view(num_tokens, num_groups, size, dim).transpose(0, 1).reshape(num_groups * num_tokens, size, dim)
         cache = (k_pages.view(num_kv * blocks, block_size, 1, dim), v_pages.view(num_kv * blocks, block_size, 1, dim))
         o = self.wrapper.run(q_grouped, cache)  # [G*T, size, D]
-        out = torch.empty_like(q)
-        out[:, order] = o.view(num_groups, num_tokens, size, dim).transpose(0, 1).reshape(num_tokens, num_heads, dim)
-        return out
+        return o.view(num_groups, num_tokens, size, dim).transpose(0, 1).reshape(num_tokens, num_heads, dim)
 
 
 @functools.lru_cache(maxsize=None)

@@ -56,3 +56,27 @@ def test_rope_kernel_equals_torch(rot, dtype):
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
     if DEVICE == "cuda":
         torch.testing.assert_close(apply_rope(x, cos, sin), out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rot", [128, 64])
+def test_rope_from_positions_equals_rope_over_tables(rot, dtype):
+    """The kernel that computes cos and sin itself (prefill's) against rope_kernel over
+    rope_cos_sin's tables: the same angles in float32, cosines and sines within a float32 rounding
+    step of torch's (libdevice's on a GPU, numpy's in the interpreter)."""
+    from ktlong.models.rope import rope_at
+    from operators.rope_kernel import rope_positions_kernel
+
+    g = torch.Generator().manual_seed(rot + 1)
+    x = torch.randn(4, 6, 128, generator=g).to(dtype).to(DEVICE)
+    inv = (1.0 / (500000 ** (torch.arange(0, rot, 2).float() / rot))).to(DEVICE)
+    positions = torch.tensor([0, 77, 4097, 131071], device=DEVICE)
+    out = rope_positions_kernel(x, positions, inv, 1.1)
+    ref = rope_kernel(x, *rope_cos_sin(inv, positions, 1.1))
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -6  # bf16: a cosine a step apart may round the other way
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    assert torch.equal(out[..., rot:], x[..., rot:])
+    k = x[:, :2].contiguous()
+    q_out, k_out = rope_at(x, k, inv, positions, 1.1)  # the model's entry: the kernel on a GPU, tables elsewhere
+    torch.testing.assert_close(q_out.float(), ref.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(k_out.float(), ref[:, :2].float(), rtol=tol, atol=tol)

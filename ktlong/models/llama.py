@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ktlong.kv.dense_cache import DenseKVCache
 from ktlong.gguf.model_config import ModelConfig
-from ktlong.models.rope import apply_rope, inv_freq, rope_cos_sin
+from ktlong.models.rope import apply_rope, inv_freq, rope_at, rope_cos_sin
 from ktlong.gguf.weights import ModelWeights
 from operators import triton_installed
 from operators.dense_attention import dense_attention
@@ -76,11 +76,10 @@ class LlamaModel:
         if c.has_qk_norm:
             q, k = rms_norm(q, w.q_norm, c.rms_norm_eps), rms_norm(k, w.k_norm, c.rms_norm_eps)
         sliding = c.is_sliding(i)
-        if rope is not None:
-            cos, sin = rope[sliding]
-        else:
+        if rope is None:
             freqs = self.inv_freq_local if sliding else self.inv_freq
-            cos, sin = rope_cos_sin(freqs, positions, 1.0 if sliding else self.rope_mscale)
+            return *rope_at(q, k, freqs, positions, 1.0 if sliding else self.rope_mscale), v
+        cos, sin = rope[sliding]
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attention_output(self, i: int, o: torch.Tensor) -> torch.Tensor:

@@ -68,3 +68,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
     out = x_rot * cos + rotated * sin
     return torch.cat([out, x_pass], dim=-1) if x_pass.numel() else out
+
+
+def rope_at(q: torch.Tensor, k: torch.Tensor, inv: torch.Tensor, positions: torch.Tensor,
+            mscale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D] and k [T, KV, D] rotated at positions [T]: apply_rope over rope_cos_sin's tables.
+    On a GPU one kernel each computes the tables' entries where it uses them."""
+    if q.is_cuda and triton_installed():
+        from operators.rope_kernel import rope_positions_kernel
+
+        return (rope_positions_kernel(q, positions, inv, mscale), rope_positions_kernel(k, positions, inv, mscale))
+    cos, sin = rope_cos_sin(inv, positions, mscale)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
