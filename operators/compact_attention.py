@@ -9,6 +9,7 @@ With nothing dropped (alpha = 0, threshold = 1) the result is dense attention.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,11 @@ SELECTORS = ("flashprefill", "xattention", "topk", "all")
 # chunk over a long history keeps a few SMs busy; fa2 splits the keys across the SMs and merges
 # (FlashInfer falls back to fa2 the same way for short queries, flashinfer-ai/flashinfer#5188).
 SHORT_CHUNK = 64
+# Plans kept per kind of chunk, so that a prompt's first chunk (no history), its full chunks and
+# its last, shorter one each keep theirs from layer to layer; the dense chunks of a compact
+# prefill (the first few of every layer) keep theirs the same way. Each plan is a FlashInfer
+# wrapper with its own 8 MB of int buffers (memory_plan's ATTENTION_WORKSPACE holds them).
+PLAN_SLOTS = 3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,17 +70,14 @@ class CompactAttention:
         self.params, self.block_size, self.scale, self.backend = params, block_size, scale, backend
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.groups = execution_groups(num_heads, num_kv_heads, params.subgroup_size)
-        self.executor = self.short_executor = None
-        # (what, pages) the executors were last planned for: one plan serves every layer of a
-        # chunk whose page lists have the same lengths (every block kept; topk's fixed counts)
-        self.planned: tuple[tuple, PageLists] | None = None
+        self.device = device
+        # per kind of chunk (short: True), up to PLAN_SLOTS executors and, by the key of their
+        # lengths, the page lists each was planned for: one plan serves every layer of a chunk
+        # whose page lists have the same lengths (every block kept; topk's fixed counts)
+        self.executors: dict[bool, list] = {False: [], True: []}
+        self.plans: dict[bool, OrderedDict[tuple, tuple[int, PageLists]]] = {False: OrderedDict(), True: OrderedDict()}
         # topk's selection and page lists in a few Triton kernels (operators/topk_selection_kernel.py)
         self.topk_kernel = device.type == "cuda" and triton_installed()
-        if backend != "torch":
-            from operators.flashinfer_paged import FlashInferPagedExecutor
-
-            self.executor = FlashInferPagedExecutor(device, backend)
-            self.short_executor = FlashInferPagedExecutor(device, "fa2") if backend == "fa3" else self.executor
 
     def num_keep(self, num_hist: int) -> int:
         """topk: history blocks every group keeps (at least the sinks and the window)."""
@@ -111,21 +114,52 @@ class CompactAttention:
         return build_page_lists(group_keep, self.groups, self.num_heads, self.num_kv_heads, blocks_per_head,
                                 start // self.block_size, end - start, self.block_size, counts)
 
+    def make_executor(self, short: bool):
+        """A FlashInfer executor for chunks of this kind (short: fa2 where the backend is fa3), or
+        None where the torch reference runs."""
+        if self.backend == "torch":
+            return None
+        from operators.flashinfer_paged import FlashInferPagedExecutor
+
+        return FlashInferPagedExecutor(self.device, "fa2" if short and self.backend == "fa3" else self.backend)
+
     def execute(self, q, k_pages, v_pages, pages: PageLists, what: tuple | None = None) -> torch.Tensor:
-        """what: a key for the lengths of these page lists (None: plan anew); when the executor was
-        last planned for the same key, it runs on that plan, and pages must be the planned lists,
+        """what: a key for the lengths of these page lists (None: plan anew); when an executor was
+        planned for the same key, it runs on that plan, and pages must be the planned lists,
         their indices rewritten in place."""
-        if self.executor is None:
-            return paged_attention_reference(q, k_pages, v_pages, self.groups, pages, self.scale)
-        # q's length picks the executor, and every key holds that length: a key names one executor's plan
-        executor = self.short_executor if q.shape[0] <= SHORT_CHUNK else self.executor
-        if what is None or self.planned is None or self.planned[0] != what:
-            executor.plan(q.shape[0], self.groups, pages, q.shape[-1], self.block_size, self.scale, q.dtype)
-            # FlashInfer keeps a device tensor of indices as it is; a copy could not be rewritten in place
-            self.planned = (what, pages) if what is not None and executor.reads_indices_from(pages.indices) else None
-        else:
-            assert self.planned[1].indices is pages.indices  # rewritten in place
+        # q's length picks the kind of executor, and every key holds that length
+        short = q.shape[0] <= SHORT_CHUNK
+        plans, executors = self.plans[short], self.executors[short]
+        if what is not None and what in plans:
+            slot, planned = plans[what]
+            plans.move_to_end(what)
+            assert planned.indices is pages.indices  # rewritten in place
+            return executors[slot].run(q, k_pages, v_pages, self.groups)
+        held = {slot for slot, _ in plans.values()}
+        free = [slot for slot in range(len(executors)) if slot not in held]
+        if free:
+            slot = free[0]
+        elif len(executors) < PLAN_SLOTS:
+            executor = self.make_executor(short)
+            if executor is None:
+                return paged_attention_reference(q, k_pages, v_pages, self.groups, pages, self.scale)
+            executors.append(executor)
+            slot = len(executors) - 1
+        else:  # the least recently used plan makes way
+            slot = plans.pop(next(iter(plans)))[0]
+        executor = executors[slot]
+        executor.plan(q.shape[0], self.groups, pages, q.shape[-1], self.block_size, self.scale, q.dtype)
+        # FlashInfer keeps a device tensor of indices as it is; a copy could not be rewritten in place
+        if what is not None and executor.reads_indices_from(pages.indices):
+            plans[what] = (slot, pages)
         return executor.run(q, k_pages, v_pages, self.groups)
+
+    def planned_pages(self, what: tuple) -> PageLists | None:
+        """The page lists an executor was planned for under this key, if one still is."""
+        for plans in self.plans.values():
+            if what in plans:
+                return plans[what][1]
+        return None
 
     def select(self, q, k_pages, pooled_keys, start: int, end: int,
                prompt_end: int | None = None) -> tuple[PageLists | None, tuple | None]:
@@ -138,8 +172,9 @@ class CompactAttention:
         p, num_hist = self.params, start // self.block_size
         if p.selector == "all" or start == 0:  # nothing to select: no host sync
             what = ("every", start, end, k_pages.shape[1], tuple(q.shape), q.dtype, q.device)
-            if self.planned is not None and self.planned[0] == what:
-                return self.planned[1], what
+            planned = self.planned_pages(what)
+            if planned is not None:
+                return planned, what
             return every_page_lists(self.groups.shape[0], self.num_kv_heads, k_pages.shape[1], num_hist,
                                     end - start, self.block_size, q.device), what
         if p.selector == "topk":
@@ -148,8 +183,8 @@ class CompactAttention:
                 return None, None
             # the lengths, not the chunk's place: every full chunk of every layer past keep_blocks shares one plan
             what = ("topk", num_keep, end - start, k_pages.shape[1], q.shape[1:], q.dtype, q.device)
-            planned = self.planned is not None and self.planned[0] == what
-            out = self.planned[1].indices if planned else None
+            planned = self.planned_pages(what)
+            out = planned.indices if planned is not None else None
             indices = self.topk_indices(q, pooled_keys, num_hist, num_keep, k_pages.shape[1], end - start, out)
             return fixed_page_lists(indices, self.groups.shape[0], num_keep, num_hist, end - start,
                                     self.block_size), what

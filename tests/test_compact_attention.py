@@ -15,6 +15,10 @@ from tests.settings import compact_settings, flashprefill_settings
 from operators.dense_attention import dense_attention
 from operators.paged_attention_reference import paged_attention_reference
 from operators.xattention_selector import select_blocks_xattention
+from ktlong.kv.host_cache import HostKVCache
+from ktlong.kv.layout import kv_layout
+from ktlong.prefill import LayerMajorPrefill
+from tests.tiny_gguf import TinySpec, tiny_model
 
 B = 16
 
@@ -299,9 +303,20 @@ class _RecordingExecutor:
         return paged_attention_reference(q, k_pages, v_pages, groups, self.planned[1], self.op.scale)
 
 
+def recorded(op) -> dict[bool, list]:
+    """op's executors replaced by _RecordingExecutors as op makes them, by kind (short: True)."""
+    made = {False: [], True: []}
+    op.make_executor = lambda short: made[short].append(_RecordingExecutor(op)) or made[short][-1]
+    return made
+
+
+def plans_made(made) -> int:
+    return sum(e.plans for executors in made.values() for e in executors)
+
+
 def test_every_block_lists_are_planned_once_per_chunk_and_the_plan_serves_every_layer():
     op = CompactAttention(CompactParams.keep_all(), 8, 2, B, 0.25, "torch", torch.device("cpu"))
-    op.executor = op.short_executor = _RecordingExecutor(op)
+    made = recorded(op)
     chunks = [(0, 2 * B), (2 * B, 4 * B + 5), (4 * B + 5 - 5, 4 * B + 5)]  # the last: a follow-up's token tail
     for c, (start, end) in enumerate(chunks):
         start = start // B * B
@@ -310,34 +325,64 @@ def test_every_block_lists_are_planned_once_per_chunk_and_the_plan_serves_every_
             out, _ = op(q, k, v, pooled, start, end)
             expected = dense_attention(q, k.reshape(2, -1, 16)[:, :end], v.reshape(2, -1, 16)[:, :end], 0.25)
             assert float((out - expected).abs().max() / expected.abs().max()) < 1e-5
-        assert op.executor.plans == c + 1  # one plan per chunk, not per layer
+        assert plans_made(made) == c + 1  # one plan per chunk, not per layer
 
 
-def test_a_selective_plan_in_between_makes_the_every_block_lists_plan_again():
+def test_a_plan_keeps_its_executor_until_plans_of_other_lists_take_every_slot():
+    """PLAN_SLOTS executors per kind keep as many plans (a prompt's first chunk, its full chunks
+    and its last, shorter one, layer after layer): a selective plan in between leaves the
+    every-block plan in place; once other keyed plans took every executor, those lists are
+    planned again, and each run gives the dense result (a stale plan would not)."""
+    from operators.compact_attention import PLAN_SLOTS
+
     params = flashprefill_settings(alpha=0.0)  # flashprefill keeping every block, through its own page lists
     op = CompactAttention(params, 8, 2, B, 0.25, "torch", torch.device("cpu"))
-    op.executor = op.short_executor = _RecordingExecutor(op)
-    q0, k0, v0, pooled0, _, _ = setup(seed=1, start=0, chunk=2 * B)
-    op(q0, k0, v0, pooled0, 0, 2 * B)  # no history: the every-block lists
+    made = recorded(op)
+    first = setup(seed=1, start=0, chunk=2 * B)
+
+    def run(q, k, v, pooled, start, end):
+        out, _ = op(q, k, v, pooled, start, end)
+        expected = dense_attention(q, k.reshape(2, -1, 16)[:, :end], v.reshape(2, -1, 16)[:, :end], 0.25)
+        assert float((out - expected).abs().max() / expected.abs().max()) < 1e-5
+
+    run(*first[:4], 0, 2 * B)  # no history: the every-block lists, keyed
     q1, k1, v1, pooled1, start, end = setup(seed=2)
-    op(q1, k1, v1, pooled1, start, end)  # history: selected lists, planned
-    out, _ = op(q0, k0, v0, pooled0, 0, 2 * B)  # the first chunk's lists again: planned again
-    assert op.executor.plans == 3
-    expected = dense_attention(q0, k0.reshape(2, -1, 16)[:, :2 * B], v0.reshape(2, -1, 16)[:, :2 * B], 0.25)
-    assert float((out - expected).abs().max() / expected.abs().max()) < 1e-5
+    run(q1, k1, v1, pooled1, start, end)  # history: selected lists, planned anew on another executor
+    run(*first[:4], 0, 2 * B)
+    assert plans_made(made) == 2 and len(made[True]) == 2  # chunks of at most SHORT_CHUNK
+    others = [B + 4 * i for i in range(PLAN_SLOTS)]  # other every-block lists (no history) take every executor
+    for chunk in others:
+        run(*setup(seed=chunk, start=0, chunk=chunk)[:4], 0, chunk)
+    run(*first[:4], 0, 2 * B)
+    assert plans_made(made) == 2 + PLAN_SLOTS + 1 and len(made[True]) == PLAN_SLOTS
+
+
+def test_a_prefill_plans_its_chunks_once_not_once_per_layer(tmp_path):
+    """Layer after layer, a compact prefill's first chunk (no history), its full topk chunks and
+    its last, shorter one reuse their plans: three plans for the whole prefill."""
+    lm = tiny_model(tmp_path, TinySpec(num_layers=4), seed=11)
+    c = lm.config
+    ids = list(range(1, 16 * 16 + 7))
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, len(ids), "fp32")
+    params = compact_settings(selector="topk", keep_blocks=2, dense_above=1.0, prefill_dense_layer_num=1,
+                              sink_blocks=1, window_blocks=1)
+    engine = LayerMajorPrefill(lm.model, layout, 32, "torch", hidden_on_device=True, compact=params)
+    made = recorded(engine.compact)
+    engine.run(ids, HostKVCache(layout, pin=False))
+    assert plans_made(made) == 3  # 3 selecting layers x (1 + 7 full + 1 short chunks) runs
 
 
 def test_short_chunks_run_on_the_short_chunk_executor_and_long_ones_on_the_main_one():
     from operators.compact_attention import SHORT_CHUNK
 
     op = CompactAttention(CompactParams.keep_all(), 8, 2, B, 0.25, "torch", torch.device("cpu"))
-    op.executor, op.short_executor = _RecordingExecutor(op), _RecordingExecutor(op)
+    made = recorded(op)
     for chunk in (SHORT_CHUNK, SHORT_CHUNK + 1, 1):
         q, k, v, pooled, start, end = setup(seed=chunk, start=2 * B, chunk=chunk, capacity_blocks=12)
         out, _ = op(q, k, v, pooled, start, end)
         expected = dense_attention(q, k.reshape(2, -1, 16)[:, :end], v.reshape(2, -1, 16)[:, :end], 0.25)
         assert float((out - expected).abs().max() / expected.abs().max()) < 1e-5
-    assert (op.short_executor.plans, op.executor.plans) == (2, 1)
+    assert [e.plans for e in made[True]] == [1, 1] and [e.plans for e in made[False]] == [1]
 
 
 def reference_topk_margins(q, pooled, block_size, scale, group_size):
@@ -409,7 +454,7 @@ def test_topk_plans_once_and_each_layer_and_chunk_reads_its_own_blocks():
     rewritten in place, so each call attends to its own selection, not the first one's."""
     op = CompactAttention(compact_settings(selector="topk", keep_blocks=6), 8, 2, B, 0.25, "torch",
                           torch.device("cpu"))
-    op.executor = op.short_executor = _RecordingExecutor(op)
+    made = recorded(op)
     selections = []
     for layer in range(2):
         for c, start in enumerate((10 * B, 12 * B)):
@@ -423,5 +468,5 @@ def test_topk_plans_once_and_each_layer_and_chunk_reads_its_own_blocks():
             ids = topk_group_blocks(q, pooled[:, :start // B], B, 0.25, 6, 1, 2, 4)
             for g, heads in enumerate(op.groups.tolist()):
                 assert set(torch.nonzero(keep[heads[0]]).view(-1).tolist()) == set(ids[g].tolist())
-    assert op.executor.plans == 1
+    assert plans_made(made) == 1
     assert not all(torch.equal(selections[0], s) for s in selections[1:])  # the calls did select differently

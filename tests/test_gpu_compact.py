@@ -68,8 +68,15 @@ def test_topk_plan_serves_every_layer_of_a_chunk_and_each_layer_reads_its_own_pa
     params = compact_settings(selector="topk", keep_blocks=16)
     op = CompactAttention(params, 32, 8, B, 128 ** -0.5, backend, torch.device("cuda"))
     plans = []
-    plan = op.executor.plan
-    op.executor.plan = lambda *a, **kw: (plans.append(1), plan(*a, **kw))[1]
+    make = op.make_executor
+
+    def counting(short):
+        executor = make(short)
+        plan = executor.plan
+        executor.plan = lambda *a, **kw: (plans.append(1), plan(*a, **kw))[1]
+        return executor
+
+    op.make_executor = counting
     selected = []
     for layer in range(3):
         q, k, v = data(start, chunk, seed=10 + layer)
