@@ -41,7 +41,7 @@ def _scores(q, k, scale, IEEE: tl.constexpr):
     return s * scale
 
 
-@triton.jit(do_not_specialize=["num_k", "num_q"])
+@triton.jit(do_not_specialize=["num_k", "num_q"])  # one build for every chunk's lengths
 def _row_stats(q_ptr, k_ptr, m_ptr, l_ptr, num_k, num_q, scale, s_q_t, s_q_h, s_k_h,
                HEADS_PER_KV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, KEYS: tl.constexpr,
                IEEE: tl.constexpr):
@@ -69,7 +69,7 @@ def _row_stats(q_ptr, k_ptr, m_ptr, l_ptr, num_k, num_q, scale, s_q_t, s_q_h, s_
     tl.store(l_ptr + h * num_q + rows, l, mask=inside)
 
 
-@triton.jit(do_not_specialize=["num_k", "num_q"])
+@triton.jit(do_not_specialize=["num_k", "num_q", "num_blocks"])  # one build for every chunk's lengths
 def _summarize(k_ptr, q_ptr, m_ptr, l_ptr, mean_ptr, max_ptr, min_ptr, anchor_ptr, num_k, num_q, scale,
                s_k_h, s_q_t, s_q_h, s_mean_h, s_mean_b, num_blocks,
                HEADS_PER_KV: tl.constexpr, B: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
