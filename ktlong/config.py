@@ -204,7 +204,7 @@ def greedy_session_options() -> frozenset[str]:
     """What a command that runs long-context sessions greedily, at lengths of its own, reads:
     every option but sampling's, the server's, mode and max_seq_len."""
     return (frozenset(option_names()) - options_in("server", "generation") - {"mode", "max_seq_len"}
-            | {"use_chat_template"})
+            | {"use_chat_template", "chat_template_file"})
 
 
 def refuse_unread(overrides: dict[str, tuple[object, str]], reads: frozenset[str], command: str, why: str):

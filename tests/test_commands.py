@@ -209,3 +209,25 @@ def test_ctrl_c_while_the_model_loads_is_one_line_and_exit_130(no_user_file, cap
     assert local_chat.main([]) == 130
     err = capsys.readouterr().err
     assert "[interrupted]" in err and "Traceback" not in err
+
+
+def test_eval_renders_its_prompts_with_the_chat_template_file(no_user_file, tmp_path, monkeypatch):
+    """--set chat_template_file reaches the model the evaluation prompts with (it was refused
+    as an option the command does not read)."""
+    import ktlong.eval.runner as runner
+
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_run_task(lm, config, *args, **kwargs):
+        seen.append(lm.chat_template.render([{"role": "user", "content": "hi"}]))
+        raise Stop
+
+    monkeypatch.setattr(runner, "run_task", fake_run_task)
+    with pytest.raises(Stop):
+        evaluate(["passkey", "--lengths", "1k", "--out", str(tmp_path / "out"), "--set", f"chat_template_file={template}"])
+    assert seen == ["[hi]"]

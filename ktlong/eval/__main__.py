@@ -43,6 +43,7 @@ def main(argv=None) -> int:
     from ktlong.config import greedy_session_options, load_config, parse_set, refuse_unread
     from ktlong.device import resolve_device, resolve_dtype
     from ktlong.errors import KtlongError
+    from ktlong.gguf.chat_template import configured_template
     from ktlong.eval.report import needle_heatmap, prefill_rows, summary_rows
     from ktlong.eval.runner import as_dicts, run_task, same_answers, split_variant, variant_config, write_json
     from ktlong.models.loader import load_model, open_model
@@ -95,7 +96,8 @@ def main(argv=None) -> int:
                               "or run with --tensor_parallel 1.")
         _, model_config = open_model(config.model, RopeOptions.of(config))
         tp, device = join_ranks(config.tensor_parallel, model_config, device)  # every rank runs the same prompts
-        lm = load_model(config.model, device, resolve_dtype(config.dtype, device), RopeOptions.of(config), tp)
+        lm = load_model(config.model, device, resolve_dtype(config.dtype, device), RopeOptions.of(config), tp,
+                        configured_template(config.chat_template_file))
         if max(lengths) > lm.config.context_length:
             raise KtlongError(f"--lengths up to {max(lengths)} exceed the model's context of "
                               f"{lm.config.context_length} tokens; use shorter lengths.")

@@ -73,6 +73,12 @@ def read_chat_template(path: str) -> str:
     return source
 
 
+def configured_template(path: str) -> str | None:
+    """The chat_template_file option's template source (read_chat_template), or None where the
+    option is empty: the GGUF's template."""
+    return read_chat_template(path) if path else None
+
+
 def template_for(tokenizer, source: str | None) -> ChatTemplate:
     """The template with the tokenizer's bos and eos tokens, as transformers passes them."""
     text = tokenizer.token_text

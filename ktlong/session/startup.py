@@ -84,7 +84,7 @@ def start(config: Config, log=None) -> Started:
     """Check the model file, plan (and refuse what does not fit) before any weight is read, load
     the weights, and build the long-context session when the mode asks for one."""
     from ktlong.device import resolve_device, resolve_dtype
-    from ktlong.gguf.chat_template import read_chat_template
+    from ktlong.gguf.chat_template import configured_template
     from ktlong.models.loader import load_model, open_model
     from ktlong.gguf.model_config import RopeOptions
     from ktlong.parallel.group import join_ranks
@@ -94,7 +94,7 @@ def start(config: Config, log=None) -> Started:
 
     log = log or sys.stderr
     gf, model_config = open_model(config.model, RopeOptions.of(config))  # checks the file, reads no weight
-    template = read_chat_template(config.chat_template_file) if config.chat_template_file else None
+    template = configured_template(config.chat_template_file)
     max_seq_len = config.check_against_model(model_config.num_layers, model_config.context_length)
     device = resolve_device(config.device)
     tp, device = join_ranks(config.tensor_parallel, model_config, device)
