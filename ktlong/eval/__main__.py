@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         _, model_config = open_model(config.model, RopeOptions.of(config))
         tp, device = join_ranks(config.tensor_parallel, model_config, device)  # every rank runs the same prompts
         lm = load_model(config.model, device, resolve_dtype(config.dtype, device), RopeOptions.of(config), tp,
-                        configured_template(config.chat_template_file))
+                        configured_template(config.chat_template_file), config.cpu_int4)
         if max(lengths) > lm.config.context_length:
             raise KtlongError(f"--lengths up to {max(lengths)} exceed the model's context of "
                               f"{lm.config.context_length} tokens; use shorter lengths.")

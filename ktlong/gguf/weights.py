@@ -11,23 +11,25 @@ from ktlong.gguf.dequant import SUPPORTED_TYPES, dequantize
 from ktlong.errors import GGUFError
 from ktlong.gguf.reader import GGUFFile
 from ktlong.gguf.model_config import PERMUTED_QK_ARCHS, ModelConfig
+from ktlong.gguf.int4_weights import INT4_TYPES, Int4Weight
 from ktlong.parallel.shard import shard_columns, shard_rows
 
 
 @dataclass(slots=True)
 class LayerWeights:
     attn_norm: torch.Tensor  # [hidden]
-    wq: torch.Tensor  # [num_heads * head_dim, hidden]
-    wk: torch.Tensor  # [num_kv_heads * head_dim, hidden]
-    wv: torch.Tensor  # [num_kv_heads * head_dim, hidden]
-    wo: torch.Tensor  # [hidden, num_heads * head_dim]
+    # the projections: float tensors, or Int4Weight where 4-bit weights stay 4-bit
+    wq: torch.Tensor | Int4Weight  # [num_heads * head_dim, hidden]
+    wk: torch.Tensor | Int4Weight  # [num_kv_heads * head_dim, hidden]
+    wv: torch.Tensor | Int4Weight  # [num_kv_heads * head_dim, hidden]
+    wo: torch.Tensor | Int4Weight  # [hidden, num_heads * head_dim]
     bq: torch.Tensor | None
     bk: torch.Tensor | None
     bv: torch.Tensor | None
     ffn_norm: torch.Tensor  # [hidden]
-    w_gate: torch.Tensor  # [intermediate, hidden]
-    w_up: torch.Tensor  # [intermediate, hidden]
-    w_down: torch.Tensor  # [hidden, intermediate]
+    w_gate: torch.Tensor | Int4Weight  # [intermediate, hidden]
+    w_up: torch.Tensor | Int4Weight  # [intermediate, hidden]
+    w_down: torch.Tensor | Int4Weight  # [hidden, intermediate]
     q_norm: torch.Tensor | None = None  # [head_dim] (gemma3)
     k_norm: torch.Tensor | None = None  # [head_dim]
     post_attn_norm: torch.Tensor | None = None  # [hidden]
@@ -56,8 +58,9 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 class TensorSource:
     """Dequantises named tensors from a GGUF file onto one device, checking types first."""
 
-    def __init__(self, gf: GGUFFile, device: torch.device, dtype: torch.dtype):
-        self.gf, self.device, self.dtype = gf, device, dtype
+    def __init__(self, gf: GGUFFile, device: torch.device, dtype: torch.dtype, int4: bool = False):
+        """int4: matrices of a 4-bit type stay 4-bit (ktlong/gguf/int4_weights.py; the CPU only)."""
+        self.gf, self.device, self.dtype, self.int4 = gf, device, dtype, int4
         for info in gf.tensors.values():
             if info.ggml_type not in SUPPORTED_TYPES:
                 raise GGUFError(
@@ -68,7 +71,7 @@ class TensorSource:
     def has(self, name: str) -> bool:
         return name in self.gf.tensors
 
-    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    def _raw(self, name: str, shape: tuple[int, ...] | None):
         info = self.gf.tensors.get(name)
         if info is None:
             raise GGUFError(f"{self.gf.path} lacks tensor {name}; the file is incomplete or not a "
@@ -76,19 +79,33 @@ class TensorSource:
         if shape is not None and info.shape != shape:
             raise GGUFError(f"{self.gf.path}: tensor {name} has shape {info.shape}, the metadata "
                             f"implies {shape}; the file is corrupt.")
-        raw = torch.from_numpy(np.array(self.gf.raw(name))).to(self.device)
+        return info, torch.from_numpy(np.array(self.gf.raw(name))).to(self.device)
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        info, raw = self._raw(name, shape)
         return dequantize(raw, info.ggml_type, info.shape, self.dtype)
+
+    def matrix(self, name: str, shape: tuple[int, int], permuted_heads: int = 0) -> torch.Tensor | Int4Weight:
+        """A projection's weight [out, in]: 4-bit where this source keeps 4-bit types so (int4),
+        else dequantised. permuted_heads: undo llama.cpp's q/k row permutation over that many heads."""
+        rows = (lambda t: unpermute_qk(t, permuted_heads)) if permuted_heads else (lambda t: t)
+        info, raw = self._raw(name, shape)
+        if self.int4 and info.ggml_type in INT4_TYPES:
+            return Int4Weight.from_blocks(raw, info.ggml_type, shape, rows)
+        return rows(dequantize(raw, info.ggml_type, info.shape, self.dtype))
 
     def get_optional(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor | None:
         return self.get(name, shape) if self.has(name) else None
 
 
 def load_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
-                 dtype: torch.dtype, shard: tuple[int, int] | None = None) -> ModelWeights:
+                 dtype: torch.dtype, shard: tuple[int, int] | None = None, int4: bool = False) -> ModelWeights:
     """shard: (rank, world) keeps this rank's heads and MLP columns (ktlong/parallel/shard.py);
-    config is the whole model's either way."""
-    src = TensorSource(gf, device, dtype)
+    config is the whole model's either way. int4 (the cpu_int4 option): on a CPU in one process,
+    the layers' Q4_0 / Q4_1 matrices stay 4-bit; elsewhere (a GPU, a rank's share) every weight is
+    dequantised."""
     rank, world = shard or (0, 1)
+    src = TensorSource(gf, device, dtype, int4 and device.type == "cpu" and world == 1)
 
     def rows(w):
         return shard_rows(w, rank, world) if world > 1 else w
@@ -102,25 +119,24 @@ def load_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
     layers = []
     for i in range(c.num_layers):
         p = f"blk.{i}."
-        wq = src.get(p + "attn_q.weight", (q_dim, c.hidden_size))
-        wk = src.get(p + "attn_k.weight", (kv_dim, c.hidden_size))
+        wq = src.matrix(p + "attn_q.weight", (q_dim, c.hidden_size), c.num_heads if permuted else 0)
+        wk = src.matrix(p + "attn_k.weight", (kv_dim, c.hidden_size), c.num_kv_heads if permuted else 0)
         bq = src.get_optional(p + "attn_q.bias", (q_dim,))
         bk = src.get_optional(p + "attn_k.bias", (kv_dim,))
         if permuted:
-            wq, wk = unpermute_qk(wq, c.num_heads), unpermute_qk(wk, c.num_kv_heads)
             bq = unpermute_qk(bq, c.num_heads) if bq is not None else None
             bk = unpermute_qk(bk, c.num_kv_heads) if bk is not None else None
         layers.append(LayerWeights(
             attn_norm=src.get(p + "attn_norm.weight", (c.hidden_size,)),
             wq=rows(wq), wk=rows(wk),
-            wv=rows(src.get(p + "attn_v.weight", (kv_dim, c.hidden_size))),
-            wo=columns(src.get(p + "attn_output.weight", (c.hidden_size, q_dim))),
+            wv=rows(src.matrix(p + "attn_v.weight", (kv_dim, c.hidden_size))),
+            wo=columns(src.matrix(p + "attn_output.weight", (c.hidden_size, q_dim))),
             bq=rows(bq), bk=rows(bk),
             bv=rows(src.get_optional(p + "attn_v.bias", (kv_dim,))),
             ffn_norm=src.get(p + "ffn_norm.weight", (c.hidden_size,)),
-            w_gate=rows(src.get(p + "ffn_gate.weight", (c.intermediate_size, c.hidden_size))),
-            w_up=rows(src.get(p + "ffn_up.weight", (c.intermediate_size, c.hidden_size))),
-            w_down=columns(src.get(p + "ffn_down.weight", (c.hidden_size, c.intermediate_size))),
+            w_gate=rows(src.matrix(p + "ffn_gate.weight", (c.intermediate_size, c.hidden_size))),
+            w_up=rows(src.matrix(p + "ffn_up.weight", (c.intermediate_size, c.hidden_size))),
+            w_down=columns(src.matrix(p + "ffn_down.weight", (c.hidden_size, c.intermediate_size))),
             q_norm=src.get(p + "attn_q_norm.weight", (c.head_dim,)) if c.has_qk_norm else None,
             k_norm=src.get(p + "attn_k_norm.weight", (c.head_dim,)) if c.has_qk_norm else None,
             post_attn_norm=src.get(p + "post_attention_norm.weight", (c.hidden_size,)) if c.has_post_norms else None,

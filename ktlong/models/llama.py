@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ktlong.kv.dense_cache import DenseKVCache
 from ktlong.gguf.model_config import ModelConfig
+from ktlong.gguf.int4_weights import linear
 from ktlong.models.rope import apply_rope, inv_freq, rope_at, rope_cos_sin
 from ktlong.gguf.weights import ModelWeights
 from operators import triton_installed
@@ -70,9 +71,9 @@ class LlamaModel:
         rope_tables(positions) when given)."""
         c, w = self.config, self.weights.layers[i]
         h = rms_norm(x, w.attn_norm, c.rms_norm_eps)
-        q = F.linear(h, w.wq, w.bq).view(-1, c.num_heads, c.head_dim)
-        k = F.linear(h, w.wk, w.bk).view(-1, c.num_kv_heads, c.head_dim)
-        v = F.linear(h, w.wv, w.bv).view(-1, c.num_kv_heads, c.head_dim)
+        q = linear(h, w.wq, w.bq).view(-1, c.num_heads, c.head_dim)
+        k = linear(h, w.wk, w.bk).view(-1, c.num_kv_heads, c.head_dim)
+        v = linear(h, w.wv, w.bv).view(-1, c.num_kv_heads, c.head_dim)
         if c.has_qk_norm:
             q, k = rms_norm(q, w.q_norm, c.rms_norm_eps), rms_norm(k, w.k_norm, c.rms_norm_eps)
         sliding = c.is_sliding(i)
@@ -85,7 +86,7 @@ class LlamaModel:
     def attention_output(self, i: int, o: torch.Tensor) -> torch.Tensor:
         # o: [T, H, D] -> [T, hidden]
         w = self.weights.layers[i]
-        out = F.linear(o.reshape(o.shape[0], -1), w.wo)
+        out = linear(o.reshape(o.shape[0], -1), w.wo)
         if self.tp is not None:
             self.tp.all_reduce(out)
         return rms_norm(out, w.post_attn_norm, self.config.rms_norm_eps) if w.post_attn_norm is not None else out
@@ -93,9 +94,9 @@ class LlamaModel:
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         w = self.weights.layers[i]
         h = rms_norm(x, w.ffn_norm, self.config.rms_norm_eps)
-        gate = F.linear(h, w.w_gate)
+        gate = linear(h, w.w_gate)
         gate = F.gelu(gate, approximate="tanh") if self.config.mlp_act == "gelu_tanh" else F.silu(gate)
-        out = F.linear(gate * F.linear(h, w.w_up), w.w_down)
+        out = linear(gate * linear(h, w.w_up), w.w_down)
         if self.tp is not None:
             self.tp.all_reduce(out)
         return rms_norm(out, w.post_ffn_norm, self.config.rms_norm_eps) if w.post_ffn_norm is not None else out

@@ -115,7 +115,7 @@ def start(config: Config, log=None) -> Started:
         apply_threads(plan.threads, plan.torch_threads)
     else:
         apply_threads(decode_threads(config.threads_num), config.threads_num)
-    lm = load_model(config.model, device, dtype, RopeOptions.of(config), tp, template)
+    lm = load_model(config.model, device, dtype, RopeOptions.of(config), tp, template, config.cpu_int4)
     c = lm.config
     print(f"[loaded {lm.path.name}: {c.arch}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} "
           f"heads, context {c.context_length}, on {device} in {lm.load_seconds:.1f}s; "

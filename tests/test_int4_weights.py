@@ -1,0 +1,91 @@
+"""4-bit GGUF weights kept 4-bit on the CPU (ktlong/gguf/int4_weights.py) against
+dequantise-then-matmul: the same products but for bfloat16 inputs, within the 4-bit format's
+own error of the float32 result; rows reordered as the loader reorders q and k."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from ktlong.gguf.dequant import dequantize
+from ktlong.gguf.reader import GGUFFile
+from ktlong.gguf.model_config import ModelConfig
+from ktlong.gguf.weights import load_weights, unpermute_qk
+from ktlong.gguf.int4_weights import Int4Weight, linear
+from tests.tiny_gguf import TinySpec, write_tiny_gguf
+
+
+def random_blocks(ggml_type, out_features, in_features, seed) -> torch.Tensor:
+    """A Q4_0 or Q4_1 tensor's bytes: random codes, scales of both signs, minimums."""
+    rng = np.random.default_rng(seed)
+    n = out_features * in_features // 32
+    d = (rng.standard_normal(n) * 0.02).astype(np.float16).view(np.uint8).reshape(n, 2)
+    codes = rng.integers(0, 256, (n, 16), dtype=np.uint8)
+    parts = [d]
+    if ggml_type == T.Q4_1:
+        parts.append((rng.standard_normal(n) * 0.05).astype(np.float16).view(np.uint8).reshape(n, 2))
+    return torch.from_numpy(np.concatenate(parts + [codes], axis=1).reshape(-1).copy())
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_1])
+@pytest.mark.parametrize("rows", [1, 5])  # a decode step, a prefill chunk
+def test_int4_product_equals_dequantize_then_matmul(ggml_type, rows):
+    out_features, in_features = 96, 256
+    raw = random_blocks(ggml_type, out_features, in_features, seed=rows)
+    w = dequantize(raw, ggml_type, (out_features, in_features))
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(7))
+    bias = torch.randn(out_features)
+    y = linear(x, Int4Weight.from_blocks(raw, ggml_type, (out_features, in_features)), bias)
+    assert y.dtype == torch.float32 and y.shape == (rows, out_features)
+    exact = x.double() @ w.double().t() + bias.double()
+    # bfloat16 inputs, scales, zeros and output: each within 2^-8 relative of its value
+    bound = 2 ** -7 * (x.abs().double() @ w.abs().double().t() + exact.abs()) + 1e-6
+    assert ((y.double() - exact).abs() <= bound).all()
+    # far inside the format's error: half a 4-bit step of every weight
+    step = dequantize(raw, ggml_type, (out_features, in_features)).view(out_features, -1, 32)
+    half_step = (step.amax(-1) - step.amin(-1)).repeat_interleave(32, 1).view(out_features, in_features) / 30
+    assert ((y.double() - exact).abs() <= x.abs().double() @ half_step.double().t()).all()
+
+
+def test_rows_reorder_codes_scales_and_zeros_alike():
+    """The loader undoes llama.cpp's q/k row permutation on the codes, scales and zeros: the
+    product's outputs are the unreordered weight's, reordered, to the bit."""
+    out_features, in_features, heads = 64, 128, 4
+    raw = random_blocks(T.Q4_1, out_features, in_features, seed=3)
+    plain = Int4Weight.from_blocks(raw, T.Q4_1, (out_features, in_features))
+    reordered = Int4Weight.from_blocks(raw, T.Q4_1, (out_features, in_features), lambda t: unpermute_qk(t, heads))
+    x = torch.randn(3, in_features, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(linear(x, reordered), unpermute_qk(linear(x, plain).t(), heads).t())
+
+
+def test_a_ranks_share_is_dequantised(tmp_path):
+    """cpu_int4 applies to a CPU in one process: tensor parallelism splits float weights."""
+    write_tiny_gguf(tmp_path / "m.gguf", TinySpec(num_layers=1), seed=1,
+                    tensor_types={"blk.0.ffn_up.weight": T.Q4_0})
+    gf = GGUFFile(tmp_path / "m.gguf")
+    config = ModelConfig.from_gguf(gf)
+    assert isinstance(load_weights(gf, config, torch.device("cpu"), torch.float32, None, int4=True).layers[0].w_up,
+                      Int4Weight)
+    shared = load_weights(gf, config, torch.device("cpu"), torch.float32, (0, 2), int4=True).layers[0].w_up
+    assert isinstance(shared, torch.Tensor)
+
+
+@pytest.mark.slow
+def test_smollm2_with_4bit_weights_answers_as_with_float_weights():
+    """SmolLM2-135M (Q4_1 layers): the next-token logits with its weights kept 4-bit are the
+    dequantised model's within bfloat16 rounding, the same token first."""
+    from ktlong.kv.dense_cache import DenseKVCache
+    from ktlong.models.loader import load_model
+
+    float_lm = load_model("smollm2-135m", "cpu", torch.float32)
+    int4_lm = load_model("smollm2-135m", "cpu", torch.float32, int4=True)
+    assert isinstance(int4_lm.model.weights.layers[0].wq, Int4Weight)
+    ids = torch.tensor(float_lm.tokenizer.encode("The capital of France is"))
+    c = float_lm.config
+    logits = []
+    for lm in (float_lm, int4_lm):
+        cache = DenseKVCache(c.num_layers, c.num_kv_heads, c.head_dim, len(ids), torch.device("cpu"), torch.float32)
+        logits.append(lm.model.forward(ids, cache, 0, last_only=True)[0])
+    assert int(logits[0].argmax()) == int(logits[1].argmax())
+    cosine = torch.nn.functional.cosine_similarity(logits[0], logits[1], dim=0)
+    assert cosine > 0.999, cosine
