@@ -1,12 +1,14 @@
 """4-bit GGUF weights kept 4-bit on the CPU, multiplied in place by torch's int4 kernel.
 
-Q4_0 and Q4_1 store each run of 32 weights along a row as 4-bit codes q with a scale d (and,
-Q4_1, a minimum m): w = d * (q - 8), or w = d * q + m. torch's CPU int4 layout (packed codes,
+Q4_0, Q4_1 and Q4_K store each run of 32 weights along a row as 4-bit codes q with a scale d
+(and a minimum): w = d * (q - 8), w = d * q + m, or (Q4_K, a 6-bit scale and minimum per run
+under two float16 factors) w = d * sc * q - dmin * mn. torch's CPU int4 layout (packed codes,
 and a scale and a zero for each group of 32 along the input: w = scale * (q - 8) + zero) holds
-them as they are: Q4_0's zero is 0, Q4_1's is m + 8d. The kernel takes bfloat16 activations and
-bfloat16 scales and zeros, so a product rounds its input and each block's d and m to bfloat16
-(2^-9 relative, far below the 4-bit codes' own error). A decode step reads a quarter of the
-bytes float32 weights take.
+them as they are: the zero is 0, m + 8d, or 8 d sc - dmin mn. The kernel takes bfloat16
+activations and bfloat16 scales and zeros, so a product rounds its input and each run's scale
+and zero to bfloat16 (2^-9 of their size: below half a 4-bit step while a run's offset is under
+about 250 of its steps, as quantisers make them). A decode step reads a quarter of the bytes
+float32 weights take.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-INT4_TYPES = frozenset({T.Q4_0, T.Q4_1})
+from ktlong.gguf.dequant import _bits, _f16, _k_scale_min, _nibbles
+
+INT4_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
 GROUP = 32  # weights per GGUF block along a row, and per scale of torch's int4 layout
 
 
@@ -30,20 +34,27 @@ class Int4Weight:
 
     @classmethod
     def from_blocks(cls, raw: torch.Tensor, ggml_type: T, shape: tuple[int, int], rows=lambda t: t) -> "Int4Weight":
-        """raw: a Q4_0 or Q4_1 tensor's bytes (flat uint8); shape: (out, in). rows: a reordering
-        of the rows (output features) applied to codes, scales and zeros alike (unpermute_qk)."""
+        """raw: a Q4_0, Q4_1 or Q4_K tensor's bytes (flat uint8); shape: (out, in). rows: a
+        reordering of the rows (output features) applied to codes, scales and zeros alike
+        (unpermute_qk)."""
         assert ggml_type in INT4_TYPES and raw.dtype == torch.uint8 and raw.dim() == 1
         out_features, in_features = shape
-        blocks = raw.view(out_features * in_features // GROUP, -1)
-        d = blocks[:, :2].contiguous().view(torch.float16).float()[:, 0]
-        if ggml_type == T.Q4_0:
-            codes, zero = blocks[:, 2:], torch.zeros_like(d)
-        else:
-            codes, zero = blocks[:, 4:], blocks[:, 2:4].contiguous().view(torch.float16).float()[:, 0] + 8 * d
-        # byte j of a block holds element j (low nibble) and element j + 16 (high nibble)
-        q = torch.cat([codes & 0xF, codes >> 4], dim=1).to(torch.int32).view(out_features, in_features)
+        blocks = raw.view(-1, GGML_QUANT_SIZES[ggml_type][1])
+        if ggml_type == T.Q4_0:  # w = d (q - 8)
+            d, q = _f16(blocks[:, :2]), _nibbles(blocks[:, 2:])
+            zero = torch.zeros_like(d)
+        elif ggml_type == T.Q4_1:  # w = d q + m
+            d, q = _f16(blocks[:, :2]), _nibbles(blocks[:, 4:])
+            zero = _f16(blocks[:, 2:4]) + 8 * d
+        else:  # Q4_K: 256 weights in 8 runs of 32, w = d sc q - dmin mn with 6-bit sc and mn per run
+            n = blocks.shape[0]
+            scale, minimum = _k_scale_min(blocks[:, 4:16])
+            run_d = _f16(blocks[:, :2]) * scale
+            d, zero = run_d.reshape(-1, 1), (8 * run_d - _f16(blocks[:, 2:4]) * minimum).reshape(-1, 1)
+            q = _bits(blocks[:, 16:].reshape(n * 4, 32), 4).reshape(n * 8, GROUP)
         groups = (out_features, in_features // GROUP)
-        q, d, zero = rows(q), rows(d.view(groups)), rows(zero.view(groups))
+        q = rows(q.to(torch.int32).view(out_features, in_features))
+        d, zero = rows(d.view(groups)), rows(zero.view(groups))
         scale_zero = torch.stack([d.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
         return cls(packed, scale_zero, (out_features, in_features))

@@ -1,0 +1,89 @@
+"""CPU-only decode and prefill with the layers' 4-bit weights kept 4-bit (cpu_int4) against the
+same weights dequantised to float32, on a real GGUF model in normal mode.
+
+python -m ktlong.bench cpu-weights --model smollm2-135m --lengths 4k,16k [--tokens 32] [--runs 2]
+
+Each run of each arm is a process of its own, so that its peak resident memory is its own; the
+arms alternate. A run loads the model on the CPU, prefills a prompt of the length (fixed token
+ids) and decodes --tokens tokens greedily. The table gives medians over the runs: prefill and
+decode tokens per second, the peak resident memory, and the decode ratio to float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+from ktlong.bench.common import median
+from ktlong.cli import parse_lengths, print_table
+from ktlong.errors import KtlongError
+
+ARMS = ("float32", "int4")
+
+
+def run_arm(model: str, length: int, tokens: int, int4: bool) -> dict:
+    """One run in this process: prefill and decode seconds, peak resident bytes."""
+    import torch
+
+    from ktlong.models.loader import load_model
+    from ktlong.session.dense import DenseSession
+
+    lm = load_model(model, "cpu", torch.float32, int4=int4)
+    if length + tokens > lm.config.context_length:
+        raise KtlongError(f"--lengths {length} plus {tokens} tokens exceed the model's context of "
+                          f"{lm.config.context_length}; use shorter lengths.")
+    session = DenseSession(lm.model, length + tokens, 512)
+    ids = [(i * 7919) % (lm.config.vocab_size - 200) + 100 for i in range(length)]  # fixed, no special tokens
+    start = time.perf_counter()
+    logits = session.prefill(ids)
+    prefill = time.perf_counter() - start
+    steps = []
+    for _ in range(tokens):
+        start = time.perf_counter()
+        logits = session.step(int(logits.argmax()))
+        steps.append(time.perf_counter() - start)
+    return {"prefill_s": prefill, "decode_s": median(steps),
+            "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ktlong.bench cpu-weights", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="packaged model name or GGUF path")
+    p.add_argument("--lengths", default="4k", help="prompt lengths in tokens")
+    p.add_argument("--tokens", type=int, default=32, help="tokens decoded per run (the median step is reported)")
+    p.add_argument("--runs", type=int, default=2, help="runs per arm and length, alternating")
+    p.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # one run, in a child process
+    args = p.parse_args(argv)
+    if args.runs < 1 or args.tokens < 1:
+        raise KtlongError("--runs and --tokens must be at least 1.")
+    lengths = parse_lengths(args.lengths)
+    if args.arm:
+        print(json.dumps(run_arm(args.model, lengths[0], args.tokens, args.arm == "int4")))
+        return 0
+    rows = []
+    for length in lengths:
+        runs = {arm: [] for arm in ARMS}
+        for _ in range(args.runs):
+            for arm in ARMS:
+                child = subprocess.run([sys.executable, "-m", "ktlong.bench", "cpu-weights", "--model", args.model,
+                                        "--lengths", str(length), "--tokens", str(args.tokens), "--arm", arm],
+                                       capture_output=True, text=True)
+                if child.returncode != 0:
+                    lines = (child.stderr or child.stdout).strip().splitlines()  # its own one-sentence error
+                    raise KtlongError(lines[-1].removeprefix("error: ") if lines else
+                                      f"the {arm} run failed (exit {child.returncode}); run it alone to see why.")
+                runs[arm].append(json.loads(child.stdout.strip().splitlines()[-1]))
+        decode = {arm: median([r["decode_s"] for r in runs[arm]]) for arm in ARMS}
+        for arm in ARMS:
+            rs = runs[arm]
+            rows.append([f"{length:,}", arm, f"{length / median([r['prefill_s'] for r in rs]):,.0f}",
+                         f"{1 / decode[arm]:.1f}", f"{median([r['peak_bytes'] for r in rs]) / 2**30:.2f}",
+                         f"{decode['float32'] / decode[arm]:.2f}x"])
+    print(f"{args.model}, CPU, {args.runs} runs per arm, medians")
+    print_table(["prompt", "weights", "prefill tok/s", "decode tok/s", "peak RSS GiB", "decode vs float32"], rows)
+    return 0
