@@ -6,8 +6,8 @@ under two float16 factors) w = d * sc * q - dmin * mn. torch's CPU int4 layout (
 and a scale and a zero for each group of 32 along the input: w = scale * (q - 8) + zero) holds
 them as they are: the zero is 0, m + 8d, or 8 d sc - dmin mn. The kernel takes bfloat16
 activations and bfloat16 scales and zeros, so a product rounds its input and each run's scale
-and zero to bfloat16 (2^-9 of their size: below half a 4-bit step while a run's offset is under
-about 250 of its steps, as quantisers make them). A decode step reads a quarter of the bytes
+and zero to bfloat16 (by 2^-8 of their size at most: below half a 4-bit step while a run's
+offset is under 128 of its steps, as quantisers make them). A decode step reads a quarter of the bytes
 float32 weights take.
 """
 
