@@ -7,8 +7,8 @@ and a scale and a zero for each group of 32 along the input: w = scale * (q - 8)
 them as they are: the zero is 0, m + 8d, or 8 d sc - dmin mn. The kernel takes bfloat16
 activations and bfloat16 scales and zeros, so a product rounds its input and each run's scale
 and zero to bfloat16 (by 2^-8 of their size at most: below half a 4-bit step while a run's
-offset is under 128 of its steps, as quantisers make them). A decode step reads a quarter of the bytes
-float32 weights take.
+offset is under 128 of its steps, as quantisers make them). A decode step reads a quarter of
+the bytes float32 weights take.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from ktlong.gguf.dequant import _bits, _f16, _k_scale_min, _nibbles
+from ktlong.gguf.dequant import four_bit_runs
 
 INT4_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
 GROUP = 32  # weights per GGUF block along a row, and per scale of torch's int4 layout
@@ -39,19 +39,8 @@ class Int4Weight:
         (unpermute_qk)."""
         assert ggml_type in INT4_TYPES and raw.dtype == torch.uint8 and raw.dim() == 1
         out_features, in_features = shape
-        blocks = raw.view(-1, GGML_QUANT_SIZES[ggml_type][1])
-        if ggml_type == T.Q4_0:  # w = d (q - 8)
-            d, q = _f16(blocks[:, :2]), _nibbles(blocks[:, 2:])
-            zero = torch.zeros_like(d)
-        elif ggml_type == T.Q4_1:  # w = d q + m
-            d, q = _f16(blocks[:, :2]), _nibbles(blocks[:, 4:])
-            zero = _f16(blocks[:, 2:4]) + 8 * d
-        else:  # Q4_K: 256 weights in 8 runs of 32, w = d sc q - dmin mn with 6-bit sc and mn per run
-            n = blocks.shape[0]
-            scale, minimum = _k_scale_min(blocks[:, 4:16])
-            run_d = _f16(blocks[:, :2]) * scale
-            d, zero = run_d.reshape(-1, 1), (8 * run_d - _f16(blocks[:, 2:4]) * minimum).reshape(-1, 1)
-            q = _bits(blocks[:, 16:].reshape(n * 4, 32), 4).reshape(n * 8, GROUP)
+        q, d, offset = four_bit_runs(raw.view(-1, GGML_QUANT_SIZES[ggml_type][1]), ggml_type)
+        zero = offset + 8 * d  # torch's layout centres the codes: w = d (q - 8) + zero
         groups = (out_features, in_features // GROUP)
         q = rows(q.to(torch.int32).view(out_features, in_features))
         d, zero = rows(d.view(groups)), rows(zero.view(groups))
