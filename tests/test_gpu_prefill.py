@@ -60,3 +60,49 @@ def test_gpu_prefill_matches_float32_cpu_reference():
             assert host.num_tokens == 1500 and stats.bytes_to_host > 0
             if not on_device:
                 assert stats.bytes_to_device == 2 * 1500 * 256 * 2  # hidden in, per layer
+
+
+def test_chunk_graphs_replay_what_eager_prefill_computes():
+    """Full chunks replayed from CUDA graphs (ktlong/models/chunk_graphs.py) give the eager
+    prefill's logits and DRAM cache: the same kernels on the same inputs. Dense and compact,
+    hidden states on the device and in DRAM, three full chunks and a shorter last one."""
+    from tests.settings import compact_settings
+
+    model = random_model("tiny", torch.device("cuda"), torch.bfloat16, seed=3)
+    c, chunk = model.config, 512
+    ids = torch.randint(0, 1000, (3 * chunk + 200,), generator=torch.Generator().manual_seed(5)).tolist()
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 128, len(ids), "bf16")
+    backends = ["torch"] + (["fa2"] if flashinfer_available() else [])
+    for backend in backends:
+        for compact in (None, compact_settings(keep_blocks=4)) if backend != "torch" else (None,):
+            for on_device in (True, False):
+                results = []
+                for graphs in (False, True):
+                    host = HostKVCache(layout, pin=True)
+                    engine = LayerMajorPrefill(model, layout, chunk, backend, on_device, compact, graphs)
+                    logits, stats = engine.run(ids, host)
+                    results.append((logits.float().cpu(), host.tokens(1, "k", 0, len(ids)).float().clone(),
+                                    stats.density_per_layer))
+                (eager, k_eager, d_eager), (graphed, k_graphed, d_graphed) = results
+                where = (backend, compact is not None, on_device)
+                assert torch.allclose(graphed, eager, rtol=0, atol=1e-3 * float(eager.abs().max())), where
+                assert torch.equal(k_graphed, k_eager), where
+                assert d_graphed == d_eager, where
+
+
+def test_chunk_graphs_hold_what_the_memory_plan_counts():
+    """Qwen2.5-0.5B's shapes at the default chunk: the memory the graphs take (their buffers and
+    pool) is within what memory_plan.graph_bytes counts, and not far below it."""
+    from ktlong.kv.memory_plan import graph_bytes
+    from ktlong.models.chunk_graphs import chunk_graphs
+
+    model = random_model("qwen2.5-0.5b", torch.device("cuda"), torch.bfloat16)
+    chunk, x = 8192, torch.zeros((8192, model.config.hidden_size), dtype=torch.bfloat16, device="cuda")
+    model.residual_block(0, x, model.qkv(0, x, torch.arange(chunk, device="cuda"))[0])  # eager workspaces first
+    del x
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    chunk_graphs(model, chunk)
+    torch.cuda.synchronize()
+    held, counted = torch.cuda.memory_reserved() - before, graph_bytes(model.config, chunk, 2)
+    assert 0.5 * counted <= held <= counted + (64 << 20), (held, counted)  # 64 MiB: a capture stream's cuBLAS workspace
