@@ -105,7 +105,7 @@ def start(config: Config, log=None) -> Started:
               f"heads, {len(os.sched_getaffinity(0))} cores]", file=log)
     dtype = resolve_dtype(config.dtype, device)
     if config.use_cuda_graph is True and (device.type != "cuda" or config.mode != "long_context"):
-        print("[use_cuda_graph: graphs replay the long-context decode step and prefill chunks on a GPU; ignored here]", file=log)
+        print("[use_cuda_graph: graphs replay the long-context decode step on a GPU; ignored here]", file=log)
     plan = None
     if config.mode == "long_context":
         plan = plan_session(config, model_config, num_weight_elements, max_seq_len, device, dtype,
