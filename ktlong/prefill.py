@@ -30,7 +30,6 @@ from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import KVLayout
 from ktlong.kv.pinned import copy_heads
 from ktlong.kv.resident import ResidentHistory
-from ktlong.models.chunk_graphs import chunk_graphs
 from ktlong.models.llama import LlamaModel
 from operators import triton_installed
 from operators.block_summary import anchor_keys, block_summaries, token_importance
@@ -127,9 +126,7 @@ class _Timer:
 
 class LayerMajorPrefill:
     def __init__(self, model: LlamaModel, layout: KVLayout, chunk_size: int, backend: str,
-                 hidden_on_device: bool, compact: CompactParams | None = None, graphs: bool = False):
-        """graphs: full chunks replay each layer's projections and MLP from CUDA graphs
-        (ktlong/models/chunk_graphs.py; the plan decides, and counts their memory)."""
+                 hidden_on_device: bool, compact: CompactParams | None = None):
         assert chunk_size % layout.block_size == 0
         self.model, self.layout, self.chunk_size = model, layout, chunk_size
         self.device = model.device
@@ -150,7 +147,6 @@ class LayerMajorPrefill:
         self.pooled_keys = torch.zeros((layout.num_kv_heads, layout.num_blocks, layout.head_dim),
                                        dtype=torch.float32, device=self.device)
         self.cuda = self.device.type == "cuda"
-        self.graphs = graphs and self.cuda
         # the block summaries in Triton kernels (operators/block_summary_kernel.py) where they run
         self.summary_kernel = False
         if self.cuda and triton_installed():
@@ -231,12 +227,10 @@ class LayerMajorPrefill:
         disk cache): a prompt of one block (the dense and paged attention kernels, the block
         summaries, the observation scores, the quantiser), a short follow-up over it (fa2 where
         fa3 runs long chunks), the dense rows CompactAttention gives the prompt's last queries,
-        topk's selection kernels, and the CUDA graphs of full chunks. The selected chunks run the
-        paged kernel the first prompt built. `host` is left empty."""
+        and topk's selection kernels. The selected chunks run the paged kernel the first prompt
+        built. `host` is left empty."""
         first = min(self.layout.block_size, self.layout.capacity)
         self.run([0] * first, host)
-        if self.graphs and self.chunk_size <= self.layout.capacity:
-            chunk_graphs(self.model, self.chunk_size)
         if not self.layout.sliding and first + 8 <= self.layout.capacity:
             self.run([0] * 8, host, history=first)
         if self.cuda and self.compact is not None and self.compact.params.dense_tail:
@@ -275,15 +269,14 @@ class LayerMajorPrefill:
 
     def _layer_chunk(self, layer, x, positions, s, e, run: _Run) -> torch.Tensor:
         model = self.model
-        graphs = chunk_graphs(model, self.chunk_size) if self.graphs and e - s == self.chunk_size else None
-        q, k, v = (graphs if graphs is not None else model).qkv(layer, x, positions)
+        q, k, v = model.qkv(layer, x, positions)
         self.pages.write(s, k.to(self.layout.dtype), v.to(self.layout.dtype))
         if e == run.num_tokens and not self.layout.is_sliding(layer):  # every key of the layer is in pages
             mass = observation_block_mass(q[-OBSERVATION_QUERIES:], self.pages.k, e, model.scale)
             run.masses.append((layer, mass))
         o = self._attention(layer, q.to(self.layout.dtype), s, e, run)
         self._offload(layer, q, s, e, run)
-        return graphs.residual_block(layer, o) if graphs is not None else model.residual_block(layer, x, o)
+        return model.residual_block(layer, x, o)
 
     def _attention(self, layer, q, s, e, run: _Run) -> torch.Tensor:
         """The chunk's attention, timed in two parts: selection (CompactAttention's choice of

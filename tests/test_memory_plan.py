@@ -126,19 +126,3 @@ def test_bf16_at_1m_on_a_125_gib_host_is_refused_naming_q8_0():
     plan = plan_for(1 << 20)  # LLaMA-3.1-8B, bf16 K/V, 24 GiB GPU: hidden states in DRAM too
     with pytest.raises(ConfigError, match=r"needs 140.0 GiB of DRAM .* set kv_type: q8_0 \(needs 80.0 GiB\)"):
         check_plan(plan, 24 * GIB, True, free_dram=125 * GIB, max_seq_len=1 << 20)
-
-
-def test_prefill_graphs_count_in_both_peaks_when_a_full_chunk_fits():
-    """CUDA graphs of full chunks stay from the first prefill on: the plan adds their bytes to
-    prefill's and decode's peak (8B shapes: 8192 x (fixed 3 x 4096 + 2 x 4096 + 2 x 1024 and a
-    pool of 3 x 4096 + 3 x 14336 values, in bf16, + positions)), and nothing when no prompt can
-    fill a chunk."""
-    c = random_config("llama-3.1-8b")
-    expected = 8192 * ((3 * 4096 + 2 * 4096 + 2 * 1024 + 3 * 4096 + 3 * 14336) * 2 + 8)
-    for max_seq_len, counted in ((32 << 10, expected), (4096, 0)):
-        layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 128, max_seq_len, "bf16")
-        without, with_graphs = (plan_memory(c, num_weight_elements(c), 2, layout, 8192, 24 * GIB, True,
-                                            prefill_graphs=graphs) for graphs in (False, True))
-        assert with_graphs.prefill_graphs == counted
-        assert with_graphs.prefill_device - without.prefill_device == counted
-        assert with_graphs.decode_device - without.decode_device == counted

@@ -30,7 +30,7 @@ from ktlong.session.plan import plan_session
 
 # what this bench reads of the config: the prefill options and what shapes the KV it writes
 READS = options_in("long-context prefill") | {"block_size", "kv_type", "anchor_type", "anchor_num", "threads_num",
-                                               "device", "gpu_memory_budget_gb", "use_cuda_graph"}
+                                               "device", "gpu_memory_budget_gb"}
 
 
 def main(argv=None) -> int:
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         for i in range(args.runs):
             for arm, params in arms:  # one engine at a time: the plan counts one set of pages
                 engine = LayerMajorPrefill(model, plan.layout, plan.chunk_size, plan.attention_backend,
-                                           memory.hidden_on_device, params, plan.prefill_graphs)
+                                           memory.hidden_on_device, params)
                 if device.type == "cuda" and i == 0:  # kernels build on first use: not inside the timed runs
                     engine.warm_up(host)
                 runs[arm].append(engine.run(ids, host)[1])

@@ -20,7 +20,6 @@ class MemoryPlan:
     kv_pages: int  # one layer of K/V pages on the GPU
     hidden: int  # all hidden states on the GPU, or two staging chunks when they live in DRAM
     workspace: int  # one chunk's activations, attention workspace, logits
-    prefill_graphs: int  # CUDA graphs of full prefill chunks, kept from the first prefill on
     decode_window: int  # decode: sinks + local window of every layer (prefill's hidden states are gone)
     decode_anchors: int  # decode: the device copy of the anchors that blocks are scored with, if any
     hidden_on_device: bool
@@ -35,11 +34,11 @@ class MemoryPlan:
 
     @property
     def prefill_device(self) -> int:
-        return self.weights + self.kv_pages + self.hidden + self.workspace + self.prefill_graphs
+        return self.weights + self.kv_pages + self.hidden + self.workspace
 
     @property
     def decode_device(self) -> int:
-        return self.weights + self.kv_pages + self.decode_window + self.decode_anchors + self.prefill_graphs
+        return self.weights + self.kv_pages + self.decode_window + self.decode_anchors
 
     @property
     def device_total(self) -> int:
@@ -56,7 +55,6 @@ class MemoryPlan:
         rows = [(f"{dev} weights", self.weights), (f"{dev} KV pages (one layer)", self.kv_pages),
                 (f"{dev} hidden states" if self.hidden_on_device else f"{dev} hidden staging", self.hidden),
                 (f"{dev} workspace (one chunk)", self.workspace),
-                *([(f"{dev} prefill graphs", self.prefill_graphs)] if self.prefill_graphs else []),
                 (f"{dev} decode window", self.decode_window)]
         if self.decode_anchors:
             rows.append((f"{dev} decode anchors", self.decode_anchors))
@@ -82,15 +80,6 @@ def workspace_bytes(c: ModelConfig, chunk: int, layout: KVLayout, act_bytes: int
     return chunk * per_token + importance + quantize + ATTENTION_WORKSPACE + c.vocab_size * 4 * 2
 
 
-def graph_bytes(c: ModelConfig, chunk: int, act_bytes: int) -> int:
-    """ktlong/models/chunk_graphs.py: the graphs' fixed inputs and outputs (x, q, k, v, the
-    attention output, the layer's output, positions) and their shared pool, as large as the rest
-    of a layer's peak (residuals, the normed input, gate, up and their product)."""
-    fixed = 3 * c.hidden_size + 2 * c.num_heads * c.head_dim + 2 * c.num_kv_heads * c.head_dim
-    pool = 3 * c.hidden_size + 3 * c.intermediate_size
-    return chunk * ((fixed + pool) * act_bytes + 8)
-
-
 def decode_window_bytes(layout: KVLayout, local_windows_len: int, sink_tokens: int) -> int:
     """ktlong/decode/window.py: K and V of sinks + local window + two blocks, every layer."""
     tokens = sink_tokens + local_windows_len + 2 * layout.block_size
@@ -107,21 +96,19 @@ def decode_anchor_bytes(layout: KVLayout, anchors_per_block: int) -> int:
 
 def plan_memory(c: ModelConfig, num_weight_elements: int, act_bytes: int, layout: KVLayout,
                 chunk_size: int, budget_bytes: int, device_is_gpu: bool, local_windows_len: int = 4096,
-                device_anchors_per_block: int = 0, prefill_graphs: bool = False) -> MemoryPlan:
-    """device_anchors_per_block: anchors per block when decode scores blocks on the GPU, else 0.
-    prefill_graphs: full chunks replay CUDA graphs (counted when a full chunk fits the capacity)."""
+                device_anchors_per_block: int = 0) -> MemoryPlan:
+    """device_anchors_per_block: anchors per block when decode scores blocks on the GPU, else 0."""
     weights = num_weight_elements * act_bytes
     kv_pages = layout.page_bytes()
     chunk = min(chunk_size, layout.capacity)
     workspace = workspace_bytes(c, chunk, layout, act_bytes)
-    graphs = graph_bytes(c, chunk_size, act_bytes) if prefill_graphs and chunk_size <= layout.capacity else 0
     window = decode_window_bytes(layout, local_windows_len, SINK_BLOCKS * layout.block_size)
     full_hidden = layout.capacity * c.hidden_size * act_bytes
     staging = 2 * chunk * c.hidden_size * act_bytes
-    hidden_on_device = not device_is_gpu or weights + kv_pages + full_hidden + workspace + graphs <= budget_bytes
+    hidden_on_device = not device_is_gpu or weights + kv_pages + full_hidden + workspace <= budget_bytes
     return MemoryPlan(
         weights=weights, kv_pages=kv_pages, hidden=full_hidden if hidden_on_device else staging,
-        workspace=workspace, prefill_graphs=graphs, decode_window=window,
+        workspace=workspace, decode_window=window,
         decode_anchors=decode_anchor_bytes(layout, device_anchors_per_block) if device_is_gpu else 0,
         hidden_on_device=hidden_on_device,
         dram_kv=layout.dram_kv_bytes(sliding=False), dram_kv_sliding=layout.dram_kv_bytes(sliding=True),

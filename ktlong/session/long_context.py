@@ -39,13 +39,12 @@ class LongContextSession:
     def __init__(self, model: LlamaModel, layout: KVLayout, *, chunk_size: int, backend: str,
                  hidden_on_device: bool, compact: CompactParams | None, selection: SelectionSettings,
                  local_windows_len: int, use_cuda_graph: bool, follow_up_headroom: int | None = None,
-                 prefill_headroom: int | None = None, resident_history: bool = True, prefill_graphs: bool = False):
+                 prefill_headroom: int | None = None, resident_history: bool = True):
         """follow_up_headroom: device bytes the plan leaves beside a decoder (its window, anchors
         and graphs), within which a follow-up's prefill runs while the decoder stays; None: no
         limit (the CPU). prefill_headroom: what the plan leaves beside a new prompt's prefill.
         resident_history: what a prefill leaves of that room keeps layers' history on the device
-        for the next follow-up (ktlong/kv/resident.py). prefill_graphs: full chunks replay CUDA
-        graphs (ktlong/models/chunk_graphs.py). backend and selection: resolved, as the
+        for the next follow-up (ktlong/kv/resident.py). backend and selection: resolved, as the
         plan resolves them (from_plan)."""
         window = model.config.sliding_window
         assert not window or local_windows_len >= min(window, layout.capacity), "Config.local_window_for"
@@ -58,7 +57,7 @@ class LongContextSession:
         self.decoder: Decoder | None = None
         self.model, self.layout = model, layout
         self.max_seq_len = layout.capacity
-        self.engine = LayerMajorPrefill(model, layout, chunk_size, backend, hidden_on_device, compact, prefill_graphs)
+        self.engine = LayerMajorPrefill(model, layout, chunk_size, backend, hidden_on_device, compact)
         # the conversation the session works on: its DRAM cache, tokens and bookkeeping, in one
         # object that exchange() hands over whole
         self.conversation = HeldConversation.empty(layout, HostKVCache(layout, pin=model.device.type == "cuda"))
@@ -80,7 +79,7 @@ class LongContextSession:
                       use_cuda_graph=plan.use_cuda_graph,
                       follow_up_headroom=plan.budget_bytes - plan.memory.decode_device if plan.is_gpu else None,
                       prefill_headroom=plan.budget_bytes - plan.memory.prefill_device if plan.is_gpu else None,
-                      resident_history=plan.resident_history, prefill_graphs=plan.prefill_graphs)
+                      resident_history=plan.resident_history)
         session.warm_up()
         return session
 

@@ -40,8 +40,7 @@ class SessionPlan:
     layout: KVLayout
     memory: MemoryPlan
     kv_type: str
-    use_cuda_graph: bool  # decode's step replays CUDA graphs
-    prefill_graphs: bool  # prefill's full chunks replay CUDA graphs of each layer's projections and MLP
+    use_cuda_graph: bool
     max_seq_len: int
     budget_bytes: int
     is_gpu: bool
@@ -65,7 +64,7 @@ class SessionPlan:
                  f"  decode: top {s.second_select_num} blocks by {s.anchor_type} anchors ({s.head_select_mode}), "
                  f"scored on the {'GPU' if s.block_scoring == 'device' and self.is_gpu else 'CPU'}, read by the "
                  f"{'GPU' if s.context_attention == 'gpu' else 'CPU operator'}; CUDA graphs "
-                 f"{'on' if self.use_cuda_graph else 'off'} (prefill {'on' if self.prefill_graphs else 'off'}); {self.threads} CPU thread{'s' if self.threads > 1 else ''}",
+                 f"{'on' if self.use_cuda_graph else 'off'}; {self.threads} CPU thread{'s' if self.threads > 1 else ''}",
                  self.memory.table()]
         return "\n".join(lines)
 
@@ -82,8 +81,7 @@ def resolve_kv_type(kv_type: str, dtype: torch.dtype) -> str:
 
 
 def resolve_cuda_graph(use_cuda_graph: bool | str, device: torch.device) -> bool:
-    """Graphs replay the long-context decode step and prefill's full chunks on a GPU: auto and
-    true mean on with CUDA (prefill's only in one process: plan_session)."""
+    """Graphs replay the long-context decode step on a GPU: auto and true mean on with CUDA."""
     return device.type == "cuda" and use_cuda_graph in (True, "auto")
 
 
@@ -128,11 +126,9 @@ def plan_session(config: Config, model_config: ModelConfig, num_weight_elements:
     selection = resolve_selection(selection_settings(config, model_config.num_layers, decode), device,
                                   tensor_parallel, layout)
     anchors = anchors_per_block(config.anchor_type, config.anchor_num) if scores_on_device(selection) else 0
-    graphs = resolve_cuda_graph(config.use_cuda_graph, device)
-    prefill_graphs = graphs and tensor_parallel == 1  # a rank's all-reduce stays out of captured work
     memory = plan_memory(model_config, num_weight_elements, dtype.itemsize, layout, config.chunk_size, budget,
-                         is_gpu, local_windows_len, anchors, prefill_graphs)
-    return SessionPlan(device, dtype, layout, memory, kv_type, graphs, prefill_graphs,
+                         is_gpu, local_windows_len, anchors)
+    return SessionPlan(device, dtype, layout, memory, kv_type, resolve_cuda_graph(config.use_cuda_graph, device),
                        max_seq_len, budget, is_gpu, local_windows_len, config.chunk_size,
                        resolve_backend(config.attention_backend, device, model_config.head_dim, layout.dtype),
                        compact_params(config, prefill), selection, decode_threads(config.threads_num),
