@@ -24,7 +24,7 @@ MAX_ROW_TILE = 64  # query rows per program: [rows, head_dim] and [rows, keys] s
 MAX_KEY_TILE = 64  # keys per step inside a block
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "num_q", "num_blocks", "num_tokens"])  # one build for every prompt length
 def _block_max_and_sum(q_ptr, k_ptr, max_ptr, sum_ptr, num_rows, num_q, num_blocks, num_tokens, scale,
                        stride_q_kv, stride_q_row, stride_k_kv, stride_k_block, stride_k_token,
                        BLOCK: tl.constexpr, DIM: tl.constexpr, ROWS: tl.constexpr, KEYS: tl.constexpr):

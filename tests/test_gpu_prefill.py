@@ -60,3 +60,43 @@ def test_gpu_prefill_matches_float32_cpu_reference():
             assert host.num_tokens == 1500 and stats.bytes_to_host > 0
             if not on_device:
                 assert stats.bytes_to_device == 2 * 1500 * 256 * 2  # hidden in, per layer
+
+
+def triton_builds() -> dict[str, int]:
+    """How many compiled variants each of the prefill's Triton kernels holds in this process."""
+    import triton
+
+    import operators.block_summary_kernel as summary
+    import operators.observation_kernel as observation
+    import operators.rms_norm_kernel as rms
+    import operators.rope_kernel as rope
+    import operators.topk_selection_kernel as topk
+
+    counts = {}
+    for module in (summary, observation, rms, rope, topk):
+        for name, fn in vars(module).items():
+            if isinstance(fn, triton.runtime.jit.JITFunction):
+                counts[f"{module.__name__}.{name}"] = sum(len(cache[0]) for cache in fn.device_caches.values())
+    return counts
+
+
+def test_warm_up_builds_every_triton_variant_a_prefill_uses():
+    """A prompt of any length after LayerMajorPrefill.warm_up compiles no Triton kernel inside
+    the timed prefill: the kernels do not specialize on lengths (a fresh machine's first prompt
+    otherwise pays each build, ~0.4 s apiece, inside its time to first token)."""
+    from ktlong.prefill import resolve_backend
+    from tests.settings import compact_settings
+
+    model = random_model("tiny", torch.device("cuda"), torch.bfloat16, seed=4)
+    c = model.config
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 128, 6000, "bf16", anchor_type="DYNAMIC",
+                       anchor_num=1)
+    backend = resolve_backend("auto", model.device, c.head_dim, torch.bfloat16)
+    engine = LayerMajorPrefill(model, layout, 1024, backend, True, compact_settings(keep_blocks=4))
+    host = HostKVCache(layout, pin=True)
+    engine.warm_up(host)
+    built = triton_builds()
+    for length in (5001, 3333):  # lengths the warm-up never saw, not multiples of 16
+        engine.run(torch.randint(0, 1000, (length,), generator=torch.Generator().manual_seed(length)).tolist(), host)
+        host.reset()
+    assert triton_builds() == built
