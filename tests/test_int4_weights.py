@@ -1,6 +1,7 @@
-"""4-bit GGUF weights kept 4-bit on the CPU (ktlong/gguf/int4_weights.py) against
-dequantise-then-matmul: the same products but for bfloat16 inputs, within the 4-bit format's
-own error of the float32 result; rows reordered as the loader reorders q and k."""
+"""Quantised GGUF weights kept compact on the CPU (CpuWeights): 4-bit matrices kept 4-bit
+(ktlong/gguf/int4_weights.py) against dequantise-then-matmul, the same products but for
+bfloat16 inputs, within the 4-bit format's own error of the float32 result, rows reordered as
+the loader reorders q and k; the embedding and head in bfloat16, the dequantised values rounded."""
 
 import numpy as np
 import pytest
@@ -10,7 +11,8 @@ from gguf import GGMLQuantizationType as T
 from ktlong.gguf.dequant import dequantize
 from ktlong.gguf.reader import GGUFFile
 from ktlong.gguf.model_config import ModelConfig
-from ktlong.gguf.weights import load_weights, unpermute_qk
+from ktlong.gguf import weights as weights_module
+from ktlong.gguf.weights import CpuWeights, load_weights, unpermute_qk
 from ktlong.gguf.int4_weights import Int4Weight, linear
 from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
@@ -63,33 +65,56 @@ def test_rows_reorder_codes_scales_and_zeros_alike():
 
 
 def test_a_ranks_share_is_dequantised(tmp_path):
-    """cpu_int4 applies to a CPU in one process: tensor parallelism splits float weights."""
+    """CpuWeights apply to a CPU in one process: tensor parallelism splits float weights."""
     write_tiny_gguf(tmp_path / "m.gguf", TinySpec(num_layers=1), seed=1,
                     tensor_types={"blk.0.ffn_up.weight": T.Q4_0})
     gf = GGUFFile(tmp_path / "m.gguf")
     config = ModelConfig.from_gguf(gf)
-    assert isinstance(load_weights(gf, config, torch.device("cpu"), torch.float32, None, int4=True).layers[0].w_up,
-                      Int4Weight)
-    shared = load_weights(gf, config, torch.device("cpu"), torch.float32, (0, 2), int4=True).layers[0].w_up
-    assert isinstance(shared, torch.Tensor)
+    compact = CpuWeights(int4=True, bf16_head=True)
+    whole = load_weights(gf, config, torch.device("cpu"), torch.float32, None, compact)
+    assert isinstance(whole.layers[0].w_up, Int4Weight) and whole.embed.dtype == torch.bfloat16
+    shared = load_weights(gf, config, torch.device("cpu"), torch.float32, (0, 2), compact)
+    assert isinstance(shared.layers[0].w_up, torch.Tensor) and shared.embed.dtype == torch.float32
+
+
+def test_bf16_head_is_the_dequantised_table_rounded_within_half_a_q8_0_step(tmp_path, monkeypatch):
+    """cpu_bf16_head: the Q8_0 embedding and the untied head, dequantised a few rows at a time,
+    are the float32 dequantisation rounded to bfloat16, to the bit; each value within half its
+    block's q8_0 step (d) of the GGUF's."""
+    monkeypatch.setattr(weights_module, "HEAD_ROWS", 7)  # several slices, the last one short
+    q8 = {"token_embd.weight": T.Q8_0, "output.weight": T.Q8_0}
+    write_tiny_gguf(tmp_path / "m.gguf", TinySpec(num_layers=1), seed=2, tensor_types=q8)
+    gf = GGUFFile(tmp_path / "m.gguf")
+    config = ModelConfig.from_gguf(gf)
+    w = load_weights(gf, config, torch.device("cpu"), torch.float32, None, CpuWeights(bf16_head=True))
+    for name, table in (("token_embd.weight", w.embed), ("output.weight", w.output)):
+        raw = torch.from_numpy(np.array(gf.raw(name)))
+        exact = dequantize(raw, T.Q8_0, table.shape)
+        assert table.dtype == torch.bfloat16 and torch.equal(table, exact.to(torch.bfloat16))
+        d = raw.view(-1, 34)[:, :2].contiguous().view(torch.float16).float().repeat_interleave(32).view(table.shape)
+        assert ((table.float() - exact).abs() <= d.abs() / 2).all()
 
 
 @pytest.mark.slow
 def test_smollm2_with_4bit_weights_answers_as_with_float_weights():
-    """SmolLM2-135M (Q4_1 layers): the next-token logits with its weights kept 4-bit are the
-    dequantised model's within bfloat16 rounding, the same token first."""
+    """SmolLM2-135M (Q4_1 layers, a Q8_0 tied embedding): the next-token logits with its layers
+    kept 4-bit, and with the embedding and head in bfloat16 too, are the dequantised model's
+    within bfloat16 rounding, the same token first."""
     from ktlong.kv.dense_cache import DenseKVCache
     from ktlong.models.loader import load_model
 
     float_lm = load_model("smollm2-135m", "cpu", torch.float32)
-    int4_lm = load_model("smollm2-135m", "cpu", torch.float32, int4=True)
+    int4_lm = load_model("smollm2-135m", "cpu", torch.float32, cpu=CpuWeights(int4=True))
+    compact_lm = load_model("smollm2-135m", "cpu", torch.float32, cpu=CpuWeights(int4=True, bf16_head=True))
     assert isinstance(int4_lm.model.weights.layers[0].wq, Int4Weight)
+    assert compact_lm.model.weights.output.dtype == torch.bfloat16 and compact_lm.model.dtype == torch.float32
     ids = torch.tensor(float_lm.tokenizer.encode("The capital of France is"))
     c = float_lm.config
     logits = []
-    for lm in (float_lm, int4_lm):
+    for lm in (float_lm, int4_lm, compact_lm):
         cache = DenseKVCache(c.num_layers, c.num_kv_heads, c.head_dim, len(ids), torch.device("cpu"), torch.float32)
         logits.append(lm.model.forward(ids, cache, 0, last_only=True)[0])
-    assert int(logits[0].argmax()) == int(logits[1].argmax())
-    cosine = torch.nn.functional.cosine_similarity(logits[0], logits[1], dim=0)
-    assert cosine > 0.999, cosine
+    for other in logits[1:]:
+        assert int(logits[0].argmax()) == int(other.argmax())
+        cosine = torch.nn.functional.cosine_similarity(logits[0], other, dim=0)
+        assert cosine > 0.999, cosine

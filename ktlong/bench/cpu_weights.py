@@ -1,5 +1,7 @@
-"""CPU-only decode and prefill with the layers' 4-bit weights kept 4-bit (cpu_int4) against the
-same weights dequantised to float32, on a real GGUF model in normal mode.
+"""CPU-only decode and prefill with the GGUF's weights kept compact against the same weights
+dequantised to float32, on a real GGUF model in normal mode: arms float32, int4 (the layers'
+4-bit matrices stay 4-bit: cpu_int4) and int4+bf16-head (also the embedding and output head in
+bfloat16: cpu_bf16_head, the defaults).
 
 python -m ktlong.bench cpu-weights --model smollm2-135m --lengths 4k,16k [--tokens 32] [--runs 2]
 
@@ -21,18 +23,19 @@ import time
 from ktlong.bench.common import median
 from ktlong.cli import parse_lengths, print_table
 from ktlong.errors import KtlongError
+from ktlong.gguf.weights import CpuWeights
 
-ARMS = ("float32", "int4")
+ARMS = {"float32": CpuWeights(), "int4": CpuWeights(int4=True), "int4+bf16-head": CpuWeights(int4=True, bf16_head=True)}
 
 
-def run_arm(model: str, length: int, tokens: int, int4: bool) -> dict:
+def run_arm(model: str, length: int, tokens: int, cpu: CpuWeights) -> dict:
     """One run in this process: prefill and decode seconds, peak resident bytes."""
     import torch
 
     from ktlong.models.loader import load_model
     from ktlong.session.dense import DenseSession
 
-    lm = load_model(model, "cpu", torch.float32, int4=int4)
+    lm = load_model(model, "cpu", torch.float32, cpu=cpu)
     if length + tokens > lm.config.context_length:
         raise KtlongError(f"--lengths {length} plus {tokens} tokens exceed the model's context of "
                           f"{lm.config.context_length}; use shorter lengths.")
@@ -63,7 +66,7 @@ def main(argv=None) -> int:
         raise KtlongError("--runs and --tokens must be at least 1.")
     lengths = parse_lengths(args.lengths)
     if args.arm:
-        print(json.dumps(run_arm(args.model, lengths[0], args.tokens, args.arm == "int4")))
+        print(json.dumps(run_arm(args.model, lengths[0], args.tokens, ARMS[args.arm])))
         return 0
     rows = []
     for length in lengths:

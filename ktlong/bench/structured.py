@@ -30,6 +30,7 @@ from ktlong.errors import KtlongError
 from ktlong.eval.runner import make_session
 from ktlong.eval.tasks import make_sample
 from ktlong.gguf.model_config import RopeOptions
+from ktlong.gguf.weights import CpuWeights
 from ktlong.gguf.chat_template import configured_template
 from ktlong.models.loader import load_model
 
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
     lengths = parse_lengths(args.lengths)
     device = resolve_device(config.device)
     lm = load_model(config.model, device, resolve_dtype(config.dtype, device), RopeOptions.of(config),
-                    chat_template=configured_template(config.chat_template_file), int4=config.cpu_int4)
+                    chat_template=configured_template(config.chat_template_file), cpu=CpuWeights.of(config))
     if max(lengths) + args.tokens + 128 > lm.config.context_length:
         raise KtlongError(f"--lengths up to {max(lengths)} leave no room to decode in the model's context of "
                           f"{lm.config.context_length} tokens; use shorter lengths (or rope_scaling).")

@@ -48,6 +48,7 @@ def main(argv=None) -> int:
     from ktlong.eval.runner import as_dicts, run_task, same_answers, split_variant, variant_config, write_json
     from ktlong.models.loader import load_model, open_model
     from ktlong.gguf.model_config import RopeOptions
+    from ktlong.gguf.weights import CpuWeights
     from ktlong.parallel.group import join_ranks, quiet_unless_main
     from ktlong.session.settings import ARMS
 
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
         _, model_config = open_model(config.model, RopeOptions.of(config))
         tp, device = join_ranks(config.tensor_parallel, model_config, device)  # every rank runs the same prompts
         lm = load_model(config.model, device, resolve_dtype(config.dtype, device), RopeOptions.of(config), tp,
-                        configured_template(config.chat_template_file), config.cpu_int4)
+                        configured_template(config.chat_template_file), CpuWeights.of(config))
         if max(lengths) > lm.config.context_length:
             raise KtlongError(f"--lengths up to {max(lengths)} exceed the model's context of "
                               f"{lm.config.context_length} tokens; use shorter lengths.")

@@ -15,6 +15,21 @@ from ktlong.gguf.int4_weights import INT4_TYPES, Int4Weight
 from ktlong.parallel.shard import shard_columns, shard_rows
 
 
+@dataclass(frozen=True)
+class CpuWeights:
+    """How a CPU in one process keeps a GGUF's quantised weights (elsewhere, on a GPU or a
+    tensor-parallel rank, every weight is dequantised to the model's dtype)."""
+    int4: bool = False  # cpu_int4: the layers' Q4_0 / Q4_1 / Q4_K matrices stay 4-bit
+    bf16_head: bool = False  # cpu_bf16_head: the token embedding and output head in bfloat16
+
+    @classmethod
+    def of(cls, config) -> "CpuWeights":
+        return cls(config.cpu_int4, config.cpu_bf16_head)
+
+
+HEAD_ROWS = 8192  # rows of the embedding / head dequantised at a time into bfloat16 (no float32 copy of it all)
+
+
 @dataclass(slots=True)
 class LayerWeights:
     attn_norm: torch.Tensor  # [hidden]
@@ -97,15 +112,29 @@ class TensorSource:
     def get_optional(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor | None:
         return self.get(name, shape) if self.has(name) else None
 
+    def table(self, name: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        """A [rows, hidden] table (embedding, output head) in `dtype`, dequantised HEAD_ROWS rows
+        at a time, so that a narrower dtype never holds the whole table in the wider one."""
+        if dtype == self.dtype:
+            return self.get(name, shape)
+        info, raw = self._raw(name, shape)
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        row_bytes = raw.numel() // shape[0]
+        for r0 in range(0, shape[0], HEAD_ROWS):
+            r1 = min(r0 + HEAD_ROWS, shape[0])
+            out[r0:r1] = dequantize(raw[r0 * row_bytes:r1 * row_bytes], info.ggml_type, (r1 - r0, shape[1]), self.dtype)
+        return out
+
 
 def load_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
-                 dtype: torch.dtype, shard: tuple[int, int] | None = None, int4: bool = False) -> ModelWeights:
+                 dtype: torch.dtype, shard: tuple[int, int] | None = None, cpu: CpuWeights = CpuWeights()) -> ModelWeights:
     """shard: (rank, world) keeps this rank's heads and MLP columns (ktlong/parallel/shard.py);
-    config is the whole model's either way. int4 (the cpu_int4 option): on a CPU in one process,
-    the layers' Q4_0 / Q4_1 matrices stay 4-bit; elsewhere (a GPU, a rank's share) every weight is
-    dequantised."""
+    config is the whole model's either way. cpu: what a CPU in one process keeps compact;
+    elsewhere (a GPU, a rank's share) every weight is dequantised to dtype."""
     rank, world = shard or (0, 1)
-    src = TensorSource(gf, device, dtype, int4 and device.type == "cpu" and world == 1)
+    compact = device.type == "cpu" and world == 1
+    src = TensorSource(gf, device, dtype, cpu.int4 and compact)
+    head_dtype = torch.bfloat16 if cpu.bf16_head and compact and dtype == torch.float32 else dtype
 
     def rows(w):
         return shard_rows(w, rank, world) if world > 1 else w
@@ -142,8 +171,8 @@ def load_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
             post_attn_norm=src.get(p + "post_attention_norm.weight", (c.hidden_size,)) if c.has_post_norms else None,
             post_ffn_norm=src.get(p + "post_ffw_norm.weight", (c.hidden_size,)) if c.has_post_norms else None,
         ))
-    embed = src.get("token_embd.weight", (c.vocab_size, c.hidden_size))
-    output = src.get("output.weight", (c.vocab_size, c.hidden_size)) if c.has_output_head else embed
+    embed = src.table("token_embd.weight", (c.vocab_size, c.hidden_size), head_dtype)
+    output = src.table("output.weight", (c.vocab_size, c.hidden_size), head_dtype) if c.has_output_head else embed
     freq_factors = src.get_optional("rope_freqs.weight")
     if freq_factors is not None:
         freq_factors = freq_factors.float()

@@ -42,7 +42,7 @@ class LlamaModel:
         self.weights = weights
         self.tp = tp
         self.device = weights.embed.device
-        self.dtype = weights.embed.dtype
+        self.dtype = weights.output_norm.dtype  # the embedding and head may be narrower (CpuWeights)
         self.inv_freq, self.rope_mscale = inv_freq(config.rope, weights.rope_freq_factors)
         self.inv_freq = self.inv_freq.to(self.device)
         self.inv_freq_local = self.inv_freq
@@ -53,7 +53,7 @@ class LlamaModel:
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         # token_ids: [T] -> [T, hidden]
-        x = self.weights.embed[token_ids]
+        x = self.weights.embed[token_ids].to(self.dtype)
         if self.config.embed_scale != 1.0:  # gemma rounds the scale to the model dtype first
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         return x
@@ -109,7 +109,8 @@ class LlamaModel:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, vocab] float32
         h = rms_norm(x, self.weights.output_norm, self.config.rms_norm_eps)
-        return F.linear(h, self.weights.output).float()
+        w = self.weights.output
+        return F.linear(h.to(w.dtype), w).float()
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, cache: DenseKVCache, start: int,

@@ -15,7 +15,7 @@ from ktlong.gguf.model_config import ModelConfig, RopeOptions
 from ktlong.gguf.registry import resolve_model_path
 from ktlong.models.llama import LlamaModel
 from ktlong.gguf.tokenizer import GGUFTokenizer
-from ktlong.gguf.weights import load_weights
+from ktlong.gguf.weights import CpuWeights, load_weights
 from ktlong.parallel.shard import rank_share
 
 if TYPE_CHECKING:
@@ -47,10 +47,10 @@ def open_model(name_or_path: str | None, rope: RopeOptions = RopeOptions()) -> t
 def load_model(name_or_path: str | None, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None, rope: RopeOptions = RopeOptions(),
                tp: "TensorParallel | None" = None, chat_template: str | None = None,
-               int4: bool = False) -> LoadedModel:
+               cpu: CpuWeights = CpuWeights()) -> LoadedModel:
     """With tp, this rank's share of the heads and MLP columns; config and model are the rank's
     (ktlong/parallel/shard.py). chat_template: a template's source used instead of the GGUF's.
-    int4: the layers' 4-bit weights stay 4-bit (the cpu_int4 option; a CPU only)."""
+    cpu: what a CPU in one process keeps compact (the cpu_int4 and cpu_bf16_head options)."""
     start = time.perf_counter()
     device = torch.device(device)
     gf, config = open_model(name_or_path, rope)
@@ -59,7 +59,7 @@ def load_model(name_or_path: str | None, device: str | torch.device = "cpu",
         rank_config, elements = rank_share(config, elements, tp.world)
     tokenizer = GGUFTokenizer(gf)
     weights = load_weights(gf, config, device, dtype or default_dtype(device),
-                           (tp.rank, tp.world) if tp is not None else None, int4)
+                           (tp.rank, tp.world) if tp is not None else None, cpu)
     template = template_for(tokenizer, chat_template if chat_template is not None else tokenizer.chat_template)
     return LoadedModel(gf.path, rank_config, tokenizer, template, LlamaModel(rank_config, weights, tp),
                        time.perf_counter() - start, elements)

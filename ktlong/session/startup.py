@@ -87,6 +87,7 @@ def start(config: Config, log=None) -> Started:
     from ktlong.gguf.chat_template import configured_template
     from ktlong.models.loader import load_model, open_model
     from ktlong.gguf.model_config import RopeOptions
+    from ktlong.gguf.weights import CpuWeights
     from ktlong.parallel.group import join_ranks
     from ktlong.parallel.shard import rank_share
     from cpu_ops.threads import decode_threads
@@ -115,7 +116,7 @@ def start(config: Config, log=None) -> Started:
         apply_threads(plan.threads, plan.torch_threads)
     else:
         apply_threads(decode_threads(config.threads_num), config.threads_num)
-    lm = load_model(config.model, device, dtype, RopeOptions.of(config), tp, template, config.cpu_int4)
+    lm = load_model(config.model, device, dtype, RopeOptions.of(config), tp, template, CpuWeights.of(config))
     c = lm.config
     print(f"[loaded {lm.path.name}: {c.arch}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} "
           f"heads, context {c.context_length}, on {device} in {lm.load_seconds:.1f}s; "
