@@ -17,23 +17,25 @@ from ktlong.gguf.int4_weights import Int4Weight, linear
 from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
 
+# per type: how many float16 fields open a block (scale, and minimum or dmin), then bytes of codes and tables
+LAYOUTS = {T.Q4_0: (1, 16), T.Q4_1: (2, 16), T.Q4_K: (2, 140), T.Q5_0: (1, 20), T.Q5_1: (2, 20), T.Q5_K: (2, 172)}
+
+
 def random_blocks(ggml_type, out_features, in_features, seed) -> torch.Tensor:
-    """A Q4_0, Q4_1 or Q4_K tensor's bytes: random codes, scales of both signs, minimums."""
+    """A tensor's bytes of a 4- or 5-bit type: random codes, fifth bits and K tables, scales of
+    both signs, minimums."""
     rng = np.random.default_rng(seed)
-    per_block = 256 if ggml_type == T.Q4_K else 32
+    per_block = 256 if ggml_type in (T.Q4_K, T.Q5_K) else 32
     n = out_features * in_features // per_block
-
-    def f16(scale):
-        return (rng.standard_normal(n) * scale).astype(np.float16).view(np.uint8).reshape(n, 2)
-
-    if ggml_type == T.Q4_K:  # d, dmin, 12 bytes of 6-bit scales and minimums, 128 bytes of codes
-        parts = [f16(0.002), f16(0.002), rng.integers(0, 256, (n, 140), dtype=np.uint8)]
-    else:
-        parts = [f16(0.02)] + ([f16(0.05)] if ggml_type == T.Q4_1 else []) + [rng.integers(0, 256, (n, 16), dtype=np.uint8)]
+    fields, rest = LAYOUTS[ggml_type]
+    size = 0.002 if per_block == 256 else 0.02  # K types: the 6-bit scales multiply d
+    parts = [(rng.standard_normal(n) * size * (1 + 1.5 * i)).astype(np.float16).view(np.uint8).reshape(n, 2)
+             for i in range(fields)]
+    parts.append(rng.integers(0, 256, (n, rest), dtype=np.uint8))
     return torch.from_numpy(np.concatenate(parts, axis=1).reshape(-1).copy())
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_1, T.Q4_K])
+@pytest.mark.parametrize("ggml_type", list(LAYOUTS))
 @pytest.mark.parametrize("rows", [1, 5])  # a decode step, a prefill chunk
 def test_int4_product_equals_dequantize_then_matmul(ggml_type, rows):
     out_features, in_features = 96, 256
@@ -41,15 +43,18 @@ def test_int4_product_equals_dequantize_then_matmul(ggml_type, rows):
     w = dequantize(raw, ggml_type, (out_features, in_features))
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(7))
     bias = torch.randn(out_features)
-    y = linear(x, Int4Weight.from_blocks(raw, ggml_type, (out_features, in_features)), bias)
+    weight = Int4Weight.from_blocks(raw, ggml_type, (out_features, in_features))
+    assert len(weight.planes) == (2 if ggml_type in (T.Q5_0, T.Q5_1, T.Q5_K) else 1)
+    y = linear(x, weight, bias)
     assert y.dtype == torch.float32 and y.shape == (rows, out_features)
     exact = x.double() @ w.double().t() + bias.double()
-    # bfloat16 inputs, scales, zeros and output: each within 2^-8 relative of its value
-    bound = 2 ** -7 * (x.abs().double() @ w.abs().double().t() + exact.abs()) + 1e-6
+    # bfloat16 inputs, scales, zeros and each plane's output: each within 2^-8 relative of its value
+    bound = 2 ** -7 * (x.abs().double() @ w.abs().double().t() + exact.abs()) * len(weight.planes) + 1e-6
     assert ((y.double() - exact).abs() <= bound).all()
-    if ggml_type != T.Q4_K:  # offsets of a few steps, as quantisers make them: inside half a 4-bit step
+    if ggml_type not in (T.Q4_K, T.Q5_K):  # offsets of a few steps, as quantisers make them: inside half a step
+        levels = 31 if ggml_type in (T.Q5_0, T.Q5_1) else 15
         runs = w.view(out_features, -1, 32)
-        half_step = (runs.amax(-1) - runs.amin(-1)).repeat_interleave(32, 1) / 30
+        half_step = (runs.amax(-1) - runs.amin(-1)).repeat_interleave(32, 1) / (2 * levels)
         assert ((y.double() - exact).abs() <= x.abs().double() @ half_step.double().t()).all()
 
 
@@ -67,12 +72,13 @@ def test_rows_reorder_codes_scales_and_zeros_alike():
 def test_a_ranks_share_is_dequantised(tmp_path):
     """CpuWeights apply to a CPU in one process: tensor parallelism splits float weights."""
     write_tiny_gguf(tmp_path / "m.gguf", TinySpec(num_layers=1), seed=1,
-                    tensor_types={"blk.0.ffn_up.weight": T.Q4_0})
+                    tensor_types={"blk.0.ffn_up.weight": T.Q4_0, "blk.0.ffn_down.weight": T.Q5_0})
     gf = GGUFFile(tmp_path / "m.gguf")
     config = ModelConfig.from_gguf(gf)
     compact = CpuWeights(int4=True, bf16_head=True)
     whole = load_weights(gf, config, torch.device("cpu"), torch.float32, None, compact)
     assert isinstance(whole.layers[0].w_up, Int4Weight) and whole.embed.dtype == torch.bfloat16
+    assert len(whole.layers[0].w_down.planes) == 2
     shared = load_weights(gf, config, torch.device("cpu"), torch.float32, (0, 2), compact)
     assert isinstance(shared.layers[0].w_up, torch.Tensor) and shared.embed.dtype == torch.float32
 

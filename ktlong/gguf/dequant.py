@@ -33,18 +33,6 @@ def _bit_planes(qh: torch.Tensor) -> torch.Tensor:
     return _bits(qh, 1).transpose(1, 2).reshape(qh.shape[0], -1)
 
 
-def _q5_0(b):
-    d = _f16(b[:, :2])
-    q = _nibbles(b[:, 6:]) | (_bit_planes(b[:, 2:6]) << 4)
-    return d * (q.float() - 16)
-
-
-def _q5_1(b):
-    d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
-    q = _nibbles(b[:, 8:]) | (_bit_planes(b[:, 4:8]) << 4)
-    return d * q.float() + m
-
-
 def _q8_0(b):
     d = _f16(b[:, :2])
     return d * b[:, 2:].contiguous().view(torch.int8).float()
@@ -84,40 +72,42 @@ def _q3_k(b):
     return (d.unsqueeze(-1) * scale.unsqueeze(-1) * q.float()).reshape(n, QK_K)
 
 
-def four_bit_runs(b: torch.Tensor, ggml_type: T) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_0, Q4_1 or Q4_K blocks [n, type_size] as runs of 32 weights w = scale * q + offset: the
-    codes q [runs, 32] uint8, scale and offset [runs, 1] float32 (a block is one run; Q4_K's,
-    eight under its 6-bit scales and minimums). Dequantisation and the CPU's 4-bit weights
-    (ktlong/gguf/int4_weights.py) both read the blocks here."""
+RUN_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K})
+FIVE_BIT_TYPES = frozenset({T.Q5_0, T.Q5_1, T.Q5_K})
+
+
+def code_runs(b: torch.Tensor, ggml_type: T) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0, Q4_1, Q4_K, Q5_0, Q5_1 or Q5_K blocks [n, type_size] as runs of 32 weights
+    w = scale * q + offset: the codes q [runs, 32] uint8 (4 bits, or 5 for the Q5 types), scale
+    and offset [runs, 1] float32 (a block is one run; a K block, eight under its 6-bit scales and
+    minimums). Dequantisation and the CPU's 4-bit planes (ktlong/gguf/int4_weights.py) both read
+    the blocks here."""
+    n = b.shape[0]
     if ggml_type == T.Q4_0:  # w = d (q - 8)
         d = _f16(b[:, :2])
         return _nibbles(b[:, 2:]), d, -8 * d
     if ggml_type == T.Q4_1:  # w = d q + m
         return _nibbles(b[:, 4:]), _f16(b[:, :2]), _f16(b[:, 2:4])
-    assert ggml_type == T.Q4_K, ggml_type  # w = d sc q - dmin mn
-    n = b.shape[0]
-    scale, minimum = _k_scale_min(b[:, 4:16])
-    q = _bits(b[:, 16:].reshape(n * 4, 32), 4).reshape(n * 8, 32)
+    if ggml_type == T.Q5_0:  # w = d (q - 16), the fifth bits in a 32-bit mask
+        d = _f16(b[:, :2])
+        return _nibbles(b[:, 6:]) | (_bit_planes(b[:, 2:6]) << 4), d, -16 * d
+    if ggml_type == T.Q5_1:  # w = d q + m
+        return _nibbles(b[:, 8:]) | (_bit_planes(b[:, 4:8]) << 4), _f16(b[:, :2]), _f16(b[:, 2:4])
+    scale, minimum = _k_scale_min(b[:, 4:16])  # Q4_K, Q5_K: w = d sc q - dmin mn
+    if ggml_type == T.Q4_K:
+        q = _bits(b[:, 16:].reshape(n * 4, 32), 4).reshape(n * 8, 32)
+    else:
+        assert ggml_type == T.Q5_K, ggml_type
+        low = _bits(b[:, 48:176].reshape(n * 4, 32), 4).reshape(n, 8, 32)
+        q = (low | (_bits(b[:, 16:48], 1).reshape(n, 8, 32) << 4)).reshape(n * 8, 32)
     return q, (_f16(b[:, :2]) * scale).reshape(-1, 1), (-_f16(b[:, 2:4]) * minimum).reshape(-1, 1)
 
 
-def _four_bit(ggml_type: T):
+def _runs(ggml_type: T):
     def dequant(b):
-        q, scale, offset = four_bit_runs(b, ggml_type)
+        q, scale, offset = code_runs(b, ggml_type)
         return (scale * q.float() + offset).reshape(b.shape[0], -1)
     return dequant
-
-
-def _q5_k(b):
-    n = b.shape[0]
-    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
-    scale, minimum = _k_scale_min(b[:, 4:16])
-    qh, qs = b[:, 16:48], b[:, 48:176]
-    low = _bits(qs.reshape(n * 4, 32), 4).reshape(n, 8, 32)
-    high = _bits(qh, 1).reshape(n, 8, 32)
-    q = (low | (high << 4)).float()
-    return (d.unsqueeze(-1) * scale.unsqueeze(-1) * q
-            - dmin.unsqueeze(-1) * minimum.unsqueeze(-1)).reshape(n, QK_K)
 
 
 def _q6_k(b):
@@ -134,8 +124,7 @@ def _q6_k(b):
 
 
 _BLOCK_DEQUANT = {
-    T.Q4_0: _four_bit(T.Q4_0), T.Q4_1: _four_bit(T.Q4_1), T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0,
-    T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _four_bit(T.Q4_K), T.Q5_K: _q5_k, T.Q6_K: _q6_k,
+    **{t: _runs(t) for t in RUN_TYPES}, T.Q8_0: _q8_0, T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q6_K: _q6_k,
 }
 SUPPORTED_TYPES = frozenset([T.F32, T.F16, T.BF16, *_BLOCK_DEQUANT])
 
