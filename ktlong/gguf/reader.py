@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,19 @@ class GGUFFile:
         """The tensor's bytes as a read-only uint8 view of the memory map."""
         info = self.tensors[name]
         return self._reader.data[info.offset:info.offset + info.num_bytes]
+
+    def forget_metadata(self):
+        """Free the parsed metadata (gguf's reader keeps an array object per vocabulary entry:
+        hundreds of MB for a 150K-token vocabulary); tensors stay readable, get() sees nothing."""
+        self._reader.fields.clear()
+
+    def release_pages(self):
+        """Drop the map's pages from this process's resident memory (they stay in the page
+        cache, and are read back if touched again): the loader calls it once the tensors it
+        read are copied, so that the file does not add its size to the peak."""
+        mapping = getattr(self._reader.data, "_mmap", None)
+        if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapping.madvise(mmap.MADV_DONTNEED)
 
     @property
     def architecture(self) -> str:

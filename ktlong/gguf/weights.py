@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +29,16 @@ class CpuWeights:
         return cls(config.cpu_int4, config.cpu_bf16_head)
 
 
+def _trim_heap():
+    """Give freed heap memory back to the OS. glibc keeps what large frees leave on its heap, so
+    the transient float32 and int32 copies of a load (one matrix at a time) would otherwise stay
+    resident as if they were all alive at once; a no-op without glibc's malloc_trim."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+_LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
 HEAD_ROWS = 8192  # rows of the embedding / head dequantised at a time into bfloat16 (no float32 copy of it all)
 
 
@@ -87,6 +99,10 @@ class TensorSource:
         return name in self.gf.tensors
 
     def _raw(self, name: str, shape: tuple[int, ...] | None):
+        info = self._info(name, shape)
+        return info, torch.from_numpy(np.array(self.gf.raw(name))).to(self.device)
+
+    def _info(self, name: str, shape: tuple[int, ...] | None):
         info = self.gf.tensors.get(name)
         if info is None:
             raise GGUFError(f"{self.gf.path} lacks tensor {name}; the file is incomplete or not a "
@@ -94,7 +110,7 @@ class TensorSource:
         if shape is not None and info.shape != shape:
             raise GGUFError(f"{self.gf.path}: tensor {name} has shape {info.shape}, the metadata "
                             f"implies {shape}; the file is corrupt.")
-        return info, torch.from_numpy(np.array(self.gf.raw(name))).to(self.device)
+        return info
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         info, raw = self._raw(name, shape)
@@ -117,12 +133,15 @@ class TensorSource:
         at a time, so that a narrower dtype never holds the whole table in the wider one."""
         if dtype == self.dtype:
             return self.get(name, shape)
-        info, raw = self._raw(name, shape)
+        info = self._info(name, shape)
+        mapped = self.gf.raw(name)  # read a slice at a time: no copy of the whole table's bytes either
         out = torch.empty(shape, dtype=dtype, device=self.device)
-        row_bytes = raw.numel() // shape[0]
+        row_bytes = mapped.shape[0] // shape[0]
         for r0 in range(0, shape[0], HEAD_ROWS):
             r1 = min(r0 + HEAD_ROWS, shape[0])
-            out[r0:r1] = dequantize(raw[r0 * row_bytes:r1 * row_bytes], info.ggml_type, (r1 - r0, shape[1]), self.dtype)
+            raw = torch.from_numpy(np.array(mapped[r0 * row_bytes:r1 * row_bytes])).to(self.device)
+            out[r0:r1] = dequantize(raw, info.ggml_type, (r1 - r0, shape[1]), self.dtype)
+            _trim_heap()  # the slice's float32 garbage
         return out
 
 
@@ -171,8 +190,12 @@ def load_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
             post_attn_norm=src.get(p + "post_attention_norm.weight", (c.hidden_size,)) if c.has_post_norms else None,
             post_ffn_norm=src.get(p + "post_ffw_norm.weight", (c.hidden_size,)) if c.has_post_norms else None,
         ))
+        gf.release_pages()  # the layer's bytes are copied: neither the file nor the copies' garbage stays resident
+        _trim_heap()
     embed = src.table("token_embd.weight", (c.vocab_size, c.hidden_size), head_dtype)
     output = src.table("output.weight", (c.vocab_size, c.hidden_size), head_dtype) if c.has_output_head else embed
+    gf.release_pages()
+    _trim_heap()
     freq_factors = src.get_optional("rope_freqs.weight")
     if freq_factors is not None:
         freq_factors = freq_factors.float()

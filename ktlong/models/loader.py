@@ -58,8 +58,9 @@ def load_model(name_or_path: str | None, device: str | torch.device = "cpu",
     if tp is not None:  # refused here, before any weight is read, if it does not split
         rank_config, elements = rank_share(config, elements, tp.world)
     tokenizer = GGUFTokenizer(gf)
+    template = template_for(tokenizer, chat_template if chat_template is not None else tokenizer.chat_template)
+    gf.forget_metadata()  # read: its parsed arrays (the vocabulary's) need not sit beside the weights
     weights = load_weights(gf, config, device, dtype or default_dtype(device),
                            (tp.rank, tp.world) if tp is not None else None, cpu)
-    template = template_for(tokenizer, chat_template if chat_template is not None else tokenizer.chat_template)
     return LoadedModel(gf.path, rank_config, tokenizer, template, LlamaModel(rank_config, weights, tp),
                        time.perf_counter() - start, elements)
