@@ -95,3 +95,24 @@ def test_gemma3_270m_logits_equal_transformers_past_the_sliding_window(hf_model,
     with torch.no_grad():
         theirs = hf_model(path)(torch.tensor([ids])).logits[0].double().numpy()
     assert max_rel(ours, theirs) < 1e-4 and (ours.argmax(-1) == theirs.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("num_kv,group,window", [(3, 3, 0), (2, 7, 0), (2, 7, 100), (4, 1, 0)])
+def test_one_query_attention_equals_softmax_reference(num_kv, group, window):
+    """A decode step's attention on the CPU (one query per head; dense_attention's batched
+    per-group path) over strided head-major views of a cache equals softmax(q k / sqrt(d)) v in
+    float64, the last `window` keys when windowed."""
+    from operators.dense_attention import dense_attention
+
+    g = torch.Generator().manual_seed(num_kv * 10 + group)
+    dim, num_k = 64, 777
+    cache_k, cache_v = (torch.randn(num_kv, 1000, dim, generator=g) for _ in range(2))
+    k, v = cache_k[:, :num_k], cache_v[:, :num_k]  # views with the cache's stride
+    q = torch.randn(1, num_kv * group, dim, generator=g)
+    got = dense_attention(q, k, v, None, window)
+    lo = num_k - window if window else 0
+    kk, vv = k[:, lo:].double().repeat_interleave(group, 0), v[:, lo:].double().repeat_interleave(group, 0)
+    weights = torch.softmax(torch.einsum("hd,hkd->hk", q[0].double(), kk) / dim ** 0.5, -1)
+    expected = torch.einsum("hk,hkd->hd", weights, vv)
+    assert got.shape == (1, num_kv * group, dim)
+    assert torch.allclose(got[0].double(), expected, atol=1e-5, rtol=1e-5)
