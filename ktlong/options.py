@@ -49,7 +49,7 @@ SECTIONS: list[tuple[str, list[Option]]] = [
         Option('mode', 'normal', 'normal (dense, short prompts) | long_context (offloaded KV, sparse attention)', choices=('normal', 'long_context'), flag='mode'),
         Option('device', 'auto', 'auto (cuda when present, else cpu) | cpu | cuda | cuda:N', flag='device'),
         Option('dtype', 'auto', 'auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16 | float16', choices=('auto', 'float32', 'bfloat16', 'float16')),
-        Option('cpu_bf16_head', True, "on a CPU in one process, keep the token embedding and the output head (the largest matrix) in bfloat16, within half a q8_0 step of the GGUF's values: about 1.25x decode on SmolLM2; false = dtype"),
+        Option('cpu_bf16', True, "on a CPU in one process, keep the token embedding, the output head and the matrices of 6- and 8-bit types in bfloat16 (within half their format's step on Q8_0, an eighth on Q6_K): half the bytes of float32, and on CPUs with AVX512-BF16 2x its matrix-vector and 4x its matrix speed; false = dtype"),
         Option('cpu_int4', True, "on a CPU in one process, keep the layers' Q4_0 / Q4_1 weights 4-bit and multiply them in place (torch's int4 kernel; those products take bfloat16 inputs): 1.8x decode and a third less memory on SmolLM2; false = dequantised to dtype, as on a GPU"),
         Option('max_seq_len', 0, "longest prompt plus answer in tokens; 0 = the model's context length (extended by rope_scaling)", low=0, flag='max_seq_len'),
         Option('rope_scaling', 'auto', "RoPE context extension, as llama.cpp's --rope-scaling: auto (what the GGUF says) | none | linear | yarn", choices=('auto', 'none', 'linear', 'yarn'), flag='rope_scaling'),

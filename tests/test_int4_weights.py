@@ -75,7 +75,7 @@ def test_a_ranks_share_is_dequantised(tmp_path):
                     tensor_types={"blk.0.ffn_up.weight": T.Q4_0, "blk.0.ffn_down.weight": T.Q5_0})
     gf = GGUFFile(tmp_path / "m.gguf")
     config = ModelConfig.from_gguf(gf)
-    compact = CpuWeights(int4=True, bf16_head=True)
+    compact = CpuWeights(int4=True, bf16=True)
     whole = load_weights(gf, config, torch.device("cpu"), torch.float32, None, compact)
     assert isinstance(whole.layers[0].w_up, Int4Weight) and whole.embed.dtype == torch.bfloat16
     assert len(whole.layers[0].w_down.planes) == 2
@@ -83,8 +83,8 @@ def test_a_ranks_share_is_dequantised(tmp_path):
     assert isinstance(shared.layers[0].w_up, torch.Tensor) and shared.embed.dtype == torch.float32
 
 
-def test_bf16_head_is_the_dequantised_table_rounded_within_half_a_q8_0_step(tmp_path, monkeypatch):
-    """cpu_bf16_head: the Q8_0 embedding and the untied head, dequantised a few rows at a time,
+def test_bf16_tables_are_the_dequantised_table_rounded_within_half_a_q8_0_step(tmp_path, monkeypatch):
+    """cpu_bf16: the Q8_0 embedding and the untied head, dequantised a few rows at a time,
     are the float32 dequantisation rounded to bfloat16, to the bit; each value within half its
     block's q8_0 step (d) of the GGUF's."""
     monkeypatch.setattr(weights_module, "HEAD_ROWS", 7)  # several slices, the last one short
@@ -92,13 +92,47 @@ def test_bf16_head_is_the_dequantised_table_rounded_within_half_a_q8_0_step(tmp_
     write_tiny_gguf(tmp_path / "m.gguf", TinySpec(num_layers=1), seed=2, tensor_types=q8)
     gf = GGUFFile(tmp_path / "m.gguf")
     config = ModelConfig.from_gguf(gf)
-    w = load_weights(gf, config, torch.device("cpu"), torch.float32, None, CpuWeights(bf16_head=True))
+    w = load_weights(gf, config, torch.device("cpu"), torch.float32, None, CpuWeights(bf16=True))
     for name, table in (("token_embd.weight", w.embed), ("output.weight", w.output)):
         raw = torch.from_numpy(np.array(gf.raw(name)))
         exact = dequantize(raw, T.Q8_0, table.shape)
         assert table.dtype == torch.bfloat16 and torch.equal(table, exact.to(torch.bfloat16))
         d = raw.view(-1, 34)[:, :2].contiguous().view(torch.float16).float().repeat_interleave(32).view(table.shape)
         assert ((table.float() - exact).abs() <= d.abs() / 2).all()
+
+
+def test_bf16_matrices_are_the_dequantised_ones_rounded(tmp_path):
+    """cpu_bf16: Q8_0 layer matrices become their float32 dequantisation rounded to bfloat16, to
+    the bit; a float32 matrix stays float32; a product over one takes its input in bfloat16 and
+    returns float32, within bfloat16 rounding of the float32 product."""
+    types = {"blk.0.attn_v.weight": T.Q8_0, "blk.0.ffn_down.weight": T.Q8_0}
+    write_tiny_gguf(tmp_path / "m.gguf", TinySpec(num_layers=1, weight_type=T.F32), seed=3, tensor_types=types)
+    gf = GGUFFile(tmp_path / "m.gguf")
+    layer = load_weights(gf, ModelConfig.from_gguf(gf), torch.device("cpu"), torch.float32, None,
+                         CpuWeights(bf16=True)).layers[0]
+    for name, w in (("blk.0.attn_v.weight", layer.wv), ("blk.0.ffn_down.weight", layer.w_down)):
+        exact = dequantize(torch.from_numpy(np.array(gf.raw(name))), types[name], w.shape)
+        assert w.dtype == torch.bfloat16 and torch.equal(w, exact.to(torch.bfloat16))
+        x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(1))
+        y, reference = linear(x, w), x.double() @ exact.double().t()
+        assert y.dtype == torch.float32
+        assert ((y.double() - reference).abs() <= 2 ** -7 * (x.abs().double() @ exact.abs().double().t()) + 1e-6).all()
+    assert layer.wq.dtype == torch.float32  # a float type keeps dtype
+
+
+def test_q6_k_values_in_bf16_stay_within_an_eighth_of_their_step():
+    """Q6_K's weights d * sc * (q - 32) (sixteen per scale, |q - 32| <= 32) rounded to bfloat16
+    (half a unit in the last place: 2^-8 of a value) move by at most an eighth of their step
+    d * sc: what cpu_bf16 claims for the 6-bit matrices it narrows."""
+    rng = np.random.default_rng(6)
+    n = 64
+    blocks = rng.integers(0, 256, (n, 210), dtype=np.uint8)
+    blocks[:, 208:210] = (rng.standard_normal((n, 1)) * 0.001).astype(np.float16).view(np.uint8)
+    raw = torch.from_numpy(blocks.reshape(-1).copy())
+    exact = dequantize(raw, T.Q6_K, (n, 256))
+    step = (torch.from_numpy(blocks[:, 208:210].copy()).view(torch.float16).float()
+            * torch.from_numpy(blocks[:, 192:208].copy()).view(torch.int8).float()).abs().repeat_interleave(16, 1)
+    assert ((exact.to(torch.bfloat16).float() - exact).abs() <= step / 8).all()
 
 
 @pytest.mark.slow
@@ -111,7 +145,7 @@ def test_smollm2_with_4bit_weights_answers_as_with_float_weights():
 
     float_lm = load_model("smollm2-135m", "cpu", torch.float32)
     int4_lm = load_model("smollm2-135m", "cpu", torch.float32, cpu=CpuWeights(int4=True))
-    compact_lm = load_model("smollm2-135m", "cpu", torch.float32, cpu=CpuWeights(int4=True, bf16_head=True))
+    compact_lm = load_model("smollm2-135m", "cpu", torch.float32, cpu=CpuWeights(int4=True, bf16=True))
     assert isinstance(int4_lm.model.weights.layers[0].wq, Int4Weight)
     assert compact_lm.model.weights.output.dtype == torch.bfloat16 and compact_lm.model.dtype == torch.float32
     ids = torch.tensor(float_lm.tokenizer.encode("The capital of France is"))

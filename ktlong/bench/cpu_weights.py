@@ -1,7 +1,7 @@
 """CPU-only decode and prefill with the GGUF's weights kept compact against the same weights
 dequantised to float32, on a real GGUF model in normal mode: arms float32, int4 (the layers'
-4-bit matrices stay 4-bit: cpu_int4) and int4+bf16-head (also the embedding and output head in
-bfloat16: cpu_bf16_head, the defaults).
+4- and 5-bit matrices stay compact: cpu_int4) and int4+bf16 (also the embedding, the head and the
+6- and 8-bit matrices in bfloat16: cpu_bf16; the defaults).
 
 python -m ktlong.bench cpu-weights --model smollm2-135m --lengths 4k,16k [--tokens 32] [--runs 2]
 
@@ -25,7 +25,7 @@ from ktlong.cli import parse_lengths, print_table
 from ktlong.errors import KtlongError
 from ktlong.gguf.weights import CpuWeights
 
-ARMS = {"float32": CpuWeights(), "int4": CpuWeights(int4=True), "int4+bf16-head": CpuWeights(int4=True, bf16_head=True)}
+ARMS = {"float32": CpuWeights(), "int4": CpuWeights(int4=True), "int4+bf16": CpuWeights(int4=True, bf16=True)}
 
 
 def run_arm(model: str, length: int, tokens: int, cpu: CpuWeights) -> dict:

@@ -62,10 +62,13 @@ def _plane(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, shape
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or for an Int4Weight torch's int4 kernel over x in bfloat16 per plane, summed
-    in float32, back in x's type."""
+    """F.linear (over x in w's type where w is narrower: a bfloat16 matrix), or for an
+    Int4Weight torch's int4 kernel over x in bfloat16 per plane, summed in float32; back in x's type."""
     if not isinstance(w, Int4Weight):
-        return F.linear(x, w, bias)
+        if w.dtype == x.dtype:
+            return F.linear(x, w, bias)
+        y = F.linear(x.to(w.dtype), w).to(x.dtype)
+        return y + bias if bias is not None else y
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
     parts = [torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, GROUP, scale_zero) for packed, scale_zero in w.planes]
     y = parts[0].float() if len(parts) == 1 else sum(part.float() for part in parts)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType as T
 
 from ktlong.gguf.dequant import SUPPORTED_TYPES, dequantize
 from ktlong.errors import GGUFError
@@ -22,11 +23,11 @@ class CpuWeights:
     """How a CPU in one process keeps a GGUF's quantised weights (elsewhere, on a GPU or a
     tensor-parallel rank, every weight is dequantised to the model's dtype)."""
     int4: bool = False  # cpu_int4: the layers' Q4_0 / Q4_1 / Q4_K matrices stay 4-bit
-    bf16_head: bool = False  # cpu_bf16_head: the token embedding and output head in bfloat16
+    bf16: bool = False  # cpu_bf16: the embedding, the head and BF16_TYPES matrices in bfloat16
 
     @classmethod
     def of(cls, config) -> "CpuWeights":
-        return cls(config.cpu_int4, config.cpu_bf16_head)
+        return cls(config.cpu_int4, config.cpu_bf16)
 
 
 def _trim_heap():
@@ -39,7 +40,11 @@ def _trim_heap():
 
 
 _LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
-HEAD_ROWS = 8192  # rows of the embedding / head dequantised at a time into bfloat16 (no float32 copy of it all)
+HEAD_ROWS = 8192
+# matrices of these types become bfloat16 under cpu_bf16: rounding moves a value by 2^-8 of it at
+# most, under half a step where codes reach 127 steps (Q8_0), an eighth at 32 (Q6_K), less for Q3_K;
+# float types keep dtype (no step to hide the rounding in), and Q2_K's offsets can outgrow its steps
+BF16_TYPES = frozenset({T.Q8_0, T.Q6_K, T.Q3_K})  # rows of the embedding / head dequantised at a time into bfloat16 (no float32 copy of it all)
 
 
 @dataclass(slots=True)
@@ -85,9 +90,11 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 class TensorSource:
     """Dequantises named tensors from a GGUF file onto one device, checking types first."""
 
-    def __init__(self, gf: GGUFFile, device: torch.device, dtype: torch.dtype, int4: bool = False):
-        """int4: matrices of a 4-bit type stay 4-bit (ktlong/gguf/int4_weights.py; the CPU only)."""
-        self.gf, self.device, self.dtype, self.int4 = gf, device, dtype, int4
+    def __init__(self, gf: GGUFFile, device: torch.device, dtype: torch.dtype, int4: bool = False,
+                 bf16: bool = False):
+        """int4: matrices of a 4- or 5-bit type stay compact (ktlong/gguf/int4_weights.py); bf16:
+        matrices of BF16_TYPES become bfloat16 (both the CPU only)."""
+        self.gf, self.device, self.dtype, self.int4, self.bf16 = gf, device, dtype, int4, bf16
         for info in gf.tensors.values():
             if info.ggml_type not in SUPPORTED_TYPES:
                 raise GGUFError(
@@ -123,7 +130,8 @@ class TensorSource:
         info, raw = self._raw(name, shape)
         if self.int4 and info.ggml_type in INT4_TYPES:
             return Int4Weight.from_blocks(raw, info.ggml_type, shape, rows)
-        return rows(dequantize(raw, info.ggml_type, info.shape, self.dtype))
+        dtype = torch.bfloat16 if self.bf16 and info.ggml_type in BF16_TYPES else self.dtype
+        return rows(dequantize(raw, info.ggml_type, info.shape, self.dtype).to(dtype))
 
     def get_optional(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor | None:
         return self.get(name, shape) if self.has(name) else None
@@ -152,8 +160,9 @@ def load_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
     elsewhere (a GPU, a rank's share) every weight is dequantised to dtype."""
     rank, world = shard or (0, 1)
     compact = device.type == "cpu" and world == 1
-    src = TensorSource(gf, device, dtype, cpu.int4 and compact)
-    head_dtype = torch.bfloat16 if cpu.bf16_head and compact and dtype == torch.float32 else dtype
+    bf16 = cpu.bf16 and compact and dtype == torch.float32
+    src = TensorSource(gf, device, dtype, cpu.int4 and compact, bf16)
+    head_dtype = torch.bfloat16 if bf16 else dtype
 
     def rows(w):
         return shard_rows(w, rank, world) if world > 1 else w
