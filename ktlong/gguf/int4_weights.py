@@ -71,6 +71,6 @@ def linear(x: torch.Tensor, w: torch.Tensor | Int4Weight, bias: torch.Tensor | N
         return y + bias if bias is not None else y
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
     parts = [torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, GROUP, scale_zero) for packed, scale_zero in w.planes]
-    y = parts[0].float() if len(parts) == 1 else sum(part.float() for part in parts)
+    y = sum(part.float() for part in parts)
     y = y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
     return y + bias if bias is not None else y

@@ -22,7 +22,7 @@ from ktlong.parallel.shard import shard_columns, shard_rows
 class CpuWeights:
     """How a CPU in one process keeps a GGUF's quantised weights (elsewhere, on a GPU or a
     tensor-parallel rank, every weight is dequantised to the model's dtype)."""
-    int4: bool = False  # cpu_int4: the layers' Q4_0 / Q4_1 / Q4_K matrices stay 4-bit
+    int4: bool = False  # cpu_int4: the layers' 4- and 5-bit matrices stay compact (int4 planes)
     bf16: bool = False  # cpu_bf16: the embedding, the head and BF16_TYPES matrices in bfloat16
 
     @classmethod
@@ -40,11 +40,11 @@ def _trim_heap():
 
 
 _LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
-HEAD_ROWS = 8192
+HEAD_ROWS = 8192  # rows of the embedding / head dequantised at a time into bfloat16 (no float32 copy of it all)
 # matrices of these types become bfloat16 under cpu_bf16: rounding moves a value by 2^-8 of it at
 # most, under half a step where codes reach 127 steps (Q8_0), an eighth at 32 (Q6_K), less for Q3_K;
 # float types keep dtype (no step to hide the rounding in), and Q2_K's offsets can outgrow its steps
-BF16_TYPES = frozenset({T.Q8_0, T.Q6_K, T.Q3_K})  # rows of the embedding / head dequantised at a time into bfloat16 (no float32 copy of it all)
+BF16_TYPES = frozenset({T.Q8_0, T.Q6_K, T.Q3_K})
 
 
 @dataclass(slots=True)
