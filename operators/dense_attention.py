@@ -38,8 +38,10 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _one_query(q, k, v, scale) -> torch.Tensor:
     """A decode step on the CPU: each kv head's group of query heads in two batched products,
-    so the keys and values are read once per kv head (1.4-1.7x torch's fused kernel for one
-    query at 4K-16K keys on 2 cores, where a step's attention is memory-bound)."""
+    so the keys and values are read once per kv head: 1.65x torch's fused kernel for groups of 7
+    heads at 4K-16K keys on 2 cores, 1.06x for groups of 3. window_attention.attention_with_lse
+    computes the same with its log-sum-exp, 20-30% slower here: a step that needs no lse takes
+    the softmax."""
     num_kv, _, dim = k.shape
     group = q.shape[1] // num_kv
     scores = torch.bmm(q[0].view(num_kv, group, dim), k.transpose(1, 2))

@@ -109,8 +109,7 @@ class LlamaModel:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, vocab] float32
         h = rms_norm(x, self.weights.output_norm, self.config.rms_norm_eps)
-        w = self.weights.output
-        return F.linear(h.to(w.dtype), w).float()
+        return linear(h, self.weights.output).float()
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, cache: DenseKVCache, start: int,
