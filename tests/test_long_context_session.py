@@ -110,6 +110,64 @@ def test_a_follow_up_keeps_the_decoder_and_decodes_as_a_new_one_would(tiny, bloc
     assert (kept.decoder.times.device_read > 0) == (context_attention == "gpu")  # the device read the blocks
 
 
+def test_a_conversation_handed_over_and_back_keeps_its_decoder_and_decodes_as_a_new_one_would(tiny):
+    """The server's swaps (exchange): each conversation takes its decoder along while it is held
+    outside the session, and its next follow-up goes on with it exactly as a session that never
+    swapped and built its decoder anew after the follow-up."""
+    from ktlong.kv.host_cache import HostKVCache
+    from ktlong.session.long_context import HeldConversation
+
+    c = tiny.config
+    chosen = selection(second_select_num=2, preselect_block=True, preselect_block_count=3, token_step=2,
+                       anchor_type="MAX")
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 400, "fp32", anchor_type="MAX")
+
+    def new_session():
+        return LongContextSession(tiny.model, layout, chunk_size=32, backend="torch", hidden_on_device=True,
+                                  compact=None, selection=chosen, local_windows_len=24, use_cuda_graph=False)
+
+    rng = np.random.default_rng(8)
+    docs = [[int(t) for t in rng.integers(0, 300, size=n)] for n in (150, 170)]
+    swapping, alone = new_session(), [new_session(), new_session()]
+    answers, decoders, held = [], [], None
+    for i, doc in enumerate(docs):  # A, handed over for B in a second host cache
+        if i:
+            held = swapping.exchange(HeldConversation.empty(layout, HostKVCache(layout, pin=False)))
+        answers.append(generate(swapping, doc, 5, Sampler(), frozenset(), lambda i: "").token_ids)
+        assert generate(alone[i], doc, 5, Sampler(), frozenset(), lambda i: "").token_ids == answers[-1]
+        decoders.append(swapping.decoder)
+    for i in (0, 1):  # back to A (B handed over), then to B
+        assert held.decoder is decoders[i] and swapping.parked.held() == [held]
+        held = swapping.exchange(held)
+        follow = docs[i] + answers[i][:-1] + [int(t) for t in rng.integers(0, 300, size=40)]
+        alone[i].decoder = None  # built anew after the follow-up
+        assert swapping.prefill(follow).equal(alone[i].prefill(follow))
+        assert swapping.decoder is decoders[i] and swapping.last_prefill_tokens == 40
+        for t in range(20):  # across a block boundary
+            assert swapping.step(10 + t).equal(alone[i].step(10 + t)), (i, t)
+
+
+def test_parked_decoders_keep_what_fits_beside_a_prefill_the_most_recent_first(tiny):
+    from ktlong.kv.host_cache import HostKVCache
+    from ktlong.session.long_context import RESIDENT_MARGIN, HeldConversation
+
+    session = every_block(tiny, 400)
+    session.parked.decoder_bytes = 1000
+    session.follow_up_headroom = session.prefill_headroom = 1 << 40
+    hosts = [HostKVCache(session.layout, pin=False) for _ in range(3)]
+    held = []
+    for i, host in enumerate(hosts):  # three conversations with decoders handed over, oldest first
+        session.prefill(list(range(i, 100 + i)))
+        held.append(session.exchange(HeldConversation.empty(session.layout, host)))
+    assert session.parked.held() == held and all(h.decoder is not None for h in held)
+    session.prefill_headroom = RESIDENT_MARGIN + 2500  # a new prompt's prefill leaves room for two
+    session.prefill(list(range(50)))
+    assert held[0].decoder is None and session.parked.held() == held[1:]
+    assert all(h.decoder is not None for h in held[1:])
+    del held[1]  # the cache store forgot it: its decoder went with it
+    assert session.parked.held() == [held[1]]
+
+
 def test_the_decoder_stays_only_when_the_follow_up_fits_the_plans_headroom(tiny):
     from ktlong.kv.memory_plan import workspace_bytes
 

@@ -26,6 +26,7 @@ from ktlong.prefill import LayerMajorPrefill
 from ktlong.decode.selection import SelectionSettings
 from ktlong.decode.decoder import Decoder
 from ktlong.decode.warm_up import compile_decode_kernels
+from ktlong.session.parked_decoders import ParkedDecoders
 from ktlong.session.plan import SessionPlan
 from ktlong.session.prefix import cached_prefix
 from operators.compact_attention import CompactParams
@@ -39,13 +40,15 @@ class LongContextSession:
     def __init__(self, model: LlamaModel, layout: KVLayout, *, chunk_size: int, backend: str,
                  hidden_on_device: bool, compact: CompactParams | None, selection: SelectionSettings,
                  local_windows_len: int, use_cuda_graph: bool, follow_up_headroom: int | None = None,
-                 prefill_headroom: int | None = None, resident_history: bool = True):
+                 prefill_headroom: int | None = None, resident_history: bool = True, decoder_bytes: int = 0):
         """follow_up_headroom: device bytes the plan leaves beside a decoder (its window, anchors
         and graphs), within which a follow-up's prefill runs while the decoder stays; None: no
         limit (the CPU). prefill_headroom: what the plan leaves beside a new prompt's prefill.
-        resident_history: what a prefill leaves of that room keeps layers' history on the device
-        for the next follow-up (ktlong/kv/resident.py). backend and selection: resolved, as the
-        plan resolves them (from_plan)."""
+        What a prefill leaves of that room keeps the decoders of conversations handed over by
+        exchange() (decoder_bytes each: ktlong/session/parked_decoders.py), then, with
+        resident_history, layers' history on the device for the next follow-up
+        (ktlong/kv/resident.py). backend and selection: resolved, as the plan resolves them
+        (from_plan)."""
         window = model.config.sliding_window
         assert not window or local_windows_len >= min(window, layout.capacity), "Config.local_window_for"
         assert tuple(layout.sliding) == tuple(model.config.sliding_layers), "use model_kv_layout"
@@ -54,13 +57,13 @@ class LongContextSession:
         self.selection, self.local_windows_len = selection, local_windows_len
         self.use_cuda_graph, self.follow_up_headroom = use_cuda_graph, follow_up_headroom
         self.prefill_headroom = prefill_headroom
-        self.decoder: Decoder | None = None
         self.model, self.layout = model, layout
         self.max_seq_len = layout.capacity
         self.engine = LayerMajorPrefill(model, layout, chunk_size, backend, hidden_on_device, compact)
         # the conversation the session works on: its DRAM cache, tokens and bookkeeping, in one
         # object that exchange() hands over whole
         self.conversation = HeldConversation.empty(layout, HostKVCache(layout, pin=model.device.type == "cuda"))
+        self.parked = ParkedDecoders(decoder_bytes)
         self.resident = None
         if resident_history and follow_up_headroom is not None and not layout.sliding:
             self.resident = ResidentHistory(layout, model.device)
@@ -79,7 +82,8 @@ class LongContextSession:
                       use_cuda_graph=plan.use_cuda_graph,
                       follow_up_headroom=plan.budget_bytes - plan.memory.decode_device if plan.is_gpu else None,
                       prefill_headroom=plan.budget_bytes - plan.memory.prefill_device if plan.is_gpu else None,
-                      resident_history=plan.resident_history)
+                      resident_history=plan.resident_history,
+                      decoder_bytes=plan.memory.decode_window + plan.memory.decode_anchors)
         session.warm_up()
         return session
 
@@ -133,11 +137,13 @@ class LongContextSession:
                              lambda self, v: setattr(self.conversation, "stable_tokens", v))
     saved_file = property(lambda self: self.conversation.saved_file,
                           lambda self, v: setattr(self.conversation, "saved_file", v))
+    # the decoder over the conversation's cache (None: the next prefill builds one)
+    decoder = property(lambda self: self.conversation.decoder,
+                       lambda self, v: setattr(self.conversation, "decoder", v))
 
     def reset(self):
         self.conversation = HeldConversation.empty(self.layout, self.host)
         self._cut_resident(0)
-        self.decoder = None
 
     def _cut_resident(self, num_tokens: int):
         """The device copies of layers' rows are cut wherever the cache is, so that they never
@@ -147,11 +153,14 @@ class LongContextSession:
 
     def exchange(self, incoming: "HeldConversation") -> "HeldConversation":
         """Swap conversations, no copy: the session's cache is handed over whole (the server's
-        cache store keeps it in DRAM) and `incoming` taken in its place, an earlier handed-over
-        one or empty() on a free host cache. The next prefill builds the decoder."""
+        cache store keeps it in DRAM) with its decoder, which stays on the device while the
+        plan leaves room for it (ParkedDecoders), and `incoming` taken in its place, an earlier
+        handed-over one or empty() on a free host cache. The next prefill goes on with
+        incoming's decoder as a follow-up does, or builds one."""
         assert incoming.layout == self.layout and incoming.host is not self.host
         outgoing, self.conversation = self.conversation, incoming
-        self.decoder = None
+        self.parked.park(outgoing)
+        self.parked.take(incoming)
         self._cut_resident(0)  # the device copies were of the outgoing conversation's rows
         return outgoing
 
@@ -171,11 +180,12 @@ class LongContextSession:
         history = self.reusable(prompt_ids)
         # a follow-up that fits beside the decoder keeps it (and its graphs); otherwise the
         # device window goes before prefill needs the memory
-        keep, prefetch, room = self._follow_up_room(len(prompt_ids) - history) if history else (False, False, 0)
+        keep, prefetch, room = self._follow_up_room(len(prompt_ids) - history) if history else (False, False, None)
         self.last_follow_up = (keep, prefetch)
+        if not history and self.follow_up_headroom is not None:
+            room = self.prefill_headroom - RESIDENT_MARGIN if self.prefill_headroom is not None else 0
+        room = self.parked.fit(room)
         if self.resident is not None:  # rows prefilled now go to the copies too
-            if not history:
-                room = self.prefill_headroom - RESIDENT_MARGIN if self.prefill_headroom is not None else 0
             self.resident.fit(room)
         kept = self.decoder if keep else None
         self.decoder = None
@@ -227,11 +237,11 @@ class LongContextSession:
         states, one chunk's workspace) fits the device memory the plan leaves beside it; the
         next layer's history loads ahead on a GPU if a second layer of pages fits too (beside
         the decoder, whether it stays or not: without it there is more room); what is left
-        after both keeps layers' history on the device. The CPU has no limit and nothing to
-        overlap."""
+        after both keeps parked decoders and layers' history on the device. The CPU has no limit
+        (room None) and nothing to overlap."""
         has_decoder, on_gpu = self.decoder is not None, self.model.device.type == "cuda"
         if self.follow_up_headroom is None:
-            return has_decoder, on_gpu, 0
+            return has_decoder, on_gpu, None
         c, act = self.model.config, self.model.dtype.itemsize
         need = (workspace_bytes(c, min(num_new, self.engine.chunk_size), self.layout, act)
                 + num_new * c.hidden_size * act + staging_bytes(self.layout, len(self.ids)))
@@ -265,7 +275,7 @@ class _ScaledProgress:
             self.on_progress(min(int(self.done + 1e-6), self.bar.total), self.bar.total)
 
 
-@dataclass
+@dataclass(eq=False)  # one conversation is one object (ParkedDecoders finds them by identity)
 class HeldConversation:
     """A conversation's cache and bookkeeping: the session's own, or one outside it that
     LongContextSession.exchange handed over, with the attributes a saved cache is written from
@@ -280,6 +290,7 @@ class HeldConversation:
     # a save appends from the block this ends in
     stable_tokens: int
     saved_file: object  # saved_cache.SavedFile | None: the file last saved to or loaded from
+    decoder: Decoder | None = None  # its device buffers and graphs read this host cache
 
     @classmethod
     def empty(cls, layout: KVLayout, host: HostKVCache) -> "HeldConversation":
