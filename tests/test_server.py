@@ -188,6 +188,10 @@ def test_bad_chat_requests_get_openai_shaped_4xx(server, body, status, param, co
     ("/v1/chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], '
                              b'"top_p": NaN}', 400),
     ("/v1/chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "\\ud800"}]}', 400),
+    ("/v1/chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "a\\uDC00"}]}', 400),
+    ("/v1/chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "\xed\xa0\x80"}]}',
+     400),  # a surrogate as raw bytes (not UTF-8)
+    ("/v1/chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "\xff"}]}', 400),
     ("/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000, 400),
     ("/v1/chat/completions", b'{"model": "smollm2-135m", "seed": ' + b"9" * 5000 + b"}", 400),
 ])

@@ -7,6 +7,7 @@ import glob
 import os
 import random
 
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -88,7 +89,26 @@ def _tokenizers(name):
     return _loaded[name]
 
 
-def test_common_prefix():
-    for a, b in [("", ""), ("abc", "abd"), ("abc", "abc"), ("abc", "ab"), ("x" * 1000 + "a", "x" * 1000 + "b")]:
-        n = common_prefix(a, b)
-        assert a[:n] == b[:n] and (n == min(len(a), len(b)) or a[n] != b[n])
+def _loop_prefix(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 3000), st.integers(0, 40), st.integers(0, 40), st.booleans())
+def test_common_prefix_equals_a_plain_loop(shared, tail_a, tail_b, as_text):
+    """Strings and token lists, shared prefixes around the doubling steps' edges (64, 192, ...)."""
+    rng = np.random.default_rng(shared * 1601 + tail_a * 41 + tail_b)
+    head = rng.integers(0, 3, size=shared).tolist()
+    a, b = head + rng.integers(0, 3, size=tail_a).tolist(), head + rng.integers(0, 3, size=tail_b).tolist()
+    if as_text:
+        a, b = "".join(map(str, a)), "".join(map(str, b))
+    assert common_prefix(a, b) == _loop_prefix(a, b)
+
+
+def test_common_prefix_of_edge_cases():
+    for a, b in [("", ""), ("abc", "abd"), ("abc", "abc"), ("abc", "ab"), ("x" * 1000 + "a", "x" * 1000 + "b"),
+                 ([], [1]), ([1] * 64, [1] * 64 + [2]), ([1] * 64 + [3], [1] * 64 + [2])]:
+        assert common_prefix(a, b) == _loop_prefix(a, b)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 MIN_CHARS = 4096  # shorter texts are encoded whole: their encoding is cheaper than the lookup
@@ -85,11 +86,19 @@ class TextCache:
         return best, best_len
 
 
-def common_prefix(a: str, b: str) -> int:
-    """Length of the longest common prefix of a and b, by halving (each step one C comparison)."""
-    lo, hi = 0, min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """Length of the longest common prefix of two strings or lists: slices of doubling length
+    compared until one differs, then that one halved. Every step is one slice comparison in C (a
+    Python loop over 110K token ids takes 9 ms; this, under one), and a prefix that ends early
+    costs little."""
+    lo, end, step = 0, min(len(a), len(b)), 64
+    while lo < end:  # a[:lo] == b[:lo]
+        hi = min(end, lo + step)
+        if a[lo:hi] != b[lo:hi]:
+            break
+        lo, step = hi, 2 * step
+    else:
+        return end
     while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
         mid = (lo + hi) // 2
         if a[lo:mid] == b[lo:mid]:

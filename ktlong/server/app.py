@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import re
 import time
 
 from starlette.applications import Starlette
@@ -21,6 +22,10 @@ from ktlong.session.cache_records import CacheFileError
 from ktlong.chat.logprobs import TokenLogprob
 from ktlong.server.protocol import ApiError, Prompting, check_model, chunk, logprobs_body, new_id, response, usage
 from ktlong.server.worker import Outcome, Progress, QueueFull, Ticket, ToolCalls, Worker
+
+# a surrogate's escape in a JSON body: once the bytes are decoded as strict UTF-8, the one way
+# text that is not Unicode gets in; re-encoding a 470 KB body to check costs more than this scan
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 # JSON bytes a prompt token may take (escaped text runs to 6 bytes a character), and room for
 # the rest of a request: a body past max_seq_len of them cannot fit and is refused as it arrives
@@ -48,10 +53,14 @@ async def read_json(request: Request, max_bytes: int) -> dict:
                            "this server's max_seq_len can hold; send less.")
         parts.append(part)
     try:
-        body = json.loads(b"".join(parts), parse_constant=_no_constant)
-        json.dumps(body, ensure_ascii=False).encode("utf-8")  # a lone surrogate (\ud800) fails here
+        text = b"".join(parts).decode("utf-8")  # strict: no surrogates (json.loads would let them pass)
+        body = json.loads(text, parse_constant=_no_constant)
+        if SURROGATE_ESCAPE.search(text):  # a lone surrogate (\ud800) fails here
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
     except RecursionError:
         raise ApiError(400, "The request body nests too deep; send a flatter JSON object.") from None
+    except UnicodeDecodeError:
+        raise ApiError(400, "The request body is not UTF-8; send the JSON encoded as UTF-8.") from None
     except UnicodeEncodeError:
         raise ApiError(400, "The request body holds text that is not Unicode (a lone surrogate escape); "
                        "send valid UTF-8.") from None
