@@ -216,7 +216,9 @@ class LayerMajorPrefill:
             for name, a, b in stats._events:
                 setattr(stats, name, getattr(stats, name) + a.elapsed_time(b) / 1e3)
             stats.peak_device_bytes = torch.cuda.max_memory_allocated(self.device)
-        stats.block_mass = {layer: mass.cpu().numpy() for layer, mass in run.masses}
+        if run.masses:  # one copy to the host (each layer's own would wait for the device once each)
+            masses = torch.stack([mass for _, mass in run.masses]).cpu().numpy()
+            stats.block_mass = {layer: masses[i] for i, (layer, _) in enumerate(run.masses)}
         host.advance(len(token_ids))
         stats.seconds = time.perf_counter() - start
         return logits, stats
@@ -318,14 +320,15 @@ class LayerMajorPrefill:
             s = max(s, host.first_token(layer))
             if s >= e:
                 return
-            self._copy_kv(layer, s, e, run)
+            with self._after_compute():
+                self._copy_kv(layer, s, e, run)
             return
         B = self.layout.block_size
         b0, b1 = s // B, -(-e // B)
         summaries = self._summaries(q, b0, b1, e)
         tables = [(getattr(host, name)[layer][:, b0:b1], values) for name, values in summaries.items()]
-        self._copy_kv(layer, s, e, run)
-        with self._after_compute():
+        with self._after_compute():  # K/V and side tables after one wait for the compute stream
+            self._copy_kv(layer, s, e, run)
             for dst, values in tables:
                 copy_heads(dst, values)  # block ranges of head-major tables: one range per head
                 if self.cuda:
@@ -372,29 +375,28 @@ class LayerMajorPrefill:
         return torch.cuda.stream(self.copy_stream)
 
     def _copy_kv(self, layer, s, e, run: _Run):
-        """K/V of positions s..e to DRAM in its stored type: q8_0 / q4_0 are quantised here, on the
-        device, so that the copy moves the quantised bytes. A resident layer's device copy gets
-        the same rows."""
+        """K/V of positions s..e to DRAM in its stored type, queued where the caller entered
+        _after_compute(): q8_0 / q4_0 are quantised here, on the device, so that the copy moves
+        the quantised bytes. A resident layer's device copy gets the same rows."""
         layout, host = self.layout, run.host
         resident = run.resident if run.resident is not None and layer in run.resident.rows else None
-        with self._after_compute():
-            sources = [self.pages.tokens(self.pages.k)[:, s:e], self.pages.tokens(self.pages.v)[:, s:e]]  # [KV, e-s, D]
-            if layout.is_quantized and e - s <= JOINT_QUANTIZE_TOKENS:  # one pass: a few rows, launches dominate
-                quantized = list(zip(*quantize_kv(torch.stack(sources), layout.kv_type)))
-            elif layout.is_quantized:  # a whole chunk: one plane at a time, as the plan counts its workspace
-                quantized = [quantize_kv(src, layout.kv_type) for src in sources]
-            for i, which in enumerate("kv"):
-                src = sources[i]
-                planes = [(host.tokens(layer, which, s, e), src)]
-                if layout.is_quantized:
-                    data, scales = quantized[i]
-                    planes = [(host.tokens(layer, which, s, e), data), (host.scale_tokens(layer, which, s, e), scales)]
-                for dst, values in planes:
-                    copy_heads(dst, values)
-                    if self.cuda and values is not src:
-                        values.record_stream(self.copy_stream)
-                if resident is not None:
-                    resident.write(layer, which, s, e, *(values for _, values in planes))
+        sources = [self.pages.tokens(self.pages.k)[:, s:e], self.pages.tokens(self.pages.v)[:, s:e]]  # [KV, e-s, D]
+        if layout.is_quantized and e - s <= JOINT_QUANTIZE_TOKENS:  # one pass: a few rows, launches dominate
+            quantized = list(zip(*quantize_kv(torch.stack(sources), layout.kv_type)))
+        elif layout.is_quantized:  # a whole chunk: one plane at a time, as the plan counts its workspace
+            quantized = [quantize_kv(src, layout.kv_type) for src in sources]
+        for i, which in enumerate("kv"):
+            src = sources[i]
+            planes = [(host.tokens(layer, which, s, e), src)]
+            if layout.is_quantized:
+                data, scales = quantized[i]
+                planes = [(host.tokens(layer, which, s, e), data), (host.scale_tokens(layer, which, s, e), scales)]
+            for dst, values in planes:
+                copy_heads(dst, values)
+                if self.cuda and values is not src:
+                    values.record_stream(self.copy_stream)
+            if resident is not None:
+                resident.write(layer, which, s, e, *(values for _, values in planes))
         if resident is not None:
             resident.extend(layer, s, e)
         run.stats.bytes_to_host += 2 * (e - s) * layout.num_kv_heads * layout.stored_row_bytes

@@ -110,6 +110,32 @@ def test_a_follow_up_keeps_the_decoder_and_decodes_as_a_new_one_would(tiny, bloc
     assert (kept.decoder.times.device_read > 0) == (context_attention == "gpu")  # the device read the blocks
 
 
+@pytest.mark.parametrize("first_len", [9, 40])  # a follow-up that rewrites rows inside the sink block, and one after it
+def test_a_kept_decoders_sink_is_loaded_again_only_where_the_follow_up_rewrote_it(tiny, first_len):
+    chosen = selection(second_select_num=1000, preselect_block=False)
+    c = tiny.config
+    layout = with_anchors(kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 400, "fp32"), chosen)
+
+    def new_session():
+        return LongContextSession(tiny.model, layout, chunk_size=32, backend="torch", hidden_on_device=True,
+                                  compact=None, selection=chosen, local_windows_len=24, use_cuda_graph=False)
+
+    rng = np.random.default_rng(first_len)
+    first = [int(t) for t in rng.integers(0, 300, size=first_len)]
+    kept, rebuilt = new_session(), new_session()
+    for s in (kept, rebuilt):
+        s.prefill(first)
+        for t in (4, 5):
+            s.step(t)
+    follow = first + [4, 5] + [int(t) for t in rng.integers(0, 300, size=30)]
+    decoder = kept.decoder
+    rebuilt.decoder = None
+    assert kept.prefill(follow).equal(rebuilt.prefill(follow)) and kept.decoder is decoder
+    for t in range(12):
+        assert kept.step(10 + t).equal(rebuilt.step(10 + t)), t
+    assert kept.decoder.window.buf_k.equal(rebuilt.decoder.window.buf_k)
+
+
 def test_a_conversation_handed_over_and_back_keeps_its_decoder_and_decodes_as_a_new_one_would(tiny):
     """The server's swaps (exchange): each conversation takes its decoder along while it is held
     outside the session, and its next follow-up goes on with it exactly as a session that never

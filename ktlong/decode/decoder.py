@@ -119,7 +119,8 @@ class Decoder:
             last = -(-self.host.num_tokens // self.block_size)
             for layer in self.global_layers:
                 self.device_anchors.update(layer, first_block, last)
-        self.window.load_from_host(self.host, self.resident)  # queued; crosses while the host preselects
+        # queued; crosses while the host preselects
+        self.window.load_from_host(self.host, self.resident, first_block * self.block_size)
         self._preselect(block_mass)
         if self.selection is not None:
             self.selection.load_candidates()

@@ -38,18 +38,20 @@ class DeviceWindow:
         """Block-aligned start that keeps at least local_windows_len on the device."""
         return max(end - self.local_windows_len, 0) // self.block_size * self.block_size
 
-    def load_from_host(self, host: HostKVCache, resident=None):
+    def load_from_host(self, host: HostKVCache, resident=None, unchanged: int = 0):
         """After prefill: copy the sink tokens and the window of every layer to the device.
         resident: the layers whose rows the device keeps between turns (ktlong/kv/resident.py),
-        read there."""
+        read there. unchanged: leading tokens whose rows the buffers already hold (a follow-up
+        rewrote the cache after them); the sink stays when it lies within them."""
         end = host.num_tokens
         self.end = end
         self.window_start = self.first_window_position(end)
         n, sinks = end - self.window_start, min(self.sink_tokens, end)
+        load_sink = unchanged < sinks
         for layer in range(self.layout.num_layers):
             for which, window, sink in (("k", self.k, self.sink_k), ("v", self.v, self.sink_v)):
                 self._load(window[layer, :, :n], host, resident, layer, which, self.window_start, end)
-                if not self.layout.is_sliding(layer):  # sliding layers never read the sink
+                if load_sink and not self.layout.is_sliding(layer):  # sliding layers never read the sink
                     self._load(sink[layer, :, :sinks], host, resident, layer, which, 0, sinks)
 
     def _load(self, dst: torch.Tensor, host: HostKVCache, resident, layer: int, which: str, start: int, end: int):

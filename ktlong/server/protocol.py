@@ -272,7 +272,8 @@ def encode_messages(tokenizer: GGUFTokenizer, template: ChatTemplate, messages: 
             ids += plain(message["content"])
             start = at + len(mark)
         else:
-            return ids + tokenizer.encode(rendered[start:], add_bos=None if start == 0 else False)
+            ids += tokenizer.encode(rendered[start:], add_bos=None if start == 0 else False)
+            return ids
     return tokenizer.encode(template.render([{**m, "content": defused(tokenizer, m["content"])} for m in messages],
                                             tools=tools))
 

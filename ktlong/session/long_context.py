@@ -91,7 +91,10 @@ class LongContextSession:
         """Compile what compiles on first use before anything is timed: the Numba decode kernels
         (later processes load them from Numba's cache) and, on a GPU, every prefill kernel of
         this model (LayerMajorPrefill.warm_up) and decode's Triton kernels and graphs, by a
-        prompt long enough for decode to select blocks and one decode step; then forgotten."""
+        prompt long enough for decode to select blocks and one decode step, then a short
+        follow-up over it (a cache hit's path: the history's load ahead of each layer, the
+        dense attention of a few queries over thousands of keys, the kept decoder); then
+        forgotten."""
         print("[kernels that compile on first use:", end="", file=log, flush=True)
         report = compile_decode_kernels(self.layout, self.selection, self.model.config.num_heads, self.model.scale)
         seconds = report.seconds
@@ -100,6 +103,9 @@ class LongContextSession:
             self.engine.warm_up(self.host)
             self.prefill([0] * self.warm_up_tokens())
             self.step(0)
+            if not self.layout.sliding and len(self.ids) + 8 < self.max_seq_len:
+                self.prefill(self.ids + [0] * 8)
+                self.step(0)
             self.reset()
             seconds += time.perf_counter() - start
         done = (f" compiled {report.compiled} CPU kernels, once (later runs load them from Numba's cache)"
