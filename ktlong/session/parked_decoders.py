@@ -4,11 +4,11 @@ A decoder's device buffers (window, anchors, selection) and CUDA graphs are buil
 host cache: its graphs read that cache's pages where they lie. When the server's cache store
 hands a conversation over (LongContextSession.exchange), the conversation keeps its decoder, so
 that when it comes back its next prefill extends that decoder as a follow-up does
-(Decoder.extend) instead of building one and capturing its graphs (0.11 of a 0.29 s DRAM hit at
-120K tokens, Qwen2.5-0.5B on an H100). Each holds `decoder_bytes` (the plan's decode window and
-anchors); before a prefill, those that do not fit the room the plan leaves beside it are
-dropped, the least recently parked first. On the CPU there is no device limit: one per held
-conversation.
+(Decoder.extend) instead of building one and capturing its graphs, which takes about 0.11 s at
+120K tokens (Qwen2.5-0.5B on an H100), most of what is left of a DRAM hit without it. Each holds
+`decoder_bytes` (the plan's decode window and anchors); before a prefill, those that do not fit
+the room the plan leaves beside it are dropped, the least recently parked first. On the CPU
+there is no device limit: one per held conversation, its window in RAM beside the cache.
 """
 
 from __future__ import annotations
