@@ -1,6 +1,8 @@
 """The benchmark and evaluation commands: every error a user can cause is one sentence and a
 non-zero exit, and the capture benchmark keeps the keys prefill computed."""
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -245,3 +247,13 @@ def test_cpu_weights_bench_compares_compact_weights_with_float32_in_processes_of
     assert bench(["cpu-weights", "--model", str(path), "--lengths", "600"]) == 2  # past the context: one sentence
     err = capsys.readouterr().err
     assert "context of 512" in err and err.count("error:") == 1 and "Traceback" not in err
+
+
+def test_cpu_weights_bench_refuses_its_llama_cpp_arm_in_one_sentence_without_llama_cpp_python(tmp_path, capsys,
+                                                                                              monkeypatch):
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, TinySpec(), seed=5)
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp fails, as where it is not installed
+    assert bench(["cpu-weights", "--model", str(path), "--lengths", "64", "--arm", "llama.cpp"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install llama-cpp-python" in err and err.count("error:") == 1 and "Traceback" not in err

@@ -3,12 +3,15 @@ dequantised to float32, on a real GGUF model in normal mode: arms float32, int4 
 4- and 5-bit matrices stay compact: cpu_int4) and int4+bf16 (also the embedding, the head and the
 6- and 8-bit matrices in bfloat16: cpu_bf16; the defaults).
 
-python -m ktlong.bench cpu-weights --model smollm2-135m --lengths 4k,16k [--tokens 32] [--runs 2]
+python -m ktlong.bench cpu-weights --model smollm2-135m --lengths 4k,16k [--tokens 32] [--runs 2] [--llama_cpp]
 
 Each run of each arm is a process of its own, so that its peak resident memory is its own; the
 arms alternate. A run loads the model on the CPU, prefills a prompt of the length (fixed token
 ids) and decodes --tokens tokens greedily. The table gives medians over the runs: prefill and
 decode tokens per second, the peak resident memory, and the decode ratio to float32.
+--llama_cpp adds an arm of llama.cpp (llama-cpp-python, installed separately) on the same GGUF
+file, the same prompt ids and as many threads as torch uses, `n_batch` 512; it feeds its decode
+steps fixed ids (a step's time does not depend on which).
 """
 
 from __future__ import annotations
@@ -28,6 +31,39 @@ from ktlong.gguf.weights import CpuWeights
 ARMS = {"float32": CpuWeights(), "int4": CpuWeights(int4=True), "int4+bf16": CpuWeights(int4=True, bf16=True)}
 
 
+LLAMA_CPP = "llama.cpp"
+
+
+def prompt_ids(vocab_size: int, length: int) -> list[int]:
+    return [(i * 7919) % (vocab_size - 200) + 100 for i in range(length)]  # fixed, no special tokens
+
+
+def run_llama_cpp(model: str, length: int, tokens: int) -> dict:
+    """One llama.cpp run in this process, as run_arm measures ktlong."""
+    import torch
+
+    from ktlong.gguf.registry import resolve_model_path
+
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise KtlongError("--llama_cpp needs llama-cpp-python (pip install llama-cpp-python); or leave the "
+                          "option out.") from None
+    threads = torch.get_num_threads()
+    llm = Llama(model_path=str(resolve_model_path(model)), n_ctx=length + tokens + 8, n_threads=threads,
+                n_threads_batch=threads, n_batch=512, verbose=False)
+    start = time.perf_counter()
+    llm.eval(prompt_ids(llm.n_vocab(), length))
+    prefill = time.perf_counter() - start
+    steps = []
+    for i in range(tokens):
+        start = time.perf_counter()
+        llm.eval([100 + i])
+        steps.append(time.perf_counter() - start)
+    return {"prefill_s": prefill, "decode_s": median(steps),
+            "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
 def run_arm(model: str, length: int, tokens: int, cpu: CpuWeights) -> dict:
     """One run in this process: prefill and decode seconds, peak resident bytes."""
     import torch
@@ -40,7 +76,7 @@ def run_arm(model: str, length: int, tokens: int, cpu: CpuWeights) -> dict:
         raise KtlongError(f"--lengths {length} plus {tokens} tokens exceed the model's context of "
                           f"{lm.config.context_length}; use shorter lengths.")
     session = DenseSession(lm.model, length + tokens, 512)
-    ids = [(i * 7919) % (lm.config.vocab_size - 200) + 100 for i in range(length)]  # fixed, no special tokens
+    ids = prompt_ids(lm.config.vocab_size, length)
     start = time.perf_counter()
     logits = session.prefill(ids)
     prefill = time.perf_counter() - start
@@ -60,19 +96,23 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", default="4k", help="prompt lengths in tokens")
     p.add_argument("--tokens", type=int, default=32, help="tokens decoded per run (the median step is reported)")
     p.add_argument("--runs", type=int, default=2, help="runs per arm and length, alternating")
-    p.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # one run, in a child process
+    p.add_argument("--llama_cpp", action="store_true", help="add an arm of llama.cpp (llama-cpp-python) on the same file")
+    p.add_argument("--arm", choices=[*ARMS, LLAMA_CPP], help=argparse.SUPPRESS)  # one run, in a child process
     args = p.parse_args(argv)
     if args.runs < 1 or args.tokens < 1:
         raise KtlongError("--runs and --tokens must be at least 1.")
     lengths = parse_lengths(args.lengths)
     if args.arm:
-        print(json.dumps(run_arm(args.model, lengths[0], args.tokens, ARMS[args.arm])))
+        one = (run_llama_cpp(args.model, lengths[0], args.tokens) if args.arm == LLAMA_CPP else
+               run_arm(args.model, lengths[0], args.tokens, ARMS[args.arm]))
+        print(json.dumps(one))
         return 0
+    arms = [*ARMS, LLAMA_CPP] if args.llama_cpp else list(ARMS)
     rows = []
     for length in lengths:
-        runs = {arm: [] for arm in ARMS}
+        runs = {arm: [] for arm in arms}
         for _ in range(args.runs):
-            for arm in ARMS:
+            for arm in arms:
                 child = subprocess.run([sys.executable, "-m", "ktlong.bench", "cpu-weights", "--model", args.model,
                                         "--lengths", str(length), "--tokens", str(args.tokens), "--arm", arm],
                                        capture_output=True, text=True)
@@ -81,8 +121,8 @@ def main(argv=None) -> int:
                     raise KtlongError(lines[-1].removeprefix("error: ") if lines else
                                       f"the {arm} run failed (exit {child.returncode}); run it alone to see why.")
                 runs[arm].append(json.loads(child.stdout.strip().splitlines()[-1]))
-        decode = {arm: median([r["decode_s"] for r in runs[arm]]) for arm in ARMS}
-        for arm in ARMS:
+        decode = {arm: median([r["decode_s"] for r in runs[arm]]) for arm in arms}
+        for arm in arms:
             rs = runs[arm]
             rows.append([f"{length:,}", arm, f"{length / median([r['prefill_s'] for r in rs]):,.0f}",
                          f"{1 / decode[arm]:.1f}", f"{median([r['peak_bytes'] for r in rs]) / 2**30:.2f}",
