@@ -186,10 +186,9 @@ class LongContextSession:
         history = self.reusable(prompt_ids)
         # a follow-up that fits beside the decoder keeps it (and its graphs); otherwise the
         # device window goes before prefill needs the memory
-        keep, prefetch, room = self._follow_up_room(len(prompt_ids) - history) if history else (False, False, None)
+        keep, prefetch, room = (self._follow_up_room(len(prompt_ids) - history) if history
+                                else (False, False, self._new_prompt_room()))
         self.last_follow_up = (keep, prefetch)
-        if not history and self.follow_up_headroom is not None:
-            room = self.prefill_headroom - RESIDENT_MARGIN if self.prefill_headroom is not None else 0
         room = self.parked.fit(room)
         if self.resident is not None:  # rows prefilled now go to the copies too
             self.resident.fit(room)
@@ -237,7 +236,14 @@ class LongContextSession:
         decoder.capture_graphs()
         return decoder
 
-    def _follow_up_room(self, num_new: int) -> tuple[bool, bool, int]:
+    def _new_prompt_room(self) -> int | None:
+        """Device bytes a new prompt's prefill leaves for parked decoders and resident history
+        (None on the CPU: no limit)."""
+        if self.follow_up_headroom is None:
+            return None
+        return self.prefill_headroom - RESIDENT_MARGIN if self.prefill_headroom is not None else 0
+
+    def _follow_up_room(self, num_new: int) -> tuple[bool, bool, int | None]:
         """(keep the decoder, prefetch the history, bytes left for resident history) for a
         follow-up of num_new tokens: the decoder stays if the follow-up's prefill (its hidden
         states, one chunk's workspace) fits the device memory the plan leaves beside it; the
