@@ -52,6 +52,7 @@ def test_a_document_asked_about_again_is_encoded_from_its_end(tokenizer, monkeyp
         if i:  # the document was encoded once: the rest start near its end
             assert lengths[-1] < 400, lengths
         assert ids == plain(tokenizer, text)
+    assert len(cache.texts) == 1  # the questions reused the document's entry and added none
     rng = random.Random(3)
     for _ in range(6):  # edits: a document cut short, a line changed in its middle, another document
         cut = rng.randrange(len(doc))

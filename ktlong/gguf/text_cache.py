@@ -51,6 +51,11 @@ class TextCache:
         n = bisect.bisect_right(base.cuts, self._latest_cut(text, shared)) if base is not None else 0
         cut, count = (base.cuts[n - 1], base.counts[n - 1]) if n else (0, 0)
         tail, pieces = self.tokenizer.encode_pieces(text[cut:])
+        if n and len(text) - cut < self.min_chars:  # a question after a remembered document: the
+            with self.lock:  # document stays the entry (copying its lists would cost more than the tail)
+                if id(base) in self.texts:
+                    self.texts.move_to_end(id(base))
+            return base.ids[:count] + tail
         found = [(cut + at, count + before) for at, before in pieces if at]
         entry = _Encoded(text, (base.ids[:count] if n else []) + tail,
                          (base.cuts[:n] if n else []) + [c for c, _ in found],
