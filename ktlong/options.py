@@ -56,7 +56,7 @@ SECTIONS: list[tuple[str, list[Option]]] = [
         Option('rope_scale', 0.0, "context scaling factor, as --rope-scale (Qwen2.5: yarn and 4 reach 131,072); 0 = the GGUF's", low=0, flag='rope_scale'),
         Option('yarn_orig_ctx', 0, "YaRN: the context the model was trained to, as --yarn-orig-ctx; 0 = the GGUF's", low=0, flag='yarn_orig_ctx'),
         Option('gpu_memory_budget_gb', 24, 'GPU memory the plan may use, in GiB', low=0, low_exclusive=True, kind="float"),
-        Option('use_cuda_graph', 'auto', 'long-context decode: replay its GPU part from CUDA graphs: auto (on with CUDA) | true | false', kind="auto_bool", flag='use_cuda_graph'),
+        Option('use_cuda_graph', 'auto', "long-context mode: replay the decode step's GPU part, and a short follow-up's projections and MLP, from CUDA graphs: auto (on with CUDA) | true | false", kind="auto_bool", flag='use_cuda_graph'),
         Option('resident_history', True, "long-context follow-ups: GPU memory the plan leaves free keeps some layers' history on the GPU between turns, so only the rest crosses from DRAM"),
         Option('tensor_parallel', 1, 'ranks that split heads and MLP columns; start them with torchrun --nproc_per_node N', low=1, flag='tensor_parallel'),
     ]),

@@ -30,6 +30,7 @@ from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import KVLayout
 from ktlong.kv.pinned import copy_heads
 from ktlong.kv.resident import ResidentHistory
+from ktlong.models.chunk_graphs import ChunkGraphs
 from ktlong.models.llama import LlamaModel
 from operators import triton_installed
 from operators.block_summary import anchor_keys, block_summaries, token_importance
@@ -126,7 +127,9 @@ class _Timer:
 
 class LayerMajorPrefill:
     def __init__(self, model: LlamaModel, layout: KVLayout, chunk_size: int, backend: str,
-                 hidden_on_device: bool, compact: CompactParams | None = None):
+                 hidden_on_device: bool, compact: CompactParams | None = None, use_cuda_graph: bool = False):
+        """use_cuda_graph: short chunks (a follow-up's question) run their projections and MLP
+        from CUDA graphs (ktlong/models/chunk_graphs.py), on one GPU."""
         assert chunk_size % layout.block_size == 0
         self.model, self.layout, self.chunk_size = model, layout, chunk_size
         self.device = model.device
@@ -154,6 +157,8 @@ class LayerMajorPrefill:
 
             self.summary_kernel = kernel_applies(layout.block_size, layout.head_dim)
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.graphs = ChunkGraphs(model) if use_cuda_graph and self.cuda and model.tp is None else None
+        self.compute_stream = None  # a run's current stream on a GPU
         # called with (layer, q, chunk start, chunk end, pages) before each chunk's attention
         self.attention_hook: Callable[[int, torch.Tensor, int, int, DevicePages], None] | None = None
 
@@ -174,6 +179,7 @@ class LayerMajorPrefill:
             host.place_tails(num_tokens)
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+            self.compute_stream = torch.cuda.current_stream(self.device)  # asked once: each ask costs host time
         start = time.perf_counter()
         hidden = self._embed(token_ids, stats)  # row i is position history + i
         positions = torch.arange(num_tokens, device=self.device)
@@ -185,11 +191,12 @@ class LayerMajorPrefill:
         loader = None
         if history:
             loader = HistoryLoader(self.layout, self.model.config.num_layers, host, history,
-                                   (self.pages, self.pooled_keys), prefetch_history, self.copy_stream,
+                                   (self.pages, self.pooled_keys), prefetch_history,
+                                   (self.compute_stream, self.copy_stream) if self.cuda else None,
                                    lambda: _Timer(stats, self.device, "history_seconds"), resident)
         for layer in range(self.model.config.num_layers):
             if self.cuda:  # the pages are about to be overwritten: last layer's copies must be done
-                torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+                self.compute_stream.wait_stream(self.copy_stream)
             if loader is not None:
                 self.pages, self.pooled_keys = loader.take(layer)
             run.densities = []
@@ -208,7 +215,7 @@ class LayerMajorPrefill:
             self.pages, self.pooled_keys = loader.close()
             stats.bytes_to_device += loader.bytes_to_device
         if self.cuda:  # the last layer's rows reach DRAM on the copy stream: read them after it
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            self.compute_stream.wait_stream(self.copy_stream)
         last = hidden[-1:].to(self.device)
         logits = self.model.logits(last)[0]
         if self.cuda:
@@ -232,6 +239,8 @@ class LayerMajorPrefill:
         and topk's selection kernels. The selected chunks run the paged kernel the first prompt
         built. `host` is left empty."""
         first = min(self.layout.block_size, self.layout.capacity)
+        if self.graphs is not None:
+            self.graphs.capture()
         self.run([0] * first, host)
         if not self.layout.sliding and first + 8 <= self.layout.capacity:
             self.run([0] * 8, host, history=first)
@@ -271,14 +280,18 @@ class LayerMajorPrefill:
 
     def _layer_chunk(self, layer, x, positions, s, e, run: _Run) -> torch.Tensor:
         model = self.model
-        q, k, v = model.qkv(layer, x, positions)
+        graphs = self.graphs if self.graphs is not None and self.graphs.applies(e - s) else None
+        q, k, v = graphs.qkv(layer, x, positions) if graphs is not None else model.qkv(layer, x, positions)
         self.pages.write(s, k.to(self.layout.dtype), v.to(self.layout.dtype))
         if e == run.num_tokens and not self.layout.is_sliding(layer):  # every key of the layer is in pages
             mass = observation_block_mass(q[-OBSERVATION_QUERIES:], self.pages.k, e, model.scale)
             run.masses.append((layer, mass))
         o = self._attention(layer, q.to(self.layout.dtype), s, e, run)
         self._offload(layer, q, s, e, run)
-        return model.residual_block(layer, x, o)
+        if graphs is None:
+            return model.residual_block(layer, x, o)
+        x = graphs.residual_block(layer, o)  # the graphs' buffer, which the next layer overwrites:
+        return x if self.hidden_on_device else x.clone()  # a copy to DRAM must read its own
 
     def _attention(self, layer, q, s, e, run: _Run) -> torch.Tensor:
         """The chunk's attention, timed in two parts: selection (CompactAttention's choice of
@@ -366,12 +379,10 @@ class LayerMajorPrefill:
 
     def _after_compute(self):
         """Where copies to the host run: on a GPU the copy stream, after everything the compute
-        stream has queued so far. The wait is taken here, outside the copy stream's context,
-        where torch.cuda.current_stream() is still the compute stream (inside, it is the copy
-        stream itself and the wait would order nothing)."""
+        stream (the run's current stream) has queued so far."""
         if not self.cuda:
             return nullcontext()
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.copy_stream.wait_stream(self.compute_stream)
         return torch.cuda.stream(self.copy_stream)
 
     def _copy_kv(self, layer, s, e, run: _Run):

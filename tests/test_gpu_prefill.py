@@ -100,3 +100,38 @@ def test_warm_up_builds_every_triton_variant_a_prefill_uses():
         engine.run(torch.randint(0, 1000, (length,), generator=torch.Generator().manual_seed(length)).tolist(), host)
         host.reset()
     assert triton_builds() == built
+
+
+@pytest.mark.parametrize("hidden_on_device", [True, False])
+def test_short_follow_ups_through_chunk_graphs_equal_eager_ones(hidden_on_device):
+    """Follow-ups of a few tokens, their projections and MLP replayed from the chunk graphs
+    (ktlong/models/chunk_graphs.py), give the logits and DRAM rows of the same follow-ups run
+    eagerly: at the buckets' edges, past the last bucket (eager there too), and a short one after
+    longer ones left their rows in the buckets."""
+    from tests.settings import gpu_backend
+
+    model = random_model("tiny", torch.device("cuda"), torch.bfloat16, seed=5)
+    c = model.config
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 64, 1400, "bf16")
+    engines = [LayerMajorPrefill(model, layout, 256, gpu_backend(model), hidden_on_device, use_cuda_graph=graphs)
+               for graphs in (False, True)]
+    assert engines[0].graphs is None and engines[1].graphs is not None
+    engines[1].graphs.capture()
+    g = torch.Generator().manual_seed(6)
+    doc = torch.randint(0, 1000, (700,), generator=g).tolist()
+    hosts = [HostKVCache(layout, pin=True) for _ in engines]
+    for engine, host in zip(engines, hosts):
+        engine.run(doc, host)
+    for n in (1, 9, 16, 17, 40, 64, 65, 3):
+        new = torch.randint(0, 1000, (n,), generator=g).tolist()
+        results = []
+        for engine, host in zip(engines, hosts):
+            host.truncate(len(doc))
+            logits, _ = engine.run(new, host, history=len(doc))
+            rows = [host.tokens(layer, which, len(doc), len(doc) + n).clone()
+                    for layer in range(c.num_layers) for which in "kv"]
+            results.append((logits, rows))
+        (eager, eager_rows), (graphed, graphed_rows) = results
+        assert rel(graphed, eager) < 1e-2, n
+        for a, b in zip(graphed_rows, eager_rows):
+            assert rel(a, b) < 1e-2, n

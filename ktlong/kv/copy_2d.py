@@ -83,39 +83,48 @@ def _row_bytes(t: torch.Tensor) -> int | None:
 def copy_rows_2d(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Queue dst[i] = src[i] for every row as one 2-D copy on the current stream of the GPU side;
     False (nothing queued) where it does not apply: no GPU side, a host side that is not pinned,
-    rows that are not contiguous ranges, no driver, a pitch past the device's limit."""
+    rows that are not contiguous ranges, no driver, a pitch past the device's limit. A follow-up
+    makes a few of these per layer, so the checks stay cheap: no torch device or stream objects."""
     if src.shape != dst.shape or src.dtype != dst.dtype or src.dim() < 2 or src.shape[0] < 2:
         return False
-    gpu = dst if dst.is_cuda else src if src.is_cuda else None
-    if gpu is None or (dst.is_cuda and src.is_cuda and dst.device != src.device):
+    dst_gpu, src_gpu = dst.is_cuda, src.is_cuda
+    if not (dst_gpu or src_gpu):
         return False
-    width, src_width = _row_bytes(dst), _row_bytes(src)
-    if width is None or src_width != width or width == 0:
+    device = (dst if dst_gpu else src).get_device()
+    if dst_gpu and src_gpu and src.get_device() != device:
+        return False
+    width = _row_bytes(dst)
+    if width is None or width == 0 or _row_bytes(src) != width:
         return False
     size = dst.element_size()
     dst_pitch, src_pitch = dst.stride(0) * size, src.stride(0) * size
     if dst_pitch < width or src_pitch < width:  # rows that overlap (a broadcast view)
         return False
     driver = _get_driver()
-    device = gpu.device.index if gpu.device.index is not None else torch.cuda.current_device()
     if driver is None or max(dst_pitch, src_pitch) > driver.pitch_limit(device):
         return False
-    host = None if (dst.is_cuda and src.is_cuda) else (src if dst.is_cuda else dst)
+    host = None if (dst_gpu and src_gpu) else (src if dst_gpu else dst)
     if host is not None and not driver.is_page_locked(host.data_ptr()):  # pageable: the copy would hold the host
         return False
-    p = _Memcpy2D()
-    p.WidthInBytes, p.Height = width, src.shape[0]
-    p.srcPitch, p.dstPitch = src_pitch, dst_pitch
-    for side, t in (("src", src), ("dst", dst)):
-        if t.is_cuda:
-            setattr(p, f"{side}MemoryType", MEMORYTYPE_DEVICE)
-            setattr(p, f"{side}Device", t.data_ptr())
-        else:
-            setattr(p, f"{side}MemoryType", MEMORYTYPE_HOST)
-            setattr(p, f"{side}Host", t.data_ptr())
-    with torch.cuda.device(gpu.device):
-        stream = torch.cuda.current_stream(gpu.device).cuda_stream
-        err = driver.copy(ctypes.byref(p), ctypes.c_void_p(stream))
+    p = _Memcpy2D(WidthInBytes=width, Height=src.shape[0], srcPitch=src_pitch, dstPitch=dst_pitch,
+                  srcMemoryType=MEMORYTYPE_DEVICE if src_gpu else MEMORYTYPE_HOST,
+                  dstMemoryType=MEMORYTYPE_DEVICE if dst_gpu else MEMORYTYPE_HOST)
+    if src_gpu:
+        p.srcDevice = src.data_ptr()
+    else:
+        p.srcHost = src.data_ptr()
+    if dst_gpu:
+        p.dstDevice = dst.data_ptr()
+    else:
+        p.dstHost = dst.data_ptr()
+    # the raw handle of the device's current stream, as Triton's launcher reads it; the driver
+    # call runs in that device's context (entered only when it is not the current one)
+    stream = ctypes.c_void_p(torch._C._cuda_getCurrentRawStream(device))
+    if device == torch.cuda.current_device():
+        err = driver.copy(ctypes.byref(p), stream)
+    else:
+        with torch.cuda.device(device):
+            err = driver.copy(ctypes.byref(p), stream)
     if err != 0:
         raise RuntimeError(f"cuMemcpy2DAsync failed with CUDA error {err} ({tuple(src.shape)}, pitches "
                            f"{src_pitch} -> {dst_pitch})")

@@ -100,14 +100,15 @@ def _load_resident(layout: KVLayout, host: HostKVCache, layer: int, history: int
 
 class HistoryLoader:
     def __init__(self, layout: KVLayout, num_layers: int, host: HostKVCache, history: int,
-                 own: Buffers, prefetch: bool, copy_stream: torch.cuda.Stream | None,
+                 own: Buffers, prefetch: bool, streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None,
                  timer: Callable[[], AbstractContextManager], resident: ResidentHistory | None = None):
-        """own: the engine's pages and pooled keys; copy_stream: where the engine copies the
-        pages to DRAM (None on the CPU); timer: times one layer's load; resident: layers whose
-        rows the device keeps between turns."""
+        """own: the engine's pages and pooled keys; streams: where the engine computes and where
+        it copies the pages to DRAM (None on the CPU); timer: times one layer's load; resident:
+        layers whose rows the device keeps between turns."""
         self.resident = resident
         self.layout, self.num_layers = layout, num_layers
-        self.host, self.history, self.timer, self.copy_stream = host, history, timer, copy_stream
+        self.host, self.history, self.timer = host, history, timer
+        self.compute_stream, self.copy_stream = streams or (None, None)
         self.buffers = [own]
         if prefetch:
             pages, pooled = own
@@ -115,7 +116,7 @@ class HistoryLoader:
         self.device = own[1].device
         on_gpu = self.device.type == "cuda"
         self.staging = Staging(layout, history, self.device) if on_gpu and layout.is_quantized else None
-        self.stream = torch.cuda.Stream(self.device) if prefetch and copy_stream is not None else None
+        self.stream = torch.cuda.Stream(self.device) if prefetch and streams is not None else None
         self.bytes_to_device = 0
         self.loaded = self._load(0) if prefetch else None
 
@@ -129,7 +130,7 @@ class HistoryLoader:
         if self.stream is None:
             self._load_now(layer)
             return None
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.stream.wait_stream(self.compute_stream)
         self.stream.wait_stream(self.copy_stream)
         with torch.cuda.stream(self.stream):
             self._load_now(layer)
@@ -148,7 +149,7 @@ class HistoryLoader:
             self._load(layer)
             return self.buffers[0]
         if self.loaded is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.loaded)
+            self.compute_stream.wait_event(self.loaded)
         if layer + 1 < self.num_layers:
             self.loaded = self._load(layer + 1)
         return self._buffers(layer)
@@ -157,7 +158,7 @@ class HistoryLoader:
         """The engine's own buffers back; the second set goes once the compute stream is past
         its load and past the copies to DRAM that read the last layer's pages."""
         if self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            self.compute_stream.wait_stream(self.stream)
+            self.compute_stream.wait_stream(self.copy_stream)
         own, self.buffers, self.staging = self.buffers[0], None, None
         return own

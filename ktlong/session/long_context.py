@@ -59,7 +59,7 @@ class LongContextSession:
         self.prefill_headroom = prefill_headroom
         self.model, self.layout = model, layout
         self.max_seq_len = layout.capacity
-        self.engine = LayerMajorPrefill(model, layout, chunk_size, backend, hidden_on_device, compact)
+        self.engine = LayerMajorPrefill(model, layout, chunk_size, backend, hidden_on_device, compact, use_cuda_graph)
         # the conversation the session works on: its DRAM cache, tokens and bookkeeping, in one
         # object that exchange() hands over whole
         self.conversation = HeldConversation.empty(layout, HostKVCache(layout, pin=model.device.type == "cuda"))
