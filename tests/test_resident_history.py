@@ -95,3 +95,40 @@ def test_the_room_left_decides_how_many_layers_stay(tiny, monkeypatch):
     s.follow_up_headroom = GB // 2 + RESIDENT_MARGIN  # less than one layer beside the follow-up
     s.prefill(ids + [1, 2, 3])
     assert s.resident.layers == []
+
+
+def test_handed_over_conversations_keep_their_resident_history_while_room_allows(tiny, monkeypatch):
+    """The server's swaps (exchange): each conversation keeps its own device copies while it is
+    held outside the session, so that its follow-up after a swap moves no history, and gives
+    the logits of a session without copies. With less room, the session's own conversation keeps
+    its copies first, then the most recently parked one."""
+    import ktlong.kv.resident as resident_module
+    from ktlong.kv.host_cache import HostKVCache
+    from ktlong.session.long_context import HeldConversation
+
+    monkeypatch.setattr(resident_module, "resident_layer_bytes", lambda layout: GB)
+    rng = np.random.default_rng(9)
+    tokens = lambda n: [int(t) for t in rng.integers(0, 300, size=n)]
+    room = 20 * GB + RESIDENT_MARGIN
+    a, b = session(tiny, "q8_0", True, room, room), session(tiny, "q8_0", False, room, room)
+    docs = [tokens(n) for n in (150, 170, 130)]
+    held = {a: [], b: []}
+    for i, doc in enumerate(docs):  # three conversations, the first two handed over
+        for s in (a, b):
+            if i:
+                held[s].append(s.exchange(HeldConversation.empty(s.layout, HostKVCache(s.layout, pin=False))))
+        assert torch.equal(a.prefill(doc), b.prefill(doc))
+    assert [h.resident.layers for h in held[a]] == [[0, 1, 2]] * 2
+    for i in (0, 1, 0):  # back to a handed-over conversation: its follow-up reads its own copies
+        for s in (a, b):
+            back = next(h for h in held[s] if h.ids[:len(docs[i])] == docs[i])
+            held[s].remove(back)
+            held[s].append(s.exchange(back))
+        follow = a.ids + tokens(10)
+        assert torch.equal(a.prefill(follow), b.prefill(follow))
+        assert a.last_stats.bytes_to_device == 0 < b.last_stats.bytes_to_device
+        assert a.resident.valid == {layer: len(follow) for layer in range(3)}
+    a.prefill_headroom = 6 * GB + 2 * RESIDENT_MARGIN  # a new prompt leaves room for two conversations' copies
+    a.prefill(tokens(100))
+    newest, oldest = held[a][-1], held[a][0]
+    assert a.resident.layers == [0, 1, 2] and newest.resident.layers == [0, 1, 2] and oldest.resident.layers == []

@@ -35,6 +35,16 @@ class ResidentHistory:
     def layers(self) -> list[int]:
         return sorted(self.rows)
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the layers held."""
+        return len(self.rows) * resident_layer_bytes(self.layout)
+
+    @property
+    def wanted_bytes(self) -> int:
+        """Device bytes of every layer that can be held (the global ones)."""
+        return sum(not self.layout.is_sliding(i) for i in range(self.layout.num_layers)) * resident_layer_bytes(self.layout)
+
     def fit(self, room: int):
         """Hold as many layers as `room` bytes allow, the first layers first (a follow-up's first
         layer is the one whose load nothing can overlap); layers beyond it are freed."""

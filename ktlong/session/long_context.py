@@ -47,7 +47,8 @@ class LongContextSession:
         What a prefill leaves of that room keeps the decoders of conversations handed over by
         exchange() (decoder_bytes each: ktlong/session/parked_decoders.py), then, with
         resident_history, layers' history on the device for the next follow-up
-        (ktlong/kv/resident.py). backend and selection: resolved, as the plan resolves them
+        (ktlong/kv/resident.py): the session's conversation's first, then what is left for the
+        handed-over ones' own. backend and selection: resolved, as the plan resolves them
         (from_plan)."""
         window = model.config.sliding_window
         assert not window or local_windows_len >= min(window, layout.capacity), "Config.local_window_for"
@@ -64,9 +65,9 @@ class LongContextSession:
         # object that exchange() hands over whole
         self.conversation = HeldConversation.empty(layout, HostKVCache(layout, pin=model.device.type == "cuda"))
         self.parked = ParkedDecoders(decoder_bytes)
-        self.resident = None
-        if resident_history and follow_up_headroom is not None and not layout.sliding:
-            self.resident = ResidentHistory(layout, model.device)
+        # each conversation keeps its own device copies (exchange() hands them over with it)
+        self.keeps_resident = resident_history and follow_up_headroom is not None and not layout.sliding
+        self._give_resident(self.conversation)
         self.last_stats = None
         self.last_prefill_tokens = 0  # tokens the last prefill computed (the rest came from the cache)
         self.last_decode_setup_seconds = 0.0  # after the last prefill: the decoder built, its graphs captured
@@ -146,10 +147,18 @@ class LongContextSession:
     # the decoder over the conversation's cache (None: the next prefill builds one)
     decoder = property(lambda self: self.conversation.decoder,
                        lambda self, v: setattr(self.conversation, "decoder", v))
+    # layers of the conversation's history kept on the device (None: resident_history off)
+    resident = property(lambda self: self.conversation.resident)
 
     def reset(self):
+        resident = self.resident
         self.conversation = HeldConversation.empty(self.layout, self.host)
+        self.conversation.resident = resident
         self._cut_resident(0)
+
+    def _give_resident(self, conversation: "HeldConversation"):
+        if self.keeps_resident and conversation.resident is None:
+            conversation.resident = ResidentHistory(self.layout, self.model.device)
 
     def _cut_resident(self, num_tokens: int):
         """The device copies of layers' rows are cut wherever the cache is, so that they never
@@ -159,15 +168,16 @@ class LongContextSession:
 
     def exchange(self, incoming: "HeldConversation") -> "HeldConversation":
         """Swap conversations, no copy: the session's cache is handed over whole (the server's
-        cache store keeps it in DRAM) with its decoder, which stays on the device while the
-        plan leaves room for it (ParkedDecoders), and `incoming` taken in its place, an earlier
-        handed-over one or empty() on a free host cache. The next prefill goes on with
-        incoming's decoder as a follow-up does, or builds one."""
+        cache store keeps it in DRAM) with its decoder and its resident history, which stay on
+        the device while the plan leaves room for them (ParkedDecoders), and `incoming` taken
+        in its place, an earlier handed-over one or empty() on a free host cache. The next
+        prefill goes on with incoming's decoder and device copies as a follow-up does, or
+        builds them."""
         assert incoming.layout == self.layout and incoming.host is not self.host
         outgoing, self.conversation = self.conversation, incoming
         self.parked.park(outgoing)
         self.parked.take(incoming)
-        self._cut_resident(0)  # the device copies were of the outgoing conversation's rows
+        self._give_resident(incoming)
         return outgoing
 
     def reusable(self, prompt_ids: list[int]) -> int:
@@ -189,7 +199,7 @@ class LongContextSession:
         keep, prefetch, room = (self._follow_up_room(len(prompt_ids) - history) if history
                                 else (False, False, self._new_prompt_room()))
         self.last_follow_up = (keep, prefetch)
-        room = self.parked.fit(room)
+        room = self.parked.fit(room, self.resident.wanted_bytes if self.resident is not None else 0)
         if self.resident is not None:  # rows prefilled now go to the copies too
             self.resident.fit(room)
         kept = self.decoder if keep else None
@@ -303,6 +313,7 @@ class HeldConversation:
     stable_tokens: int
     saved_file: object  # saved_cache.SavedFile | None: the file last saved to or loaded from
     decoder: Decoder | None = None  # its device buffers and graphs read this host cache
+    resident: ResidentHistory | None = None  # layers of its history the device keeps
 
     @classmethod
     def empty(cls, layout: KVLayout, host: HostKVCache) -> "HeldConversation":
