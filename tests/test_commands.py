@@ -36,6 +36,8 @@ def one_sentence_error(capsys, *needles):
     (["decode-op", "--contexts", "big"], ["'big'"]),
     (["decode", "--device", "cpu", "--modes", "hybrid,graphs"], ["graphs modes", "need a GPU"]),
     (["structured", "--tokens", "1"], ["--tokens"]),
+    (["cache-hits", "--model", "smollm2-135m", "--docs", "9"], ["--docs must be 2 to 6"]),
+    (["cache-hits", "--model", "smollm2-135m", "--set", "block_sise=64"], ["block_sise"]),
 ])
 def test_bench_errors_are_one_sentence(no_user_file, capsys, argv, needles):
     assert bench(argv) == 2
@@ -257,3 +259,36 @@ def test_cpu_weights_bench_refuses_its_llama_cpp_arm_in_one_sentence_without_lla
     assert bench(["cpu-weights", "--model", str(path), "--lengths", "64", "--arm", "llama.cpp"]) == 2
     err = capsys.readouterr().err
     assert "pip install llama-cpp-python" in err and err.count("error:") == 1 and "Traceback" not in err
+
+
+def test_cache_hits_bench_refuses_in_one_sentence_without_the_openai_client(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "openai", None)  # import openai fails, as where it is not installed
+    assert bench(["cache-hits", "--model", "smollm2-135m"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install openai" in err and err.count("error:") == 1 and "Traceback" not in err
+
+
+def test_cache_hits_bench_summarises_phases_answers_and_loads(tmp_path):
+    """The documents carry their planted sentence; the table's medians and ratio, the answers
+    equal to the reference's and the logged load rates come out of known results."""
+    from ktlong.bench.cache_hits import documents, equal_answers, load_rates, summary
+
+    docs = documents(3, 5000)
+    assert [(name, code) for name, code, _ in docs] == [("ALPHA", 5111), ("BRAVO", 6222), ("CHARLIE", 7333)]
+    assert all(f"archive {name} is {code}." in text and len(text) > 5000 for name, code, text in docs)
+    assert docs[0][2] != docs[1][2]
+    r = lambda tag, doc, q, ttft, answer, where=None: dict(tag=tag, doc=doc, q=q, ttft=ttft, answer=answer, **{"from": where})
+    results = [r("cached", "A", 0, 2.0, "x"), r("cached", "B", 0, 1.0, "y"), r("cached", "C", 0, 3.0, "z"),
+               r("cached", "A", 1, 0.1, "a", "dram"), r("cached", "B", 1, 0.05, "b", "dram"),
+               r("cached", "C", 1, 0.2, "c", "session"),  # not a DRAM hit: left out of the hits
+               r("restarted", "A", 2, 0.9, "d", "disk"),
+               r("reference", "A", 0, 2.2, "x"), r("reference", "A", 1, 2.1, "a"), r("reference", "B", 1, 2.1, "B!"),
+               r("reference", "A", 2, 2.0, "d")]
+    rows, ratio = summary(results)
+    assert rows[:3] == [["cold", 3, "2.000", "1.000-3.000"], ["DRAM hit", 2, "0.075", "0.050-0.100"],
+                        ["disk hit after restart", 1, "0.900", "0.900-0.900"]]
+    assert rows[3][:2] == ["reference (no cache)", 4] and ratio == pytest.approx(2.0 / 0.075)
+    assert equal_answers(results) == (3, 4)  # A q0, A q1, A q2 equal; B q1 differs; the rest has no reference
+    log = tmp_path / "server.log"
+    log.write_text("[cache: conversation ab loaded from disk: 119,737 tokens, 1.42 GiB in 0.18 s (7.97 GiB/s)]\nother\n")
+    assert load_rates(str(log)) == ["1.42 GiB in 0.18 s (7.97 GiB/s)"]
