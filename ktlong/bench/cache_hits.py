@@ -98,8 +98,9 @@ def ask(client, model_id: str, text: str, question: str) -> dict:
     """One streamed question: the time to the first content chunk, the answer, the cached
     tokens and where they came from."""
     start = time.perf_counter()
-    stream = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": text + "\n\n" + question}],
-                                            stream=True, stream_options={"include_usage": True}, temperature=0)
+    messages = [{"role": "user", "content": text + "\n\n" + question}]
+    stream = client.chat.completions.create(model=model_id, messages=messages, stream=True,
+                                            stream_options={"include_usage": True}, temperature=0)
     ttft, parts, usage = None, [], None
     for chunk in stream:
         usage = chunk.usage or usage

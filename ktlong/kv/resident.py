@@ -43,7 +43,8 @@ class ResidentHistory:
     @property
     def wanted_bytes(self) -> int:
         """Device bytes of every layer that can be held (the global ones)."""
-        return sum(not self.layout.is_sliding(i) for i in range(self.layout.num_layers)) * resident_layer_bytes(self.layout)
+        layers = sum(not self.layout.is_sliding(i) for i in range(self.layout.num_layers))
+        return layers * resident_layer_bytes(self.layout)
 
     def fit(self, room: int):
         """Hold as many layers as `room` bytes allow, the first layers first (a follow-up's first
