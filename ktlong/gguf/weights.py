@@ -15,6 +15,7 @@ from ktlong.errors import GGUFError
 from ktlong.gguf.reader import GGUFFile
 from ktlong.gguf.model_config import PERMUTED_QK_ARCHS, ModelConfig
 from ktlong.gguf.int4_weights import INT4_TYPES, Int4Weight
+from ktlong.gguf.stored_rows import StoredRows
 from ktlong.parallel.shard import shard_columns, shard_rows
 
 
@@ -70,7 +71,7 @@ class LayerWeights:
 
 @dataclass(slots=True)
 class ModelWeights:
-    embed: torch.Tensor  # [vocab, hidden]
+    embed: torch.Tensor | StoredRows  # [vocab, hidden]; as stored on a CPU when the model has its own head
     layers: list[LayerWeights]
     output_norm: torch.Tensor  # [hidden]
     output: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
@@ -135,6 +136,11 @@ class TensorSource:
 
     def get_optional(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor | None:
         return self.get(name, shape) if self.has(name) else None
+
+    def stored_rows(self, name: str, shape: tuple[int, int]) -> StoredRows:
+        """A [rows, hidden] table in its stored type, each row dequantised to dtype when read."""
+        info, raw = self._raw(name, shape)
+        return StoredRows(raw, info.ggml_type, shape, self.dtype)
 
     def table(self, name: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         """A [rows, hidden] table (embedding, output head) in `dtype`, dequantised HEAD_ROWS rows
@@ -201,7 +207,10 @@ def load_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
         ))
         gf.release_pages()  # the layer's bytes are copied: neither the file nor the copies' garbage stays resident
         _trim_heap()
-    embed = src.table("token_embd.weight", (c.vocab_size, c.hidden_size), head_dtype)
+    if compact and c.has_output_head:  # read a row per token: kept as stored (ktlong/gguf/stored_rows.py)
+        embed = src.stored_rows("token_embd.weight", (c.vocab_size, c.hidden_size))
+    else:
+        embed = src.table("token_embd.weight", (c.vocab_size, c.hidden_size), head_dtype)
     output = src.table("output.weight", (c.vocab_size, c.hidden_size), head_dtype) if c.has_output_head else embed
     gf.release_pages()
     _trim_heap()
