@@ -13,6 +13,7 @@ from ktlong.gguf.reader import GGUFFile
 from ktlong.gguf.model_config import ModelConfig
 from ktlong.gguf import weights as weights_module
 from ktlong.gguf.weights import CpuWeights, load_weights, unpermute_qk
+from ktlong.gguf.stored_rows import StoredRows
 from ktlong.gguf.int4_weights import Int4Weight, linear
 from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
@@ -77,23 +78,27 @@ def test_a_ranks_share_is_dequantised(tmp_path):
     config = ModelConfig.from_gguf(gf)
     compact = CpuWeights(int4=True, bf16=True)
     whole = load_weights(gf, config, torch.device("cpu"), torch.float32, None, compact)
-    assert isinstance(whole.layers[0].w_up, Int4Weight) and whole.embed.dtype == torch.bfloat16
+    assert isinstance(whole.layers[0].w_up, Int4Weight) and whole.output.dtype == torch.bfloat16
+    assert isinstance(whole.embed, StoredRows)  # read a row per token: kept as the file stores it
     assert len(whole.layers[0].w_down.planes) == 2
     shared = load_weights(gf, config, torch.device("cpu"), torch.float32, (0, 2), compact)
     assert isinstance(shared.layers[0].w_up, torch.Tensor) and shared.embed.dtype == torch.float32
 
 
 def test_bf16_tables_are_the_dequantised_table_rounded_within_half_a_q8_0_step(tmp_path, monkeypatch):
-    """cpu_bf16: the Q8_0 embedding and the untied head, dequantised a few rows at a time,
-    are the float32 dequantisation rounded to bfloat16, to the bit; each value within half its
-    block's q8_0 step (d) of the GGUF's."""
+    """cpu_bf16: the untied Q8_0 head, dequantised a few rows at a time, is the float32
+    dequantisation rounded to bfloat16, to the bit; each value within half its block's q8_0 step
+    (d) of the GGUF's. The embedding beside it stays Q8_0, its rows the float32 dequantisation."""
     monkeypatch.setattr(weights_module, "HEAD_ROWS", 7)  # several slices, the last one short
     q8 = {"token_embd.weight": T.Q8_0, "output.weight": T.Q8_0}
     write_tiny_gguf(tmp_path / "m.gguf", TinySpec(num_layers=1), seed=2, tensor_types=q8)
     gf = GGUFFile(tmp_path / "m.gguf")
     config = ModelConfig.from_gguf(gf)
     w = load_weights(gf, config, torch.device("cpu"), torch.float32, None, CpuWeights(bf16=True))
-    for name, table in (("token_embd.weight", w.embed), ("output.weight", w.output)):
+    embed = dequantize(torch.from_numpy(np.array(gf.raw("token_embd.weight"))), T.Q8_0, w.embed.shape)
+    ids = torch.arange(embed.shape[0])
+    assert isinstance(w.embed, StoredRows) and torch.equal(w.embed[ids], embed)
+    for name, table in (("output.weight", w.output),):
         raw = torch.from_numpy(np.array(gf.raw(name)))
         exact = dequantize(raw, T.Q8_0, table.shape)
         assert table.dtype == torch.bfloat16 and torch.equal(table, exact.to(torch.bfloat16))

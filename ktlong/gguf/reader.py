@@ -1,4 +1,5 @@
-"""Open a GGUF file with the `gguf` package and check every tensor against the file before use."""
+"""Open a GGUF file, read its header (ktlong/gguf/header.py) and check every tensor against the
+file before use; the tensors' bytes stay in a read-only memory map."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ktlong.errors import GGUFError
+from ktlong.gguf.header import HeaderError, TensorEntry, read_header
 
 GGUF_MAGIC = b"GGUF"
 
@@ -40,13 +42,14 @@ class GGUFFile:
         if magic != GGUF_MAGIC:
             raise GGUFError(f"{self.path} is not a GGUF file (it does not start with 'GGUF'); "
                             "convert the model with llama.cpp's convert_hf_to_gguf.py.")
+        self._data = np.memmap(self.path, mode="r")
         try:
-            self._reader = GGUFReader(self.path, "r")
-        except Exception as e:  # the gguf package raises many kinds on a damaged header
-            raise GGUFError(f"{self.path} is truncated or corrupt ({type(e).__name__}: {e}); "
-                            "download or convert it again.") from None
+            header = read_header(self._data)
+        except HeaderError as e:
+            raise GGUFError(f"{self.path} is truncated or corrupt ({e}); download or convert it again.") from None
+        self._metadata = header.metadata
         self.tensors: dict[str, TensorInfo] = {}
-        for t in self._reader.tensors:
+        for t in header.tensors:
             self.tensors[t.name] = self._checked_tensor_info(t)
 
     @property
@@ -54,21 +57,21 @@ class GGUFFile:
         """Elements of every tensor: what the weights take once dequantised."""
         return sum(math.prod(t.shape) for t in self.tensors.values())
 
-    def _checked_tensor_info(self, t) -> TensorInfo:
+    def _checked_tensor_info(self, t: TensorEntry) -> TensorInfo:
         try:
-            ggml_type = GGMLQuantizationType(int(t.tensor_type))
+            ggml_type = GGMLQuantizationType(t.type_id)
         except ValueError:
-            raise GGUFError(f"{self.path}: tensor {t.name} has unknown type id {int(t.tensor_type)}; "
+            raise GGUFError(f"{self.path}: tensor {t.name} has unknown type id {t.type_id}; "
                             "the file is corrupt or from a newer llama.cpp.") from None
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-        num_elements = int(np.prod(shape))
+        shape = tuple(reversed(t.dims))
+        num_elements = math.prod(shape)
         block_size, type_size = GGML_QUANT_SIZES[ggml_type]
         if num_elements % block_size or shape[-1] % block_size:
             raise GGUFError(f"{self.path}: tensor {t.name} of shape {shape} does not fit "
                             f"{ggml_type.name} blocks of {block_size}; the file is corrupt.")
         num_bytes = num_elements // block_size * type_size
-        offset = int(t.data_offset)
-        if offset < 0 or offset + num_bytes > self.file_size:
+        offset = t.offset
+        if offset + num_bytes > self.file_size:
             raise GGUFError(f"{self.path} is truncated: tensor {t.name} needs bytes up to "
                             f"{offset + num_bytes:,} but the file has {self.file_size:,}; "
                             "download or convert it again.")
@@ -76,10 +79,7 @@ class GGUFFile:
 
     def get(self, key: str, default=None):
         """A metadata value as a Python object (str, int, float, bool or list)."""
-        field = self._reader.fields.get(key)
-        if field is None:
-            return default
-        return field.contents()
+        return self._metadata.get(key, default)
 
     def require(self, key: str):
         value = self.get(key)
@@ -91,18 +91,18 @@ class GGUFFile:
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a read-only uint8 view of the memory map."""
         info = self.tensors[name]
-        return self._reader.data[info.offset:info.offset + info.num_bytes]
+        return self._data[info.offset:info.offset + info.num_bytes]
 
     def forget_metadata(self):
-        """Free the parsed metadata (gguf's reader keeps an array object per vocabulary entry:
-        hundreds of MB for a 150K-token vocabulary); tensors stay readable, get() sees nothing."""
-        self._reader.fields.clear()
+        """Free the parsed metadata (the vocabulary's lists); tensors stay readable, get() sees
+        nothing."""
+        self._metadata = {}
 
     def release_pages(self):
         """Drop the map's pages from this process's resident memory (they stay in the page
         cache, and are read back if touched again): the loader calls it once the tensors it
         read are copied, so that the file does not add its size to the peak."""
-        mapping = getattr(self._reader.data, "_mmap", None)
+        mapping = getattr(self._data, "_mmap", None)
         if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
             mapping.madvise(mmap.MADV_DONTNEED)
 

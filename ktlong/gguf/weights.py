@@ -140,6 +140,7 @@ class TensorSource:
     def stored_rows(self, name: str, shape: tuple[int, int]) -> StoredRows:
         """A [rows, hidden] table in its stored type, each row dequantised to dtype when read."""
         info, raw = self._raw(name, shape)
+        self.gf.release_pages()  # copied: the file's pages need not stay beside the copy
         return StoredRows(raw, info.ggml_type, shape, self.dtype)
 
     def table(self, name: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
@@ -155,6 +156,7 @@ class TensorSource:
             r1 = min(r0 + HEAD_ROWS, shape[0])
             raw = torch.from_numpy(np.array(mapped[r0 * row_bytes:r1 * row_bytes])).to(self.device)
             out[r0:r1] = dequantize(raw, info.ggml_type, (r1 - r0, shape[1]), self.dtype)
+            self.gf.release_pages()  # the slice's pages of the file, read
             _trim_heap()  # the slice's float32 garbage
         return out
 
