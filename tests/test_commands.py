@@ -253,12 +253,25 @@ def test_cpu_weights_bench_compares_compact_weights_with_float32_in_processes_of
 
 def test_cpu_weights_bench_refuses_its_llama_cpp_arm_in_one_sentence_without_llama_cpp_python(tmp_path, capsys,
                                                                                               monkeypatch):
+    """Its run is a process that imports neither torch nor the model code (its peak memory is
+    llama.cpp's own); where llama-cpp-python is missing, the bench says so in one sentence."""
+    import os
+    import subprocess
+
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, TinySpec(), seed=5)
-    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp fails, as where it is not installed
-    assert bench(["cpu-weights", "--model", str(path), "--lengths", "64", "--arm", "llama.cpp"]) == 2
+    hidden = tmp_path / "site" / "llama_cpp"  # import llama_cpp fails, as where it is not installed
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('not installed')\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]))
+    assert bench(["cpu-weights", "--model", str(path), "--lengths", "64", "--tokens", "1", "--runs", "1",
+                  "--llama_cpp"]) == 2
     err = capsys.readouterr().err
     assert "pip install llama-cpp-python" in err and err.count("error:") == 1 and "Traceback" not in err
+    imported = subprocess.run([sys.executable, "-c", "import sys, ktlong.bench.llama_cpp_arm; "
+                               "print('torch' in sys.modules, 'ktlong.gguf.weights' in sys.modules)"],
+                              capture_output=True, text=True, check=True)
+    assert imported.stdout.split() == ["False", "False"]
 
 
 def test_cache_hits_bench_refuses_in_one_sentence_without_the_openai_client(capsys, monkeypatch):

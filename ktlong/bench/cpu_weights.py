@@ -24,6 +24,7 @@ import sys
 import time
 
 from ktlong.bench.common import median
+from ktlong.bench.llama_cpp_arm import prompt_ids
 from ktlong.cli import parse_lengths, print_table
 from ktlong.errors import KtlongError
 from ktlong.gguf.weights import CpuWeights
@@ -32,36 +33,6 @@ ARMS = {"float32": CpuWeights(), "int4": CpuWeights(int4=True), "int4+bf16": Cpu
 
 
 LLAMA_CPP = "llama.cpp"
-
-
-def prompt_ids(vocab_size: int, length: int) -> list[int]:
-    return [(i * 7919) % (vocab_size - 200) + 100 for i in range(length)]  # fixed, no special tokens
-
-
-def run_llama_cpp(model: str, length: int, tokens: int) -> dict:
-    """One llama.cpp run in this process, as run_arm measures ktlong."""
-    import torch
-
-    from ktlong.gguf.registry import resolve_model_path
-
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        raise KtlongError("--llama_cpp needs llama-cpp-python (pip install llama-cpp-python); or leave the "
-                          "option out.") from None
-    threads = torch.get_num_threads()
-    llm = Llama(model_path=str(resolve_model_path(model)), n_ctx=length + tokens + 8, n_threads=threads,
-                n_threads_batch=threads, n_batch=512, verbose=False)
-    start = time.perf_counter()
-    llm.eval(prompt_ids(llm.n_vocab(), length))
-    prefill = time.perf_counter() - start
-    steps = []
-    for i in range(tokens):
-        start = time.perf_counter()
-        llm.eval([100 + i])
-        steps.append(time.perf_counter() - start)
-    return {"prefill_s": prefill, "decode_s": median(steps),
-            "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def run_arm(model: str, length: int, tokens: int, cpu: CpuWeights) -> dict:
@@ -89,6 +60,20 @@ def run_arm(model: str, length: int, tokens: int, cpu: CpuWeights) -> dict:
             "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
+def command(arm: str, model: str, length: int, tokens: int) -> list[str]:
+    """The child process of one run: ktlong's arms through this bench, llama.cpp's through a
+    module that imports no torch (ktlong/bench/llama_cpp_arm.py)."""
+    if arm != LLAMA_CPP:
+        return [sys.executable, "-m", "ktlong.bench", "cpu-weights", "--model", model, "--lengths", str(length),
+                "--tokens", str(tokens), "--arm", arm]
+    import torch
+
+    from ktlong.gguf.registry import resolve_model_path
+
+    return [sys.executable, "-m", "ktlong.bench.llama_cpp_arm", str(resolve_model_path(model)), str(length),
+            str(tokens), str(torch.get_num_threads())]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ktlong.bench cpu-weights", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,15 +82,13 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=32, help="tokens decoded per run (the median step is reported)")
     p.add_argument("--runs", type=int, default=2, help="runs per arm and length, alternating")
     p.add_argument("--llama_cpp", action="store_true", help="add an arm of llama.cpp (llama-cpp-python) on the same file")
-    p.add_argument("--arm", choices=[*ARMS, LLAMA_CPP], help=argparse.SUPPRESS)  # one run, in a child process
+    p.add_argument("--arm", choices=list(ARMS), help=argparse.SUPPRESS)  # one run, in a child process
     args = p.parse_args(argv)
     if args.runs < 1 or args.tokens < 1:
         raise KtlongError("--runs and --tokens must be at least 1.")
     lengths = parse_lengths(args.lengths)
     if args.arm:
-        one = (run_llama_cpp(args.model, lengths[0], args.tokens) if args.arm == LLAMA_CPP else
-               run_arm(args.model, lengths[0], args.tokens, ARMS[args.arm]))
-        print(json.dumps(one))
+        print(json.dumps(run_arm(args.model, lengths[0], args.tokens, ARMS[args.arm])))
         return 0
     arms = [*ARMS, LLAMA_CPP] if args.llama_cpp else list(ARMS)
     rows = []
@@ -113,9 +96,7 @@ def main(argv=None) -> int:
         runs = {arm: [] for arm in arms}
         for _ in range(args.runs):
             for arm in arms:
-                child = subprocess.run([sys.executable, "-m", "ktlong.bench", "cpu-weights", "--model", args.model,
-                                        "--lengths", str(length), "--tokens", str(args.tokens), "--arm", arm],
-                                       capture_output=True, text=True)
+                child = subprocess.run(command(arm, args.model, length, args.tokens), capture_output=True, text=True)
                 if child.returncode != 0:
                     lines = (child.stderr or child.stdout).strip().splitlines()  # its own one-sentence error
                     raise KtlongError(lines[-1].removeprefix("error: ") if lines else
