@@ -29,7 +29,8 @@ from ktlong.cli import parse_lengths, print_table
 from ktlong.errors import KtlongError
 from ktlong.gguf.weights import CpuWeights
 
-ARMS = {"float32": CpuWeights(), "int4": CpuWeights(int4=True), "int4+bf16": CpuWeights(int4=True, bf16=True)}
+ARMS = {"float32": CpuWeights(), "int4": CpuWeights(int4=True), "int4+bf16": CpuWeights(int4=True, bf16=True),
+        "stored": CpuWeights(stored=True), "stored+bf16": CpuWeights(bf16=True, stored=True)}
 
 
 LLAMA_CPP = "llama.cpp"

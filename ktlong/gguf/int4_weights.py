@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
+from ktlong.gguf.stored_matrix import StoredMatrix
 from ktlong.gguf.dequant import FIVE_BIT_TYPES, RUN_TYPES, code_runs
 
 INT4_TYPES = RUN_TYPES  # the types that stay compact: one plane, or two for the 5-bit ones
@@ -64,6 +65,9 @@ def _plane(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, shape
 def linear(x: torch.Tensor, w: torch.Tensor | Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear (over x in w's type where w is narrower: a bfloat16 matrix), or for an
     Int4Weight torch's int4 kernel over x in bfloat16 per plane, summed in float32; back in x's type."""
+    if isinstance(w, StoredMatrix):
+        y = w.linear(x)
+        return y + bias if bias is not None else y
     if not isinstance(w, Int4Weight):
         if w.dtype == x.dtype:
             return F.linear(x, w, bias)

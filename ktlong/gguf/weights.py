@@ -16,6 +16,8 @@ from ktlong.gguf.reader import GGUFFile
 from ktlong.gguf.model_config import PERMUTED_QK_ARCHS, ModelConfig
 from ktlong.gguf.int4_weights import INT4_TYPES, Int4Weight
 from ktlong.gguf.stored_rows import StoredRows
+from ktlong.gguf.stored_matrix import StoredMatrix
+from cpu_ops.gguf_blocks import KERNEL_TYPES
 from ktlong.parallel.shard import shard_columns, shard_rows
 
 
@@ -25,6 +27,7 @@ class CpuWeights:
     tensor-parallel rank, every weight is dequantised to the model's dtype)."""
     int4: bool = False  # cpu_int4: the layers' 4- and 5-bit matrices stay compact (int4 planes)
     bf16: bool = False  # cpu_bf16: the embedding, the head and BF16_TYPES matrices in bfloat16
+    stored: bool = False  # matrices of KERNEL_TYPES stay as stored, multiplied in place (StoredMatrix)
 
     @classmethod
     def of(cls, config) -> "CpuWeights":
@@ -92,10 +95,11 @@ class TensorSource:
     """Dequantises named tensors from a GGUF file onto one device, checking types first."""
 
     def __init__(self, gf: GGUFFile, device: torch.device, dtype: torch.dtype, int4: bool = False,
-                 bf16: bool = False):
+                 bf16: bool = False, stored: bool = False):
         """int4: matrices of a 4- or 5-bit type stay compact (ktlong/gguf/int4_weights.py); bf16:
         matrices of BF16_TYPES become bfloat16 (both the CPU only)."""
         self.gf, self.device, self.dtype, self.int4, self.bf16 = gf, device, dtype, int4, bf16
+        self.stored = stored
         for info in gf.tensors.values():
             if info.ggml_type not in SUPPORTED_TYPES:
                 raise GGUFError(
@@ -129,6 +133,8 @@ class TensorSource:
         else dequantised. permuted_heads: undo llama.cpp's q/k row permutation over that many heads."""
         rows = (lambda t: unpermute_qk(t, permuted_heads)) if permuted_heads else (lambda t: t)
         info, raw = self._raw(name, shape)
+        if self.stored and info.ggml_type in KERNEL_TYPES:
+            return StoredMatrix(rows(raw.view(shape[0], -1)).contiguous(), info.ggml_type, shape)
         if self.int4 and info.ggml_type in INT4_TYPES:
             return Int4Weight.from_blocks(raw, info.ggml_type, shape, rows)
         dtype = torch.bfloat16 if self.bf16 and info.ggml_type in BF16_TYPES else self.dtype
@@ -146,6 +152,8 @@ class TensorSource:
     def table(self, name: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         """A [rows, hidden] table (embedding, output head) in `dtype`, dequantised HEAD_ROWS rows
         at a time, so that a narrower dtype never holds the whole table in the wider one."""
+        if self.stored and self.gf.tensors[name].ggml_type in KERNEL_TYPES:
+            return self.matrix(name, shape)
         if dtype == self.dtype:
             return self.get(name, shape)
         info = self._info(name, shape)
@@ -169,7 +177,7 @@ def load_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
     rank, world = shard or (0, 1)
     compact = device.type == "cpu" and world == 1
     bf16 = cpu.bf16 and compact and dtype == torch.float32
-    src = TensorSource(gf, device, dtype, cpu.int4 and compact, bf16)
+    src = TensorSource(gf, device, dtype, cpu.int4 and compact, bf16, cpu.stored and compact)
     head_dtype = torch.bfloat16 if bf16 else dtype
 
     def rows(w):
@@ -209,11 +217,18 @@ def load_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
         ))
         gf.release_pages()  # the layer's bytes are copied: neither the file nor the copies' garbage stays resident
         _trim_heap()
-    if compact and c.has_output_head:  # read a row per token: kept as stored (ktlong/gguf/stored_rows.py)
+    embed_type = gf.tensors["token_embd.weight"].ggml_type if "token_embd.weight" in gf.tensors else None
+    tied_in_place = not c.has_output_head and src.stored and embed_type in KERNEL_TYPES
+    if compact and (c.has_output_head or tied_in_place):  # read a row per token: kept as stored (ktlong/gguf/stored_rows.py)
         embed = src.stored_rows("token_embd.weight", (c.vocab_size, c.hidden_size))
     else:
         embed = src.table("token_embd.weight", (c.vocab_size, c.hidden_size), head_dtype)
-    output = src.table("output.weight", (c.vocab_size, c.hidden_size), head_dtype) if c.has_output_head else embed
+    if c.has_output_head:
+        output = src.table("output.weight", (c.vocab_size, c.hidden_size), head_dtype)
+    elif tied_in_place:
+        output = StoredMatrix(embed.rows, embed.ggml_type, embed.shape)
+    else:
+        output = embed
     gf.release_pages()
     _trim_heap()
     freq_factors = src.get_optional("rope_freqs.weight")

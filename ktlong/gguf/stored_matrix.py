@@ -1,0 +1,40 @@
+"""A weight matrix kept on the CPU as the GGUF stores it, multiplied in place.
+
+A decode step (or a short follow-up) multiplies a few rows by the matrix with the Numba kernel
+of cpu_ops/gguf_matmul.py, which decodes each block of the stored bytes as it goes: the step
+reads 0.56 (Q4_K) to 1.06 (Q8_0) bytes per weight, the least any format of these weights can.
+A prefill chunk of many rows is bound by arithmetic instead: the matrix is dequantised to
+float32 for that one product (ggml's values, exactly), and torch's GEMM does the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+
+from cpu_ops.gguf_matmul import dequantize, matmul
+
+MAX_IN_PLACE_ROWS = 16  # rows of x multiplied in place; more are a prefill chunk (dequantised once)
+
+
+@dataclass(frozen=True)
+class StoredMatrix:
+    """W [out, in] as GGUF blocks: `blocks` [out, bytes per row] uint8, each row whole blocks."""
+    blocks: torch.Tensor
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, int]
+
+    def float32(self) -> torch.Tensor:
+        return torch.from_numpy(dequantize(self.ggml_type, self.blocks.numpy(), self.shape[1]))
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> x @ W.T [..., out] in x's dtype (computed in float32)."""
+        rows = x.reshape(-1, x.shape[-1]).float()
+        if rows.shape[0] <= MAX_IN_PLACE_ROWS:
+            y = torch.from_numpy(matmul(self.ggml_type, self.blocks.numpy(), rows.numpy()))
+        else:
+            y = F.linear(rows, self.float32())
+        return y.to(x.dtype).view(*x.shape[:-1], self.shape[0])

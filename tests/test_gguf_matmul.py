@@ -1,0 +1,81 @@
+"""The Numba kernels that read GGUF blocks in place (cpu_ops/gguf_matmul.py) against the `gguf`
+package's own numpy dequantisation: the same float32 weights, bit for bit, for every type with a
+kernel, subnormal scales included; products equal to dequantise-then-matmul within float32
+summation; a StoredMatrix (ktlong/gguf/stored_matrix.py) the same for decode steps and prefill
+chunks."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize
+
+from cpu_ops.gguf_blocks import KERNEL_TYPES
+from cpu_ops.gguf_matmul import dequantize, matmul
+from ktlong.gguf.stored_matrix import MAX_IN_PLACE_ROWS, StoredMatrix
+
+# byte offsets of each block's float16 fields (scales, minimums)
+HALVES = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
+          T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+
+def random_blocks(ggml_type, rows: int, width: int, seed: int) -> np.ndarray:
+    """[rows, row_bytes] of random codes and tables under random scales of both signs, a few of
+    them float16 subnormals."""
+    rng = np.random.default_rng(seed)
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    n = rows * width // block_size
+    blocks = rng.integers(0, 256, (n, type_size), dtype=np.uint8)
+    for o in HALVES[ggml_type]:
+        scale = rng.standard_normal(n) * (0.002 if block_size == 256 else 0.02)
+        scale[::7] *= 1e-3  # under float16's smallest normal, 6.1e-5
+        blocks[:, o:o + 2] = scale.astype(np.float16).view(np.uint8).reshape(n, 2)
+    return blocks.reshape(rows, -1)
+
+
+def reference(ggml_type, blocks: np.ndarray, width: int) -> np.ndarray:
+    return gguf_dequantize(blocks, ggml_type).reshape(blocks.shape[0], width).astype(np.float32)
+
+
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_dequantize_equals_the_gguf_package(ggml_type):
+    rows, width = 45, 512  # rows not a multiple of a thread's share; two K blocks per row
+    blocks = random_blocks(ggml_type, rows, width, seed=1)
+    got, want = dequantize(ggml_type, blocks, width), reference(ggml_type, blocks, width)
+    if ggml_type == T.Q6_K:  # the package rounds d * scale * q in another order
+        np.testing.assert_allclose(got, want, rtol=2 ** -23, atol=0)
+    else:
+        assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("num_x", [1, 3])
+def test_product_equals_dequantize_then_matmul(ggml_type, num_x):
+    rows, width = 70, 768
+    blocks = random_blocks(ggml_type, rows, width, seed=num_x)
+    w = reference(ggml_type, blocks, width).astype(np.float64)
+    x = np.random.default_rng(5).standard_normal((num_x, width)).astype(np.float32)
+    y = matmul(ggml_type, blocks, x)
+    exact = x.astype(np.float64) @ w.T
+    bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(w).T)  # float32 sums of 768 terms
+    assert y.shape == (num_x, rows) and (np.abs(y - exact) <= bound).all()
+
+
+@pytest.mark.parametrize("num_x", [1, MAX_IN_PLACE_ROWS, MAX_IN_PLACE_ROWS + 1])  # in place, and dequantised
+def test_stored_matrix_linear(num_x):
+    blocks = random_blocks(T.Q5_0, 40, 256, seed=9)
+    w = torch.from_numpy(reference(T.Q5_0, blocks, 256))
+    matrix = StoredMatrix(torch.from_numpy(blocks), T.Q5_0, (40, 256))
+    x = torch.randn(num_x, 256, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(matrix.linear(x), x @ w.t(), rtol=1e-5, atol=1e-5)
+    assert matrix.linear(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_inputs_that_do_not_fit_are_refused():
+    blocks = random_blocks(T.Q8_0, 4, 64, seed=0)
+    with pytest.raises(ValueError, match="do not hold rows of 96"):
+        matmul(T.Q8_0, blocks, np.zeros((1, 96), np.float32))
+    with pytest.raises(ValueError, match="no kernel reads"):
+        dequantize(T.Q2_K, blocks, 64)
+    with pytest.raises(ValueError, match="x must be float32"):
+        matmul(T.Q8_0, blocks, np.zeros((1, 64), np.float64))
