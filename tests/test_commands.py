@@ -237,14 +237,14 @@ def test_eval_renders_its_prompts_with_the_chat_template_file(no_user_file, tmp_
     assert seen == ["[hi]"]
 
 
-def test_cpu_weights_bench_compares_compact_weights_with_float32_in_processes_of_their_own(tmp_path, capsys):
+def test_cpu_weights_bench_compares_stored_weights_with_float32_in_processes_of_their_own(tmp_path, capsys):
     from gguf import GGMLQuantizationType as T
 
     path = tmp_path / "q4.gguf"
     write_tiny_gguf(path, TinySpec(weight_type=T.Q4_0), seed=5)
     assert bench(["cpu-weights", "--model", str(path), "--lengths", "64", "--tokens", "2", "--runs", "1"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|") and "64" in line]
-    assert [row.split("|")[2].strip() for row in rows] == ["float32", "int4", "int4+bf16"]
+    assert [row.split("|")[2].strip() for row in rows] == ["float32", "stored"]
     assert rows[0].rstrip(" |").endswith("1.00x")
     assert bench(["cpu-weights", "--model", str(path), "--lengths", "600"]) == 2  # past the context: one sentence
     err = capsys.readouterr().err

@@ -23,7 +23,7 @@ ARMS = {
 }
 LONG = dict(block_size=16, chunk_size=32, local_windows_len=32, second_select_num=2, preselect_block=True,
             preselect_block_count=4, prefill_attention="compact", anchor_type="MAX", threads_num=1,
-            max_new_tokens=12, cpu_bf16=False)  # ranks dequantise every weight: so does the one-process reference
+            max_new_tokens=12, cpu_stored_weights=False)  # ranks dequantise every weight: so does the one-process reference
 PROMPT_LEN, STEPS = 230, 12
 
 

@@ -1,7 +1,6 @@
-"""CPU-only decode and prefill with the GGUF's weights kept compact against the same weights
-dequantised to float32, on a real GGUF model in normal mode: arms float32, int4 (the layers'
-4- and 5-bit matrices stay compact: cpu_int4) and int4+bf16 (also the embedding, the head and the
-6- and 8-bit matrices in bfloat16: cpu_bf16; the defaults).
+"""CPU-only decode and prefill with the GGUF's matrices kept as stored and multiplied in place
+(cpu_stored_weights, the default) against the same weights dequantised to float32, on a real
+GGUF model in normal mode.
 
 python -m ktlong.bench cpu-weights --model smollm2-135m --lengths 4k,16k [--tokens 32] [--runs 2] [--llama_cpp]
 
@@ -29,8 +28,7 @@ from ktlong.cli import parse_lengths, print_table
 from ktlong.errors import KtlongError
 from ktlong.gguf.weights import CpuWeights
 
-ARMS = {"float32": CpuWeights(), "int4": CpuWeights(int4=True), "int4+bf16": CpuWeights(int4=True, bf16=True),
-        "stored": CpuWeights(stored=True), "stored+bf16": CpuWeights(bf16=True, stored=True)}
+ARMS = {"float32": CpuWeights(), "stored": CpuWeights(stored=True)}
 
 
 LLAMA_CPP = "llama.cpp"

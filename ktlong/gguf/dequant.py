@@ -73,15 +73,13 @@ def _q3_k(b):
 
 
 RUN_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K})
-FIVE_BIT_TYPES = frozenset({T.Q5_0, T.Q5_1, T.Q5_K})
 
 
 def code_runs(b: torch.Tensor, ggml_type: T) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_0, Q4_1, Q4_K, Q5_0, Q5_1 or Q5_K blocks [n, type_size] as runs of 32 weights
     w = scale * q + offset: the codes q [runs, 32] uint8 (4 bits, or 5 for the Q5 types), scale
     and offset [runs, 1] float32 (a block is one run; a K block, eight under its 6-bit scales and
-    minimums). Dequantisation and the CPU's 4-bit planes (ktlong/gguf/int4_weights.py) both read
-    the blocks here."""
+    minimums)."""
     n = b.shape[0]
     if ggml_type == T.Q4_0:  # w = d (q - 8)
         d = _f16(b[:, :2])

@@ -38,3 +38,11 @@ class StoredMatrix:
         else:
             y = F.linear(rows, self.float32())
         return y.to(x.dtype).view(*x.shape[:-1], self.shape[0])
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | StoredMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T + bias: F.linear over a tensor, or a StoredMatrix's own product."""
+    if not isinstance(w, StoredMatrix):
+        return F.linear(x, w, bias)
+    y = w.linear(x)
+    return y + bias if bias is not None else y

@@ -1,4 +1,5 @@
-"""Read a llama-family model's tensors from GGUF, dequantised on the target device."""
+"""Read a llama-family model's tensors from GGUF: dequantised on the target device, or on a CPU
+in one process kept as the file stores them where a Numba kernel multiplies them in place."""
 
 from __future__ import annotations
 
@@ -8,13 +9,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType as T
 
 from ktlong.gguf.dequant import SUPPORTED_TYPES, dequantize
 from ktlong.errors import GGUFError
 from ktlong.gguf.reader import GGUFFile
 from ktlong.gguf.model_config import PERMUTED_QK_ARCHS, ModelConfig
-from ktlong.gguf.int4_weights import INT4_TYPES, Int4Weight
 from ktlong.gguf.stored_rows import StoredRows
 from ktlong.gguf.stored_matrix import StoredMatrix
 from cpu_ops.gguf_blocks import KERNEL_TYPES
@@ -25,13 +24,11 @@ from ktlong.parallel.shard import shard_columns, shard_rows
 class CpuWeights:
     """How a CPU in one process keeps a GGUF's quantised weights (elsewhere, on a GPU or a
     tensor-parallel rank, every weight is dequantised to the model's dtype)."""
-    int4: bool = False  # cpu_int4: the layers' 4- and 5-bit matrices stay compact (int4 planes)
-    bf16: bool = False  # cpu_bf16: the embedding, the head and BF16_TYPES matrices in bfloat16
-    stored: bool = False  # matrices of KERNEL_TYPES stay as stored, multiplied in place (StoredMatrix)
+    stored: bool = False  # cpu_stored_weights: matrices of KERNEL_TYPES stay as stored (StoredMatrix)
 
     @classmethod
     def of(cls, config) -> "CpuWeights":
-        return cls(config.cpu_int4, config.cpu_bf16)
+        return cls(config.cpu_stored_weights)
 
 
 def _trim_heap():
@@ -44,28 +41,23 @@ def _trim_heap():
 
 
 _LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
-HEAD_ROWS = 8192  # rows of the embedding / head dequantised at a time into bfloat16 (no float32 copy of it all)
-# matrices of these types become bfloat16 under cpu_bf16: rounding moves a value by 2^-8 of it at
-# most, under half a step where codes reach 127 steps (Q8_0), an eighth at 32 (Q6_K), less for Q3_K;
-# float types keep dtype (no step to hide the rounding in), and Q2_K's offsets can outgrow its steps
-BF16_TYPES = frozenset({T.Q8_0, T.Q6_K, T.Q3_K})
 
 
 @dataclass(slots=True)
 class LayerWeights:
     attn_norm: torch.Tensor  # [hidden]
-    # the projections: float tensors, or Int4Weight where 4-bit weights stay 4-bit
-    wq: torch.Tensor | Int4Weight  # [num_heads * head_dim, hidden]
-    wk: torch.Tensor | Int4Weight  # [num_kv_heads * head_dim, hidden]
-    wv: torch.Tensor | Int4Weight  # [num_kv_heads * head_dim, hidden]
-    wo: torch.Tensor | Int4Weight  # [hidden, num_heads * head_dim]
+    # the projections: float tensors, or StoredMatrix where a CPU keeps them as stored
+    wq: torch.Tensor | StoredMatrix  # [num_heads * head_dim, hidden]
+    wk: torch.Tensor | StoredMatrix  # [num_kv_heads * head_dim, hidden]
+    wv: torch.Tensor | StoredMatrix  # [num_kv_heads * head_dim, hidden]
+    wo: torch.Tensor | StoredMatrix  # [hidden, num_heads * head_dim]
     bq: torch.Tensor | None
     bk: torch.Tensor | None
     bv: torch.Tensor | None
     ffn_norm: torch.Tensor  # [hidden]
-    w_gate: torch.Tensor | Int4Weight  # [intermediate, hidden]
-    w_up: torch.Tensor | Int4Weight  # [intermediate, hidden]
-    w_down: torch.Tensor | Int4Weight  # [hidden, intermediate]
+    w_gate: torch.Tensor | StoredMatrix  # [intermediate, hidden]
+    w_up: torch.Tensor | StoredMatrix  # [intermediate, hidden]
+    w_down: torch.Tensor | StoredMatrix  # [hidden, intermediate]
     q_norm: torch.Tensor | None = None  # [head_dim] (gemma3)
     k_norm: torch.Tensor | None = None  # [head_dim]
     post_attn_norm: torch.Tensor | None = None  # [hidden]
@@ -77,7 +69,7 @@ class ModelWeights:
     embed: torch.Tensor | StoredRows  # [vocab, hidden]; as stored on a CPU when the model has its own head
     layers: list[LayerWeights]
     output_norm: torch.Tensor  # [hidden]
-    output: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+    output: torch.Tensor | StoredMatrix  # [vocab, hidden]; the embedding itself (or its bytes) when tied
     rope_freq_factors: torch.Tensor | None  # [rope_dim / 2], llama3-style scaling
 
 
@@ -94,12 +86,9 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 class TensorSource:
     """Dequantises named tensors from a GGUF file onto one device, checking types first."""
 
-    def __init__(self, gf: GGUFFile, device: torch.device, dtype: torch.dtype, int4: bool = False,
-                 bf16: bool = False, stored: bool = False):
-        """int4: matrices of a 4- or 5-bit type stay compact (ktlong/gguf/int4_weights.py); bf16:
-        matrices of BF16_TYPES become bfloat16 (both the CPU only)."""
-        self.gf, self.device, self.dtype, self.int4, self.bf16 = gf, device, dtype, int4, bf16
-        self.stored = stored
+    def __init__(self, gf: GGUFFile, device: torch.device, dtype: torch.dtype, stored: bool = False):
+        """stored: matrices of KERNEL_TYPES stay as the file stores them (a CPU only)."""
+        self.gf, self.device, self.dtype, self.stored = gf, device, dtype, stored
         for info in gf.tensors.values():
             if info.ggml_type not in SUPPORTED_TYPES:
                 raise GGUFError(
@@ -128,17 +117,15 @@ class TensorSource:
         info, raw = self._raw(name, shape)
         return dequantize(raw, info.ggml_type, info.shape, self.dtype)
 
-    def matrix(self, name: str, shape: tuple[int, int], permuted_heads: int = 0) -> torch.Tensor | Int4Weight:
-        """A projection's weight [out, in]: 4-bit where this source keeps 4-bit types so (int4),
-        else dequantised. permuted_heads: undo llama.cpp's q/k row permutation over that many heads."""
+    def matrix(self, name: str, shape: tuple[int, int], permuted_heads: int = 0) -> torch.Tensor | StoredMatrix:
+        """A weight [out, in]: as stored where this source keeps its type so, else dequantised.
+        permuted_heads: undo llama.cpp's q/k row permutation over that many heads (a row is whole
+        blocks, so stored bytes reorder as rows too)."""
         rows = (lambda t: unpermute_qk(t, permuted_heads)) if permuted_heads else (lambda t: t)
         info, raw = self._raw(name, shape)
         if self.stored and info.ggml_type in KERNEL_TYPES:
             return StoredMatrix(rows(raw.view(shape[0], -1)).contiguous(), info.ggml_type, shape)
-        if self.int4 and info.ggml_type in INT4_TYPES:
-            return Int4Weight.from_blocks(raw, info.ggml_type, shape, rows)
-        dtype = torch.bfloat16 if self.bf16 and info.ggml_type in BF16_TYPES else self.dtype
-        return rows(dequantize(raw, info.ggml_type, info.shape, self.dtype).to(dtype))
+        return rows(dequantize(raw, info.ggml_type, info.shape, self.dtype))
 
     def get_optional(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor | None:
         return self.get(name, shape) if self.has(name) else None
@@ -149,25 +136,6 @@ class TensorSource:
         self.gf.release_pages()  # copied: the file's pages need not stay beside the copy
         return StoredRows(raw, info.ggml_type, shape, self.dtype)
 
-    def table(self, name: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-        """A [rows, hidden] table (embedding, output head) in `dtype`, dequantised HEAD_ROWS rows
-        at a time, so that a narrower dtype never holds the whole table in the wider one."""
-        if self.stored and self.gf.tensors[name].ggml_type in KERNEL_TYPES:
-            return self.matrix(name, shape)
-        if dtype == self.dtype:
-            return self.get(name, shape)
-        info = self._info(name, shape)
-        mapped = self.gf.raw(name)  # read a slice at a time: no copy of the whole table's bytes either
-        out = torch.empty(shape, dtype=dtype, device=self.device)
-        row_bytes = mapped.shape[0] // shape[0]
-        for r0 in range(0, shape[0], HEAD_ROWS):
-            r1 = min(r0 + HEAD_ROWS, shape[0])
-            raw = torch.from_numpy(np.array(mapped[r0 * row_bytes:r1 * row_bytes])).to(self.device)
-            out[r0:r1] = dequantize(raw, info.ggml_type, (r1 - r0, shape[1]), self.dtype)
-            self.gf.release_pages()  # the slice's pages of the file, read
-            _trim_heap()  # the slice's float32 garbage
-        return out
-
 
 def load_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
                  dtype: torch.dtype, shard: tuple[int, int] | None = None, cpu: CpuWeights = CpuWeights()) -> ModelWeights:
@@ -176,9 +144,7 @@ def load_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
     elsewhere (a GPU, a rank's share) every weight is dequantised to dtype."""
     rank, world = shard or (0, 1)
     compact = device.type == "cpu" and world == 1
-    bf16 = cpu.bf16 and compact and dtype == torch.float32
-    src = TensorSource(gf, device, dtype, cpu.int4 and compact, bf16, cpu.stored and compact)
-    head_dtype = torch.bfloat16 if bf16 else dtype
+    src = TensorSource(gf, device, dtype, cpu.stored and compact)
 
     def rows(w):
         return shard_rows(w, rank, world) if world > 1 else w
@@ -217,15 +183,15 @@ def load_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
         ))
         gf.release_pages()  # the layer's bytes are copied: neither the file nor the copies' garbage stays resident
         _trim_heap()
-    embed_type = gf.tensors["token_embd.weight"].ggml_type if "token_embd.weight" in gf.tensors else None
+    embed_type = gf.tensors["token_embd.weight"].ggml_type if src.has("token_embd.weight") else None
     tied_in_place = not c.has_output_head and src.stored and embed_type in KERNEL_TYPES
     if compact and (c.has_output_head or tied_in_place):  # read a row per token: kept as stored (ktlong/gguf/stored_rows.py)
         embed = src.stored_rows("token_embd.weight", (c.vocab_size, c.hidden_size))
     else:
-        embed = src.table("token_embd.weight", (c.vocab_size, c.hidden_size), head_dtype)
+        embed = src.get("token_embd.weight", (c.vocab_size, c.hidden_size))
     if c.has_output_head:
-        output = src.table("output.weight", (c.vocab_size, c.hidden_size), head_dtype)
-    elif tied_in_place:
+        output = src.matrix("output.weight", (c.vocab_size, c.hidden_size))
+    elif tied_in_place:  # the head multiplies the embedding's own bytes
         output = StoredMatrix(embed.rows, embed.ggml_type, embed.shape)
     else:
         output = embed

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ktlong.kv.dense_cache import DenseKVCache
 from ktlong.gguf.model_config import ModelConfig
-from ktlong.gguf.int4_weights import linear
+from ktlong.gguf.stored_matrix import linear
 from ktlong.models.rope import apply_rope, inv_freq, rope_at, rope_cos_sin
 from ktlong.gguf.weights import ModelWeights
 from operators import triton_installed
@@ -42,7 +42,7 @@ class LlamaModel:
         self.weights = weights
         self.tp = tp
         self.device = weights.embed.device
-        self.dtype = weights.output_norm.dtype  # the embedding and head may be narrower (CpuWeights)
+        self.dtype = weights.output_norm.dtype  # the embedding and head may be kept as stored (CpuWeights)
         self.inv_freq, self.rope_mscale = inv_freq(config.rope, weights.rope_freq_factors)
         self.inv_freq = self.inv_freq.to(self.device)
         self.inv_freq_local = self.inv_freq

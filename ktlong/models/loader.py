@@ -50,7 +50,7 @@ def load_model(name_or_path: str | None, device: str | torch.device = "cpu",
                cpu: CpuWeights = CpuWeights()) -> LoadedModel:
     """With tp, this rank's share of the heads and MLP columns; config and model are the rank's
     (ktlong/parallel/shard.py). chat_template: a template's source used instead of the GGUF's.
-    cpu: what a CPU in one process keeps compact (the cpu_int4 and cpu_bf16 options)."""
+    cpu: what a CPU in one process keeps as stored (the cpu_stored_weights option)."""
     start = time.perf_counter()
     device = torch.device(device)
     gf, config = open_model(name_or_path, rope)

@@ -1,0 +1,88 @@
+"""cpu_stored_weights: a CPU in one process keeps each matrix of a type with a Numba kernel as
+the GGUF stores it (ktlong/gguf/stored_matrix.py); the model's outputs are the dequantised
+model's within float32 summation, q and k rows reordered as the loader reorders them."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from ktlong.gguf.dequant import dequantize
+from ktlong.gguf.model_config import ModelConfig
+from ktlong.gguf.reader import GGUFFile
+from ktlong.gguf.stored_matrix import StoredMatrix, linear
+from ktlong.gguf.stored_rows import StoredRows
+from ktlong.gguf.weights import CpuWeights, load_weights, unpermute_qk
+from ktlong.kv.dense_cache import DenseKVCache
+from ktlong.models.llama import LlamaModel
+from tests.tiny_gguf import TinySpec, write_tiny_gguf
+
+# the types the gguf package quantises (the kernels of the K types are tested in test_gguf_matmul.py)
+TYPES = {"blk.0.ffn_up.weight": T.Q4_0, "blk.0.ffn_down.weight": T.Q5_0, "blk.0.attn_q.weight": T.Q4_1,
+         "blk.0.attn_k.weight": T.Q5_1, "blk.1.attn_v.weight": T.F16}
+
+
+def _load(path, cpu, shard=None):
+    gf = GGUFFile(path)
+    config = ModelConfig.from_gguf(gf)
+    return config, load_weights(gf, config, torch.device("cpu"), torch.float32, shard, cpu)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_stored_model_gives_the_dequantised_models_logits(tmp_path, tied):
+    spec = TinySpec(hidden=256, intermediate=256, num_heads=4, head_dim=64, tied=tied)
+    write_tiny_gguf(tmp_path / "m.gguf", spec, seed=4, tensor_types=TYPES)
+    config, stored = _load(tmp_path / "m.gguf", CpuWeights(stored=True))
+    _, plain = _load(tmp_path / "m.gguf", CpuWeights())
+    layer0, layer1 = stored.layers
+    assert isinstance(layer0.w_up, StoredMatrix) and isinstance(layer1.w_gate, StoredMatrix)  # Q8_0
+    assert isinstance(layer1.wv, torch.Tensor)  # F16 has no kernel: dequantised
+    assert isinstance(stored.output, StoredMatrix) and isinstance(stored.embed, StoredRows)
+    ids = torch.tensor([5, 17, 250, 3, 99, 42])
+    outs = []
+    for weights in (stored, plain):
+        cache = DenseKVCache(config.num_layers, config.num_kv_heads, config.head_dim, 8, torch.device("cpu"), torch.float32)
+        model = LlamaModel(config, weights)
+        prefill = model.forward(ids[:-1], cache, 0)  # 5 rows: in place
+        step = model.forward(ids[-1:], cache, 5)
+        outs.append(torch.cat([prefill, step]))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+
+
+def test_q_and_k_rows_reorder_as_stored_bytes(tmp_path):
+    """The loader undoes llama.cpp's q/k row permutation on the stored rows: the product is the
+    unreordered matrix's product, reordered, to the bit."""
+    raw = torch.from_numpy(np.random.default_rng(3).integers(0, 256, (64, 4 * 20), dtype=np.uint8))
+    raw.view(64, 4, 20)[:, :, :4] = torch.tensor([0, 0x20, 0, 0x24], dtype=torch.uint8)  # d, m: small normal halves
+    plain = StoredMatrix(raw, T.Q4_1, (64, 128))
+    reordered = StoredMatrix(unpermute_qk(raw, 4).contiguous(), T.Q4_1, (64, 128))
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(linear(x, reordered), unpermute_qk(linear(x, plain).t(), 4).t())
+    w = dequantize(raw.reshape(-1), T.Q4_1, (64, 128))
+    torch.testing.assert_close(linear(x, plain), x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_ranks_share_and_the_option_off_are_dequantised(tmp_path):
+    write_tiny_gguf(tmp_path / "m.gguf", TinySpec(num_layers=2), seed=1, tensor_types=TYPES)
+    _, shared = _load(tmp_path / "m.gguf", CpuWeights(stored=True), (0, 2))
+    _, off = _load(tmp_path / "m.gguf", CpuWeights())
+    for weights in (shared, off):
+        assert isinstance(weights.layers[0].w_up, torch.Tensor) and isinstance(weights.output, torch.Tensor)
+
+
+@pytest.mark.slow
+def test_smollm2_stored_answers_as_with_float_weights():
+    """SmolLM2-135M (Q4_1 layers, a Q8_0 tied embedding read in place as its head): the logits of
+    a prompt are the dequantised model's within float32 summation, the same token first."""
+    from ktlong.models.loader import load_model
+
+    logits = []
+    for cpu in (CpuWeights(), CpuWeights(stored=True)):
+        lm = load_model("smollm2-135m", "cpu", torch.float32, cpu=cpu)
+        ids = torch.tensor(lm.tokenizer.encode("The capital of France is"))
+        c = lm.config
+        cache = DenseKVCache(c.num_layers, c.num_kv_heads, c.head_dim, len(ids), torch.device("cpu"), torch.float32)
+        logits.append(lm.model.forward(ids, cache, 0, last_only=True)[0])
+    assert isinstance(lm.model.weights.layers[0].wq, StoredMatrix)
+    assert int(logits[0].argmax()) == int(logits[1].argmax())
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-3, atol=1e-3)
