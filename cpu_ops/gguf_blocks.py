@@ -3,7 +3,7 @@
 A matrix stays as the file stores it: `u8` [rows, row_bytes] (and the same bytes as int8, `i8`,
 for the types with signed codes), each row whole blocks. Every type here is read as runs of 32
 weights w = scale * q + offset, where the first and last 16 weights of a run may have scales of
-their own (Q6_K's sub-blocks of 16): `run_params` gives a run's scales, offset and fifth bits; Q8_0's
+their own (Q6_K's sub-blocks of 16): `block_halves` and `run_params` give a run's scales, offset and fifth bits; Q8_0's
 codes are bytes, and the other types' runs are decoded by cpu_ops/vector_runs.py, from the
 16 bytes of split nibbles at `split_nibbles_at` or the byte tables of `byte_run_layout`. The
 products and the dequantisation in gguf_matmul.py both read blocks through these, so both compute
@@ -62,31 +62,34 @@ def _k_scale_min(u8, s, k):
 
 
 @nb.njit(inline="always", cache=True)
-def run_params(kind, u8, i8, o, k):
-    """Run k of the block at byte o of a row: (scale of weights 0-15, scale of 16-31, offset,
-    the run's fifth bits as a 32-bit mask, or 0)."""
+def block_halves(kind, u8, o):
+    """The block at byte o's float16 fields: (its scale d, its minimum or dmin, or 0), read once
+    for all of a K block's eight runs."""
+    if kind == Q4_1 or kind == Q5_1 or kind == Q4_K or kind == Q5_K:
+        return _half(u8, o), _half(u8, o + U(2))
+    return _half(u8, o + (U(208) if kind == Q6_K else U(0))), np.float32(0)
+
+
+@nb.njit(inline="always", cache=True)
+def run_params(kind, u8, i8, o, k, d, m):
+    """Run k of the block at byte o of a row, whose halves are d, m (block_halves): (scale of
+    weights 0-15, scale of 16-31, offset, the run's fifth bits as a 32-bit mask, or 0)."""
     zero, none = np.float32(0), np.uint32(0)
     if kind == Q8_0:
-        d = _half(u8, o)
         return d, d, zero, none
     if kind == Q4_0:
-        d = _half(u8, o)
         return d, d, np.float32(-8) * d, none
     if kind == Q4_1:
-        d = _half(u8, o)
-        return d, d, _half(u8, o + U(2)), none
+        return d, d, m, none
     if kind == Q5_0:
-        d = _half(u8, o)
         return d, d, np.float32(-16) * d, _u32(u8, o + U(2))
     if kind == Q5_1:
-        d = _half(u8, o)
-        return d, d, _half(u8, o + U(2)), _u32(u8, o + U(4))
+        return d, d, m, _u32(u8, o + U(4))
     if kind == Q4_K or kind == Q5_K:  # d, dmin, scales[12], (Q5_K: qh[32]), qs[128]
         sc, mn = _k_scale_min(u8, o + U(4), k)
-        scale = _half(u8, o) * sc
-        return scale, scale, -(_half(u8, o + U(2)) * mn), none
+        scale = d * sc
+        return scale, scale, -(m * mn), none
     # Q6_K: ql[128], qh[64], scales[16] int8, d; run k reads scales 2k' and 2k' + 1 of its half
-    d = _half(u8, o + U(208))
     s = o + U(192) + U(8) * (k // U(4)) + U(2) * (k % U(4))
     return d * np.float32(i8[s]), d * np.float32(i8[s + U(1)]), zero, none
 

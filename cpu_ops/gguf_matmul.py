@@ -17,7 +17,7 @@ import numpy as np
 
 from cpu_ops.checks import expect
 from cpu_ops.gguf_blocks import (BLOCK_SIZE, BYTE_RUN_KINDS, KERNEL_TYPES, RUN, SPLIT_NIBBLE_KINDS, TYPE_SIZE, U,
-                                 byte_run_layout, run_params, split_nibbles_at)
+                                 block_halves, byte_run_layout, run_params, split_nibbles_at)
 from cpu_ops.vector_runs import byte_run_fma, byte_run_store, nibble_run_fma, nibble_run_store
 
 ROWS_PER_TASK = 32  # rows of W a thread takes at a time: enough tasks to balance 2 to 16 threads
@@ -41,8 +41,9 @@ def _compile(kind: int, block_size: int, type_size: int):
                     lanes[:] = 0
                     for b in range(num_blocks):
                         o = b * U(type_size)
+                        d, dmin = block_halves(kind, ru, o)
                         for k in range(U(runs)):
-                            s_lo, s_hi, offset, bits = run_params(kind, ru, ri, o, k)
+                            s_lo, s_hi, offset, bits = run_params(kind, ru, ri, o, k, d, dmin)
                             x0 = (b * U(runs) + k) * U(RUN)
                             if split:
                                 nibble_run_fma(lanes, ru, split_nibbles_at(kind, o), xm, x0, s_lo, offset, bits)
@@ -64,8 +65,9 @@ def _compile(kind: int, block_size: int, type_size: int):
                 ru, ri, row = u8[r], i8[r], out[r]
                 for b in range(num_blocks):
                     o = b * U(type_size)
+                    d, dmin = block_halves(kind, ru, o)
                     for k in range(U(runs)):
-                        s_lo, s_hi, offset, bits = run_params(kind, ru, ri, o, k)
+                        s_lo, s_hi, offset, bits = run_params(kind, ru, ri, o, k, d, dmin)
                         x0 = (b * U(runs) + k) * U(RUN)
                         if split:
                             nibble_run_store(row, x0, ru, split_nibbles_at(kind, o), s_lo, offset, bits)
