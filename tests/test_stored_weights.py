@@ -19,7 +19,7 @@ from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
 # the types the gguf package quantises (the kernels of the K types are tested in test_gguf_matmul.py)
 TYPES = {"blk.0.ffn_up.weight": T.Q4_0, "blk.0.ffn_down.weight": T.Q5_0, "blk.0.attn_q.weight": T.Q4_1,
-         "blk.0.attn_k.weight": T.Q5_1, "blk.1.attn_v.weight": T.F16}
+         "blk.0.attn_k.weight": T.Q5_1, "blk.1.attn_output.weight": T.F16}
 
 
 def _load(path, cpu, shard=None):
@@ -36,7 +36,10 @@ def test_stored_model_gives_the_dequantised_models_logits(tmp_path, tied):
     _, plain = _load(tmp_path / "m.gguf", CpuWeights())
     layer0, layer1 = stored.layers
     assert isinstance(layer0.w_up, StoredMatrix) and isinstance(layer1.w_gate, StoredMatrix)  # Q8_0
-    assert isinstance(layer1.wv, torch.Tensor)  # F16 has no kernel: dequantised
+    assert isinstance(layer1.wo, torch.Tensor)  # F16 has no kernel: dequantised
+    # layer 1's q, k, v (gate, up) share Q8_0: one matrix each, multiplied once; layer 0's do not
+    assert layer1.wqkv is not None and layer1.w_gate_up is not None and layer1.wv.blocks.data_ptr() > layer1.wq.blocks.data_ptr()
+    assert layer0.wqkv is None and layer0.w_gate_up is None
     assert isinstance(stored.output, StoredMatrix) and isinstance(stored.embed, StoredRows)
     ids = torch.tensor([5, 17, 250, 3, 99, 42])
     outs = []

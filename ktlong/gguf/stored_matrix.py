@@ -27,6 +27,19 @@ class StoredMatrix:
     ggml_type: GGMLQuantizationType
     shape: tuple[int, int]
 
+    @classmethod
+    def stacked(cls, parts: list["StoredMatrix"]) -> tuple["StoredMatrix", list["StoredMatrix"]]:
+        """One matrix of the parts' rows, in order, and each part as a view of its rows: products
+        with parts that read the same input (q, k and v; gate and up) become one kernel call,
+        and the bytes are held once. The parts must share a type and an input width."""
+        assert len({(p.ggml_type, p.shape[1]) for p in parts}) == 1
+        whole = torch.cat([p.blocks for p in parts])
+        views, start = [], 0
+        for p in parts:
+            views.append(cls(whole[start:start + p.shape[0]], p.ggml_type, p.shape))
+            start += p.shape[0]
+        return cls(whole, parts[0].ggml_type, (start, parts[0].shape[1])), views
+
     def float32(self) -> torch.Tensor:
         return torch.from_numpy(dequantize(self.ggml_type, self.blocks.numpy(), self.shape[1]))
 

@@ -62,6 +62,10 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None  # [head_dim]
     post_attn_norm: torch.Tensor | None = None  # [hidden]
     post_ffn_norm: torch.Tensor | None = None  # [hidden]
+    # where q, k and v (gate and up) are kept as stored in one type: their rows in one matrix,
+    # multiplied in one call (wq, wk, wv are views of it)
+    wqkv: StoredMatrix | None = None  # [(num_heads + 2 num_kv_heads) * head_dim, hidden]
+    w_gate_up: StoredMatrix | None = None  # [2 intermediate, hidden]
 
 
 @dataclass(slots=True)
@@ -137,6 +141,17 @@ class TensorSource:
         return StoredRows(raw, info.ggml_type, shape, self.dtype)
 
 
+def _stack_stored(layer: LayerWeights):
+    """Give q, k, v and gate, up one stored matrix each where they share a type (LayerWeights)."""
+    def same(parts):
+        return all(isinstance(p, StoredMatrix) for p in parts) and len({p.ggml_type for p in parts}) == 1
+
+    if same([layer.wq, layer.wk, layer.wv]):
+        layer.wqkv, (layer.wq, layer.wk, layer.wv) = StoredMatrix.stacked([layer.wq, layer.wk, layer.wv])
+    if same([layer.w_gate, layer.w_up]):
+        layer.w_gate_up, (layer.w_gate, layer.w_up) = StoredMatrix.stacked([layer.w_gate, layer.w_up])
+
+
 def load_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
                  dtype: torch.dtype, shard: tuple[int, int] | None = None, cpu: CpuWeights = CpuWeights()) -> ModelWeights:
     """shard: (rank, world) keeps this rank's heads and MLP columns (ktlong/parallel/shard.py);
@@ -181,6 +196,7 @@ def load_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
             post_attn_norm=src.get(p + "post_attention_norm.weight", (c.hidden_size,)) if c.has_post_norms else None,
             post_ffn_norm=src.get(p + "post_ffw_norm.weight", (c.hidden_size,)) if c.has_post_norms else None,
         ))
+        _stack_stored(layers[-1])
         gf.release_pages()  # the layer's bytes are copied: neither the file nor the copies' garbage stays resident
         _trim_heap()
     embed_type = gf.tensors["token_embd.weight"].ggml_type if src.has("token_embd.weight") else None

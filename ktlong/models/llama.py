@@ -71,9 +71,14 @@ class LlamaModel:
         rope_tables(positions) when given)."""
         c, w = self.config, self.weights.layers[i]
         h = rms_norm(x, w.attn_norm, c.rms_norm_eps)
-        q = linear(h, w.wq, w.bq).view(-1, c.num_heads, c.head_dim)
-        k = linear(h, w.wk, w.bk).view(-1, c.num_kv_heads, c.head_dim)
-        v = linear(h, w.wv, w.bv).view(-1, c.num_kv_heads, c.head_dim)
+        if w.wqkv is not None:  # one product: [T, (H + 2 KV) * D]
+            q, k, v = linear(h, w.wqkv).split([w.wq.shape[0], w.wk.shape[0], w.wv.shape[0]], -1)
+            q, k, v = (t if b is None else t + b for t, b in ((q, w.bq), (k, w.bk), (v, w.bv)))
+        else:
+            q, k, v = linear(h, w.wq, w.bq), linear(h, w.wk, w.bk), linear(h, w.wv, w.bv)
+        q = q.reshape(-1, c.num_heads, c.head_dim)
+        k = k.reshape(-1, c.num_kv_heads, c.head_dim)
+        v = v.reshape(-1, c.num_kv_heads, c.head_dim)
         if c.has_qk_norm:
             q, k = rms_norm(q, w.q_norm, c.rms_norm_eps), rms_norm(k, w.k_norm, c.rms_norm_eps)
         sliding = c.is_sliding(i)
@@ -94,9 +99,12 @@ class LlamaModel:
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         w = self.weights.layers[i]
         h = rms_norm(x, w.ffn_norm, self.config.rms_norm_eps)
-        gate = linear(h, w.w_gate)
+        if w.w_gate_up is not None:  # one product: [T, 2 intermediate]
+            gate, up = linear(h, w.w_gate_up).chunk(2, -1)
+        else:
+            gate, up = linear(h, w.w_gate), linear(h, w.w_up)
         gate = F.gelu(gate, approximate="tanh") if self.config.mlp_act == "gelu_tanh" else F.silu(gate)
-        out = linear(gate * linear(h, w.w_up), w.w_down)
+        out = linear(gate * up, w.w_down)
         if self.tp is not None:
             self.tp.all_reduce(out)
         return rms_norm(out, w.post_ffn_norm, self.config.rms_norm_eps) if w.post_ffn_norm is not None else out
