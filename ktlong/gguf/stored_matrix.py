@@ -2,7 +2,7 @@
 
 A decode step (or a short follow-up) multiplies a few rows by the matrix with the Numba kernel
 of cpu_ops/gguf_matmul.py, which decodes each block of the stored bytes as it goes: the step
-reads 0.56 (Q4_K) to 1.06 (Q8_0) bytes per weight, the least any format of these weights can.
+reads the bytes the file holds, 0.56 (Q4_K) to 1.06 (Q8_0) per weight, and nothing else.
 A prefill chunk of many rows is bound by arithmetic instead: the matrix is dequantised to
 float32 for that one product (ggml's values, exactly), and torch's GEMM does the rest.
 """
