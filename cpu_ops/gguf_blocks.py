@@ -31,8 +31,6 @@ RUN = 32  # weights per run: a block of the small types, an eighth of a K block
 U = np.uint64
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = int(T.Q4_0), int(T.Q4_1), int(T.Q5_0), int(T.Q5_1), int(T.Q8_0)
 Q4_K, Q5_K, Q6_K = int(T.Q4_K), int(T.Q5_K), int(T.Q6_K)
-SPLIT_NIBBLE_KINDS = (Q4_0, Q4_1, Q5_0, Q5_1)  # a run's codes split between the nibbles of 16 bytes
-BYTE_RUN_KINDS = (Q4_K, Q5_K, Q6_K)  # a run's codes at bytes j of tables
 
 
 @nb.njit(inline="always", cache=True)

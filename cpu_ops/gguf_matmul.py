@@ -16,16 +16,49 @@ import numba as nb
 import numpy as np
 
 from cpu_ops.checks import expect
-from cpu_ops.gguf_blocks import (BLOCK_SIZE, BYTE_RUN_KINDS, KERNEL_TYPES, RUN, SPLIT_NIBBLE_KINDS, TYPE_SIZE, U,
+from cpu_ops.gguf_blocks import (BLOCK_SIZE, KERNEL_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, RUN, TYPE_SIZE, U,
                                  block_halves, byte_run_layout, run_params, split_nibbles_at)
 from cpu_ops.vector_runs import byte_run_fma, byte_run_store, nibble_run_fma, nibble_run_store
 
 ROWS_PER_TASK = 32  # rows of W a thread takes at a time: enough tasks to balance 2 to 16 threads
 
 
+@nb.njit(inline="always", fastmath=True, cache=True)
+def _row_runs(kind, runs, type_size, ru, ri, num_blocks, target, xm, store):
+    """Every run of one row of W (ru, ri: its bytes): with store, its weights written to target (a
+    row of W in float32); else weight * xm added into target's 32 lanes. kind, runs, type_size and
+    store are constants of the kernel this is inlined into, so LLVM folds the branches away."""
+    for b in range(num_blocks):
+        o = b * U(type_size)
+        d, dmin = block_halves(kind, ru, o)
+        for k in range(U(runs)):
+            s_lo, s_hi, offset, bits = run_params(kind, ru, ri, o, k, d, dmin)
+            x0 = (b * U(runs) + k) * U(RUN)
+            if kind == Q4_0 or kind == Q4_1 or kind == Q5_0 or kind == Q5_1:
+                if store:
+                    nibble_run_store(target, x0, ru, split_nibbles_at(kind, o), s_lo, offset, bits)
+                else:
+                    nibble_run_fma(target, ru, split_nibbles_at(kind, o), xm, x0, s_lo, offset, bits)
+            elif kind == Q4_K or kind == Q5_K or kind == Q6_K:
+                low, shift, high, high_shift, high_mask, center = byte_run_layout(kind, o, k)
+                if store:
+                    byte_run_store(target, x0, ru, low, shift, high, high_shift, high_mask, center,
+                                   s_lo, s_hi, offset)
+                else:
+                    byte_run_fma(target, ru, low, shift, high, high_shift, high_mask, center, xm, x0,
+                                 s_lo, s_hi, offset)
+            elif store:  # Q8_0: signed bytes, which a plain loop vectorises
+                for j in range(U(RUN)):
+                    target[x0 + j] = s_lo * np.float32(ri[o + U(2) + j])
+            else:
+                for j in range(U(RUN)):
+                    target[j] += s_lo * np.float32(ri[o + U(2) + j]) * xm[x0 + j]
+
+
 def _compile(kind: int, block_size: int, type_size: int):
+    """The type's two kernels; kind and the sizes are constants of each (a closure's variables),
+    and Numba's cache keeps one entry per type."""
     runs = block_size // RUN
-    split, byte_runs = kind in SPLIT_NIBBLE_KINDS, kind in BYTE_RUN_KINDS
 
     @nb.njit(parallel=True, fastmath=True, cache=True)
     def matmul(u8, i8, x, y):
@@ -35,25 +68,9 @@ def _compile(kind: int, block_size: int, type_size: int):
         for task in nb.prange((num_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
             lanes = np.empty(RUN, np.float32)
             for m in range(num_x):
-                xm = x[m]
                 for r in range(task * ROWS_PER_TASK, min(num_out, (task + 1) * ROWS_PER_TASK)):
-                    ru, ri = u8[r], i8[r]
                     lanes[:] = 0
-                    for b in range(num_blocks):
-                        o = b * U(type_size)
-                        d, dmin = block_halves(kind, ru, o)
-                        for k in range(U(runs)):
-                            s_lo, s_hi, offset, bits = run_params(kind, ru, ri, o, k, d, dmin)
-                            x0 = (b * U(runs) + k) * U(RUN)
-                            if split:
-                                nibble_run_fma(lanes, ru, split_nibbles_at(kind, o), xm, x0, s_lo, offset, bits)
-                            elif byte_runs:
-                                low, shift, high, high_shift, high_mask, center = byte_run_layout(kind, o, k)
-                                byte_run_fma(lanes, ru, low, shift, high, high_shift, high_mask, center, xm, x0,
-                                             s_lo, s_hi, offset)
-                            else:  # Q8_0: signed bytes, which a plain loop vectorises
-                                for j in range(U(RUN)):
-                                    lanes[j] += s_lo * np.float32(ri[o + U(2) + j]) * xm[x0 + j]
+                    _row_runs(kind, runs, type_size, u8[r], i8[r], num_blocks, lanes, x[m], False)
                     y[m, r] = lanes.sum()
 
     @nb.njit(parallel=True, fastmath=True, cache=True)
@@ -62,22 +79,7 @@ def _compile(kind: int, block_size: int, type_size: int):
         num_out, num_blocks = u8.shape[0], U(out.shape[1] // block_size)
         for task in nb.prange((num_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
             for r in range(task * ROWS_PER_TASK, min(num_out, (task + 1) * ROWS_PER_TASK)):
-                ru, ri, row = u8[r], i8[r], out[r]
-                for b in range(num_blocks):
-                    o = b * U(type_size)
-                    d, dmin = block_halves(kind, ru, o)
-                    for k in range(U(runs)):
-                        s_lo, s_hi, offset, bits = run_params(kind, ru, ri, o, k, d, dmin)
-                        x0 = (b * U(runs) + k) * U(RUN)
-                        if split:
-                            nibble_run_store(row, x0, ru, split_nibbles_at(kind, o), s_lo, offset, bits)
-                        elif byte_runs:
-                            low, shift, high, high_shift, high_mask, center = byte_run_layout(kind, o, k)
-                            byte_run_store(row, x0, ru, low, shift, high, high_shift, high_mask, center,
-                                           s_lo, s_hi, offset)
-                        else:
-                            for j in range(U(RUN)):
-                                row[x0 + j] = s_lo * np.float32(ri[o + U(2) + j])
+                _row_runs(kind, runs, type_size, u8[r], i8[r], num_blocks, out[r], out[r], True)
 
     return matmul, dequantize
 
@@ -105,9 +107,12 @@ def matmul(kind, blocks: np.ndarray, x: np.ndarray) -> np.ndarray:
     return y
 
 
-def dequantize(kind, blocks: np.ndarray, width: int) -> np.ndarray:
-    """blocks: [out, row_bytes] uint8 of rows of `width` weights -> W: [out, width] float32."""
+def dequantize(kind, blocks: np.ndarray, width: int, out: np.ndarray | None = None) -> np.ndarray:
+    """blocks: [out, row_bytes] uint8 of rows of `width` weights -> W: [out, width] float32, written
+    into `out` where given (a buffer reused across products spares the allocation's page faults)."""
     _check(kind, blocks, width)
-    out = np.empty((blocks.shape[0], width), np.float32)
+    if out is None:
+        out = np.empty((blocks.shape[0], width), np.float32)
+    expect("out", out, dtype=np.float32, shape=(blocks.shape[0], width))
     _KERNELS[kind][1](blocks, blocks.view(np.int8), out)
     return out

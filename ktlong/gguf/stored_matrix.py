@@ -20,6 +20,18 @@ from cpu_ops.gguf_matmul import dequantize, matmul
 MAX_IN_PLACE_ROWS = 16  # rows of x multiplied in place; more are a prefill chunk (dequantised once)
 
 
+_SCRATCH = [torch.empty(0)]  # the float32 buffer prefill chunks dequantise into, grown to the largest matrix
+
+
+def _scratch(shape: tuple[int, int]) -> torch.Tensor:
+    """A float32 [out, in] view of one buffer reused by every prefill product: a fresh matrix-sized
+    allocation per product costs the kernel's page faults and zeroing, about as long as the
+    dequantisation itself."""
+    if _SCRATCH[0].numel() < shape[0] * shape[1]:
+        _SCRATCH[0] = torch.empty(shape[0] * shape[1])
+    return _SCRATCH[0][:shape[0] * shape[1]].view(shape)
+
+
 @dataclass(frozen=True)
 class StoredMatrix:
     """W [out, in] as GGUF blocks: `blocks` [out, bytes per row] uint8, each row whole blocks."""
@@ -40,8 +52,10 @@ class StoredMatrix:
             start += p.shape[0]
         return cls(whole, parts[0].ggml_type, (start, parts[0].shape[1])), views
 
-    def float32(self) -> torch.Tensor:
-        return torch.from_numpy(dequantize(self.ggml_type, self.blocks.numpy(), self.shape[1]))
+    def float32(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """W dequantised [out, in] float32, into `out` where given."""
+        return torch.from_numpy(dequantize(self.ggml_type, self.blocks.numpy(), self.shape[1],
+                                           None if out is None else out.numpy()))
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> x @ W.T [..., out] in x's dtype (computed in float32)."""
@@ -49,7 +63,7 @@ class StoredMatrix:
         if rows.shape[0] <= MAX_IN_PLACE_ROWS:
             y = torch.from_numpy(matmul(self.ggml_type, self.blocks.numpy(), rows.numpy()))
         else:
-            y = F.linear(rows, self.float32())
+            y = F.linear(rows, self.float32(_scratch(self.shape)))
         return y.to(x.dtype).view(*x.shape[:-1], self.shape[0])
 
 
