@@ -2,12 +2,12 @@
 
 `matmul(kind, blocks, x)` is x @ W.T for a few rows of x (a decode step, a short follow-up). It
 reads the matrix's stored bytes and nothing else: 0.56 (Q4_K) to 1.06 (Q8_0) bytes per weight
-against bfloat16's 2 and float32's 4, which is what a decode step on a CPU waits for. Each weight
-is decoded where it is used and added into 32 lanes that follow the run (decoded by
-cpu_ops/vector_runs.py, or by a plain vectorised loop for Q8_0's bytes), so a row costs
-one horizontal sum. `dequantize(kind, blocks)`
-writes the whole matrix in float32, for products over many rows, where arithmetic, not reading,
-sets the pace. Both split W's rows between Numba's threads; a kernel is compiled per type.
+against bfloat16's 2 and float32's 4, which is what a decode step on a CPU waits for. Each run
+of 32 weights is decoded where it is used (by cpu_ops/vector_runs.py, or by a plain vectorised
+loop for Q8_0's bytes) and added into 32 lanes, so a row costs one horizontal sum.
+`dequantize(kind, blocks, width)` writes the whole matrix in float32, for products over many
+rows, where arithmetic, not reading, sets the pace. Both split W's rows between Numba's threads;
+a kernel is compiled per type.
 """
 
 from __future__ import annotations

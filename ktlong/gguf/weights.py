@@ -70,7 +70,7 @@ class LayerWeights:
 
 @dataclass(slots=True)
 class ModelWeights:
-    embed: torch.Tensor | StoredRows  # [vocab, hidden]; as stored on a CPU when the model has its own head
+    embed: torch.Tensor | StoredRows  # [vocab, hidden]; as stored on a CPU with its own head, or a head read in place
     layers: list[LayerWeights]
     output_norm: torch.Tensor  # [hidden]
     output: torch.Tensor | StoredMatrix  # [vocab, hidden]; the embedding itself (or its bytes) when tied
