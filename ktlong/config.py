@@ -25,8 +25,8 @@ DEFAULT_FILE = Path(__file__).resolve().parent.parent / "configs" / "default.yam
 SECRETS = ("api_key",)
 # options that no longer exist -> why, for the message that asks to delete them
 REMOVED = {"device_cache_blocks": "the GPU reads the selected blocks from DRAM itself (context_attention: gpu)",
-           "cpu_int4": "cpu_stored_weights keeps every quantised type as stored",
-           "cpu_bf16": "cpu_stored_weights keeps every quantised type as stored"}
+           "cpu_int4": "cpu_stored_weights keeps quantised matrices as the GGUF stores them",
+           "cpu_bf16": "cpu_stored_weights keeps quantised matrices as the GGUF stores them"}
 MAX_CONFIG_BYTES = 1 << 20  # a config file is a few KiB of 'option: value' lines
 
 

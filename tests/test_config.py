@@ -116,6 +116,9 @@ def test_a_removed_option_is_named_as_removed(user_file):
         load_config()
     assert str(e.value) == (f"Option 'device_cache_blocks' at {user_file}:1 no longer exists (the GPU reads the "
                             "selected blocks from DRAM itself (context_attention: gpu)); delete it.")
+    user_file.write_text("cpu_stored_weights: true\ncpu_int4: true\n")  # a file written by the last version
+    with pytest.raises(ConfigError, match=f"Option 'cpu_int4' at {user_file}:2 no longer exists .*cpu_stored_weights"):
+        load_config()
 
 
 @pytest.mark.parametrize("setting,expected", [
