@@ -67,6 +67,15 @@ class StoredMatrix:
         return y.to(x.dtype).view(*x.shape[:-1], self.shape[0])
 
 
+def compile_kernels(matrices) -> None:
+    """Run both kernels of each type among `matrices` once on one row, so that the first prompt
+    finds them compiled (a few seconds a type on a fresh install) or loaded from Numba's cache."""
+    for m in {m.ggml_type: m for m in matrices}.values():
+        row = StoredMatrix(m.blocks[:1], m.ggml_type, (1, m.shape[1]))
+        row.linear(torch.zeros(1, m.shape[1]))
+        row.float32()
+
+
 def linear(x: torch.Tensor, w: torch.Tensor | StoredMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T + bias: F.linear over a tensor, or a StoredMatrix's own product."""
     if not isinstance(w, StoredMatrix):

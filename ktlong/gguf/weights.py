@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -15,7 +15,7 @@ from ktlong.errors import GGUFError
 from ktlong.gguf.reader import GGUFFile
 from ktlong.gguf.model_config import PERMUTED_QK_ARCHS, ModelConfig
 from ktlong.gguf.stored_rows import StoredRows
-from ktlong.gguf.stored_matrix import StoredMatrix
+from ktlong.gguf.stored_matrix import StoredMatrix, compile_kernels
 from cpu_ops.gguf_blocks import KERNEL_TYPES
 from ktlong.parallel.shard import shard_columns, shard_rows
 
@@ -213,6 +213,9 @@ def load_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
         output = embed
     gf.release_pages()
     _trim_heap()
+    if src.stored:
+        every = (getattr(layer, f.name) for layer in layers for f in fields(layer))
+        compile_kernels(m for m in (output, *every) if isinstance(m, StoredMatrix))
     freq_factors = src.get_optional("rope_freqs.weight")
     if freq_factors is not None:
         freq_factors = freq_factors.float()
