@@ -300,7 +300,7 @@ def test_cache_hits_bench_summarises_phases_answers_and_loads(tmp_path):
     rows, ratio = summary(results)
     assert rows[:3] == [["cold", 3, "2.000", "1.000-3.000"], ["DRAM hit", 2, "0.075", "0.050-0.100"],
                         ["disk hit after restart", 1, "0.900", "0.900-0.900"]]
-    assert rows[3][:2] == ["reference (no cache)", 4] and ratio == pytest.approx(2.0 / 0.075)
+    assert rows[3][:2] == ["reference (fresh server)", 4] and ratio == pytest.approx(2.0 / 0.075)
     assert equal_answers(results) == (3, 4)  # A q0, A q1, A q2 equal; B q1 differs; the rest has no reference
     log = tmp_path / "server.log"
     log.write_text("[cache: conversation ab loaded from disk: 119,737 tokens, 1.42 GiB in 0.18 s (7.97 GiB/s)]\nother\n")

@@ -3,7 +3,7 @@ token of a cache hit in DRAM against a cold prefill, a hit from disk after a res
 answers against a server that prefills every prompt whole.
 
 python -m ktlong.bench cache-hits --model GGUF [--docs 3] [--chars 520000] [--rounds 3]
-                                  [--reference same|dense|none] [--set key=value]
+                                  [--reference turns|whole|none] [--set key=value]
 
 The documents are Python standard-library sources (the same on every machine with this Python),
 --chars characters each, one sentence planted in the middle of each ("The secret code of
@@ -12,9 +12,16 @@ of its own, cache_dram_gb 16, 16 new tokens) is started in a process of its own 
 through the official `openai` client at its defaults, streamed, greedy: each document once
 (cold: nothing has tokenized it), then --rounds rounds of a new question about each in turn
 (DRAM hits: the documents alternate). The server is restarted and asked once more about each
-(disk hits). A reference server with the same settings and no cache (--reference same; dense:
-also prefill_attention=dense) answers the same questions, each prompt prefilled whole. The
-table gives the time to the first content chunk, median and range, per phase; the lines under
+(disk hits). A fresh reference server with the same settings and no cache of other
+conversations (cache_dram_gb 0, no cache_dir) answers the same questions:
+- turns (the default): each document's questions one after another, so that each question
+  reuses its own document's conversation, as a server that keeps one conversation does. The
+  cached server's answers equal these only if swapping, spilling and restoring conversations
+  changes no number.
+- whole: in the cached server's order, so that every prompt is prefilled whole. A follow-up's
+  prefill over a cached history sums in other chunks than one prefill of the whole prompt, and
+  a greedy choice between two close logits can go the other way in bfloat16.
+`--set prefill_attention=dense` compares dense runs. The table gives the time to the first content chunk, median and range, per phase; the lines under
 it the ratio of medians, the disk load rate the server logs, and how many answers equal the
 reference's word for word.
 """
@@ -113,16 +120,19 @@ def ask(client, model_id: str, text: str, question: str) -> dict:
             "from": (details.model_extra or {}).get("cached_from")}
 
 
-def run_phase(server: Server, model_id: str, docs, rounds: list[int], tag: str, results: list):
+def run_phase(server: Server, model_id: str, docs, rounds: list[int], tag: str, results: list,
+              by_document: bool = False):
+    """Each of rounds' questions about each document: round by round (the documents alternate),
+    or by_document (each document's questions in a row)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none")
-    for q in rounds:
-        for name, _, text in docs:
-            r = ask(client, model_id, text, QUESTIONS[q].format(name))
-            results.append({"tag": tag, "doc": name, "q": q, **r})
-            print(f"[{tag} {name} q{q}: {r['ttft']:.3f} s, {r['cached']:,} cached from {r['from']}: {r['answer']!r}]",
-                  file=sys.stderr, flush=True)
+    order = ([(doc, q) for doc in docs for q in rounds] if by_document else [(doc, q) for q in rounds for doc in docs])
+    for (name, _, text), q in order:
+        r = ask(client, model_id, text, QUESTIONS[q].format(name))
+        results.append({"tag": tag, "doc": name, "q": q, **r})
+        print(f"[{tag} {name} q{q}: {r['ttft']:.3f} s, {r['cached']:,} cached from {r['from']}: {r['answer']!r}]",
+              file=sys.stderr, flush=True)
 
 
 def summary(results: list[dict]) -> tuple[list[list], float]:
@@ -131,7 +141,7 @@ def summary(results: list[dict]) -> tuple[list[list], float]:
     phases = [("cold", lambda r: r["tag"] == "cached" and r["q"] == 0),
               ("DRAM hit", lambda r: r["tag"] == "cached" and r["q"] > 0 and r["from"] == "dram"),
               ("disk hit after restart", lambda r: r["tag"] == "restarted" and r["from"] == "disk"),
-              ("reference (no cache)", lambda r: r["tag"] == "reference")]
+              ("reference (fresh server)", lambda r: r["tag"] == "reference")]
     rows, medians = [], {}
     for name, chosen in phases:
         times = [r["ttft"] for r in results if chosen(r)]
@@ -162,9 +172,10 @@ def main(argv=None) -> int:
     p.add_argument("--docs", type=int, default=3, help=f"documents, 2 to {len(NAMES)} (default 3)")
     p.add_argument("--chars", type=int, default=520_000, help="characters per document (default 520000)")
     p.add_argument("--rounds", type=int, default=3, help=f"rounds of DRAM hits, 1 to {len(QUESTIONS) - 2} (default 3)")
-    p.add_argument("--reference", choices=["same", "dense", "none"], default="same",
-                   help="the server the answers are compared with: the same settings without a cache, also "
-                        "prefill_attention=dense, or none (default same)")
+    p.add_argument("--reference", choices=["turns", "whole", "none"], default="turns",
+                   help="how a fresh server with the same settings and no cache answers the same questions, to "
+                        "compare: each document's in a row (turns), in the same order, every prompt prefilled "
+                        "whole (whole), or not at all (default turns)")
     p.add_argument("--port", type=int, default=8101, help="the servers' port (default 8101)")
     p.add_argument("--set", action="append", default=[], metavar="key=value", help="an option for every server")
     args = p.parse_args(argv)
@@ -187,14 +198,13 @@ def main(argv=None) -> int:
         cache = ["--cache_dir", os.path.join(folder, "kv"), "--cache_dram_gb", "16", *options]
         for tag, rounds, extra in (("cached", list(range(args.rounds + 1)), cache),
                                    ("restarted", [args.rounds + 1], cache),
-                                   ("reference", list(range(args.rounds + 2)),
-                                    ["--cache_dram_gb", "0", *options] +
-                                    (["--set", "prefill_attention=dense"] if args.reference == "dense" else []))):
+                                   ("reference", list(range(args.rounds + 2)), ["--cache_dram_gb", "0", *options])):
             if tag == "reference" and args.reference == "none":
                 continue
             server = Server(model, args.port, log, extra)
             try:
-                run_phase(server, model_id, docs, rounds, tag, results)
+                run_phase(server, model_id, docs, rounds, tag, results,
+                          by_document=tag == "reference" and args.reference == "turns")
             finally:
                 server.stop()
         rates = load_rates(log)
@@ -205,5 +215,5 @@ def main(argv=None) -> int:
     print(f"DRAM hit vs cold: {ratio:.1f}x; disk loads: {', '.join(rates) or 'none'}")
     if args.reference != "none":
         same, total = equal_answers(results)
-        print(f"answers equal to the reference ({args.reference}, no cache): {same} of {total}")
+        print(f"answers equal to a fresh server's without a cache ({args.reference}): {same} of {total}")
     return 0
