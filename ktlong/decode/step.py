@@ -38,6 +38,7 @@ from ktlong.decode.window import DeviceWindow
 from ktlong.kv.pinned import PinnedTensors
 from ktlong.models.llama import LlamaModel
 from operators.kv_quant import quantize_kv
+from operators import triton_installed
 from operators.merge_state import merge_states
 from operators.window_attention import attention_with_lse, masked_window_attention
 
@@ -55,6 +56,11 @@ class DecodeStep:
         self.device_selects = dram_blocks is not None and dram_blocks.selection is not None
         self.global_layers = global_layers
         c, layout, dev = model.config, window.layout, model.device
+        self.append_kernel = None  # operators/decode_append_kernel.py where it applies
+        if dev.type == "cuda" and triton_installed():
+            from operators.decode_append_kernel import append_token, kernel_applies
+
+            self.append_kernel = append_token if kernel_applies(layout.kv_type, c.head_dim) else None
         self.num_layers = c.num_layers
         # inputs, written before each replay
         self.token = torch.zeros(1, dtype=torch.long, device=dev)
@@ -143,9 +149,9 @@ class DecodeStep:
         context parts, no host work in between; then the selection's counts to the host."""
         for j in range(len(self.global_layers) + 1):
             self._segment(j)
-            if j < len(self.global_layers):  # the window's state merged into the selected blocks'
-                window = self._window_attention(self.global_layers[j], self.q_dev[j])
-                o, _ = self.dram_blocks.attend(j, self.q_dev[j], base=window)
+            if j < len(self.global_layers):  # the window's keys in the selected blocks' softmax
+                keys, values = self.window.layer_buffers(self.global_layers[j])
+                o, _ = self.dram_blocks.attend(j, self.q_dev[j], window=(keys, values, self.lo, self.hi))
                 self.o_hit[j].copy_(o)
         self.dram_blocks.selection.report()
 
@@ -159,6 +165,12 @@ class DecodeStep:
         q, k, v = self.model.qkv(layer, self.x, self.position, self.rope)
         dtype = self.window.layout.dtype
         keys, values = self.window.layer_buffers(layer)
+        if self.append_kernel is not None:  # one kernel: the window's rows and the exchange's
+            if j is not None and not self.device_selects:
+                self.q_host[j].copy_(q[0].float(), non_blocking=True)
+            exchange = (self.kv_host[j], self.kv_scales_host[j] if self.window.layout.is_quantized else None)
+            self.append_kernel(k[0], v[0], self.slot, keys, values, *(exchange if j is not None else ()))
+            return q[0]
         keys.index_copy_(1, self.slot, k[0].to(dtype)[:, None])
         values.index_copy_(1, self.slot, v[0].to(dtype)[:, None])
         if j is not None:  # a global layer: q goes to the host (unless the device selects), k/v through to DRAM
@@ -250,7 +262,7 @@ class DecodeStep:
         index = w.sink_tokens + position - w.window_start
         self.slot.fill_(index)
         self.valid = (0 if w.window_start else w.sink_tokens, index + 1)
-        if self.capturing:
+        if self.capturing or self.device_selects:  # read on the device (graphs, the window kernel)
             self.lo.fill_(self.valid[0])
             self.hi.fill_(self.valid[1])
 
