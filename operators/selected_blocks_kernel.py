@@ -83,7 +83,9 @@ def _window_shares(q_ptr, k_ptr, v_ptr, lo_ptr, hi_ptr, out_ptr, lse_ptr, group,
                    DIM: tl.constexpr, ROWS: tl.constexpr, KEYS: tl.constexpr, PER_SHARE: tl.constexpr):
     """Kv head h's query rows over its window buffer's tokens s * PER_SHARE .. (s + 1) *
     PER_SHARE - 1 that lie in lo..hi-1 -> share first_share + s of total_shares, as
-    _selected_blocks_attention writes its own. Tiles outside lo..hi are not read."""
+    _selected_blocks_attention writes its own. Tiles outside lo..hi are not read. The products
+    run in the window's type with float32 sums, as the torch path's (the hybrid decode's window
+    part) do, so that the two paths round alike."""
     h, s = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, DIM)
@@ -97,15 +99,19 @@ def _window_shares(q_ptr, k_ptr, v_ptr, lo_ptr, hi_ptr, out_ptr, lse_ptr, group,
             tokens = start + tl.arange(0, KEYS)
             valid = (tokens >= lo) & (tokens < hi)
             at = h * stride_head + tokens[:, None] * stride_token + dims[None, :]
-            keys = tl.load(k_ptr + at, mask=valid[:, None], other=0.0).to(tl.float32)
-            values = tl.load(v_ptr + at, mask=valid[:, None], other=0.0).to(tl.float32)
-            logits = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale
-            logits = tl.where(valid[None, :], logits, float("-inf"))
+            keys = tl.load(k_ptr + at, mask=valid[:, None], other=0.0)
+            values = tl.load(v_ptr + at, mask=valid[:, None], other=0.0)
+            kind = keys.dtype
+            # rounded where torch's products in the window's type round (attention_with_lse): q,
+            # the scores and the weights to that type, every sum in float32
+            logits = tl.dot(q.to(kind).to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
+            logits = tl.where(valid[None, :], logits.to(kind).to(tl.float32) * scale, float("-inf"))
             new_max = tl.maximum(run_max, tl.max(logits, 1))
             correction = tl.exp(run_max - new_max)
             p = tl.exp(logits - new_max[:, None])
             run_sum = run_sum * correction + tl.sum(p, 1)
-            acc = acc * correction[:, None] + tl.dot(p, values, input_precision="ieee")
+            weights = p.to(kind).to(tl.float32)
+            acc = acc * correction[:, None] + tl.dot(weights, values.to(tl.float32), input_precision="ieee")
             run_max = new_max
     held = run_sum > 0
     out = tl.where(held[:, None], acc / tl.where(held, run_sum, 1.0)[:, None], 0.0)
