@@ -78,19 +78,20 @@ def _selected_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, index_ptr, v
 
 
 @triton.jit
-def _window_shares(q_ptr, k_ptr, v_ptr, lo_ptr, hi_ptr, out_ptr, lse_ptr, group, scale, total_shares, first_share,
-                   stride_head, stride_token,
+def _window_shares(q_ptr, k_ptr, v_ptr, lo_ptr, hi_ptr, last, out_ptr, lse_ptr, group, scale, total_shares,
+                   first_share, stride_head, stride_token,
                    DIM: tl.constexpr, ROWS: tl.constexpr, KEYS: tl.constexpr, PER_SHARE: tl.constexpr):
     """Kv head h's query rows over its window buffer's tokens s * PER_SHARE .. (s + 1) *
-    PER_SHARE - 1 that lie in lo..hi-1 -> share first_share + s of total_shares, as
-    _selected_blocks_attention writes its own. Tiles outside lo..hi are not read. The products
-    run in the window's type with float32 sums, as the torch path's (the hybrid decode's window
-    part) do, so that the two paths round alike."""
+    PER_SHARE - 1 that lie in lo..hi-1 (the last `last` of them, when last > 0: a sliding-window
+    layer's) -> share first_share + s of total_shares, as _selected_blocks_attention writes its
+    own. Tiles outside that range are not read."""
     h, s = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, DIM)
     q = tl.load(q_ptr + (h * group + rows[:, None]) * DIM + dims[None, :], mask=(rows < group)[:, None], other=0.0)
     lo, hi = tl.load(lo_ptr), tl.load(hi_ptr)
+    if last > 0:
+        lo = tl.maximum(lo, hi - last)
     run_max = tl.full((ROWS,), float("-inf"), tl.float32)
     run_sum = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, DIM), tl.float32)
@@ -99,19 +100,15 @@ def _window_shares(q_ptr, k_ptr, v_ptr, lo_ptr, hi_ptr, out_ptr, lse_ptr, group,
             tokens = start + tl.arange(0, KEYS)
             valid = (tokens >= lo) & (tokens < hi)
             at = h * stride_head + tokens[:, None] * stride_token + dims[None, :]
-            keys = tl.load(k_ptr + at, mask=valid[:, None], other=0.0)
-            values = tl.load(v_ptr + at, mask=valid[:, None], other=0.0)
-            kind = keys.dtype
-            # rounded where torch's products in the window's type round (attention_with_lse): q,
-            # the scores and the weights to that type, every sum in float32
-            logits = tl.dot(q.to(kind).to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
-            logits = tl.where(valid[None, :], logits.to(kind).to(tl.float32) * scale, float("-inf"))
+            keys = tl.load(k_ptr + at, mask=valid[:, None], other=0.0).to(tl.float32)
+            values = tl.load(v_ptr + at, mask=valid[:, None], other=0.0).to(tl.float32)
+            logits = tl.dot(q, tl.trans(keys), input_precision="ieee")
+            logits = tl.where(valid[None, :], logits * scale, float("-inf"))
             new_max = tl.maximum(run_max, tl.max(logits, 1))
             correction = tl.exp(run_max - new_max)
             p = tl.exp(logits - new_max[:, None])
             run_sum = run_sum * correction + tl.sum(p, 1)
-            weights = p.to(kind).to(tl.float32)
-            acc = acc * correction[:, None] + tl.dot(weights, values.to(tl.float32), input_precision="ieee")
+            acc = acc * correction[:, None] + tl.dot(p, values, input_precision="ieee")
             run_max = new_max
     held = run_sum > 0
     out = tl.where(held[:, None], acc / tl.where(held, run_sum, 1.0)[:, None], 0.0)
@@ -195,16 +192,42 @@ def selected_blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         BLOCK=k.shape[1], DIM=dim, ROWS=rows, KEYS=min(KEYS, k.shape[1]), PER_SHARE=per_share, QUANT=quant)
     if window is not None:
-        keys, values, lo, hi = window
-        expect("window keys", keys, shape=(num_kv, None, dim), device=q.device)
-        expect("window values", values, shape=tuple(keys.shape), dtype=keys.dtype, device=q.device)
-        if keys.stride(2) != 1 or values.stride() != keys.stride():
-            raise ValueError("the window's keys and values must share one layout with contiguous rows")
-        per_window = -(-keys.shape[1] // (WINDOW_SHARES * KEYS)) * KEYS
-        _window_shares[(num_kv, WINDOW_SHARES)](
-            q, keys, values, lo, hi, out, lse, group, scale, total, shares, keys.stride(0), keys.stride(1),
-            DIM=dim, ROWS=rows, KEYS=KEYS, PER_SHARE=per_window)
+        _launch_window(q, *window, 0, out, lse, group, scale, total, shares)
     merged = torch.empty((num_heads, dim), dtype=torch.float32, device=q.device)
     merged_lse = torch.empty(num_heads, dtype=torch.float32, device=q.device)
     _merge_shares[(num_kv,)](out, lse, merged, merged_lse, group, SHARES=total, ROWS=rows, DIM=dim)
     return merged, merged_lse
+
+
+def window_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                     scale: float, last: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [H, D] over the keys lo..hi-1 of a window buffer (keys, values [KV, N, D]; lo, hi: 0-dim
+    int64 device tensors), or over the last `last` of them (> 0: a sliding-window layer) -> out
+    [H, D], lse [H] float32, in float32 arithmetic. Two launches, fixed shapes, no sync."""
+    expect("q", q, ndim=2, dtype=torch.float32)
+    num_heads, dim = q.shape
+    num_kv = keys.shape[0]
+    if num_heads % num_kv:
+        raise ValueError(f"q's {num_heads} heads must be whole groups of the window's {num_kv} kv heads")
+    group = num_heads // num_kv
+    rows = max(16, triton.next_power_of_2(group))
+    out = torch.empty((num_kv, WINDOW_SHARES, rows, dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((num_kv, WINDOW_SHARES, rows), dtype=torch.float32, device=q.device)
+    _launch_window(q.contiguous(), keys, values, lo, hi, last, out, lse, group, scale, WINDOW_SHARES, 0)
+    merged = torch.empty((num_heads, dim), dtype=torch.float32, device=q.device)
+    merged_lse = torch.empty(num_heads, dtype=torch.float32, device=q.device)
+    _merge_shares[(num_kv,)](out, lse, merged, merged_lse, group, SHARES=WINDOW_SHARES, ROWS=rows, DIM=dim)
+    return merged, merged_lse
+
+
+def _launch_window(q, keys, values, lo, hi, last, out, lse, group, scale, total, first):
+    """The window's shares into slots first.. of out and lse (total slots a kv head)."""
+    num_kv, dim = keys.shape[0], q.shape[1]
+    expect("window keys", keys, shape=(num_kv, None, dim), device=q.device)
+    expect("window values", values, shape=tuple(keys.shape), dtype=keys.dtype, device=q.device)
+    if keys.stride(2) != 1 or values.stride() != keys.stride():
+        raise ValueError("the window's keys and values must share one layout with contiguous rows")
+    per_share = -(-keys.shape[1] // (WINDOW_SHARES * KEYS)) * KEYS
+    _window_shares[(num_kv, WINDOW_SHARES)](
+        q, keys, values, lo, hi, last, out, lse, group, scale, total, first, keys.stride(0), keys.stride(1),
+        DIM=dim, ROWS=out.shape[2], KEYS=KEYS, PER_SHARE=per_share)

@@ -5,7 +5,7 @@ runs in Triton's interpreter (tests/conftest.py); on a GPU compiled, on the devi
 import pytest
 import torch
 
-from operators.selected_blocks_kernel import selected_blocks_attention, kernel_applies
+from operators.selected_blocks_kernel import selected_blocks_attention, kernel_applies, window_attention
 from operators.kv_quant import dequantize_kv, quantize_kv
 from operators.window_attention import attention_over_prefix
 
@@ -52,10 +52,10 @@ def test_formats_the_kernel_takes():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lo, hi", [(0, 50), (32, 77), (5, 6), (0, 0)])
 def test_the_window_joins_the_same_softmax(lo, hi, dtype):
-    """Keys lo..hi-1 of a window buffer (ragged tiles, one key, none) attended with the selected
-    blocks equal the log-sum-exp merge of the two attentions done apart with torch ops: to float32
-    rounding with a float32 window; with a bfloat16 one, to bfloat16 rounding of torch's products
-    in bfloat16 (each path rounds its scores and weights once, at other places of the softmax)."""
+    """Keys lo..hi-1 of a window buffer (ragged tiles, one key, none; float32 or bfloat16 as
+    stored) attended with the selected blocks equal the log-sum-exp merge of the two attentions
+    done apart with float32 torch ops; the window alone, over all of them or its last 20, equals
+    the window part of that."""
     from operators.merge_state import merge_states
     from operators.window_attention import attention_with_lse
 
@@ -73,8 +73,13 @@ def test_the_window_joins_the_same_softmax(lo, hi, dtype):
                                          window=(window_k.to(**to), window_v.to(**to), bound(lo), bound(hi)))
     k, v = (values[p][hit_index].view(num_kv, -1, dim) for p in range(2))
     blocks_out, blocks_lse = attention_over_prefix(q, k, v, hit_valid, 0.125)
-    near_out, near_lse = attention_with_lse(q, window_k[:, lo:hi], window_v[:, lo:hi], 0.125)
+    near_out, near_lse = attention_with_lse(q, window_k[:, lo:hi].float(), window_v[:, lo:hi].float(), 0.125)
     ref_out, ref_lse = merge_states(blocks_out, blocks_lse, near_out, near_lse)
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.cpu(), ref_out, rtol=tolerance, atol=tolerance)
-    torch.testing.assert_close(lse.cpu(), ref_lse, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(out.cpu(), ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.cpu(), ref_lse, rtol=1e-5, atol=1e-5)
+    for last in (0, 20):
+        alone = window_attention(q.to(**to), window_k.to(**to), window_v.to(**to), bound(lo), bound(hi), 0.125, last)
+        first = max(lo, hi - last) if last else lo
+        ref = attention_with_lse(q, window_k[:, first:hi].float(), window_v[:, first:hi].float(), 0.125)
+        torch.testing.assert_close(alone[0].cpu(), ref[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(alone[1].cpu(), ref[1], rtol=1e-5, atol=1e-5)

@@ -62,10 +62,10 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None  # [head_dim]
     post_attn_norm: torch.Tensor | None = None  # [hidden]
     post_ffn_norm: torch.Tensor | None = None  # [hidden]
-    # where q, k and v (gate and up) are kept as stored in one type: their rows in one matrix,
-    # multiplied in one call (wq, wk, wv are views of it)
-    wqkv: StoredMatrix | None = None  # [(num_heads + 2 num_kv_heads) * head_dim, hidden]
-    w_gate_up: StoredMatrix | None = None  # [2 intermediate, hidden]
+    # where q, k and v (gate and up) are of one kind: their rows in one matrix, multiplied in one
+    # call (wq, wk, wv are views of it; fuse_projections)
+    wqkv: torch.Tensor | StoredMatrix | None = None  # [(num_heads + 2 num_kv_heads) * head_dim, hidden]
+    w_gate_up: torch.Tensor | StoredMatrix | None = None  # [2 intermediate, hidden]
 
 
 @dataclass(slots=True)
@@ -141,15 +141,23 @@ class TensorSource:
         return StoredRows(raw, info.ggml_type, shape, self.dtype)
 
 
-def _stack_stored(layer: LayerWeights):
-    """Give q, k, v and gate, up one stored matrix each where they share a type (LayerWeights)."""
-    def same(parts):
-        return all(isinstance(p, StoredMatrix) for p in parts) and len({p.ggml_type for p in parts}) == 1
+def fuse_projections(layer: LayerWeights):
+    """Give q, k, v and gate, up one matrix each where the parts are of one kind (float tensors
+    of one dtype and device, or stored matrices of one type): their rows in one matrix,
+    multiplied in one call, each part a view of its rows, so the bytes are held once
+    (LayerWeights)."""
+    layer.wqkv, (layer.wq, layer.wk, layer.wv) = _stacked([layer.wq, layer.wk, layer.wv])
+    layer.w_gate_up, (layer.w_gate, layer.w_up) = _stacked([layer.w_gate, layer.w_up])
 
-    if same([layer.wq, layer.wk, layer.wv]):
-        layer.wqkv, (layer.wq, layer.wk, layer.wv) = StoredMatrix.stacked([layer.wq, layer.wk, layer.wv])
-    if same([layer.w_gate, layer.w_up]):
-        layer.w_gate_up, (layer.w_gate, layer.w_up) = StoredMatrix.stacked([layer.w_gate, layer.w_up])
+
+def _stacked(parts: list) -> tuple:
+    """(the parts' rows in one matrix, the parts as views of it), or (None, parts)."""
+    if all(isinstance(p, StoredMatrix) for p in parts) and len({p.ggml_type for p in parts}) == 1:
+        return StoredMatrix.stacked(parts)
+    if all(isinstance(p, torch.Tensor) for p in parts) and len({(p.dtype, p.device, p.shape[1]) for p in parts}) == 1:
+        whole = torch.cat(parts)
+        return whole, list(whole.split([p.shape[0] for p in parts]))
+    return None, parts
 
 
 def load_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
@@ -196,7 +204,7 @@ def load_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
             post_attn_norm=src.get(p + "post_attention_norm.weight", (c.hidden_size,)) if c.has_post_norms else None,
             post_ffn_norm=src.get(p + "post_ffw_norm.weight", (c.hidden_size,)) if c.has_post_norms else None,
         ))
-        _stack_stored(layers[-1])
+        fuse_projections(layers[-1])
         gf.release_pages()  # the layer's bytes are copied: neither the file nor the copies' garbage stays resident
         _trim_heap()
     embed_type = gf.tensors["token_embd.weight"].ggml_type if src.has("token_embd.weight") else None

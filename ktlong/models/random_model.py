@@ -6,7 +6,7 @@ import torch
 
 from ktlong.gguf.model_config import ModelConfig, RopeConfig
 from ktlong.models.llama import LlamaModel
-from ktlong.gguf.weights import LayerWeights, ModelWeights
+from ktlong.gguf.weights import LayerWeights, ModelWeights, fuse_projections
 from ktlong.parallel.shard import shard_config
 
 SHAPES = {
@@ -55,6 +55,8 @@ def random_model(name: str, device: torch.device, dtype: torch.dtype, seed: int 
                            w_up=w(c.intermediate_size, c.hidden_size),
                            w_down=w(c.hidden_size, c.intermediate_size))
               for _ in range(c.num_layers)]
+    for layer in layers:
+        fuse_projections(layer)
     weights = ModelWeights(embed=w(c.vocab_size, c.hidden_size), layers=layers,
                            output_norm=ones(c.hidden_size), output=w(c.vocab_size, c.hidden_size),
                            rope_freq_factors=None)
