@@ -5,10 +5,7 @@ Gathering the selected pages, widening them to float32 and attending with torch 
 (operators/window_attention.attention_over_prefix, the tests' reference) writes the widened pages
 to memory and passes over them about twenty times a layer. Here one program takes one kv head's
 query group and a share of its selected blocks, reads each block where it lies (bf16, fp16, fp32,
-or q8_0 with its scales, widened in registers), and keeps an online softmax. The device's own
-window (the sinks and the local window, one buffer of which keys lo..hi-1 count) is cut into
-shares the same way by a second kernel, and a third merges every share by log-sum-exp: a global
-layer's whole decode attention is three launches, with fixed shapes for CUDA graphs. The
+or q8_0 with its scales, widened in registers), and keeps an online softmax; a few torch ops merge the shares by log-sum-exp. The
 arithmetic is float32 throughout (tl.dot in IEEE precision), as the CPU's operator attends to
 the rest of the selection: the two parts must agree to float32 rounding, or a later selection
 can flip.
@@ -26,22 +23,21 @@ import triton.language as tl
 from operators.checks import expect
 
 SHARES = 16  # programs per kv head: a share of its hit blocks each
-WINDOW_SHARES = 16  # programs per kv head over the device window: a slice of its buffer each
 KEYS = 32  # tokens per tile: a [32, head_dim] float32 tile of K and of V fit in registers (a whole
            # 128-token block spilled: 770 us a call on the H100 at 8B shapes)
 
 
 @triton.jit
 def _selected_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, index_ptr, valid_ptr, out_ptr, lse_ptr,
-                             group, max_selected, scale, total_shares,
+                             group, max_selected, scale,
                              stride_row, stride_token, stride_srow, stride_stoken,
                              BLOCK: tl.constexpr, DIM: tl.constexpr, ROWS: tl.constexpr, KEYS: tl.constexpr, PER_SHARE: tl.constexpr,
                              QUANT: tl.constexpr):
     """Kv head h's query rows (group of them, padded to ROWS) over its hit blocks
     PER_SHARE * s .. PER_SHARE * (s + 1) - 1 that count (valid tokens) -> this share's out [ROWS,
-    DIM] (normalised by its own softmax sum) and lse [ROWS], share s of total_shares; 0 and -inf
-    where it holds none."""
+    DIM] (normalised by its own softmax sum) and lse [ROWS]; 0 and -inf where it holds none."""
     h, share = tl.program_id(0), tl.program_id(1)
+    num_shares = tl.num_programs(1)
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, DIM)
     q = tl.load(q_ptr + (h * group + rows[:, None]) * DIM + dims[None, :], mask=(rows < group)[:, None], other=0.0)
@@ -72,57 +68,16 @@ def _selected_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, index_ptr, v
     held = run_sum > 0
     out = tl.where(held[:, None], acc / tl.where(held, run_sum, 1.0)[:, None], 0.0)
     lse = tl.where(held, run_max + tl.log(tl.where(held, run_sum, 1.0)), float("-inf"))
-    at = (h * total_shares + share) * ROWS + rows
+    at = (h * num_shares + share) * ROWS + rows
     tl.store(out_ptr + at[:, None] * DIM + dims[None, :], out)
     tl.store(lse_ptr + at, lse)
 
 
 @triton.jit
-def _window_shares(q_ptr, k_ptr, v_ptr, lo_ptr, hi_ptr, last, out_ptr, lse_ptr, group, scale, total_shares,
-                   first_share, stride_head, stride_token,
-                   DIM: tl.constexpr, ROWS: tl.constexpr, KEYS: tl.constexpr, PER_SHARE: tl.constexpr):
-    """Kv head h's query rows over its window buffer's tokens s * PER_SHARE .. (s + 1) *
-    PER_SHARE - 1 that lie in lo..hi-1 (the last `last` of them, when last > 0: a sliding-window
-    layer's) -> share first_share + s of total_shares, as _selected_blocks_attention writes its
-    own. Tiles outside that range are not read."""
-    h, s = tl.program_id(0), tl.program_id(1)
-    rows = tl.arange(0, ROWS)
-    dims = tl.arange(0, DIM)
-    q = tl.load(q_ptr + (h * group + rows[:, None]) * DIM + dims[None, :], mask=(rows < group)[:, None], other=0.0)
-    lo, hi = tl.load(lo_ptr), tl.load(hi_ptr)
-    if last > 0:
-        lo = tl.maximum(lo, hi - last)
-    run_max = tl.full((ROWS,), float("-inf"), tl.float32)
-    run_sum = tl.zeros((ROWS,), tl.float32)
-    acc = tl.zeros((ROWS, DIM), tl.float32)
-    for start in range(s * PER_SHARE, (s + 1) * PER_SHARE, KEYS):
-        if start + KEYS > lo and start < hi:  # a tile with a valid key: its max is finite
-            tokens = start + tl.arange(0, KEYS)
-            valid = (tokens >= lo) & (tokens < hi)
-            at = h * stride_head + tokens[:, None] * stride_token + dims[None, :]
-            keys = tl.load(k_ptr + at, mask=valid[:, None], other=0.0).to(tl.float32)
-            values = tl.load(v_ptr + at, mask=valid[:, None], other=0.0).to(tl.float32)
-            logits = tl.dot(q, tl.trans(keys), input_precision="ieee")
-            logits = tl.where(valid[None, :], logits * scale, float("-inf"))
-            new_max = tl.maximum(run_max, tl.max(logits, 1))
-            correction = tl.exp(run_max - new_max)
-            p = tl.exp(logits - new_max[:, None])
-            run_sum = run_sum * correction + tl.sum(p, 1)
-            acc = acc * correction[:, None] + tl.dot(p, values, input_precision="ieee")
-            run_max = new_max
-    held = run_sum > 0
-    out = tl.where(held[:, None], acc / tl.where(held, run_sum, 1.0)[:, None], 0.0)
-    lse = tl.where(held, run_max + tl.log(tl.where(held, run_sum, 1.0)), float("-inf"))
-    at = (h * total_shares + first_share + s) * ROWS + rows
-    tl.store(out_ptr + at[:, None] * DIM + dims[None, :], out)
-    tl.store(lse_ptr + at, lse)
-
-
-@triton.jit
-def _merge_shares(out_ptr, lse_ptr, o_ptr, o_lse_ptr, group,
-                  SHARES: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr):
-    """Kv head h's shares -> its query rows' out [group, DIM] and lse [group], merged by
-    log-sum-exp; 0 and -inf where all are empty."""
+def _merge_shares(out_ptr, lse_ptr, base_o_ptr, base_lse_ptr, o_ptr, o_lse_ptr, group,
+                  SHARES: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, BASE: tl.constexpr):
+    """Kv head h's shares (and, with BASE, a state over other keys: the window's) -> its query
+    rows' out [group, DIM] and lse [group], merged by log-sum-exp; 0 and -inf where all are empty."""
     h = tl.program_id(0)
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, DIM)
@@ -130,12 +85,20 @@ def _merge_shares(out_ptr, lse_ptr, o_ptr, o_lse_ptr, group,
     top = tl.full((ROWS,), float("-inf"), tl.float32)
     for share in range(SHARES):
         top = tl.maximum(top, tl.load(lse_ptr + (h * SHARES + share) * ROWS + rows))
+    if BASE:
+        base_lse = tl.load(base_lse_ptr + h * group + rows, mask=real, other=float("-inf"))
+        top = tl.maximum(top, base_lse)
     top = tl.where(top == float("-inf"), 0.0, top)
     total = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, DIM), tl.float32)
     for share in range(SHARES):
         w = tl.exp(tl.load(lse_ptr + (h * SHARES + share) * ROWS + rows) - top)
         part = tl.load(out_ptr + ((h * SHARES + share) * ROWS + rows[:, None]) * DIM + dims[None, :])
+        total += w
+        acc += w[:, None] * part
+    if BASE:
+        w = tl.exp(base_lse - top)
+        part = tl.load(base_o_ptr + (h * group + rows[:, None]) * DIM + dims[None, :], mask=real[:, None], other=0.0)
         total += w
         acc += w[:, None] * part
     held = total > 0
@@ -154,14 +117,14 @@ def kernel_applies(kv_type: str, block_size: int, head_dim: int) -> bool:
 
 
 def selected_blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scales: torch.Tensor | None,
-                              v_scales: torch.Tensor | None, hit_index: torch.Tensor, hit_valid: torch.Tensor,
-                              scale: float, window: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            v_scales: torch.Tensor | None, hit_index: torch.Tensor, hit_valid: torch.Tensor,
+                            scale: float, base: tuple[torch.Tensor, torch.Tensor] | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [H, D] float32; k, v: one layer's pages [rows, B, R] (q8_0: int8 with k_scales, v_scales
     [rows, B, D/32] int16 words of float16); hit_index [KV, S] rows of each kv head's hit blocks,
     hit_valid [KV] tokens that count (whole blocks, first ones first) -> out [H, D], lse [H]
-    float32 (natural log; -inf and 0 for a head that holds nothing). window: (keys, values [KV,
-    N, D] on q's device, lo, hi: 0-dim int64 device tensors), the keys lo..hi-1 of a buffer
-    attended as well, in the same softmax. Fixed shapes, no sync."""
+    float32 (natural log; -inf and 0 for a head that holds nothing). base: a state (out [H, D],
+    lse [H] float32) over other keys to merge in, e.g. the window's. Fixed shapes, no sync."""
     expect("q", q, ndim=2, dtype=torch.float32)
     expect("k", k, ndim=3)
     expect("v", v, shape=tuple(k.shape), dtype=k.dtype)
@@ -180,54 +143,18 @@ def selected_blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rows = max(16, triton.next_power_of_2(group))
     shares = min(SHARES, max(max_selected, 1))
     per_share = -(-max_selected // shares)
-    total = shares + (WINDOW_SHARES if window is not None else 0)
-    out = torch.empty((num_kv, total, rows, dim), dtype=torch.float32, device=q.device)
-    lse = torch.empty((num_kv, total, rows), dtype=torch.float32, device=q.device)
-    q = q.contiguous()
+    out = torch.empty((num_kv, shares, rows, dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((num_kv, shares, rows), dtype=torch.float32, device=q.device)
     quant = k_scales is not None
     ks, vs = (k_scales, v_scales) if quant else (hit_index, hit_index)  # placeholders, never read
     _selected_blocks_attention[(num_kv, shares)](
-        q, k, v, ks, vs, hit_index, hit_valid, out, lse,
-        group, max_selected, scale, total, k.stride(0), k.stride(1),
+        q.contiguous(), k, v, ks, vs, hit_index, hit_valid, out, lse,
+        group, max_selected, scale, k.stride(0), k.stride(1),
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         BLOCK=k.shape[1], DIM=dim, ROWS=rows, KEYS=min(KEYS, k.shape[1]), PER_SHARE=per_share, QUANT=quant)
-    if window is not None:
-        _launch_window(q, *window, 0, out, lse, group, scale, total, shares)
     merged = torch.empty((num_heads, dim), dtype=torch.float32, device=q.device)
     merged_lse = torch.empty(num_heads, dtype=torch.float32, device=q.device)
-    _merge_shares[(num_kv,)](out, lse, merged, merged_lse, group, SHARES=total, ROWS=rows, DIM=dim)
+    base_o, base_lse = (base[0].float().contiguous(), base[1].float().contiguous()) if base is not None else (out, lse)
+    _merge_shares[(num_kv,)](out, lse, base_o, base_lse, merged, merged_lse, group,
+                             SHARES=shares, ROWS=rows, DIM=dim, BASE=base is not None)
     return merged, merged_lse
-
-
-def window_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                     scale: float, last: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [H, D] over the keys lo..hi-1 of a window buffer (keys, values [KV, N, D]; lo, hi: 0-dim
-    int64 device tensors), or over the last `last` of them (> 0: a sliding-window layer) -> out
-    [H, D], lse [H] float32, in float32 arithmetic. Two launches, fixed shapes, no sync."""
-    expect("q", q, ndim=2, dtype=torch.float32)
-    num_heads, dim = q.shape
-    num_kv = keys.shape[0]
-    if num_heads % num_kv:
-        raise ValueError(f"q's {num_heads} heads must be whole groups of the window's {num_kv} kv heads")
-    group = num_heads // num_kv
-    rows = max(16, triton.next_power_of_2(group))
-    out = torch.empty((num_kv, WINDOW_SHARES, rows, dim), dtype=torch.float32, device=q.device)
-    lse = torch.empty((num_kv, WINDOW_SHARES, rows), dtype=torch.float32, device=q.device)
-    _launch_window(q.contiguous(), keys, values, lo, hi, last, out, lse, group, scale, WINDOW_SHARES, 0)
-    merged = torch.empty((num_heads, dim), dtype=torch.float32, device=q.device)
-    merged_lse = torch.empty(num_heads, dtype=torch.float32, device=q.device)
-    _merge_shares[(num_kv,)](out, lse, merged, merged_lse, group, SHARES=WINDOW_SHARES, ROWS=rows, DIM=dim)
-    return merged, merged_lse
-
-
-def _launch_window(q, keys, values, lo, hi, last, out, lse, group, scale, total, first):
-    """The window's shares into slots first.. of out and lse (total slots a kv head)."""
-    num_kv, dim = keys.shape[0], q.shape[1]
-    expect("window keys", keys, shape=(num_kv, None, dim), device=q.device)
-    expect("window values", values, shape=tuple(keys.shape), dtype=keys.dtype, device=q.device)
-    if keys.stride(2) != 1 or values.stride() != keys.stride():
-        raise ValueError("the window's keys and values must share one layout with contiguous rows")
-    per_share = -(-keys.shape[1] // (WINDOW_SHARES * KEYS)) * KEYS
-    _window_shares[(num_kv, WINDOW_SHARES)](
-        q, keys, values, lo, hi, last, out, lse, group, scale, total, first, keys.stride(0), keys.stride(1),
-        DIM=dim, ROWS=out.shape[2], KEYS=KEYS, PER_SHARE=per_share)

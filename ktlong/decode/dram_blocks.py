@@ -86,12 +86,12 @@ class DramBlocks:
         every block, which the CPU operator reads)."""
         self.hits.valid_np[j] = 0
 
-    def attend(self, j: int, q: torch.Tensor, window=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(self, j: int, q: torch.Tensor, base=None) -> tuple[torch.Tensor, torch.Tensor]:
         """q [H, D] over layer j's selected blocks in DRAM -> (out [H, D], lse [H]) float32;
-        window: (keys, values, lo, hi), the device window's keys lo..hi-1, in the same softmax."""
+        base: a state (out, lse) over other keys merged in by the same kernel."""
         (k, v), (ks, vs) = self.pages[j], self.scales[j]
         rows = self.selection.select(j, q) if self.selection is not None else self.hits.load(j)
-        return self.kernel(q.float(), k, v, ks, vs, *rows, self.scale, window)
+        return self.kernel(q.float(), k, v, ks, vs, *rows, self.scale, base)
 
 
 class HitIndex:

@@ -56,14 +56,11 @@ class DecodeStep:
         self.device_selects = dram_blocks is not None and dram_blocks.selection is not None
         self.global_layers = global_layers
         c, layout, dev = model.config, window.layout, model.device
-        # Triton kernels where they apply: the new rows' placement, the window's attention
-        self.append_kernel = self.window_kernel = None
+        self.append_kernel = None  # operators/decode_append_kernel.py where it applies
         if dev.type == "cuda" and triton_installed():
             from operators.decode_append_kernel import append_token, kernel_applies
-            from operators.selected_blocks_kernel import window_attention
 
             self.append_kernel = append_token if kernel_applies(layout.kv_type, c.head_dim) else None
-            self.window_kernel = window_attention if c.head_dim >= 16 and c.head_dim & (c.head_dim - 1) == 0 else None
         self.num_layers = c.num_layers
         # inputs, written before each replay
         self.token = torch.zeros(1, dtype=torch.long, device=dev)
@@ -152,9 +149,9 @@ class DecodeStep:
         context parts, no host work in between; then the selection's counts to the host."""
         for j in range(len(self.global_layers) + 1):
             self._segment(j)
-            if j < len(self.global_layers):  # the window's keys in the selected blocks' softmax
-                keys, values = self.window.layer_buffers(self.global_layers[j])
-                o, _ = self.dram_blocks.attend(j, self.q_dev[j], window=(keys, values, self.lo, self.hi))
+            if j < len(self.global_layers):  # the window's state merged into the selected blocks'
+                window = self._window_attention(self.global_layers[j], self.q_dev[j])
+                o, _ = self.dram_blocks.attend(j, self.q_dev[j], base=window)
                 self.o_hit[j].copy_(o)
         self.dram_blocks.selection.report()
 
@@ -193,8 +190,6 @@ class DecodeStep:
         [H, D], lse [H] float32. Captured: the whole buffer with the invalid keys masked, fixed
         shapes read from device memory; eager: the valid keys only."""
         keys, values = self.window.layer_buffers(layer)
-        if self.window_kernel is not None:  # float32 arithmetic, as the selected blocks' kernel
-            return self.window_kernel(q.float(), keys, values, self.lo, self.hi, self.model.scale, last)
         if self.capturing:
             lo = torch.maximum(self.lo, self.hi - last) if last else self.lo
             return masked_window_attention(q, keys, values, lo, self.hi, self.model.scale)
@@ -267,7 +262,7 @@ class DecodeStep:
         index = w.sink_tokens + position - w.window_start
         self.slot.fill_(index)
         self.valid = (0 if w.window_start else w.sink_tokens, index + 1)
-        if self.capturing or self.window_kernel is not None:  # read on the device (graphs, the window kernel)
+        if self.capturing:
             self.lo.fill_(self.valid[0])
             self.hi.fill_(self.valid[1])
 
