@@ -43,6 +43,26 @@ def bits_as_float32(typingctx, bits):
     return types.float32(bits), codegen
 
 
+@intrinsic
+def float32_bits(typingctx, value):
+    """A float32's 32 bits as a uint32 (a wider float is rounded to float32 first)."""
+    if not isinstance(value, types.Float):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = args[0] if value.bitwidth == 32 else builder.fptrunc(args[0], ir.FloatType())
+        return builder.bitcast(v, ir.IntType(32))
+
+    return types.uint32(value), codegen
+
+
+@nb.njit(inline="always", cache=True)
+def bf16_word(value):
+    """float32 -> its bfloat16 word, rounded to nearest even (to_bf16's "nearest")."""
+    bits = float32_bits(value)
+    return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
 @nb.njit(inline="always", cache=True)
 def bf16_value(word):
     """One uint16 bfloat16 word -> float32."""

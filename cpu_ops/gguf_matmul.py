@@ -107,6 +107,12 @@ def matmul(kind, blocks: np.ndarray, x: np.ndarray) -> np.ndarray:
     return y
 
 
+def matmul_into(kind, blocks: np.ndarray, signed: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
+    """matmul's product without its checks, into y [M, out]: for a caller that checked the
+    matrix once and calls it every layer of every step (signed: blocks.view(np.int8))."""
+    _KERNELS[kind][0](blocks, signed, x, y)
+
+
 def dequantize(kind, blocks: np.ndarray, width: int, out: np.ndarray | None = None) -> np.ndarray:
     """blocks: [out, row_bytes] uint8 of rows of `width` weights -> W: [out, width] float32, written
     into `out` where given (a buffer reused across products spares the allocation's page faults)."""

@@ -219,17 +219,25 @@ def sparse_attention(q: np.ndarray, k: StoredKV, v: StoredKV, blocks: np.ndarray
         raise ValueError(f"counts {counts.tolist()} must lie in 0..{blocks.shape[1]} (blocks' width)")
     items = max(1, threads or nb.get_num_threads())  # one equal share of the blocks per thread
     group = num_heads // num_kv
-    part_m = np.empty((num_kv, items, group), np.float32)
-    part_l = np.empty((num_kv, items, group), np.float32)
-    part_acc = np.empty((num_kv, items, group, dim), np.float32)
-    _partial_attention(KIND[k.kind], k.data, k.scales if k.scales.ndim == 4 else _NO_SCALES, v.data,
-                       v.scales if v.scales.ndim == 4 else _NO_SCALES, np.ascontiguousarray(q, np.float32),
-                       blocks, counts, num_tokens, block_size, np.float32(scale), items, part_m, part_l,
-                       part_acc)
     out = np.empty((num_heads, dim), np.float32)
     lse = np.empty(num_heads, np.float32)
-    _merge_items(part_m, part_l, part_acc, out, lse)
+    attend_into(KIND[k.kind], k.data, k.scales if k.scales.ndim == 4 else _NO_SCALES, v.data,
+                v.scales if v.scales.ndim == 4 else _NO_SCALES, np.ascontiguousarray(q, np.float32), blocks,
+                counts, num_tokens, block_size, np.float32(scale), np.empty((num_kv, items, group), np.float32),
+                np.empty((num_kv, items, group), np.float32), np.empty((num_kv, items, group, dim), np.float32),
+                out, lse)
     return out, lse
+
+
+@nb.njit(cache=True)
+def attend_into(kind, k_data, k_scales, v_data, v_scales, q, blocks, counts, num_tokens, block_size, scale,
+                part_m, part_l, part_acc, out, lse):
+    """sparse_attention's work with its checks done and its buffers given (part_*: [KV, items,
+    G(, D)], one share of the blocks per item), in one call from Python: a decode step that calls
+    it every layer pays one dispatch, not three."""
+    _partial_attention(kind, k_data, k_scales, v_data, v_scales, q, blocks, counts, num_tokens, block_size,
+                       scale, part_m.shape[1], part_m, part_l, part_acc)
+    _merge_items(part_m, part_l, part_acc, out, lse)
 
 
 _NO_SCALES = np.zeros((1, 1, 1, 1), np.uint16)

@@ -78,7 +78,7 @@ SECTIONS: list[tuple[str, list[Option]]] = [
     ]),
     ('KV cache and sparse decode', [
         Option('block_size', 128, 'tokens per KV block; a power of two', low=16, high=4096),
-        Option('kv_type', 'auto', 'KV storage: auto (bf16; fp32 when the model computes in float32, as on the CPU) | bf16 | fp16 | fp32 | q8_0 | q4_0', choices=('auto', 'bf16', 'fp16', 'fp32', 'q8_0', 'q4_0')),
+        Option('kv_type', 'auto', 'KV storage: auto (bf16; in long_context mode fp32 when the model computes in float32, as on the CPU) | bf16 | fp16 | fp32 | q8_0 | q4_0 (long_context mode only)', choices=('auto', 'bf16', 'fp16', 'fp32', 'q8_0', 'q4_0')),
         Option('local_windows_len', 4096, 'most recent tokens always attended, kept on the GPU', low=0),
         Option('second_select_num', 32, 'context blocks selected per decode step', low=0),
         Option('anchor_type', 'DYNAMIC', 'block representative tokens: MAX | MEAN | QUEST | DYNAMIC | FIX', choices=('MAX', 'MEAN', 'QUEST', 'DYNAMIC', 'FIX')),
@@ -91,7 +91,7 @@ SECTIONS: list[tuple[str, list[Option]]] = [
         Option('token_step', 1, 'reselect blocks every token_step tokens, reuse in between', low=1),
         Option('block_scoring', 'auto', 'where blocks are scored: auto (the GPU when there is one, from a device copy of the anchors) | device | cpu', choices=('auto', 'device', 'cpu')),
         Option('context_attention', 'auto', 'who attends to the selected context blocks in DRAM: auto (gpu on a GPU with triton, one rank, kv_type bf16/fp16/fp32/q8_0; else cpu) | cpu (the Numba operator) | gpu (the GPU reads them where they lie, over PCIe, zero-copy, and selects them too: one CUDA graph a token; ktlong/decode/dram_blocks.py; 50 vs 29 tok/s at 128K q8_0 on an H100, docs/decisions.md); unused on the CPU', choices=('auto', 'cpu', 'gpu')),
-        Option('threads_num', 0, 'CPU threads for the decode operator; 0 = every core but one', low=0, flag='cpu_infer'),
+        Option('threads_num', 0, 'CPU threads for the Numba kernels; 0 = every core but one beside a GPU, every core on the CPU alone in normal mode', low=0, flag='cpu_infer'),
     ]),
     ('generation', [
         Option('max_new_tokens', 512, 'most tokens generated per answer', low=1, flag='max_new_tokens'),

@@ -17,6 +17,7 @@ openai = pytest.importorskip("openai")  # a test dependency; the GPU machine lac
 
 from ktlong.chat.generate import generate
 from ktlong.chat.sampling import Sampler
+from ktlong.config import default_config
 from ktlong.server.__main__ import make_app
 from ktlong.server.stop_strings import StopStrings
 from ktlong.session.dense import DenseSession
@@ -45,7 +46,7 @@ def server(lm):
 
 def reference(lm, ids, max_tokens, stop_at=None):
     """What `generate` answers for these ids on a fresh dense session: the text the server must send."""
-    gen = generate(DenseSession(lm.model, 8192, 64), ids, max_tokens, Sampler(), lm.tokenizer.stop_ids,
+    gen = generate(DenseSession.from_config(lm.model, default_config(), 8192), ids, max_tokens, Sampler(), lm.tokenizer.stop_ids,
                    lm.tokenizer.decode)
     return gen
 
@@ -590,7 +591,7 @@ def reference_logprobs(lm, ids, steps, k):
     logprob, [(token, logprob) best first])]."""
     import torch
 
-    session = DenseSession(lm.model, 8192, 64)
+    session = DenseSession.from_config(lm.model, default_config(), 8192)  # the server's cache type
     logits = session.prefill(ids)
     out = []
     for _ in range(steps):

@@ -13,6 +13,7 @@ openai = pytest.importorskip("openai")
 
 from ktlong.chat.generate import generate
 from ktlong.chat.sampling import Sampler
+from ktlong.config import default_config
 from ktlong.server.__main__ import make_app
 from ktlong.server.tool_calls import HermesFormat, Llama31Format, ToolCallStream, tool_format
 from ktlong.session.dense import DenseSession
@@ -49,8 +50,8 @@ def hf(lm, hf_tokenizer):
 
 
 def greedy(lm, prompt_ids, max_tokens=40) -> str:
-    return generate(DenseSession(lm.model, 4096, 64), prompt_ids, max_tokens, Sampler(), lm.tokenizer.stop_ids,
-                    lm.tokenizer.decode).text
+    return generate(DenseSession.from_config(lm.model, default_config(), 4096), prompt_ids, max_tokens, Sampler(),
+                    lm.tokenizer.stop_ids, lm.tokenizer.decode).text
 
 
 def reference_call(lm, hf, messages, tools, opening):

@@ -35,5 +35,5 @@ def test_second_process_loads_every_decode_kernel_from_the_cache(kv_type, anchor
     first = run_once(kv_type, anchor_type)  # compiles what no earlier run has cached
     second = run_once(kv_type, anchor_type)
     assert second["compiled"] == 0
-    # selection (scoring, top-k) and attention (partial, merge)
-    assert second["loaded"] == first["compiled"] + first["loaded"] >= 4
+    # selection (scoring, top-k) and attention (attend_into, which holds the partial states and their merge)
+    assert second["loaded"] == first["compiled"] + first["loaded"] >= 3

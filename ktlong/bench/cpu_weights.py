@@ -2,12 +2,15 @@
 (cpu_stored_weights, the default) against the same weights dequantised to float32, on a real
 GGUF model in normal mode.
 
-python -m ktlong.bench cpu-weights --model smollm2-135m --lengths 4k,16k [--tokens 32] [--runs 2] [--llama_cpp]
+python -m ktlong.bench cpu-weights --model smollm2-135m --lengths 4k,16k [--tokens 32] [--runs 2]
+                                    [--arms float32,stored,llama.cpp] [--llama_cpp]
+                                    [--set kv_type=fp32]
 
 Each run of each arm is a process of its own, so that its peak resident memory is its own; the
 arms alternate. A run loads the model on the CPU, prefills a prompt of the length (fixed token
 ids) and decodes --tokens tokens greedily. The table gives medians over the runs: prefill and
-decode tokens per second, the peak resident memory, and the decode ratio to float32.
+decode tokens per second, the peak resident memory, and the decode ratio to the first arm. The cache is
+normal mode's: kv_type (auto: bfloat16 on the CPU), prefill chunks of 512 tokens.
 --llama_cpp adds an arm of llama.cpp (llama-cpp-python, installed separately) on the same GGUF
 file, the same prompt ids and as many threads as torch uses, `n_batch` 512; it feeds its decode
 steps fixed ids (a step's time does not depend on which).
@@ -25,6 +28,7 @@ import time
 from ktlong.bench.common import median
 from ktlong.bench.llama_cpp_arm import prompt_ids
 from ktlong.cli import parse_lengths, print_table
+from ktlong.config import load_config, parse_set, refuse_unread
 from ktlong.errors import KtlongError
 from ktlong.gguf.weights import CpuWeights
 
@@ -32,20 +36,24 @@ ARMS = {"float32": CpuWeights(), "stored": CpuWeights(stored=True)}
 
 
 LLAMA_CPP = "llama.cpp"
+CHUNK = 512  # prefill tokens per chunk, llama.cpp's n_batch
+READS = frozenset({"kv_type"})
 
 
-def run_arm(model: str, length: int, tokens: int, cpu: CpuWeights) -> dict:
+def run_arm(model: str, length: int, tokens: int, cpu: CpuWeights, config) -> dict:
     """One run in this process: prefill and decode seconds, peak resident bytes."""
     import torch
 
     from ktlong.models.loader import load_model
     from ktlong.session.dense import DenseSession
+    from ktlong.session.plan import resolve_dense_kv_dtype
 
+    kv_dtype = resolve_dense_kv_dtype(config.kv_type, torch.device("cpu"), torch.float32)  # refused before loading
     lm = load_model(model, "cpu", torch.float32, cpu=cpu)
     if length + tokens > lm.config.context_length:
         raise KtlongError(f"--lengths {length} plus {tokens} tokens exceed the model's context of "
                           f"{lm.config.context_length}; use shorter lengths.")
-    session = DenseSession(lm.model, length + tokens, 512)
+    session = DenseSession(lm.model, length + tokens, CHUNK, kv_dtype)
     ids = prompt_ids(lm.config.vocab_size, length)
     start = time.perf_counter()
     logits = session.prefill(ids)
@@ -59,12 +67,12 @@ def run_arm(model: str, length: int, tokens: int, cpu: CpuWeights) -> dict:
             "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def command(arm: str, model: str, length: int, tokens: int) -> list[str]:
+def command(arm: str, model: str, length: int, tokens: int, sets: list[str]) -> list[str]:
     """The child process of one run: ktlong's arms through this bench, llama.cpp's through a
     module that imports no torch (ktlong/bench/llama_cpp_arm.py)."""
     if arm != LLAMA_CPP:
         return [sys.executable, "-m", "ktlong.bench", "cpu-weights", "--model", model, "--lengths", str(length),
-                "--tokens", str(tokens), "--arm", arm]
+                "--tokens", str(tokens), "--arm", arm, *(a for item in sets for a in ("--set", item))]
     import torch
 
     from ktlong.gguf.registry import resolve_model_path
@@ -80,22 +88,35 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", default="4k", help="prompt lengths in tokens")
     p.add_argument("--tokens", type=int, default=32, help="tokens decoded per run (the median step is reported)")
     p.add_argument("--runs", type=int, default=2, help="runs per arm and length, alternating")
+    p.add_argument("--arms", default="float32,stored",
+                   help=f"arms to run, in this order, comma-separated, from {', '.join([*ARMS, LLAMA_CPP])}; the "
+                        "decode ratio is to the first")
     p.add_argument("--llama_cpp", action="store_true", help="add an arm of llama.cpp (llama-cpp-python) on the same file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="kv_type, the cache's storage")
     p.add_argument("--arm", choices=list(ARMS), help=argparse.SUPPRESS)  # one run, in a child process
     args = p.parse_args(argv)
     if args.runs < 1 or args.tokens < 1:
         raise KtlongError("--runs and --tokens must be at least 1.")
     lengths = parse_lengths(args.lengths)
+    overrides = parse_set(args.set)
+    refuse_unread(overrides, READS, "python -m ktlong.bench cpu-weights", "runs normal mode at fixed lengths")
+    config = load_config(overrides=overrides, write_user_file=False)
     if args.arm:
-        print(json.dumps(run_arm(args.model, lengths[0], args.tokens, ARMS[args.arm])))
+        print(json.dumps(run_arm(args.model, lengths[0], args.tokens, ARMS[args.arm], config)))
         return 0
-    arms = [*ARMS, LLAMA_CPP] if args.llama_cpp else list(ARMS)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in (*ARMS, LLAMA_CPP)]
+    if unknown or not arms:
+        raise KtlongError(f"--arms {args.arms}: choose from {', '.join([*ARMS, LLAMA_CPP])}, comma-separated.")
+    if args.llama_cpp and LLAMA_CPP not in arms:
+        arms.append(LLAMA_CPP)
     rows = []
     for length in lengths:
         runs = {arm: [] for arm in arms}
         for _ in range(args.runs):
             for arm in arms:
-                child = subprocess.run(command(arm, args.model, length, args.tokens), capture_output=True, text=True)
+                child = subprocess.run(command(arm, args.model, length, args.tokens, args.set), capture_output=True,
+                                       text=True)
                 if child.returncode != 0:
                     lines = (child.stderr or child.stdout).strip().splitlines()  # its own one-sentence error
                     raise KtlongError(lines[-1].removeprefix("error: ") if lines else
@@ -106,7 +127,7 @@ def main(argv=None) -> int:
             rs = runs[arm]
             rows.append([f"{length:,}", arm, f"{length / median([r['prefill_s'] for r in rs]):,.0f}",
                          f"{1 / decode[arm]:.1f}", f"{median([r['peak_bytes'] for r in rs]) / 2**30:.2f}",
-                         f"{decode['float32'] / decode[arm]:.2f}x"])
-    print(f"{args.model}, CPU, {args.runs} runs per arm, medians")
-    print_table(["prompt", "weights", "prefill tok/s", "decode tok/s", "peak RSS GiB", "decode vs float32"], rows)
+                         f"{decode[arms[0]] / decode[arm]:.2f}x"])
+    print(f"{args.model}, CPU, kv_type {config.kv_type}, {args.runs} runs per arm, medians")
+    print_table(["prompt", "weights", "prefill tok/s", "decode tok/s", "peak RSS GiB", f"decode vs {arms[0]}"], rows)
     return 0

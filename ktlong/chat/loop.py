@@ -31,7 +31,7 @@ class ChatLoop:
         self.out, self.err = out or sys.stdout, err or sys.stderr
         template = lm.chat_template if config.use_chat_template else None
         self.conversation = Conversation(lm.tokenizer, template, config.system_prompt)
-        self.session = session or DenseSession(lm.model, max_seq_len, config.chunk_size)
+        self.session = session or DenseSession.from_config(lm.model, config, max_seq_len)
         self.sampler = Sampler(config.temperature, config.top_p, config.top_k, config.seed)
 
     def notice(self, text: str):

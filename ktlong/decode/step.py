@@ -165,17 +165,15 @@ class DecodeStep:
         q, k, v = self.model.qkv(layer, self.x, self.position, self.rope)
         dtype = self.window.layout.dtype
         keys, values = self.window.layer_buffers(layer)
-        if self.append_kernel is not None:  # one kernel: the window's rows and the exchange's
-            if j is not None and not self.device_selects:
-                self.q_host[j].copy_(q[0].float(), non_blocking=True)
-            exchange = (self.kv_host[j], self.kv_scales_host[j] if self.window.layout.is_quantized else None)
-            self.append_kernel(k[0], v[0], self.slot, keys, values, *(exchange if j is not None else ()))
+        if j is not None and not self.device_selects:  # a global layer's q goes to the host, unless the device selects
+            self.q_host[j].copy_(q[0].float(), non_blocking=True)
+        if self.append_kernel is not None:  # one kernel: the window's rows and, for a global layer, the exchange's
+            exchange = () if j is None else (self.kv_host[j], self.kv_scales_host[j] if self.window.layout.is_quantized else None)
+            self.append_kernel(k[0], v[0], self.slot, keys, values, *exchange)
             return q[0]
         keys.index_copy_(1, self.slot, k[0].to(dtype)[:, None])
         values.index_copy_(1, self.slot, v[0].to(dtype)[:, None])
-        if j is not None:  # a global layer: q goes to the host (unless the device selects), k/v through to DRAM
-            if not self.device_selects:
-                self.q_host[j].copy_(q[0].float(), non_blocking=True)
+        if j is not None:  # a global layer: k/v through to DRAM
             kv = torch.stack([k[0], v[0]]).to(dtype)  # [2, KV, D]
             if self.window.layout.is_quantized:
                 data, scales = quantize_kv(kv, self.window.layout.kv_type)

@@ -10,12 +10,14 @@ float32 for that one product (ggml's values, exactly), and torch's GEMM does the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from cpu_ops.gguf_matmul import dequantize, matmul
+from cpu_ops.gguf_matmul import dequantize, matmul, matmul_into
 
 MAX_IN_PLACE_ROWS = 16  # rows of x multiplied in place; more are a prefill chunk (dequantised once)
 
@@ -56,6 +58,17 @@ class StoredMatrix:
         """W dequantised [out, in] float32, into `out` where given."""
         return torch.from_numpy(dequantize(self.ggml_type, self.blocks.numpy(), self.shape[1],
                                            None if out is None else out.numpy()))
+
+    @cached_property
+    def _arrays(self) -> tuple:
+        u8 = self.blocks.numpy()
+        matmul(self.ggml_type, u8[:1], np.zeros((1, self.shape[1]), np.float32))  # checks the row layout once
+        return u8, u8.view(np.int8)
+
+    def product_into(self, x: np.ndarray, y: np.ndarray) -> None:
+        """y [M, out] = x [M, in] @ W.T, float32 numpy arrays of few rows (a decode step's),
+        with no per-call checks or allocation."""
+        matmul_into(self.ggml_type, *self._arrays, x, y)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> x @ W.T [..., out] in x's dtype (computed in float32)."""

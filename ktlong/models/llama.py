@@ -21,7 +21,6 @@ from ktlong.gguf.stored_matrix import linear
 from ktlong.models.rope import apply_rope, inv_freq, rope_at, rope_cos_sin
 from ktlong.gguf.weights import ModelWeights
 from operators import triton_installed
-from operators.dense_attention import dense_attention
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -131,9 +130,9 @@ class LlamaModel:
         x = self.embed(token_ids.to(self.device))
         for i in range(self.config.num_layers):
             q, k, v = self.qkv(i, x, positions)
-            keys, values = cache.append(i, start, k, v)
+            cache.append(i, start, k, v)
             window = self.config.sliding_window if self.config.is_sliding(i) else 0
-            x = self.residual_block(i, x, dense_attention(q, keys, values, self.scale, window))
+            x = self.residual_block(i, x, cache.attention(i, q, end, self.scale, window))
         if last_only:
             x = x[-1:]
         return self.logits(x)

@@ -38,7 +38,7 @@ def make_app(started, log=None):
     from ktlong.session.dense import DenseSession
 
     config, lm = started.config, started.lm
-    session = started.session or DenseSession(lm.model, started.max_seq_len, config.chunk_size)
+    session = started.session or DenseSession.from_config(lm.model, config, started.max_seq_len)
     # without the model's template, messages are sent as plain "role: text" lines
     template = lm.chat_template if config.use_chat_template else ChatTemplate(None)
     prompting = Prompting(lm.tokenizer, template, config.system_prompt, started.max_seq_len,
@@ -125,4 +125,10 @@ def check_port(host: str, port: int):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything that holds state is written once main returns (the streams ended, the caches on disk).
+    # Skip the interpreter's teardown: freeing the JIT-compiled kernels and the weights takes
+    # seconds on a small machine, and a supervisor restarting the server waits for the exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

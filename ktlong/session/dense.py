@@ -9,18 +9,29 @@ from tqdm import tqdm
 
 from ktlong.errors import Cancelled
 from ktlong.kv.dense_cache import DenseKVCache
+from ktlong.models.cpu_decode import CpuDecodeStep, supports as cpu_decode_supports
 from ktlong.models.llama import LlamaModel
 from ktlong.session.prefix import cached_prefix
 
 
 class DenseSession:
-    def __init__(self, model: LlamaModel, max_seq_len: int, chunk_size: int):
+    def __init__(self, model: LlamaModel, max_seq_len: int, chunk_size: int, kv_dtype: torch.dtype | None = None):
+        """kv_dtype: what the cache stores (resolve_dense_kv_dtype); None keeps the model's dtype."""
         c = model.config
         self.model, self.max_seq_len, self.chunk_size = model, max_seq_len, chunk_size
         self.cache = DenseKVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_seq_len,
-                                  model.device, model.dtype)
+                                  model.device, kv_dtype or model.dtype)
+        # a token at a time on the CPU: numpy and Numba calls only, where the model allows (cpu_decode.py)
+        self.cpu_step = CpuDecodeStep(model, self.cache) if cpu_decode_supports(model, self.cache) else None
         self.ids: list[int] = []  # tokens whose K/V are in the cache, in order
         self.last_prefill_tokens = 0  # tokens the last prefill computed (the rest came from the cache)
+
+    @classmethod
+    def from_config(cls, model: LlamaModel, config, max_seq_len: int) -> "DenseSession":
+        """Normal mode's session: the config's chunk size and kv_type (resolved in plan.py)."""
+        from ktlong.session.plan import resolve_dense_kv_dtype
+
+        return cls(model, max_seq_len, config.chunk_size, resolve_dense_kv_dtype(config.kv_type, model.device, model.dtype))
 
     saves_cache = False  # a file of the dense cache is not offered: long-context mode saves its DRAM cache
     prefill_density = None  # no CompactAttention
@@ -65,6 +76,9 @@ class DenseSession:
 
     def step(self, token_id: int) -> torch.Tensor:
         """Append one token; return its logits [vocab]."""
-        logits = self.model.forward(torch.tensor([token_id]), self.cache, len(self.ids), last_only=True)
+        if self.cpu_step is not None:
+            logits = self.cpu_step(token_id, len(self.ids))
+        else:
+            logits = self.model.forward(torch.tensor([token_id]), self.cache, len(self.ids), last_only=True)[-1]
         self.ids.append(token_id)
-        return logits[-1]
+        return logits

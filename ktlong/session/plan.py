@@ -21,6 +21,7 @@ from ktlong.config import Config
 from ktlong.decode.device_anchors import scores_on_device
 from ktlong.decode.dram_blocks import resolve_context_attention
 from ktlong.decode.selection import SelectionSettings
+from ktlong.errors import KtlongError
 from ktlong.gguf.model_config import ModelConfig
 from ktlong.kv.layout import KVLayout, model_kv_layout
 from ktlong.kv.memory_plan import GIB, MemoryPlan, available_dram_bytes, check_plan, plan_memory
@@ -78,6 +79,18 @@ def resolve_kv_type(kv_type: str, dtype: torch.dtype) -> str:
     if kv_type != "auto":
         return kv_type
     return "fp32" if dtype == torch.float32 else "bf16"
+
+
+def resolve_dense_kv_dtype(kv_type: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """Normal mode's cache. auto: the model's dtype on a GPU; bfloat16 on the CPU, where a decode
+    step reads the whole cache (half of float32's bytes, and the Numba operator reads it in place).
+    Quantised types are long-context mode's; normal mode refuses them."""
+    if kv_type in QUANTIZED:
+        raise KtlongError(f"kv_type {kv_type} is for --mode long_context; normal mode stores bf16, fp16 or fp32: "
+                          f"set kv_type to one of them or auto.")
+    if kv_type == "auto":
+        return dtype if device.type == "cuda" else torch.bfloat16
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[kv_type]
 
 
 def resolve_cuda_graph(use_cuda_graph: bool | str, device: torch.device) -> bool:

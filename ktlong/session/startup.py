@@ -91,7 +91,7 @@ def start(config: Config, log=None) -> Started:
     from ktlong.parallel.group import join_ranks
     from ktlong.parallel.shard import rank_share
     from cpu_ops.threads import decode_threads
-    from ktlong.session.plan import apply_threads, plan_session
+    from ktlong.session.plan import apply_threads, plan_session, resolve_dense_kv_dtype
 
     log = log or sys.stderr
     gf, model_config = open_model(config.model, RopeOptions.of(config))  # checks the file, reads no weight
@@ -115,7 +115,8 @@ def start(config: Config, log=None) -> Started:
         plan.check()
         apply_threads(plan.threads, plan.torch_threads)
     else:
-        apply_threads(decode_threads(config.threads_num), config.threads_num)
+        resolve_dense_kv_dtype(config.kv_type, device, dtype)  # refused here, before any weight is read
+        apply_threads(decode_threads(config.threads_num, spare_core=device.type != "cpu"), config.threads_num)
     lm = load_model(config.model, device, dtype, RopeOptions.of(config), tp, template, CpuWeights.of(config))
     c = lm.config
     print(f"[loaded {lm.path.name}: {c.arch}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} "
