@@ -77,6 +77,7 @@ class CpuDecodeStep:
         """The token at `position` (the cache holds the tokens before it): its K/V go into the
         cache; returns its logits [vocab] float32."""
         model, cache = self.model, self.cache
+        assert position < cache.max_len, f"KV cache holds {cache.max_len} tokens, asked for {position + 1}"
         self.x[:] = model.embed(torch.tensor([token_id]))[0].float().numpy()
         cos, sin = (t[0].float().numpy() for t in model.rope_tables(torch.tensor([position]))[False])
         end, delta = position + 1, _EMPTY
