@@ -221,8 +221,8 @@ def sparse_attention(q: np.ndarray, k: StoredKV, v: StoredKV, blocks: np.ndarray
     group = num_heads // num_kv
     out = np.empty((num_heads, dim), np.float32)
     lse = np.empty(num_heads, np.float32)
-    attend_into(KIND[k.kind], k.data, k.scales if k.scales.ndim == 4 else _NO_SCALES, v.data,
-                v.scales if v.scales.ndim == 4 else _NO_SCALES, np.ascontiguousarray(q, np.float32), blocks,
+    attend_into(KIND[k.kind], k.data, k.scales if k.scales.ndim == 4 else NO_SCALES, v.data,
+                v.scales if v.scales.ndim == 4 else NO_SCALES, np.ascontiguousarray(q, np.float32), blocks,
                 counts, num_tokens, block_size, np.float32(scale), np.empty((num_kv, items, group), np.float32),
                 np.empty((num_kv, items, group), np.float32), np.empty((num_kv, items, group, dim), np.float32),
                 out, lse)
@@ -240,7 +240,7 @@ def attend_into(kind, k_data, k_scales, v_data, v_scales, q, blocks, counts, num
     _merge_items(part_m, part_l, part_acc, out, lse)
 
 
-_NO_SCALES = np.zeros((1, 1, 1, 1), np.uint16)
+NO_SCALES = np.zeros((1, 1, 1, 1), np.uint16)  # the scales of a type that has none (never read)
 
 
 def sparse_attention_reference(q, k: StoredKV, v: StoredKV, block_lists, num_tokens, block_size, scale):

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from cpu_ops.kv_storage import StoredKV
-from cpu_ops.sparse_attention import sparse_attention
+from cpu_ops.sparse_attention import NO_SCALES, sparse_attention
 from operators.dense_attention import dense_attention
 
 BLOCK = 128  # tokens per block of the Numba operator's view: the unit its threads share out
@@ -34,7 +34,6 @@ class DenseKVCache:
             self.words = [[t[i].view(torch.int16).numpy().view(np.uint16).reshape(blocked) for i in range(num_layers)]
                            for t in (self.k, self.v)]
             self.every_block = np.tile(np.arange(padded // BLOCK, dtype=np.int32), (num_kv_heads, 1))
-            self.no_scales = np.zeros(0, np.uint16)
 
     def append(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
         """Write k, v: [T, KV, D] at positions start..start+T (rounded to the cache's dtype);
@@ -45,13 +44,17 @@ class DenseKVCache:
         self.v[layer, :, start:end] = v.transpose(0, 1)
         return self.k[layer, :, :end], self.v[layer, :, :end]
 
+    def block_counts(self, end: int) -> np.ndarray:
+        """Per kv head, how many of every_block's blocks hold the first `end` tokens."""
+        return np.full(self.k.shape[1], -(-end // BLOCK), np.int32)
+
     def attention(self, layer: int, q: torch.Tensor, end: int, scale: float, window: int = 0) -> torch.Tensor:
         """Causal attention of q [T, H, D], the queries at positions end-T..end-1, over the
         layer's first `end` cached tokens (dense_attention's semantics) -> [T, H, D] in q's dtype."""
         if self.words is not None and q.shape[0] == 1 and not (window and end > window):
-            counts = np.full(self.k.shape[1], -(-end // BLOCK), np.int32)
-            keys, values = (StoredKV("bf16", w[layer], self.no_scales) for w in self.words)
-            out, _ = sparse_attention(q[0].float().numpy(), keys, values, self.every_block, counts, end, BLOCK, scale)
+            keys, values = (StoredKV("bf16", w[layer], NO_SCALES) for w in self.words)
+            out, _ = sparse_attention(q[0].float().numpy(), keys, values, self.every_block, self.block_counts(end), end,
+                                      BLOCK, scale)
             return torch.from_numpy(out).to(q.dtype)[None]
         first = end - window if window and q.shape[0] == 1 and end > window else 0  # one query sees its window only
         keys, values = self.k[layer, :, first:end], self.v[layer, :, first:end]

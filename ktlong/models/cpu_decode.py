@@ -19,13 +19,12 @@ import numpy as np
 import torch
 
 from cpu_ops.layer_pieces import add_rms_norm, place_qkv, silu_times
-from cpu_ops.sparse_attention import KIND, attend_into
+from cpu_ops.sparse_attention import KIND, NO_SCALES, attend_into
 from ktlong.gguf.stored_matrix import StoredMatrix
 from ktlong.kv.dense_cache import BLOCK, DenseKVCache
 from ktlong.models.llama import LlamaModel
 
 _EMPTY = np.zeros(0, np.float32)
-_NO_SCALES = np.zeros((1, 1, 1, 1), np.uint16)
 
 
 def supports(model: LlamaModel, cache: DenseKVCache) -> bool:
@@ -81,7 +80,7 @@ class CpuDecodeStep:
         self.x[:] = model.embed(torch.tensor([token_id]))[0].float().numpy()
         cos, sin = (t[0].float().numpy() for t in model.rope_tables(torch.tensor([position]))[False])
         end, delta = position + 1, _EMPTY
-        counts = np.full(cache.k.shape[1], -(-end // BLOCK), np.int32)
+        counts = cache.block_counts(end)
         block, row = divmod(position, BLOCK)
         x, h = self.x, self.h
         for i, (attn_norm, qkv, bias, wo, ffn_norm, gate_up, down) in enumerate(self.layers):
@@ -90,7 +89,7 @@ class CpuDecodeStep:
                 matrix.product_into(h, self.qkv[:, first:first + matrix.shape[0]])
             keys, values = cache.words[0][i], cache.words[1][i]
             place_qkv(self.qkv[0], bias, cos, sin, self.q, keys[:, block, row], values[:, block, row])
-            attend_into(KIND["bf16"], keys, _NO_SCALES, values, _NO_SCALES, self.q, cache.every_block, counts, end,
+            attend_into(KIND["bf16"], keys, NO_SCALES, values, NO_SCALES, self.q, cache.every_block, counts, end,
                         BLOCK, self.scale, *self.parts, self.attended, self.lse)
             wo.product_into(self.attended.reshape(1, -1), self.o)
             add_rms_norm(x, self.o[0], ffn_norm, self.eps, h[0])
