@@ -8,6 +8,12 @@ loop for Q8_0's bytes) and added into 32 lanes, so a row costs one horizontal su
 `dequantize(kind, blocks, width)` writes the whole matrix in float32, for products over many
 rows, where arithmetic, not reading, sets the pace. Both split W's rows between Numba's threads;
 a kernel is compiled per type.
+
+`Activations` holds a decode step's input rows, and on an AVX2 machine their 8-bit form: x
+rounded per run of 32 to xq * dx, dx = max|x| / 127, as ggml's q8 activations. Its products
+(`int8_matmul_into`) sum codes times xq in integer lanes (cpu_ops/int8_runs.py), where decoding
+each weight to a float costs more than reading it; they equal W @ (xq * dx) within float32
+summation.
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from cpu_ops import int8_runs
 from cpu_ops.checks import expect
 from cpu_ops.gguf_blocks import (BLOCK_SIZE, KERNEL_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, RUN, TYPE_SIZE, U,
                                  block_halves, byte_run_layout, run_params, split_nibbles_at)
+from cpu_ops.int8_runs import byte_run_dot, nibble_run_dot, signed_run_dot
 from cpu_ops.vector_runs import byte_run_fma, byte_run_store, nibble_run_fma, nibble_run_store
 
 ROWS_PER_TASK = 32  # rows of W a thread takes at a time: enough tasks to balance 2 to 16 threads
@@ -81,7 +89,40 @@ def _compile(kind: int, block_size: int, type_size: int):
             for r in range(task * ROWS_PER_TASK, min(num_out, (task + 1) * ROWS_PER_TASK)):
                 _row_runs(kind, runs, type_size, u8[r], i8[r], num_blocks, out[r], out[r], True)
 
-    return matmul, dequantize
+    @nb.njit(parallel=True, fastmath=True, cache=True)
+    def int8_matmul(u8, i8, xq, scales, sums, y):
+        # xq: [M, in] int8, scales: [M, in / 32], sums: [M, in / 16] (Activations) -> y: [M, out]
+        num_out, num_x = u8.shape[0], xq.shape[0]
+        num_blocks = U(xq.shape[1] // block_size)
+        for task in nb.prange((num_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+            lanes = np.empty(8, np.float32)
+            for m in range(num_x):
+                xm, dx, half_sums = xq[m], scales[m], sums[m]
+                for r in range(task * ROWS_PER_TASK, min(num_out, (task + 1) * ROWS_PER_TASK)):
+                    ru, ri = u8[r], i8[r]
+                    lanes[:] = 0
+                    rest = np.float32(0)  # the offsets' and centers' share, sum_h (offset - s_h c) * sums[h]
+                    for b in range(num_blocks):
+                        o = b * U(type_size)
+                        d, dmin = block_halves(kind, ru, o)
+                        for k in range(U(runs)):
+                            s_lo, s_hi, offset, bits = run_params(kind, ru, ri, o, k, d, dmin)
+                            run = b * U(runs) + k
+                            x0, first, second = run * U(RUN), half_sums[U(2) * run], half_sums[U(2) * run + U(1)]
+                            if kind == Q4_0 or kind == Q4_1 or kind == Q5_0 or kind == Q5_1:
+                                nibble_run_dot(lanes, ru, split_nibbles_at(kind, o), bits, xm, x0, s_lo * dx[run])
+                                rest += offset * (first + second)
+                            elif kind == Q4_K or kind == Q5_K or kind == Q6_K:
+                                low, shift, high, high_shift, high_mask, center = byte_run_layout(kind, o, k)
+                                byte_run_dot(lanes, ru, low, shift, high, high_shift, high_mask, xm, x0,
+                                             s_lo * dx[run], s_hi * dx[run])
+                                c = np.float32(center)
+                                rest += (offset - s_lo * c) * first + (offset - s_hi * c) * second
+                            else:
+                                signed_run_dot(lanes, ri, o + U(2), xm, x0, s_lo * dx[run])
+                    y[m, r] = lanes.sum() + rest
+
+    return matmul, dequantize, int8_matmul
 
 
 _KERNELS = {t: _compile(int(t), BLOCK_SIZE[t], TYPE_SIZE[t]) for t in KERNEL_TYPES}
@@ -107,10 +148,54 @@ def matmul(kind, blocks: np.ndarray, x: np.ndarray) -> np.ndarray:
     return y
 
 
-def matmul_into(kind, blocks: np.ndarray, signed: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
-    """matmul's product without its checks, into y [M, out]: for a caller that checked the
-    matrix once and calls it every layer of every step (signed: blocks.view(np.int8))."""
-    _KERNELS[kind][0](blocks, signed, x, y)
+@nb.njit(cache=True)  # no fastmath: x * (127 / max) rounds as numpy does, not by a reciprocal
+def _quantize_rows(x, xq, scales, sums):
+    for m in range(x.shape[0]):
+        for run in range(x.shape[1] // RUN):
+            x0 = run * RUN
+            big = np.float32(0)
+            for j in range(RUN):
+                big = max(big, abs(x[m, x0 + j]))
+            inverse = np.float32(127) / big if big > 0 else np.float32(0)
+            scales[m, run] = big / np.float32(127)
+            for h in range(2):
+                total = np.int32(0)
+                for j in range(x0 + 16 * h, x0 + 16 * h + 16):
+                    q = np.int32(np.rint(x[m, j] * inverse))
+                    xq[m, j] = q
+                    total += q
+                sums[m, 2 * run + h] = scales[m, run] * np.float32(total)
+
+
+class Activations:
+    """A product's input rows x [M, width] float32 (write them into `.x`), and after `quantize()`
+    their 8-bit form for `int8_matmul_into`: xq [M, width] int8 = round(x * 127 / max|run|), the
+    runs' scales dx = max|run| / 127 [M, width / 32] and dx * sum(xq) over each 16 [M, width / 16].
+    With int8 False (by default, where the machine has no AVX2) quantize() does nothing and
+    products use x as it is."""
+
+    def __init__(self, rows: int, width: int, int8: bool | None = None):
+        if width % RUN:
+            raise ValueError(f"8-bit activations come in runs of {RUN}; a width of {width} is not whole runs")
+        self.x = np.zeros((rows, width), np.float32)
+        self.int8 = int8_runs.AVAILABLE if int8 is None else int8
+        self.xq = np.zeros((rows, width), np.int8)
+        self.scales = np.zeros((rows, width // RUN), np.float32)
+        self.sums = np.zeros((rows, width // 16), np.float32)
+
+    def quantize(self) -> None:
+        if self.int8:
+            _quantize_rows(self.x, self.xq, self.scales, self.sums)
+
+
+def product_into(kind, blocks: np.ndarray, signed: np.ndarray, x: Activations, y: np.ndarray) -> None:
+    """y [M, out] = x @ W.T without per-call checks (a caller that checked the matrix once and calls
+    it every layer of every step; signed: blocks.view(np.int8)): in integer lanes over x's 8-bit
+    form (quantized), or in float lanes over x.x where the machine has no AVX2."""
+    if x.int8:
+        _KERNELS[kind][2](blocks, signed, x.xq, x.scales, x.sums, y)
+    else:
+        _KERNELS[kind][0](blocks, signed, x.x, y)
 
 
 def dequantize(kind, blocks: np.ndarray, width: int, out: np.ndarray | None = None) -> np.ndarray:

@@ -1,7 +1,7 @@
 """The Numba kernels that read GGUF blocks in place (cpu_ops/gguf_matmul.py) against the `gguf`
 package's own numpy dequantisation: the same float32 weights, bit for bit, for every type with a
 kernel, subnormal scales included; products equal to dequantise-then-matmul within float32
-summation; a StoredMatrix (ktlong/gguf/stored_matrix.py) the same for decode steps and prefill
+summation, over float32 inputs and over inputs rounded to 8 bits (integer lanes); a StoredMatrix (ktlong/gguf/stored_matrix.py) the same for decode steps and prefill
 chunks."""
 
 import numpy as np
@@ -11,7 +11,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
 from cpu_ops.gguf_blocks import KERNEL_TYPES
-from cpu_ops.gguf_matmul import dequantize, matmul
+from cpu_ops import int8_runs
+from cpu_ops.gguf_matmul import Activations, dequantize, matmul, product_into
 from ktlong.gguf.stored_matrix import MAX_IN_PLACE_ROWS, StoredMatrix
 
 # byte offsets of each block's float16 fields (scales, minimums)
@@ -59,6 +60,36 @@ def test_product_equals_dequantize_then_matmul(ggml_type, num_x):
     exact = x.astype(np.float64) @ w.T
     bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(w).T)  # float32 sums of 768 terms
     assert y.shape == (num_x, rows) and (np.abs(y - exact) <= bound).all()
+
+
+@pytest.mark.skipif(not int8_runs.AVAILABLE, reason="no AVX2: products take float32 inputs (tested above)")
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("num_x", [1, 3])
+def test_8_bit_product_equals_dequantize_then_matmul(ggml_type, num_x):
+    rows, width = 70, 768
+    blocks = random_blocks(ggml_type, rows, width, seed=num_x + 10)
+    w = reference(ggml_type, blocks, width).astype(np.float64)
+    x = Activations(num_x, width)
+    x.x[:] = np.random.default_rng(6).standard_normal((num_x, width))
+    x.x[:, :32] = 0  # a run of zeros
+    x.quantize()
+    rounded = x.xq.reshape(num_x, -1, 32) * x.scales[:, :, None].astype(np.float64)  # what the kernel multiplies
+    assert np.abs(rounded.reshape(num_x, width) - x.x).max() <= np.abs(x.x).max() / 254 * 1.0001
+    y = np.empty((num_x, rows), np.float32)
+    product_into(ggml_type, blocks, blocks.view(np.int8), x, y)
+    exact = rounded.reshape(num_x, width) @ w.T
+    bound = 1e-5 * (np.abs(rounded.reshape(num_x, width)) @ np.abs(w).T)
+    assert (np.abs(y - exact) <= bound).all()
+
+
+def test_product_into_without_avx2_takes_float32_inputs():
+    blocks = random_blocks(T.Q4_K, 8, 512, seed=2)
+    x = Activations(1, 512, int8=False)
+    x.x[:] = np.random.default_rng(1).standard_normal((1, 512))
+    x.quantize()
+    y = np.empty((1, 8), np.float32)
+    product_into(T.Q4_K, blocks, blocks.view(np.int8), x, y)
+    assert np.array_equal(y, matmul(T.Q4_K, blocks, x.x))
 
 
 @pytest.mark.parametrize("num_x", [1, MAX_IN_PLACE_ROWS, MAX_IN_PLACE_ROWS + 1])  # in place, and dequantised

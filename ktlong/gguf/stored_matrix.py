@@ -1,8 +1,10 @@
 """A weight matrix kept on the CPU as the GGUF stores it, multiplied in place.
 
-A decode step (or a short follow-up) multiplies a few rows by the matrix with the Numba kernel
-of cpu_ops/gguf_matmul.py, which decodes each block of the stored bytes as it goes: the step
+A decode step (or a short follow-up) multiplies a few rows by the matrix with the Numba kernels
+of cpu_ops/gguf_matmul.py, which decode each block of the stored bytes as they go: the step
 reads the bytes the file holds, 0.56 (Q4_K) to 1.06 (Q8_0) per weight, and nothing else.
+`linear` keeps the activations in float32; the CPU decode step's `product_into` takes them in
+8 bits, as llama.cpp does, for integer arithmetic.
 A prefill chunk of many rows is bound by arithmetic instead: the matrix is dequantised to
 float32 for that one product (ggml's values, exactly), and torch's GEMM does the rest.
 """
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from cpu_ops.gguf_matmul import dequantize, matmul, matmul_into
+from cpu_ops.gguf_matmul import Activations, dequantize, matmul, product_into
 
 MAX_IN_PLACE_ROWS = 16  # rows of x multiplied in place; more are a prefill chunk (dequantised once)
 
@@ -65,10 +67,10 @@ class StoredMatrix:
         matmul(self.ggml_type, u8[:1], np.zeros((1, self.shape[1]), np.float32))  # checks the row layout once
         return u8, u8.view(np.int8)
 
-    def product_into(self, x: np.ndarray, y: np.ndarray) -> None:
-        """y [M, out] = x [M, in] @ W.T, float32 numpy arrays of few rows (a decode step's),
-        with no per-call checks or allocation."""
-        matmul_into(self.ggml_type, *self._arrays, x, y)
+    def product_into(self, x: Activations, y: np.ndarray) -> None:
+        """y [M, out] = x @ W.T for a decode step's few rows (quantized Activations, 8-bit where
+        the machine has AVX2), into float32 y, with no per-call checks or allocation."""
+        product_into(self.ggml_type, *self._arrays, x, y)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> x @ W.T [..., out] in x's dtype (computed in float32)."""

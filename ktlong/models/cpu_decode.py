@@ -18,6 +18,7 @@ import numba as nb
 import numpy as np
 import torch
 
+from cpu_ops.gguf_matmul import Activations
 from cpu_ops.layer_pieces import add_rms_norm, place_qkv, silu_times
 from cpu_ops.sparse_attention import KIND, NO_SCALES, attend_into
 from ktlong.gguf.stored_matrix import StoredMatrix
@@ -58,14 +59,18 @@ class CpuDecodeStep:
         heads, kv, dim = c.num_heads, c.num_kv_heads, c.head_dim
         inter = model.weights.layers[0].w_down.shape[1]
         self.x = np.empty(c.hidden_size, np.float32)
-        self.h = np.empty((1, c.hidden_size), np.float32)
+        self.h = Activations(1, c.hidden_size)
         self.qkv = np.empty((1, (heads + 2 * kv) * dim), np.float32)
         self.q = np.empty((heads, dim), np.float32)
-        self.attended = np.empty((heads, dim), np.float32)
+        self.attended = Activations(1, heads * dim)
         self.lse = np.empty(heads, np.float32)
         self.o = np.empty((1, c.hidden_size), np.float32)
         self.gate_up = np.empty((1, 2 * inter), np.float32)
-        self.act = np.empty((1, inter), np.float32)
+        self.act = Activations(1, inter)
+        head = model.weights.output
+        self.head = head if isinstance(head, StoredMatrix) else None
+        self.logits = np.empty((1, c.vocab_size), np.float32)
+        self.final_norm = model.weights.output_norm.float().numpy()
         self.down = np.empty((1, c.hidden_size), np.float32)
         items = nb.get_num_threads()  # the attention's shares of the blocks, one a thread
         self.parts = (np.empty((kv, items, heads // kv), np.float32), np.empty((kv, items, heads // kv), np.float32),
@@ -82,21 +87,30 @@ class CpuDecodeStep:
         end, delta = position + 1, _EMPTY
         counts = cache.block_counts(end)
         block, row = divmod(position, BLOCK)
-        x, h = self.x, self.h
+        x, h, attended, act = self.x, self.h, self.attended, self.act
         for i, (attn_norm, qkv, bias, wo, ffn_norm, gate_up, down) in enumerate(self.layers):
-            add_rms_norm(x, delta, attn_norm, self.eps, h[0])
+            add_rms_norm(x, delta, attn_norm, self.eps, h.x[0])
+            h.quantize()
             for matrix, first in qkv:
                 matrix.product_into(h, self.qkv[:, first:first + matrix.shape[0]])
             keys, values = cache.words[0][i], cache.words[1][i]
             place_qkv(self.qkv[0], bias, cos, sin, self.q, keys[:, block, row], values[:, block, row])
             attend_into(KIND["bf16"], keys, NO_SCALES, values, NO_SCALES, self.q, cache.every_block, counts, end,
-                        BLOCK, self.scale, *self.parts, self.attended, self.lse)
-            wo.product_into(self.attended.reshape(1, -1), self.o)
-            add_rms_norm(x, self.o[0], ffn_norm, self.eps, h[0])
+                        BLOCK, self.scale, *self.parts, attended.x.reshape(self.q.shape), self.lse)
+            attended.quantize()
+            wo.product_into(attended, self.o)
+            add_rms_norm(x, self.o[0], ffn_norm, self.eps, h.x[0])
+            h.quantize()
             for matrix, first in gate_up:
                 matrix.product_into(h, self.gate_up[:, first:first + matrix.shape[0]])
-            silu_times(self.gate_up[0], self.act[0])
-            down.product_into(self.act, self.down)
+            silu_times(self.gate_up[0], act.x[0])
+            act.quantize()
+            down.product_into(act, self.down)
             delta = self.down[0]
-        x += delta
-        return model.logits(torch.from_numpy(x)[None])[0]
+        if self.head is None:
+            x += delta
+            return model.logits(torch.from_numpy(x)[None])[0]
+        add_rms_norm(x, delta, self.final_norm, self.eps, h.x[0])
+        h.quantize()
+        self.head.product_into(h, self.logits)
+        return torch.from_numpy(self.logits[0].copy())
