@@ -20,7 +20,7 @@ from cpu_ops.prefetch import prefetch
 
 
 LOG2E = np.float32(1.4426950408889634)
-ROWS = 4  # rows of a q8_0 / q4_0 / fp16 block widened at a time: a whole block (64 KiB) would leave L1
+ROWS = 4  # rows of a block widened at a time: a whole block (64 KiB) would leave L1
 
 
 @nb.njit(inline="always", cache=True, fastmath=True)
@@ -44,14 +44,14 @@ def exp_inplace(x, n, bits_i32, bits_f32):
 
 
 @nb.njit(inline="always", cache=True, fastmath=True)
-def _block_logits(q, first_head, group, block, valid, scale, logits):
-    """logits[g, t] = scale * q[first_head + g] . block[t]; block: float32 rows, or bfloat16
+def _block_logits(q, group, block, valid, scale, logits):
+    """logits[g, t] = scale * q[g] . block[t] for g < group; block: float32 rows, or bfloat16
     words read as they are stored (as_float32). Four query heads share one pass over each key
     row (four vector accumulators), so a key is loaded once per four heads."""
     dim = q.shape[1]
     g = 0
     while g + 4 <= group:
-        q0, q1, q2, q3 = q[first_head + g], q[first_head + g + 1], q[first_head + g + 2], q[first_head + g + 3]
+        q0, q1, q2, q3 = q[g], q[g + 1], q[g + 2], q[g + 3]
         for t in range(valid):
             row = block[t]
             s0 = s1 = s2 = s3 = np.float32(0.0)
@@ -65,7 +65,7 @@ def _block_logits(q, first_head, group, block, valid, scale, logits):
             logits[g + 2, t], logits[g + 3, t] = s2 * scale, s3 * scale
         g += 4
     while g < group:
-        qg = q[first_head + g]
+        qg = q[g]
         for t in range(valid):
             row = block[t]
             s0 = np.float32(0.0)
@@ -115,7 +115,15 @@ def _partial_attention(kind, k_data, k_scales, v_data, v_scales, q, blocks, coun
         start, stop = i * per, min(total, (i + 1) * per)
         rows_u32 = np.empty((ROWS, dim), np.uint32)
         rows = rows_u32.view(np.float32)  # a few widened K or V rows (not bfloat16), reused
-        logits = np.empty((group, block_size), np.float32)
+        # query heads in passes of four (_block_logits); a group of 4k + 2 or 4k + 3 heads is padded
+        # with zero heads to a last whole pass, which costs less than two or three single ones
+        padded = group + 4 - group % 4 if group % 4 >= 2 else group
+        q_group = np.zeros((padded, dim), np.float32)
+        # bfloat16 blocks are read where they lie when one pass of four heads covers the group;
+        # with more, each row is widened once into `rows` for all of them (2.2x for groups of 7 at
+        # 16K tokens, measured), as the other kinds always are
+        in_place = kind == 0 and padded <= 4
+        logits = np.empty((padded, block_size), np.float32)
         pow_i32 = np.empty(block_size, np.int32)
         pow_f32 = pow_i32.view(np.float32)
         m = np.empty(group, np.float32)
@@ -132,19 +140,20 @@ def _partial_attention(kind, k_data, k_scales, v_data, v_scales, q, blocks, coun
             m[:] = -np.inf
             l[:] = 0.0
             acc[:] = 0.0
+            q_group[:group] = q[h * group:(h + 1) * group]
             for idx in range(lo, hi):
                 b = blocks[h, idx]
                 valid = min(block_size, num_tokens - b * block_size)
                 if idx + 1 < hi:  # the next block streams in while this one is computed
                     prefetch(k_data[h, blocks[h, idx + 1]])
                     prefetch(v_data[h, blocks[h, idx + 1]])
-                if kind == 0:  # bfloat16: read where it lies, no widened copy
-                    _block_logits(q, h * group, group, k_data[h, b], valid, scale, logits)
+                if in_place:
+                    _block_logits(q_group, padded, k_data[h, b], valid, scale, logits)
                 else:  # widened ROWS rows at a time into a buffer that stays in L1
                     for t in range(0, valid, ROWS):
                         n = min(ROWS, valid - t)
                         load_rows(kind, k_data, k_scales, h, b, t, n, rows_u32, rows)
-                        _block_logits(q, h * group, group, rows, n, scale, logits[:, t:t + n])
+                        _block_logits(q_group, padded, rows, n, scale, logits[:, t:t + n])
                 for g in range(group):  # online softmax: rescale what came before to the new max
                     row_p = logits[g]
                     block_max = -np.inf
@@ -163,7 +172,7 @@ def _partial_attention(kind, k_data, k_scales, v_data, v_scales, q, blocks, coun
                     for t in range(valid):
                         s += row_p[t]
                     l[g] += s
-                if kind == 0:
+                if in_place:
                     _accumulate_values(acc, logits, group, v_data[h, b], valid)
                 else:
                     for t in range(0, valid, ROWS):

@@ -67,10 +67,12 @@ def test_given_selection_equals_dense_attention_restricted_to_it(kind):
     assert np.abs(lse - ref_lse).max() < 1e-4
 
 
-@pytest.mark.parametrize("num_kv, num_heads, dim", [(1, 4, 256), (2, 14, 64), (3, 9, 32), (1, 1, 64)])
+@pytest.mark.parametrize("num_kv, num_heads, dim", [(1, 4, 256), (2, 14, 64), (3, 9, 32), (1, 1, 64), (1, 2, 64),
+                                                   (2, 12, 64), (1, 5, 32)])
 def test_head_groups_of_any_size_equal_the_reference(num_kv, num_heads, dim):
-    """The kernel scores four query heads per pass and the rest one by one: groups of 4 (Gemma 3),
-    7 (Qwen2.5-0.5B), 3 (SmolLM2) and 1."""
+    """The kernel scores four query heads per pass, padding a remainder of 2 or 3 heads to a pass
+    and taking a remainder of 1 alone, and reads bfloat16 in place for one pass, widened for more:
+    groups of 4 (Gemma 3), 7 (Qwen2.5-0.5B), 3 (SmolLM2), 1, 2, 6 and 5."""
     rng = np.random.default_rng(11)
     k, v = (rng.standard_normal((num_kv, 6, B, dim)).astype(np.float32) for _ in range(2))
     q = rng.standard_normal((num_heads, dim)).astype(np.float32)
