@@ -2,10 +2,12 @@
 
 LlamaModel.forward runs a token through torch operations: about forty calls a layer, most on
 vectors of a few hundred floats, where the call, not the arithmetic, is the cost (about half of
-a 4K decode step of SmolLM2-135M, measured). Here a layer is nine calls: the products read the
-GGUF's stored bytes in place (StoredMatrix.product_into), the small parts are fused
-(cpu_ops/layer_pieces.py), and attention reads the bfloat16 cache where it lies
-(cpu_ops/sparse_attention.attend_into over every block). Buffers are allocated once.
+a 4K decode step of SmolLM2-135M, measured). Here a layer is a dozen calls: the products read
+the GGUF's stored bytes in place (StoredMatrix.product_into) and take their inputs rounded to
+8 bits (Activations.quantize, once per input, as llama.cpp does), the small parts are fused
+(cpu_ops/layer_pieces.py), and attention reads the bfloat16 cache
+(cpu_ops/sparse_attention.attend_into over every block). The output head is one more product
+of the same kind. Buffers are allocated once.
 
 It covers what most GGUF models are: the llama family (llama, mistral, qwen2, internlm2) with
 every projection stored, one process, a bfloat16 cache, no sliding window. `supports` says when;
