@@ -4,13 +4,14 @@ kernel, subnormal scales included; products equal to dequantise-then-matmul with
 summation, over float32 inputs and over inputs rounded to 8 bits (integer lanes); a StoredMatrix (ktlong/gguf/stored_matrix.py) the same for decode steps and prefill
 chunks."""
 
+import numba
 import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
-from cpu_ops.gguf_blocks import KERNEL_TYPES
+from cpu_ops.gguf_blocks import KERNEL_TYPES, half_by_bits
 from cpu_ops import int8_runs
 from cpu_ops.gguf_matmul import Activations, dequantize, matmul, product_into
 from ktlong.gguf.stored_matrix import MAX_IN_PLACE_ROWS, StoredMatrix
@@ -36,6 +37,22 @@ def random_blocks(ggml_type, rows: int, width: int, seed: int) -> np.ndarray:
 
 def reference(ggml_type, blocks: np.ndarray, width: int) -> np.ndarray:
     return gguf_dequantize(blocks, ggml_type).reshape(blocks.shape[0], width).astype(np.float32)
+
+
+def test_halves_widened_without_f16c_equal_numpy():
+    # every finite half, subnormals included (the kernels take this path where F16C is missing)
+    halves = np.arange(1 << 16, dtype=np.uint16)
+    finite = halves[np.isfinite(halves.view(np.float16))]
+    u8 = finite.view(np.uint8)
+
+    @numba.njit
+    def widen_all(u8, out):
+        for i in range(out.shape[0]):
+            out[i] = half_by_bits(u8, np.uint64(2 * i))
+
+    got = np.empty(finite.shape[0], np.float32)
+    widen_all(u8, got)
+    assert np.array_equal(got.view(np.uint32), finite.view(np.float16).astype(np.float32).view(np.uint32))
 
 
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
