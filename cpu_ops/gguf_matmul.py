@@ -11,7 +11,7 @@ a kernel is compiled per type.
 
 `Activations` holds a decode step's input rows, and on an AVX2 machine their 8-bit form: x
 rounded per run of 32 to xq * dx, dx = max|x| / 127, as ggml's q8 activations. Its products
-(`int8_matmul_into`) sum codes times xq in integer lanes (cpu_ops/int8_runs.py), where decoding
+(`product_into`) sum codes times xq in integer lanes (cpu_ops/int8_runs.py), where decoding
 each weight to a float costs more than reading it; they equal W @ (xq * dx) within float32
 summation.
 """
@@ -64,8 +64,9 @@ def _row_runs(kind, runs, type_size, ru, ri, num_blocks, target, xm, store):
 
 
 def _compile(kind: int, block_size: int, type_size: int):
-    """The type's two kernels; kind and the sizes are constants of each (a closure's variables),
-    and Numba's cache keeps one entry per type."""
+    """The type's three kernels (float32 products, dequantisation, products over 8-bit inputs);
+    kind and the sizes are constants of each (a closure's variables), and Numba's cache keeps
+    one entry per type."""
     runs = block_size // RUN
 
     @nb.njit(parallel=True, fastmath=True, cache=True)
@@ -169,7 +170,7 @@ def _quantize_rows(x, xq, scales, sums):
 
 class Activations:
     """A product's input rows x [M, width] float32 (write them into `.x`), and after `quantize()`
-    their 8-bit form for `int8_matmul_into`: xq [M, width] int8 = round(x * 127 / max|run|), the
+    their 8-bit form for `product_into`: xq [M, width] int8 = round(x * 127 / max|run|), the
     runs' scales dx = max|run| / 127 [M, width / 32] and dx * sum(xq) over each 16 [M, width / 16].
     With int8 False (by default, where the machine has no AVX2) quantize() does nothing and
     products use x as it is."""

@@ -83,11 +83,15 @@ class StoredMatrix:
 
 
 def compile_kernels(matrices) -> None:
-    """Run both kernels of each type among `matrices` once on one row, so that the first prompt
-    finds them compiled (a few seconds a type on a fresh install) or loaded from Numba's cache."""
+    """Run the kernels of each type among `matrices` once on one row (products over float32 and
+    over 8-bit inputs, dequantisation), so that the first prompt finds them compiled (a few
+    seconds a type on a fresh install) or loaded from Numba's cache."""
     for m in {m.ggml_type: m for m in matrices}.values():
         row = StoredMatrix(m.blocks[:1], m.ggml_type, (1, m.shape[1]))
         row.linear(torch.zeros(1, m.shape[1]))
+        x = Activations(1, m.shape[1])
+        x.quantize()
+        row.product_into(x, np.empty((1, 1), np.float32))
         row.float32()
 
 
