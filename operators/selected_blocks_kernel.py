@@ -16,6 +16,8 @@ The CPU's tests run the kernel in Triton's interpreter (TRITON_INTERPRET=1, test
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -28,20 +30,25 @@ KEYS = 32  # tokens per tile: a [32, head_dim] float32 tile of K and of V fit in
 
 
 @triton.jit
-def _selected_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, index_ptr, valid_ptr, out_ptr, lse_ptr,
-                             group, max_selected, scale,
+def _selected_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, near_k_ptr, near_v_ptr, near_ks_ptr, near_vs_ptr,
+                             near_ptr, index_ptr, valid_ptr, out_ptr, lse_ptr,
+                             group, max_selected, num_blocks, scale,
                              stride_row, stride_token, stride_srow, stride_stoken,
                              BLOCK: tl.constexpr, DIM: tl.constexpr, ROWS: tl.constexpr, KEYS: tl.constexpr, PER_SHARE: tl.constexpr,
                              QUANT: tl.constexpr):
     """Kv head h's query rows (group of them, padded to ROWS) over its hit blocks
     PER_SHARE * s .. PER_SHARE * (s + 1) - 1 that count (valid tokens) -> this share's out [ROWS,
-    DIM] (normalised by its own softmax sum) and lse [ROWS]; 0 and -inf where it holds none."""
+    DIM] (normalised by its own softmax sum) and lse [ROWS]; 0 and -inf where it holds none.
+    A block among each head's first `near` (read from near_ptr) is read from the near_* tables
+    (the device's copy), the others from k_ptr.. (DRAM): the same rows, the same arithmetic."""
     h, share = tl.program_id(0), tl.program_id(1)
     num_shares = tl.num_programs(1)
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, DIM)
-    q = tl.load(q_ptr + (h * group + rows[:, None]) * DIM + dims[None, :], mask=(rows < group)[:, None], other=0.0)
+    q = tl.load(q_ptr + (h * group + rows[:, None]) * DIM + dims[None, :], mask=(rows < group)[:, None],
+                other=0.0).to(tl.float32)
     valid_blocks = tl.load(valid_ptr + h) // BLOCK
+    near = tl.load(near_ptr)
     run_max = tl.full((ROWS,), float("-inf"), tl.float32)
     run_sum = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, DIM), tl.float32)
@@ -49,15 +56,19 @@ def _selected_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, index_ptr, v
         b = share * PER_SHARE + i
         if b < valid_blocks:
             row = tl.load(index_ptr + h * max_selected + b)
+            if row % num_blocks < near:  # on the device
+                k_at, v_at, ks_at, vs_at = near_k_ptr, near_v_ptr, near_ks_ptr, near_vs_ptr
+            else:  # in DRAM, over PCIe
+                k_at, v_at, ks_at, vs_at = k_ptr, v_ptr, ks_ptr, vs_ptr
             for start in range(0, BLOCK, KEYS):  # KEYS tokens at a time: the tiles stay in registers
                 tokens = start + tl.arange(0, KEYS)
                 at = row * stride_row + tokens[:, None] * stride_token + dims[None, :]
-                keys = tl.load(k_ptr + at).to(tl.float32)  # [KEYS, DIM]
-                values = tl.load(v_ptr + at).to(tl.float32)
+                keys = tl.load(k_at + at).to(tl.float32)  # [KEYS, DIM]
+                values = tl.load(v_at + at).to(tl.float32)
                 if QUANT:
                     s_at = row * stride_srow + tokens[:, None] * stride_stoken + dims[None, :] // 32  # a scale per 32
-                    keys = keys * tl.load(ks_ptr + s_at).to(tl.float16, bitcast=True).to(tl.float32)
-                    values = values * tl.load(vs_ptr + s_at).to(tl.float16, bitcast=True).to(tl.float32)
+                    keys = keys * tl.load(ks_at + s_at).to(tl.float16, bitcast=True).to(tl.float32)
+                    values = values * tl.load(vs_at + s_at).to(tl.float16, bitcast=True).to(tl.float32)
                 logits = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale  # [ROWS, KEYS]
                 new_max = tl.maximum(run_max, tl.max(logits, 1))
                 correction = tl.exp(run_max - new_max)
@@ -116,16 +127,30 @@ def kernel_applies(kv_type: str, block_size: int, head_dim: int) -> bool:
     return kv_type in ("bf16", "fp16", "fp32", "q8_0") and power_of_two(block_size) and power_of_two(head_dim)
 
 
+class NearPages(NamedTuple):
+    """A device copy of a layer's pages (ktlong/kv/resident.py), laid out as the DRAM ones: each
+    kv head's first `count` blocks (a 0-dim int64 device tensor, read at launch) are read here."""
+    count: torch.Tensor
+    num_blocks: int  # blocks per kv head in both tables: row h * num_blocks + b is block b of head h
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scales: torch.Tensor | None
+    v_scales: torch.Tensor | None
+
+
 def selected_blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scales: torch.Tensor | None,
                             v_scales: torch.Tensor | None, hit_index: torch.Tensor, hit_valid: torch.Tensor,
-                            scale: float, base: tuple[torch.Tensor, torch.Tensor] | None = None
+                            scale: float, base: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            near: NearPages | None = None, out: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [H, D] float32; k, v: one layer's pages [rows, B, R] (q8_0: int8 with k_scales, v_scales
-    [rows, B, D/32] int16 words of float16); hit_index [KV, S] rows of each kv head's hit blocks,
-    hit_valid [KV] tokens that count (whole blocks, first ones first) -> out [H, D], lse [H]
-    float32 (natural log; -inf and 0 for a head that holds nothing). base: a state (out [H, D],
-    lse [H] float32) over other keys to merge in, e.g. the window's. Fixed shapes, no sync."""
-    expect("q", q, ndim=2, dtype=torch.float32)
+    """q [H, D] (float32, or a narrower float widened here); k, v: one layer's pages [rows, B, R]
+    (q8_0: int8 with k_scales, v_scales [rows, B, D/32] int16 words of float16); hit_index [KV, S]
+    rows of each kv head's hit blocks, hit_valid [KV] tokens that count (whole blocks, first ones
+    first) -> out [H, D], lse [H] float32 (natural log; -inf and 0 for a head that holds nothing).
+    base: a state (out [H, D], lse [H] float32) over other keys to merge in, e.g. the window's.
+    near: a device copy of the leading blocks, read instead of k, v where it holds them. out: an
+    [H, D] float32 tensor to write the result into. Fixed shapes, no sync."""
+    expect("q", q, ndim=2, dtype=(torch.float32, torch.bfloat16, torch.float16))
     expect("k", k, ndim=3)
     expect("v", v, shape=tuple(k.shape), dtype=k.dtype)
     expect("hit_index", hit_index, ndim=2, dtype=torch.int64, device=q.device)
@@ -139,22 +164,31 @@ def selected_blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     num_kv, max_selected = hit_index.shape
     if num_heads % num_kv:
         raise ValueError(f"q's {num_heads} heads must be whole groups of hit_index's {num_kv} kv heads")
+    quant = k_scales is not None
+    ks, vs = (k_scales, v_scales) if quant else (hit_index, hit_index)  # placeholders, never read
+    if near is None:  # no device copy: the DRAM tables stand in for one (either branch reads them)
+        near = NearPages(hit_valid[0], 1, k, v, ks, vs)
+    elif (near.k.shape != k.shape or near.k.stride() != k.stride() or near.k.dtype != k.dtype
+          or near.v.stride() != k.stride() or quant and near.k_scales.stride() != k_scales.stride()):
+        raise ValueError("the device copy of the pages must be laid out as the DRAM pages")
     group = num_heads // num_kv
     rows = max(16, triton.next_power_of_2(group))
     shares = min(SHARES, max(max_selected, 1))
     per_share = -(-max_selected // shares)
-    out = torch.empty((num_kv, shares, rows, dim), dtype=torch.float32, device=q.device)
-    lse = torch.empty((num_kv, shares, rows), dtype=torch.float32, device=q.device)
-    quant = k_scales is not None
-    ks, vs = (k_scales, v_scales) if quant else (hit_index, hit_index)  # placeholders, never read
+    part = torch.empty((num_kv, shares, rows, dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((num_kv, shares, rows), dtype=torch.float32, device=q.device)
+    near_ks, near_vs = (near.k_scales, near.v_scales) if quant else (ks, vs)
     _selected_blocks_attention[(num_kv, shares)](
-        q.contiguous(), k, v, ks, vs, hit_index, hit_valid, out, lse,
-        group, max_selected, scale, k.stride(0), k.stride(1),
+        q.contiguous(), k, v, ks, vs, near.k, near.v, near_ks, near_vs, near.count, hit_index, hit_valid,
+        part, part_lse, group, max_selected, near.num_blocks, scale, k.stride(0), k.stride(1),
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         BLOCK=k.shape[1], DIM=dim, ROWS=rows, KEYS=min(KEYS, k.shape[1]), PER_SHARE=per_share, QUANT=quant)
-    merged = torch.empty((num_heads, dim), dtype=torch.float32, device=q.device)
+    merged = torch.empty((num_heads, dim), dtype=torch.float32, device=q.device) if out is None else out
+    expect("out", merged, shape=(num_heads, dim), dtype=torch.float32, device=q.device)
+    if not merged.is_contiguous():
+        raise ValueError("out must be contiguous")
     merged_lse = torch.empty(num_heads, dtype=torch.float32, device=q.device)
-    base_o, base_lse = (base[0].float().contiguous(), base[1].float().contiguous()) if base is not None else (out, lse)
-    _merge_shares[(num_kv,)](out, lse, base_o, base_lse, merged, merged_lse, group,
+    base_o, base_lse = (base[0].float().contiguous(), base[1].float().contiguous()) if base is not None else (part, part_lse)
+    _merge_shares[(num_kv,)](part, part_lse, base_o, base_lse, merged, merged_lse, group,
                              SHARES=shares, ROWS=rows, DIM=dim, BASE=base is not None)
     return merged, merged_lse

@@ -18,9 +18,11 @@ def tiny(tmp_path_factory):  # head_dim 32: one q8_0 block per row
     return tiny_model(tmp_path_factory.mktemp("m"), TinySpec(num_layers=3, hidden=128, head_dim=32), seed=17)
 
 
-def session(lm, kv_type, resident_history, headroom, prefill_headroom=None):
+def session(lm, kv_type, resident_history, headroom, prefill_headroom=None, context_attention="cpu"):
     c = lm.config
-    chosen = selection(second_select_num=1000, preselect_block=False)
+    device_part = {"block_scoring": "device"} if context_attention == "gpu" else {}  # the device selects too
+    chosen = selection(second_select_num=1000, preselect_block=False, context_attention=context_attention,
+                       **device_part)
     layout = with_anchors(kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 400, kv_type, page_type="fp32"),
                           chosen)
     return LongContextSession(lm.model, layout, chunk_size=32, backend="torch", hidden_on_device=True, compact=None,
@@ -29,14 +31,17 @@ def session(lm, kv_type, resident_history, headroom, prefill_headroom=None):
                               resident_history=resident_history)
 
 
-@pytest.mark.parametrize("kv_type", ["fp32", "q8_0"])
+@pytest.mark.parametrize("kv_type, context_attention", [("fp32", "cpu"), ("q8_0", "cpu"), ("q8_0", "gpu")])
 @pytest.mark.parametrize("room_at_prefill", [True, False])
-def test_follow_ups_over_resident_layers_equal_follow_ups_over_dram(tiny, kv_type, room_at_prefill, monkeypatch):
+def test_follow_ups_over_resident_layers_equal_follow_ups_over_dram(tiny, kv_type, context_attention, room_at_prefill,
+                                                                    monkeypatch):
     """Two of three layers fit the room (each counted as 1 GB here). Their copies are filled as
     the document is prefilled (when the plan leaves room beside a prefill) or else by the first
     follow-up's load, and take every prefilled row after; a follow-up then moves only the rows
     decode added (the answer). A decoded answer, an edited conversation and a new prompt keep
-    the copies honest: logits and decoded steps equal the other session's exactly."""
+    the copies honest: logits and decoded steps equal the other session's exactly. With
+    `context_attention: gpu` decode reads the selected blocks of those two layers from the
+    copies too, as far as they hold them (the kernel's Triton interpreter here)."""
     import ktlong.kv.resident as resident_module
 
     monkeypatch.setattr(resident_module, "resident_layer_bytes", lambda layout: GB)
@@ -44,8 +49,8 @@ def test_follow_ups_over_resident_layers_equal_follow_ups_over_dram(tiny, kv_typ
     tokens = lambda n: [int(t) for t in rng.integers(0, 300, size=n)]
     headroom = int(2.5 * GB) + RESIDENT_MARGIN  # two layers and a half beside the margin
     at_prefill = headroom if room_at_prefill else None
-    a = session(tiny, kv_type, True, headroom, at_prefill)
-    b = session(tiny, kv_type, False, headroom, at_prefill)
+    a = session(tiny, kv_type, True, headroom, at_prefill, context_attention)
+    b = session(tiny, kv_type, False, headroom, at_prefill, context_attention)
     assert a.resident is not None and b.resident is None
     row = a.layout.stored_row_bytes * a.layout.num_kv_heads * 2  # K and V of one token, one layer
 
@@ -65,6 +70,10 @@ def test_follow_ups_over_resident_layers_equal_follow_ups_over_dram(tiny, kv_typ
     for t in range(5):  # an answer: DRAM gains rows the copies do not have
         both(lambda s: s.step(7 + t))
         conversation.append(7 + t)
+    if context_attention == "gpu":  # two of three layers read on the device, none by b
+        times = a.decoder.times
+        assert 0 < times.near_read < times.device_read == times.selected and b.decoder.times.near_read == 0
+        assert 3 * times.near_read == 2 * times.device_read
     follow = conversation + tokens(9)
     both(lambda s: s.prefill(follow))
     assert a.resident.valid == {0: 184, 1: 184}

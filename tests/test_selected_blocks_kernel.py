@@ -74,3 +74,37 @@ def test_a_base_state_merges_as_merge_states_would():
     ref_out, ref_lse = merge_states(blocks_out, blocks_lse, base_out, base_lse)
     torch.testing.assert_close(out.cpu(), ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.cpu(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_type", ["bf16", "q8_0"])
+def test_the_leading_blocks_come_from_the_device_copy(kv_type):
+    """Blocks below the copy's count are read from the copy, the rest from the DRAM tables. The
+    copy here holds other values than the DRAM tables, so the reference can tell which was read:
+    attention over the blocks taken from each where the kernel should take them."""
+    from operators.selected_blocks_kernel import NearPages
+
+    g = torch.Generator().manual_seed(11)
+    num_kv, group, dim, block, per_head, selected = 2, 4, 32, 32, 6, 5
+    rows = num_kv * per_head  # row h * per_head + b: block b of kv head h
+    far, far_scales, far_values = pages(rows, block, dim, kv_type, g)
+    near, near_scales, near_values = pages(rows, block, dim, kv_type, g)
+    q = torch.randn(num_kv * group, dim, generator=g).to(torch.bfloat16)
+    blocks = torch.stack([torch.randperm(per_head, generator=g)[:selected] for _ in range(num_kv)])
+    hit_index = blocks + torch.arange(num_kv)[:, None] * per_head
+    hit_valid = torch.tensor([selected * block, 3 * block])
+    count = 3  # blocks 0, 1, 2 of each head are on the device
+    to = dict(device=DEVICE)
+    scales = lambda s, p: None if s is None else s[p].to(**to)
+    copy = NearPages(torch.tensor(count, **to), per_head, near[0].to(**to), near[1].to(**to),
+                     scales(near_scales, 0), scales(near_scales, 1))
+    out = torch.empty(num_kv * group, dim, **to)
+    got, lse = selected_blocks_attention(q.to(**to), far[0].to(**to), far[1].to(**to), scales(far_scales, 0),
+                                         scales(far_scales, 1), hit_index.to(**to), hit_valid.to(**to), 0.125,
+                                         near=copy, out=out)
+    assert got is out
+    from_copy = (blocks < count)[..., None, None]
+    k, v = (torch.where(from_copy, near_values[p][hit_index], far_values[p][hit_index]).view(num_kv, -1, dim)
+            for p in range(2))
+    ref_out, ref_lse = attention_over_prefix(q.float(), k, v, hit_valid, 0.125)
+    torch.testing.assert_close(out.cpu(), ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.cpu(), ref_lse, rtol=1e-5, atol=1e-5)

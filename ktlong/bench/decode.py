@@ -16,6 +16,11 @@ bytes the CPU operator read at the host's streaming-read rate (a Numba read of 1
 decode threads) plus those the GPU read from DRAM at its pinned-copy rate (1 GiB to the device),
 and the weights a token reads at the device's copy rate (1 GiB device to
 device; on the CPU, a copy in DRAM).
+
+A GPU row with `context_attention: gpu` keeps on the device the layers' rows a session would
+keep after prefilling the context (`resident_history`, as many layers as the plan leaves room
+for under --gpu_cap_gb): the GPU reads those layers' selected blocks there, and only the others'
+cross PCIe and count towards the K/V floor.
 """
 
 from __future__ import annotations
@@ -36,16 +41,22 @@ from ktlong.decode.dram_blocks import DramBlocks
 from ktlong.decode.decoder import Decoder
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import kv_layout
-from ktlong.kv.memory_plan import GIB
-from ktlong.models.random_model import SHAPES, random_config, random_model
+from cpu_ops.anchors import anchors_per_block
+from ktlong.decode.device_anchors import scores_on_device
+from ktlong.kv.memory_plan import GIB, plan_memory
+from ktlong.kv.resident import ResidentHistory
+from ktlong.session.long_context import RESIDENT_MARGIN
+from ktlong.models.random_model import SHAPES, num_weight_elements, random_config, random_model
 from ktlong.parallel.group import join_ranks, quiet_unless_main
 from ktlong.session.plan import resolve_block_scoring, resolve_kv_type, resolve_selection
 from ktlong.session.settings import selection_settings
 from operators.kv_quant import quantize_kv
 
 # what this bench reads of the config: decode's KV layout and selection; each row sets its own
-# context attention and graphs, and preselection is off (the cache holds random K/V, no prompt)
-READS = options_in("KV cache and sparse decode") - {"context_attention", "preselect_block", "preselect_block_count"}
+# context attention and graphs, and preselection is off (the cache holds random K/V, no prompt);
+# resident_history and chunk_size decide the layers whose rows stay on the GPU (resident_copies)
+READS = (options_in("KV cache and sparse decode") - {"context_attention", "preselect_block", "preselect_block_count"}
+         | {"resident_history", "chunk_size"})
 
 
 def fill_random(host: HostKVCache, num_tokens: int, seed: int = 0):
@@ -68,6 +79,30 @@ def fill_random(host: HostKVCache, num_tokens: int, seed: int = 0):
             table[layer].normal_(generator=g)
     host.reset()
     host.advance(num_tokens)
+
+
+def resident_copies(model, host: HostKVCache, config, settings, budget: int, local: int) -> ResidentHistory | None:
+    """The layers' rows a GPU session keeps on the device after prefilling this cache as a new
+    prompt (`resident_history`): as many layers as its plan leaves room for beside that
+    prefill (LongContextSession._new_prompt_room), copied from DRAM. None on the CPU or when off."""
+    if model.device.type != "cuda" or not config.resident_history:
+        return None
+    layout, c = host.layout, model.config
+    anchors = anchors_per_block(config.anchor_type, config.anchor_num) if scores_on_device(settings) else 0
+    memory = plan_memory(c, num_weight_elements(c), model.dtype.itemsize, layout, config.chunk_size, budget, True,
+                         local, anchors)
+    resident = ResidentHistory(layout, model.device)
+    resident.fit(budget - memory.prefill_device - RESIDENT_MARGIN)
+    n = host.num_tokens
+    for layer in resident.layers:
+        for which in "kv":
+            data = getattr(host, which)[layer].view(layout.num_kv_heads, layout.capacity, -1)[:, :n]
+            scales = (getattr(host, f"{which}_scales")[layer].view(layout.num_kv_heads, layout.capacity, -1)[:, :n]
+                      if layout.is_quantized else None)
+            resident.write(layer, which, 0, n, data.to(model.device),
+                           None if scales is None else scales.to(model.device))
+        resident.extend(layer, 0, n)
+    return resident
 
 
 MODES = {"dense": "dense (all blocks on CPU)", "cpu": "sparse, CPU only", "hybrid": "hybrid",
@@ -202,7 +237,9 @@ def main(argv=None) -> int:
                 continue
             host.reset()  # the previous row's tokens go
             host.advance(context)
-            decoder = Decoder(model, host, settings, local, use_cuda_graph=graphs)
+            resident = (resident_copies(model, host, config, settings, int(args.gpu_cap_gb * GIB), local)
+                        if settings.context_attention == "gpu" else None)
+            decoder = Decoder(model, host, settings, local, use_cuda_graph=graphs, resident=resident)
             if args.selection_drift is not None and decoder.selection is not None:
                 raise KtlongError("--selection_drift replaces the host's selection, and graphs-gpu-context selects "
                                   "on the device; add --set block_scoring=cpu to keep the selection on the host.")
@@ -224,7 +261,8 @@ def main(argv=None) -> int:
             n = tm.steps
             cpu, sel, wait = tm.cpu_attention / n, tm.selection / n, tm.device_wait / n
             # K/V the CPU read from DRAM at its stream rate, and what the GPU read there over PCIe
-            gpu_read = tm.device_read * decoder.block_bytes if decoder.dram_blocks is not None else 0
+            # (less what it read from its own copies of layers' rows: HBM, counted as free here)
+            gpu_read = (tm.device_read - tm.near_read) * decoder.block_bytes if decoder.dram_blocks is not None else 0
             kv_floor = tm.kv_bytes / n / (stream_gbps * 1e9) + (gpu_read / n / (pcie_gbps * 1e9) if gpu_read else 0)
             rows.append(row := [f"{context // 1024}K", name, f"{1 / med:.1f}", f"{med * 1e3:.1f}", f"{cpu * 1e3:.1f}",
                          f"{sel * 1e3:.1f}", f"{wait * 1e3:.1f}", f"{(tm.total / n - cpu - sel - wait) * 1e3:.1f}",
@@ -232,15 +270,17 @@ def main(argv=None) -> int:
                          f"{(kv_floor + weight_floor) * 1e3:.1f}",
                          f"{tm.device_read / tm.selected:.0%}" if tm.selected else "-",
                          (f"peak GPU {torch.cuda.max_memory_allocated(device) / GIB:.1f} GiB, " if cuda else "")
-                         + f"KV in DRAM {layout.num_layers * layout.layer_bytes() / GIB:.1f} GiB"])
+                         + f"KV in DRAM {layout.num_layers * layout.layer_bytes() / GIB:.1f} GiB"
+                         + (f", {len(resident.layers)}/{len(layout.global_layers)} layers' rows on the GPU"
+                            if resident is not None else "")])
             print("partial:", " | ".join(map(str, row)), flush=True)
-        del host, decoder
+        del host, decoder, resident
         if cuda:
             torch.cuda.empty_cache()
     pcie = f", by the GPU (gpu-context) at its pinned-copy rate of {pcie_gbps:.1f} GB/s" if pcie_gbps else ""
     print(f"floors: K/V read at the host's stream of {stream_gbps:.1f} GB/s{pcie}; {weight_bytes / 1e9:.2f} GB of weights "
           f"read at the {'GPU' if cuda else 'DRAM'} copy rate of {hbm_gbps:,.0f} GB/s = {weight_floor * 1e3:.2f} ms")
     print_table(["context", "mode", "tok/s", "ms/token", "CPU attention", "selection", "wait for q",
-                 "rest (GPU, merge, Python)", "K/V read MB", "K/V floor", "weights floor", "floors summed",
+                 "rest (GPU, merge, Python)", "K/V read from DRAM MB", "K/V floor", "weights floor", "floors summed",
                  "read by the GPU", "note"], rows)
     return 0

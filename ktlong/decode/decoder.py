@@ -43,7 +43,8 @@ class DecodeTimes:
     device_wait: float = 0.0  # waiting for q to reach the host (device work before it)
     kv_bytes: int = 0  # K/V bytes of the blocks the CPU operator read
     selected: int = 0  # (kv head, block) pairs selected, beyond the window
-    device_read: int = 0  # of them, read from DRAM by the device (`context_attention: gpu`)
+    device_read: int = 0  # of them, read by the device (`context_attention: gpu`)
+    near_read: int = 0  # of those, read from the device's copy of a layer's rows, not over PCIe
 
 
 class Decoder:
@@ -54,7 +55,8 @@ class Decoder:
         every selected block where it lies in DRAM (ktlong/decode/dram_blocks.py); "cpu": the
         Numba operator reads them. block_mass: the prefill's attention mass per global layer and
         block (PrefillStats.block_mass), for preselection. resident: the layers whose rows the
-        device keeps between turns (ktlong/kv/resident.py), where the window reads them."""
+        device keeps between turns (ktlong/kv/resident.py), where the window and the selected
+        blocks' reads (`context_attention: gpu`) find them."""
         context_attention = settings.context_attention
         assert context_attention in ("cpu", "gpu"), "resolve_selection first (ktlong/session/plan.py)"
         self.model, self.host, self.settings = model, host, settings
@@ -89,6 +91,8 @@ class Decoder:
                                           model.device, self.selection)
         self.body = DecodeStep(model, self.window, self.global_layers, use_cuda_graph and self.cuda,
                                self.device_anchors, self.dram_blocks)
+        self._resident_seen = None  # the resident.version the selected blocks' reads follow
+        self._follow_resident()
         # numpy views of the exchange buffers, read and written once per layer per token: a numpy
         # assignment costs a tenth of a torch indexing and copy_ call
         body = self.body
@@ -124,13 +128,25 @@ class Decoder:
         self._preselect(block_mass)
         if self.selection is not None:
             self.selection.load_candidates()
+        self._follow_resident()
         self.step_index = 0
+
+    def _follow_resident(self):
+        """The selected blocks' reads follow the device's copies of layers' rows (resident):
+        which layers it holds and how far. The copies change between turns, not within one;
+        captured graphs that hold an address the copies no longer have are captured again."""
+        if self.dram_blocks is None or self.resident is None or self.resident.version == self._resident_seen:
+            return
+        self._resident_seen = self.resident.version
+        if self.dram_blocks.use_resident(self.resident):
+            self.body.forget_graphs()
 
     @torch.inference_mode()
     def capture_graphs(self):
         """Capture the CUDA graphs now, at the end of prefill, so that no decode step pays for it.
         Capture runs the step of a placeholder token at the next position; the real step at
         that position writes the same window slot and exchange buffers again."""
+        self._follow_resident()
         if not self.body.ready:
             self.body.set_step(0, self.host.num_tokens)
             self.body.capture()
@@ -147,10 +163,11 @@ class Decoder:
         first, last = window.context_blocks
         if self.selection is not None:
             self.selection.set_step(self.step_index, first, last)
+        self._follow_resident()
         if not body.ready:
             body.capture()
         if self.selection is not None:
-            return self._device_step(pos, start)
+            return self._device_step(pos, start, last)
         body.replay(0)
         for j, layer in enumerate(self.global_layers):
             t0 = time.perf_counter()
@@ -168,7 +185,7 @@ class Decoder:
         self._end_step(pos, start)
         return logits
 
-    def _device_step(self, pos: int, start: float) -> torch.Tensor:
+    def _device_step(self, pos: int, start: float, last: int) -> torch.Tensor:
         """A token the device runs alone (it selects and reads the blocks itself): one replay,
         one wait, then the new K/V of every global layer through to DRAM."""
         body = self.body
@@ -180,9 +197,11 @@ class Decoder:
             self._write_through(j, layer, pos)
         self.window.copy_to_sink(pos)
         logits = body.logits.clone()
-        selected = self.selection.selected()
+        per_layer = self.selection.selected()
+        selected = int(per_layer.sum())
         self.times.selected += selected
         self.times.device_read += selected
+        self.times.near_read += sum(int(n) for j, n in enumerate(per_layer) if self.dram_blocks.covers(j, last))
         self._end_step(pos, start)
         return logits
 
@@ -208,6 +227,8 @@ class Decoder:
         self.times.kv_bytes += read_by_cpu * self.block_bytes
         self.times.selected += selected
         self.times.device_read += selected - read_by_cpu
+        if self.dram_blocks is not None and not read_by_cpu and self.dram_blocks.covers(j, last):
+            self.times.near_read += selected
 
     def _end_step(self, pos: int, start: float):
         self.window.advance()

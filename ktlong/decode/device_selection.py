@@ -136,9 +136,9 @@ class DeviceSelection:
         """Queue the copy of the step's token counts to the host (read after the step: `selected`)."""
         self.selected_host.copy_(self.valid, non_blocking=True)
 
-    def selected(self) -> int:
-        """(kv head, block) pairs the last step read, after the device finished it."""
-        return int(self.selected_host.sum()) // self.block_size
+    def selected(self) -> np.ndarray:
+        """(kv head, block) pairs the last step read per global layer, after the device finished it."""
+        return self.selected_host.numpy().sum(1) // self.block_size
 
 
 def _scores_kernel(anchors: DeviceAnchors, selector: DecodeBlockSelector, device: torch.device):

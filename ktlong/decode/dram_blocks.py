@@ -11,6 +11,11 @@ way the GPU reads every selected block and the CPU operator none, but for one ca
 selecting, a dense layer's every block does not fit the index, and the CPU operator reads them. A
 token reads its selected K/V over PCIe once (285 MB at 8B shapes, 128K, q8_0); the CPU operator
 reads the same bytes from DRAM at the host's stream rate.
+
+Where the device keeps a layer's rows between turns (ktlong/kv/resident.py: as many layers as
+the memory plan leaves room for, stored as DRAM stores them), the kernel reads that layer's
+blocks from the copy instead, up to the rows it holds: the same bytes from HBM, not over PCIe.
+At 8B shapes, 128K and q8_0, a 24 GiB GPU holds about two thirds of the layers.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from ktlong.decode.device_selection import DeviceSelection
 from ktlong.errors import KtlongError
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.pinned import PinnedTensors
+from ktlong.kv.resident import ResidentHistory
 from operators import triton_installed
 
 
@@ -50,15 +56,17 @@ class DramBlocks:
         if not triton_installed():
             raise KtlongError("context_attention: gpu needs triton; install the GPU extra (pip install -e "
                               "\".[gpu]\") or set context_attention=cpu.")
-        from operators.selected_blocks_kernel import selected_blocks_attention, kernel_applies
+        from operators.selected_blocks_kernel import NearPages, selected_blocks_attention, kernel_applies
 
         if not kernel_applies(layout.kv_type, layout.block_size, layout.head_dim):
             raise KtlongError(f"context_attention: gpu reads bf16, fp16, fp32 or q8_0 blocks with a power-of-two "
                               f"block_size and head_dim of at least 16 (here {layout.kv_type}, block "
                               f"{layout.block_size}, head_dim {layout.head_dim}); set context_attention=cpu.")
         self.kernel, self.scale, self.block_size = selected_blocks_attention, scale, layout.block_size
+        self.near_pages, self.layers = NearPages, global_layers
         KV, NB = layout.num_kv_heads, layout.num_blocks
-        rows = KV * NB
+        self.num_blocks, self.num_rows = NB, KV * NB
+        rows = self.num_rows
         # each global layer's DRAM pages as [KV * NB, B, R] views (no copy), and their scales
         self.pages = [(host.k[g].view(rows, *host.k[g].shape[2:]), host.v[g].view(rows, *host.v[g].shape[2:]))
                       for g in global_layers]
@@ -70,6 +78,50 @@ class DramBlocks:
         self.head_rows = (np.arange(KV, dtype=np.int64) * NB)[:, None]
         self.none_left = (np.zeros((KV, 1), np.int32), np.zeros(KV, np.int32))
         self.selection = selection
+        # the device's copies (None: none kept): per global layer, the blocks per kv head read
+        # from the copy; the copies themselves are looked up when a part is run or captured
+        self.resident: ResidentHistory | None = None
+        self.near_blocks = torch.zeros(len(global_layers), dtype=torch.int64, device=device)
+        self.near_counts = [0] * len(global_layers)
+
+    def use_resident(self, resident: ResidentHistory | None) -> bool:
+        """Read each global layer's leading blocks from the device's copy of its rows, as far as
+        the copy holds whole blocks (before each step whose copies changed: the decoder tracks
+        resident.version). True when the copies' memory changed, so that captured parts, which
+        hold its addresses, must be captured again."""
+        before = self._near_addresses()
+        self.resident = resident
+        counts = [0] * len(self.layers)
+        if resident is not None:
+            for j, layer in enumerate(self.layers):
+                if layer in resident.rows:
+                    counts[j] = resident.valid[layer] // self.block_size
+        self.near_counts = counts
+        self.near_blocks.copy_(torch.tensor(counts, dtype=torch.int64))
+        return self._near_addresses() != before
+
+    def _near_addresses(self) -> tuple:
+        if self.resident is None:
+            return ()
+        return tuple(self.resident.rows[layer]["k"].data_ptr() if layer in self.resident.rows else 0
+                     for layer in self.layers)
+
+    def _near(self, j: int):
+        """Layer j's device copy as the kernel reads it ([KV * NB, B, R] as the DRAM pages), or None.
+        Its count is read at launch: a copy that grows keeps the captured parts valid."""
+        if self.resident is None or self.layers[j] not in self.resident.rows:
+            return None
+        rows, (_, block, _) = self.resident.rows[self.layers[j]], self.pages[j][0].shape
+
+        def view(name):
+            return rows[name].view(self.num_rows, block, -1) if name in rows else None
+        return self.near_pages(self.near_blocks[j], self.num_blocks, view("k"), view("v"), view("k_scales"),
+                               view("v_scales"))
+
+    def covers(self, j: int, last: int) -> bool:
+        """Whether layer j's device copy holds every context block before `last` (then none of
+        its selected blocks crossed PCIe)."""
+        return self.near_counts[j] >= last
 
     def fits(self, blocks: np.ndarray) -> bool:
         return self.hits.fits(blocks)
@@ -86,12 +138,14 @@ class DramBlocks:
         every block, which the CPU operator reads)."""
         self.hits.valid_np[j] = 0
 
-    def attend(self, j: int, q: torch.Tensor, base=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [H, D] over layer j's selected blocks in DRAM -> (out [H, D], lse [H]) float32;
-        base: a state (out, lse) over other keys merged in by the same kernel."""
+    def attend(self, j: int, q: torch.Tensor, base=None, out: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [H, D] over layer j's selected blocks in DRAM (or the device's copy) -> (out [H, D],
+        lse [H]) float32, into `out` when given; base: a state (out, lse) over other keys merged
+        in by the same kernel."""
         (k, v), (ks, vs) = self.pages[j], self.scales[j]
         rows = self.selection.select(j, q) if self.selection is not None else self.hits.load(j)
-        return self.kernel(q.float(), k, v, ks, vs, *rows, self.scale, base)
+        return self.kernel(q, k, v, ks, vs, *rows, self.scale, base, self._near(j), out)
 
 
 class HitIndex:

@@ -151,14 +151,12 @@ class DecodeStep:
             self._segment(j)
             if j < len(self.global_layers):  # the window's state merged into the selected blocks'
                 window = self._window_attention(self.global_layers[j], self.q_dev[j])
-                o, _ = self.dram_blocks.attend(j, self.q_dev[j], base=window)
-                self.o_hit[j].copy_(o)
+                self.dram_blocks.attend(j, self.q_dev[j], base=window, out=self.o_hit[j])
         self.dram_blocks.selection.report()
 
     def _dram_part(self, j: int):
         """Global layer j's selected blocks, read from DRAM."""
-        o, lse = self.dram_blocks.attend(j, self.q_dev[j])
-        self.o_hit[j].copy_(o)
+        _, lse = self.dram_blocks.attend(j, self.q_dev[j], out=self.o_hit[j])
         self.lse_hit[j].copy_(lse)
 
     def _append(self, layer: int, j: int | None = None) -> torch.Tensor:
@@ -245,6 +243,10 @@ class DecodeStep:
         with torch.cuda.graph(graph):
             self._token()
         self.graphs = [graph]
+
+    def forget_graphs(self):
+        """Drop the captured graphs (they hold addresses that changed); the next step captures again."""
+        self.graphs, self.window_graphs, self.dram_graphs = [], [], []
 
     @staticmethod
     def _capture_part(part, j: int, pool) -> torch.cuda.CUDAGraph:

@@ -30,6 +30,9 @@ class ResidentHistory:
         self.layout, self.device = layout, device
         self.rows: dict[int, dict[str, torch.Tensor]] = {}  # layer -> {"k", "v", "k_scales", "v_scales"}
         self.valid: dict[int, int] = {}  # layer -> leading tokens whose rows the copy holds
+        # changes whenever the layers held or their valid rows do: a decoder that reads the
+        # copies (ktlong/decode/dram_blocks.py) looks at them again before its next step
+        self.version = 0
 
     @property
     def layers(self) -> list[int]:
@@ -55,6 +58,7 @@ class ResidentHistory:
         wanted = set(candidates[:count])
         for layer in [i for i in self.rows if i not in wanted]:
             del self.rows[layer], self.valid[layer]
+            self.version += 1
         data, words = layout.stored_row
         shape = (layout.num_kv_heads, layout.capacity)
         for layer in sorted(wanted - set(self.rows)):
@@ -63,6 +67,7 @@ class ResidentHistory:
                 rows.update({f"{w}_scales": torch.empty(shape + (words,), dtype=torch.int16, device=self.device)
                              for w in "kv"})
             self.rows[layer], self.valid[layer] = rows, 0
+            self.version += 1
 
     def write(self, layer: int, which: str, start: int, end: int, data: torch.Tensor,
               scales: torch.Tensor | None = None):
@@ -74,8 +79,9 @@ class ResidentHistory:
 
     def extend(self, layer: int, start: int, end: int):
         """Both K and V of start..end are written: the copy holds them if it held what precedes."""
-        if self.valid[layer] == start:
+        if self.valid[layer] == start and end != start:
             self.valid[layer] = end
+            self.version += 1
 
     def widen(self, layer: int, which: str, start: int, end: int, dst: torch.Tensor, piece: int = 0):
         """Rows start..end of K ("k") or V ("v") into dst ([KV, end-start, D], the pages' dtype):
@@ -95,4 +101,6 @@ class ResidentHistory:
     def truncate(self, num_tokens: int):
         """The host keeps only its first num_tokens tokens: what follows is written over."""
         for layer in self.valid:
-            self.valid[layer] = min(self.valid[layer], num_tokens)
+            if self.valid[layer] > num_tokens:
+                self.valid[layer] = num_tokens
+                self.version += 1
