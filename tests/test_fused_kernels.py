@@ -80,3 +80,41 @@ def test_rope_from_positions_equals_rope_over_tables(rot, dtype):
     q_out, k_out = rope_at(x, k, inv, positions, 1.1)  # the model's entry: the kernel on a GPU, tables elsewhere
     torch.testing.assert_close(q_out.float(), ref.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(k_out.float(), ref[:, :2].float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16 rounded by its bits: the interpreter too
+@pytest.mark.parametrize("shape", [(3, 4096), (1, 896)])
+def test_add_rms_norm_kernel_equals_the_add_then_the_norm(shape, dtype):
+    """One pass of a residual add and the next norm: the sum as torch's add rounds it, and the
+    norm of that sum as torch's rms_norm gives it (one rounding step apart at most, where the
+    order of the mean's float32 sum moves a value across a boundary)."""
+    from operators.rms_norm_kernel import add_rms_norm_kernel
+
+    g = torch.Generator().manual_seed(shape[-1])
+    x, y = (torch.randn(2, *shape, generator=g) * 3).to(dtype).to(DEVICE)
+    w = torch.randn(shape[-1], generator=g).to(dtype).to(DEVICE)
+    total, normed = add_rms_norm_kernel(x, y, w, 1e-6)
+    assert torch.equal(total, x + y)
+    ref = torch_rms_norm(x + y, w, 1e-6)
+    assert normed.dtype == ref.dtype
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(normed.float(), ref.float(), rtol=tol, atol=tol)
+    if dtype == torch.bfloat16:  # float32: a row's inverse norm may differ in its last bit throughout
+        assert (normed == ref).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_kernel_equals_torch(dtype):
+    """silu(gate) * up from the gate/up product's [T, 2 I] output, rounded as torch's two ops
+    round it (silu's float32 value rounded, then the product)."""
+    from operators.gated_activation_kernel import silu_mul
+
+    g = torch.Generator().manual_seed(5)
+    gate_up = (torch.randn(3, 2 * 2500, generator=g) * 4).to(dtype).to(DEVICE)  # I past two programs' columns
+    gate, up = gate_up.chunk(2, -1)
+    ref = torch.nn.functional.silu(gate) * up
+    out = silu_mul(gate_up)
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7  # exp's last float32 bit may round apart
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    if dtype == torch.bfloat16:
+        assert (out == ref).float().mean() > 0.99

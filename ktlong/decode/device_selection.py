@@ -32,7 +32,6 @@ from ktlong.decode.device_anchors import DeviceAnchors
 from ktlong.decode.selection import DecodeBlockSelector
 from ktlong.kv.pinned import PinnedTensors
 from operators import triton_installed
-from operators.block_scores import query_vectors
 
 
 def selects_on_device(selector: DecodeBlockSelector, anchors: DeviceAnchors | None, global_layers: list[int]) -> bool:
@@ -82,6 +81,11 @@ class DeviceSelection:
         self.selected_host = pinned.pin(torch.zeros((len(global_layers), self.num_kv), dtype=torch.int64))
         self.has_selection = False
         self.kernel = _scores_kernel(anchors, selector, device)
+        self.rows_kernel = None  # operators/block_scores_kernel.selection_rows, on a GPU with triton
+        if device.type == "cuda" and triton_installed():
+            from operators.block_scores_kernel import selection_rows
+
+            self.rows_kernel = selection_rows
 
     def load_candidates(self):
         """After build_all and preselect: the preselection mask of every layer to the device."""
@@ -107,7 +111,7 @@ class DeviceSelection:
         if isinstance(role, int):
             self.valid[j].copy_(self.valid[role])
             return self.index[role], self.valid[j]
-        first, last, fresh = self.params[0], self.params[1], self.params[2].bool()
+        first, last = self.params[0], self.params[1]
         if role == "dense":
             blocks = (first + self.blocks).clamp(max=self.num_blocks - 1)
             self.index[j].copy_(self.head_rows + blocks)
@@ -115,9 +119,8 @@ class DeviceSelection:
             return self.index[j], self.valid[j]
         if self.kernel is not None:  # scores and mask in one kernel (operators/block_scores_kernel.py)
             anchors = self.anchors.anchors[self.layers[j]]
-            scores = self.kernel(query_vectors(q, self.num_kv, self.anchors.quest),
-                                 anchors.view(self.num_kv, self.num_blocks, -1), self.bias[j], self.params, self.k,
-                                 self.anchors.shared)
+            scores = self.kernel(q, anchors.view(self.num_kv, self.num_blocks, -1), self.bias[j], self.params, self.k,
+                                 self.anchors.shared, self.anchors.quest)
         else:
             scores = self.anchors.scores(self.layers[j], q)  # [R, NB]
             inside = (self.blocks >= first) & (self.blocks < last)
@@ -125,6 +128,10 @@ class DeviceSelection:
             bias = torch.where(crowded, self.bias[j], torch.zeros_like(self.bias[j]))
             scores = torch.where(inside, scores + bias, torch.full_like(scores, float("-inf")))
         top, picked = torch.topk(scores, self.places, dim=1)  # best first: the kernel reads the first count
+        if self.rows_kernel is not None:  # the rows and counts below in one kernel
+            self.rows_kernel(top, picked, self.params, self.index[j], self.valid[j], self.num_blocks, self.block_size)
+            return self.index[j], self.valid[j]
+        fresh = self.params[2].bool()
         count = (top > float("-inf")).sum(1)
         if picked.shape[0] == 1:
             picked, count = picked.expand(self.num_kv, -1), count.expand(self.num_kv)

@@ -57,10 +57,14 @@ class DecodeStep:
         self.global_layers = global_layers
         c, layout, dev = model.config, window.layout, model.device
         self.append_kernel = None  # operators/decode_append_kernel.py where it applies
+        self.window_kernel = None  # operators/window_attention_kernel.py, for the captured (masked) window
         if dev.type == "cuda" and triton_installed():
             from operators.decode_append_kernel import append_token, kernel_applies
+            from operators import window_attention_kernel
 
             self.append_kernel = append_token if kernel_applies(layout.kv_type, c.head_dim) else None
+            if window_attention_kernel.kernel_applies(layout.dtype, c.head_dim):
+                self.window_kernel = window_attention_kernel.window_attention
         self.num_layers = c.num_layers
         # inputs, written before each replay
         self.token = torch.zeros(1, dtype=torch.long, device=dev)
@@ -98,6 +102,7 @@ class DecodeStep:
         self.copied = torch.cuda.Event() if dev.type == "cuda" else None
         self.logits = torch.zeros(c.vocab_size, device=dev)
         self.rope = None  # the step's cos and sin (segment 0 computes them; later segments read them)
+        self.q_now = None  # with the device selecting: the q of the global layer the last segment ended at
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.replays = 0
 
@@ -134,7 +139,10 @@ class DecodeStep:
             q = self._append(g[j], j)
             if self.anchors is not None and not self.device_selects:
                 self.scores_host[j].copy_(self.anchors.scores(g[j], q), non_blocking=True)
-            self.q_dev[j].copy_(q)
+            if self.device_selects:  # the token's own body reads it next (_token)
+                self.q_now = q
+            else:  # the window's and the DRAM blocks' parts read it, captured apart
+                self.q_dev[j].copy_(q)
         else:
             self.logits.copy_(model.logits(self.x)[0])
 
@@ -150,8 +158,8 @@ class DecodeStep:
         for j in range(len(self.global_layers) + 1):
             self._segment(j)
             if j < len(self.global_layers):  # the window's state merged into the selected blocks'
-                window = self._window_attention(self.global_layers[j], self.q_dev[j])
-                self.dram_blocks.attend(j, self.q_dev[j], base=window, out=self.o_hit[j])
+                window = self._window_attention(self.global_layers[j], self.q_now)
+                self.dram_blocks.attend(j, self.q_now, base=window, out=self.o_hit[j])
         self.dram_blocks.selection.report()
 
     def _dram_part(self, j: int):
@@ -186,6 +194,8 @@ class DecodeStep:
         [H, D], lse [H] float32. Captured: the whole buffer with the invalid keys masked, fixed
         shapes read from device memory; eager: the valid keys only."""
         keys, values = self.window.layer_buffers(layer)
+        if self.capturing and self.window_kernel is not None:
+            return self.window_kernel(q, keys, values, self.lo, self.hi, self.model.scale, last)
         if self.capturing:
             lo = torch.maximum(self.lo, self.hi - last) if last else self.lo
             return masked_window_attention(q, keys, values, lo, self.hi, self.model.scale)
@@ -194,7 +204,7 @@ class DecodeStep:
         return attention_with_lse(q, keys[:, lo:hi], values[:, lo:hi], self.model.scale)
 
     def _finish(self, layer: int, o: torch.Tensor):
-        self.x.copy_(self.model.residual_block(layer, self.x, o[None]))
+        self.model.residual_block(layer, self.x, o[None], out=self.x)
 
     # ---- capture and replay -------------------------------------------------------------
     def capture(self):

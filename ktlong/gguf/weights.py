@@ -66,6 +66,7 @@ class LayerWeights:
     # call (wq, wk, wv are views of it; fuse_projections)
     wqkv: torch.Tensor | StoredMatrix | None = None  # [(num_heads + 2 num_kv_heads) * head_dim, hidden]
     w_gate_up: torch.Tensor | StoredMatrix | None = None  # [2 intermediate, hidden]
+    bqkv: torch.Tensor | None = None  # with wqkv, where q, k and v all have biases: bq, bk, bv are views of it
 
 
 @dataclass(slots=True)
@@ -148,6 +149,10 @@ def fuse_projections(layer: LayerWeights):
     (LayerWeights)."""
     layer.wqkv, (layer.wq, layer.wk, layer.wv) = _stacked([layer.wq, layer.wk, layer.wv])
     layer.w_gate_up, (layer.w_gate, layer.w_up) = _stacked([layer.w_gate, layer.w_up])
+    biases = [layer.bq, layer.bk, layer.bv]
+    if layer.wqkv is not None and all(b is not None for b in biases) and len({(b.dtype, b.device) for b in biases}) == 1:
+        layer.bqkv = torch.cat(biases)
+        layer.bq, layer.bk, layer.bv = layer.bqkv.split([b.shape[0] for b in biases])
 
 
 def _stacked(parts: list) -> tuple:

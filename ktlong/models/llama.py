@@ -33,6 +33,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x32.to(x.dtype) * weight
 
 
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add and the norm after it: (x + y, rms_norm(x + y, weight))."""
+    if x.is_cuda and triton_installed():  # one kernel instead of two
+        from operators.rms_norm_kernel import add_rms_norm_kernel
+
+        return add_rms_norm_kernel(x, y, weight, eps)
+    total = x + y
+    return total, rms_norm(total, weight, eps)
+
+
+def activation(gate: torch.Tensor, act: str) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") if act == "gelu_tanh" else F.silu(gate)
+
+
+def gated(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """The MLP's act(gate) * up from the gate/up product's output [T, 2 I]."""
+    if act != "gelu_tanh" and gate_up.is_cuda and triton_installed():  # one kernel instead of two
+        from operators.gated_activation_kernel import silu_mul
+
+        return silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, -1)
+    return activation(gate, act) * up
+
+
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: ModelWeights, tp=None):
         """tp: a TensorParallel (ktlong/parallel/group.py) when config and weights are one rank's
@@ -70,9 +95,14 @@ class LlamaModel:
         rope_tables(positions) when given)."""
         c, w = self.config, self.weights.layers[i]
         h = rms_norm(x, w.attn_norm, c.rms_norm_eps)
-        if w.wqkv is not None:  # one product: [T, (H + 2 KV) * D]
-            q, k, v = linear(h, w.wqkv).split([w.wq.shape[0], w.wk.shape[0], w.wv.shape[0]], -1)
-            q, k, v = (t if b is None else t + b for t, b in ((q, w.bq), (k, w.bk), (v, w.bv)))
+        qkv = None
+        if w.wqkv is not None:  # one product: [T, (H + 2 KV) * D], its biases in one add
+            qkv = linear(h, w.wqkv)
+            qkv = qkv if w.bqkv is None else qkv + w.bqkv
+            q, k, v = qkv.split([w.wq.shape[0], w.wk.shape[0], w.wv.shape[0]], -1)
+            if w.bqkv is None and w.bq is not None:  # biases of mixed kinds
+                q, k, v = (t if b is None else t + b for t, b in ((q, w.bq), (k, w.bk), (v, w.bv)))
+                qkv = None
         else:
             q, k, v = linear(h, w.wq, w.bq), linear(h, w.wk, w.bk), linear(h, w.wv, w.bv)
         q = q.reshape(-1, c.num_heads, c.head_dim)
@@ -85,6 +115,10 @@ class LlamaModel:
             freqs = self.inv_freq_local if sliding else self.inv_freq
             return *rope_at(q, k, freqs, positions, 1.0 if sliding else self.rope_mscale), v
         cos, sin = rope[sliding]
+        if qkv is not None and not c.has_qk_norm:  # q and k side by side in the product: one rotation
+            heads = c.num_heads + c.num_kv_heads
+            qk = apply_rope(qkv[:, :heads * c.head_dim].view(-1, heads, c.head_dim), cos, sin)
+            return qk[:, :c.num_heads], qk[:, c.num_heads:], v
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attention_output(self, i: int, o: torch.Tensor) -> torch.Tensor:
@@ -95,23 +129,25 @@ class LlamaModel:
             self.tp.all_reduce(out)
         return rms_norm(out, w.post_attn_norm, self.config.rms_norm_eps) if w.post_attn_norm is not None else out
 
-    def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """h: the layer's input after its ffn_norm, [T, hidden] -> [T, hidden]."""
         w = self.weights.layers[i]
-        h = rms_norm(x, w.ffn_norm, self.config.rms_norm_eps)
         if w.w_gate_up is not None:  # one product: [T, 2 intermediate]
-            gate, up = linear(h, w.w_gate_up).chunk(2, -1)
+            product = gated(linear(h, w.w_gate_up), self.config.mlp_act)
         else:
-            gate, up = linear(h, w.w_gate), linear(h, w.w_up)
-        gate = F.gelu(gate, approximate="tanh") if self.config.mlp_act == "gelu_tanh" else F.silu(gate)
-        out = linear(gate * up, w.w_down)
+            product = activation(linear(h, w.w_gate), self.config.mlp_act) * linear(h, w.w_up)
+        out = linear(product, w.w_down)
         if self.tp is not None:
             self.tp.all_reduce(out)
         return rms_norm(out, w.post_ffn_norm, self.config.rms_norm_eps) if w.post_ffn_norm is not None else out
 
-    def residual_block(self, i: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """The rest of layer i once attention is done: x [T, hidden], o [T, H, D] -> x [T, hidden]."""
-        x = x + self.attention_output(i, o.to(x.dtype))
-        return x + self.mlp(i, x)
+    def residual_block(self, i: int, x: torch.Tensor, o: torch.Tensor, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        """The rest of layer i once attention is done: x [T, hidden], o [T, H, D] -> x [T, hidden]
+        (into `out` when given; it may be x)."""
+        x, h = add_rms_norm(x, self.attention_output(i, o.to(x.dtype)), self.weights.layers[i].ffn_norm,
+                            self.config.rms_norm_eps)
+        return torch.add(x, self.mlp(i, h), out=out)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, vocab] float32

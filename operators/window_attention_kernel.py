@@ -1,0 +1,148 @@
+"""A decode query over the device window (sinks and local window) in three Triton kernels, for
+GPUs: the CUDA-graph path's masked_window_attention (operators/window_attention.py) is about
+seventeen kernels a global layer (the mask's four, two batched products with their casts, the
+scale, the fill, logsumexp's five, the probabilities' three), 540 nodes of a token's graph at 8B
+shapes.
+
+It rounds where the torch version rounds, so the two agree to the order of float32 sums:
+- each logit q . k is summed in float32 and rounded to bfloat16 (the product's output type), then
+  scaled in float32; keys outside lo..hi-1 are -inf;
+- lse is the log-sum-exp of those logits over the whole window, in float32;
+- each probability exp(logit - lse) is rounded to bfloat16, the products p . v summed in float32
+  and the result rounded to bfloat16 once more.
+The probabilities need the final lse before they are rounded, so the work is split: (1) logits
+and each key range's max and sum of exponentials; (2) lse from all ranges, then each range's
+share of p . v; (3) the shares summed and rounded.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from operators.checks import expect
+from operators.narrow import narrow
+
+KEYS = 64  # keys per tile: [KEYS, head_dim] of K or V in registers
+TILES = 4  # tiles per program: a program takes KEYS * TILES keys of one kv head
+
+
+@triton.jit
+def _logits(q_ptr, k_ptr, lo_ptr, hi_ptr, logits_ptr, max_ptr, sum_ptr, n, group, last, scale, stride_head,
+            stride_key, ROWS: tl.constexpr, DIM: tl.constexpr, KEYS: tl.constexpr, TILES: tl.constexpr):
+    """Kv head h, keys KEYS * TILES * r ..: logits [KV, group, n] float32 and the range's max and
+    sum of exp(logit - max) per query row."""
+    h, r = tl.program_id(0), tl.program_id(1)
+    parts = tl.num_programs(1)
+    rows = tl.arange(0, ROWS)
+    dims = tl.arange(0, DIM)
+    real = rows < group
+    q = tl.load(q_ptr + (h * group + rows[:, None]) * DIM + dims[None, :], mask=real[:, None],
+                other=0.0).to(tl.float32)
+    lo, hi = tl.load(lo_ptr), tl.load(hi_ptr)
+    if last > 0:  # a sliding layer: its last keys only
+        lo = tl.maximum(lo, hi - last)
+    top = tl.full((ROWS,), float("-inf"), tl.float32)
+    total = tl.zeros((ROWS,), tl.float32)
+    for t in range(TILES):
+        keys = (r * TILES + t) * KEYS + tl.arange(0, KEYS)
+        inside = keys < n
+        k = tl.load(k_ptr + h * stride_head + keys[:, None] * stride_key + dims[None, :], mask=inside[:, None],
+                    other=0.0).to(tl.float32)
+        # exact products of the narrow values summed in float32, as the narrow product sums them
+        s = narrow(tl.dot(q, tl.trans(k), input_precision="ieee"), tl.bfloat16) * scale
+        s = tl.where(((keys >= lo) & (keys < hi))[None, :], s, float("-inf"))
+        tl.store(logits_ptr + (h * group + rows[:, None]) * n + keys[None, :], s, mask=real[:, None] & inside[None, :])
+        new_top = tl.maximum(top, tl.max(s, 1))
+        shift = tl.where(new_top == float("-inf"), 0.0, new_top)
+        total = total * tl.exp(top - shift) + tl.sum(tl.exp(s - shift[:, None]), 1)
+        top = new_top
+    at = (h * parts + r) * ROWS + rows
+    tl.store(max_ptr + at, top)
+    tl.store(sum_ptr + at, total)
+
+
+@triton.jit
+def _values(v_ptr, logits_ptr, max_ptr, sum_ptr, share_ptr, lse_ptr, n, group, stride_head, stride_key,
+            ROWS: tl.constexpr, DIM: tl.constexpr, KEYS: tl.constexpr, TILES: tl.constexpr, PARTS: tl.constexpr):
+    """Kv head h, range r: lse over every range, then this range's sum of p . v (p rounded to the
+    window's type) -> share [KV, PARTS, ROWS, DIM] float32; range 0 also stores lse."""
+    h, r = tl.program_id(0), tl.program_id(1)
+    rows = tl.arange(0, ROWS)
+    dims = tl.arange(0, DIM)
+    real = rows < group
+    ranges = tl.arange(0, PARTS)
+    at = (h * PARTS + ranges[None, :]) * ROWS + rows[:, None]  # [ROWS, PARTS]
+    tops = tl.load(max_ptr + at)
+    top = tl.max(tops, 1)
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    lse = shift + tl.log(tl.sum(tl.load(sum_ptr + at) * tl.exp(tops - shift[:, None]), 1))
+    if r == 0:
+        tl.store(lse_ptr + h * group + rows, lse, mask=real)
+    acc = tl.zeros((ROWS, DIM), tl.float32)
+    for t in range(TILES):
+        keys = (r * TILES + t) * KEYS + tl.arange(0, KEYS)
+        inside = keys < n
+        s = tl.load(logits_ptr + (h * group + rows[:, None]) * n + keys[None, :], mask=real[:, None] & inside[None, :],
+                    other=float("-inf"))
+        p = narrow(tl.exp(s - lse[:, None]), tl.bfloat16)
+        v = tl.load(v_ptr + h * stride_head + keys[:, None] * stride_key + dims[None, :], mask=inside[:, None],
+                    other=0.0).to(tl.float32)
+        acc += tl.dot(p, v, input_precision="ieee")
+    tl.store(share_ptr + ((h * PARTS + r) * ROWS + rows[:, None]) * DIM + dims[None, :], acc)
+
+
+@triton.jit
+def _sum_shares(share_ptr, out_ptr, group, ROWS: tl.constexpr, DIM: tl.constexpr, PARTS: tl.constexpr):
+    """Kv head h's shares summed, rounded to bfloat16 -> out [H, DIM] float32."""
+    h = tl.program_id(0)
+    rows = tl.arange(0, ROWS)
+    dims = tl.arange(0, DIM)
+    acc = tl.zeros((ROWS, DIM), tl.float32)
+    for r in range(PARTS):
+        acc += tl.load(share_ptr + ((h * PARTS + r) * ROWS + rows[:, None]) * DIM + dims[None, :])
+    out = narrow(acc, tl.bfloat16)
+    tl.store(out_ptr + (h * group + rows[:, None]) * DIM + dims[None, :], out, mask=(rows < group)[:, None])
+
+
+def kernel_applies(dtype: torch.dtype, head_dim: int) -> bool:
+    """Windows in bfloat16 (float16 ones keep the torch ops) with a power-of-two head_dim of at
+    least 16 (tl.dot's tile)."""
+    return dtype == torch.bfloat16 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                     scale: float, last: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [H, D] over k, v [KV, N, D] (a whole window buffer, bfloat16) of which keys lo..hi-1
+    count (0-dim int64 device tensors; with last > 0 only the last `last` of them) -> out [H, D],
+    lse [H] float32, as masked_window_attention gives them. Fixed shapes, no sync."""
+    expect("k", k, ndim=3, dtype=torch.bfloat16)
+    num_kv, n, dim = k.shape
+    expect("v", v, shape=tuple(k.shape), dtype=k.dtype, device=k.device)
+    expect("q", q, shape=(None, dim), device=k.device)
+    expect("lo", lo, shape=(), dtype=torch.int64, device=k.device)
+    expect("hi", hi, shape=(), dtype=torch.int64, device=k.device)
+    if k.stride(2) != 1 or v.stride() != k.stride():
+        raise ValueError("k and v must share strides, with contiguous rows")
+    num_heads = q.shape[0]
+    if num_heads % num_kv:
+        raise ValueError(f"q's {num_heads} heads must be whole groups of k's {num_kv} kv heads")
+    group = num_heads // num_kv
+    rows = max(16, triton.next_power_of_2(group))
+    parts = triton.next_power_of_2(triton.cdiv(max(n, 1), KEYS * TILES))  # a power of two: _values reads all
+    device = q.device
+    logits = torch.empty((num_heads, n), dtype=torch.float32, device=device)
+    tops = torch.empty((num_kv, parts, rows), dtype=torch.float32, device=device)
+    sums = torch.empty((num_kv, parts, rows), dtype=torch.float32, device=device)
+    share = torch.empty((num_kv, parts, rows, dim), dtype=torch.float32, device=device)
+    out = torch.empty((num_heads, dim), dtype=torch.float32, device=device)
+    lse = torch.empty(num_heads, dtype=torch.float32, device=device)
+    q = q.to(k.dtype).contiguous()
+    # ranges past the keys (parts is rounded up) hold none: their max is -inf, their sum 0
+    _logits[(num_kv, parts)](q, k, lo, hi, logits, tops, sums, n, group, last, scale, k.stride(0), k.stride(1),
+                            ROWS=rows, DIM=dim, KEYS=KEYS, TILES=TILES)
+    _values[(num_kv, parts)](v, logits, tops, sums, share, lse, n, group, k.stride(0), k.stride(1),
+                             ROWS=rows, DIM=dim, KEYS=KEYS, TILES=TILES, PARTS=parts)
+    _sum_shares[(num_kv,)](share, out, group, ROWS=rows, DIM=dim, PARTS=parts)
+    return out, lse

@@ -1,0 +1,36 @@
+"""The window's attention kernel (operators/window_attention_kernel.py) against the torch ops the
+CUDA-graph path ran before it (masked_window_attention): the same rounding to the window's type,
+so the results agree to the order of float32 sums. On the CPU the kernel runs in Triton's
+interpreter (tests/conftest.py)."""
+
+import pytest
+import torch
+
+from operators.window_attention import masked_window_attention
+from operators.window_attention_kernel import window_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("group, n, lo, hi, last", [
+    (4, 300, 0, 300, 0),  # the whole buffer
+    (7, 300, 16, 213, 0),  # sinks skipped, the end not yet filled; Qwen2.5-0.5B's group
+    (4, 1100, 0, 1100, 0),  # more ranges than one program's keys
+    (2, 300, 0, 250, 100),  # a sliding layer: its last 100 keys
+])
+def test_kernel_rounds_as_the_masked_torch_ops(group, n, lo, hi, last):
+    g = torch.Generator().manual_seed(n + group)
+    num_kv, dim = 2, 64
+    q = (torch.randn(num_kv * group, dim, generator=g) * 2).to(torch.bfloat16)
+    k, v = (torch.randn(2, num_kv, n, dim, generator=g) * 2).to(torch.bfloat16)
+    lo_t, hi_t = torch.tensor(lo), torch.tensor(hi)
+    last_lo = torch.maximum(lo_t, hi_t - last) if last else lo_t
+    ref_out, ref_lse = masked_window_attention(q, k, v, last_lo, hi_t, 0.125)
+    to = dict(device=DEVICE)
+    out, lse = window_attention(q.to(**to), k.to(**to), v.to(**to), lo_t.to(**to), hi_t.to(**to), 0.125, last)
+    torch.testing.assert_close(lse.cpu(), ref_lse, rtol=1e-5, atol=1e-5)
+    # each value is rounded to bfloat16 as the torch ops round it: equal but where a float32 sum's
+    # order moves a value across a rounding boundary, one bfloat16 step
+    step = ref_out.abs().clamp_min(1e-3) * 2 ** -7
+    assert ((out.cpu() - ref_out).abs() <= step).all()
+    assert (out.cpu() == ref_out).float().mean() > 0.95
