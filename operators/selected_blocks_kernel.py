@@ -56,19 +56,26 @@ def _selected_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, near_k_ptr, 
         b = share * PER_SHARE + i
         if b < valid_blocks:
             row = tl.load(index_ptr + h * max_selected + b)
-            if row % num_blocks < near:  # on the device
-                k_at, v_at, ks_at, vs_at = near_k_ptr, near_v_ptr, near_ks_ptr, near_vs_ptr
-            else:  # in DRAM, over PCIe
-                k_at, v_at, ks_at, vs_at = k_ptr, v_ptr, ks_ptr, vs_ptr
+            near_block = row % num_blocks < near  # on the device; else in DRAM, over PCIe
             for start in range(0, BLOCK, KEYS):  # KEYS tokens at a time: the tiles stay in registers
                 tokens = start + tl.arange(0, KEYS)
                 at = row * stride_row + tokens[:, None] * stride_token + dims[None, :]
-                keys = tl.load(k_at + at).to(tl.float32)  # [KEYS, DIM]
-                values = tl.load(v_at + at).to(tl.float32)
+                # both tables masked by one uniform condition: one of the loads reads, and each keeps
+                # its pointer's alignment (a pointer chosen at run time would lose it, and the loads'
+                # vector width with it)
+                near_tile = tl.full((KEYS, DIM), 0, tl.int1) | near_block
+                keys = tl.where(near_tile, tl.load(near_k_ptr + at, mask=near_tile, other=0),
+                                tl.load(k_ptr + at, mask=~near_tile, other=0)).to(tl.float32)  # [KEYS, DIM]
+                values = tl.where(near_tile, tl.load(near_v_ptr + at, mask=near_tile, other=0),
+                                  tl.load(v_ptr + at, mask=~near_tile, other=0)).to(tl.float32)
                 if QUANT:
                     s_at = row * stride_srow + tokens[:, None] * stride_stoken + dims[None, :] // 32  # a scale per 32
-                    keys = keys * tl.load(ks_at + s_at).to(tl.float16, bitcast=True).to(tl.float32)
-                    values = values * tl.load(vs_at + s_at).to(tl.float16, bitcast=True).to(tl.float32)
+                    ks = tl.where(near_tile, tl.load(near_ks_ptr + s_at, mask=near_tile, other=0),
+                                  tl.load(ks_ptr + s_at, mask=~near_tile, other=0))
+                    vs = tl.where(near_tile, tl.load(near_vs_ptr + s_at, mask=near_tile, other=0),
+                                  tl.load(vs_ptr + s_at, mask=~near_tile, other=0))
+                    keys = keys * ks.to(tl.float16, bitcast=True).to(tl.float32)
+                    values = values * vs.to(tl.float16, bitcast=True).to(tl.float32)
                 logits = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale  # [ROWS, KEYS]
                 new_max = tl.maximum(run_max, tl.max(logits, 1))
                 correction = tl.exp(run_max - new_max)
