@@ -11,8 +11,9 @@ It rounds where the torch version rounds, so the two agree to the order of float
 - each probability exp(logit - lse) is rounded to bfloat16, the products p . v summed in float32
   and the result rounded to bfloat16 once more.
 The probabilities need the final lse before they are rounded, so the work is split: (1) logits
-and each key range's max and sum of exponentials; (2) lse from all ranges, then each range's
-share of p . v; (3) the shares summed and rounded.
+and each key range's max and sum of exponentials, a program per query row and range; (2) lse
+from all ranges, then each range's share of p . v, a program per kv head and range; (3) the
+shares summed and rounded.
 """
 
 from __future__ import annotations
@@ -31,34 +32,32 @@ TILES = 4  # tiles per program: a program takes KEYS * TILES keys of one kv head
 @triton.jit
 def _logits(q_ptr, k_ptr, lo_ptr, hi_ptr, logits_ptr, max_ptr, sum_ptr, n, group, last, scale, stride_head,
             stride_key, ROWS: tl.constexpr, DIM: tl.constexpr, KEYS: tl.constexpr, TILES: tl.constexpr):
-    """Kv head h, keys KEYS * TILES * r ..: logits [KV, group, n] float32 and the range's max and
-    sum of exp(logit - max) per query row."""
-    h, r = tl.program_id(0), tl.program_id(1)
+    """Query head i, keys KEYS * TILES * r ..: logits [H, n] float32 and the range's max and sum of
+    exp(logit - max) at [kv head, r, row in group]. Each logit is the float32 sum of the exact
+    products (no tl.dot: one query row per program, a multiply and a row sum)."""
+    i, r = tl.program_id(0), tl.program_id(1)
     parts = tl.num_programs(1)
-    rows = tl.arange(0, ROWS)
+    h, g = i // group, i % group
     dims = tl.arange(0, DIM)
-    real = rows < group
-    q = tl.load(q_ptr + (h * group + rows[:, None]) * DIM + dims[None, :], mask=real[:, None],
-                other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + i * DIM + dims).to(tl.float32)
     lo, hi = tl.load(lo_ptr), tl.load(hi_ptr)
     if last > 0:  # a sliding layer: its last keys only
         lo = tl.maximum(lo, hi - last)
-    top = tl.full((ROWS,), float("-inf"), tl.float32)
-    total = tl.zeros((ROWS,), tl.float32)
+    top = float("-inf")
+    total = 0.0
     for t in range(TILES):
         keys = (r * TILES + t) * KEYS + tl.arange(0, KEYS)
         inside = keys < n
         k = tl.load(k_ptr + h * stride_head + keys[:, None] * stride_key + dims[None, :], mask=inside[:, None],
                     other=0.0).to(tl.float32)
-        # exact products of the narrow values summed in float32, as the narrow product sums them
-        s = narrow(tl.dot(q, tl.trans(k), input_precision="ieee"), tl.bfloat16) * scale
-        s = tl.where(((keys >= lo) & (keys < hi))[None, :], s, float("-inf"))
-        tl.store(logits_ptr + (h * group + rows[:, None]) * n + keys[None, :], s, mask=real[:, None] & inside[None, :])
-        new_top = tl.maximum(top, tl.max(s, 1))
+        s = narrow(tl.sum(k * q[None, :], 1), tl.bfloat16) * scale  # [KEYS]
+        s = tl.where((keys >= lo) & (keys < hi), s, float("-inf"))
+        tl.store(logits_ptr + i * n + keys, s, mask=inside)
+        new_top = tl.maximum(top, tl.max(s, 0))
         shift = tl.where(new_top == float("-inf"), 0.0, new_top)
-        total = total * tl.exp(top - shift) + tl.sum(tl.exp(s - shift[:, None]), 1)
+        total = total * tl.exp(top - shift) + tl.sum(tl.exp(s - shift), 0)
         top = new_top
-    at = (h * parts + r) * ROWS + rows
+    at = (h * parts + r) * ROWS + g
     tl.store(max_ptr + at, top)
     tl.store(sum_ptr + at, total)
 
@@ -73,11 +72,12 @@ def _values(v_ptr, logits_ptr, max_ptr, sum_ptr, share_ptr, lse_ptr, n, group, s
     dims = tl.arange(0, DIM)
     real = rows < group
     ranges = tl.arange(0, PARTS)
-    at = (h * PARTS + ranges[None, :]) * ROWS + rows[:, None]  # [ROWS, PARTS]
-    tops = tl.load(max_ptr + at)
+    at = (h * PARTS + ranges[None, :]) * ROWS + rows[:, None]  # [ROWS, PARTS]; rows past group never written
+    tops = tl.load(max_ptr + at, mask=real[:, None], other=float("-inf"))
     top = tl.max(tops, 1)
     shift = tl.where(top == float("-inf"), 0.0, top)
-    lse = shift + tl.log(tl.sum(tl.load(sum_ptr + at) * tl.exp(tops - shift[:, None]), 1))
+    total = tl.sum(tl.load(sum_ptr + at, mask=real[:, None], other=0.0) * tl.exp(tops - shift[:, None]), 1)
+    lse = tl.where(real, shift + tl.log(tl.where(real, total, 1.0)), 0.0)  # padded rows: p = 0
     if r == 0:
         tl.store(lse_ptr + h * group + rows, lse, mask=real)
     acc = tl.zeros((ROWS, DIM), tl.float32)
@@ -140,8 +140,8 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torc
     lse = torch.empty(num_heads, dtype=torch.float32, device=device)
     q = q.to(k.dtype).contiguous()
     # ranges past the keys (parts is rounded up) hold none: their max is -inf, their sum 0
-    _logits[(num_kv, parts)](q, k, lo, hi, logits, tops, sums, n, group, last, scale, k.stride(0), k.stride(1),
-                            ROWS=rows, DIM=dim, KEYS=KEYS, TILES=TILES)
+    _logits[(num_heads, parts)](q, k, lo, hi, logits, tops, sums, n, group, last, scale, k.stride(0), k.stride(1),
+                                ROWS=rows, DIM=dim, KEYS=KEYS, TILES=TILES)
     _values[(num_kv, parts)](v, logits, tops, sums, share, lse, n, group, k.stride(0), k.stride(1),
                              ROWS=rows, DIM=dim, KEYS=KEYS, TILES=TILES, PARTS=parts)
     _sum_shares[(num_kv,)](share, out, group, ROWS=rows, DIM=dim, PARTS=parts)
