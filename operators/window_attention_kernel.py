@@ -63,7 +63,7 @@ def _logits(q_ptr, k_ptr, lo_ptr, hi_ptr, logits_ptr, max_ptr, sum_ptr, n, group
 
 
 @triton.jit
-def _values(v_ptr, logits_ptr, max_ptr, sum_ptr, share_ptr, lse_ptr, n, group, stride_head, stride_key,
+def _values(v_ptr, logits_ptr, max_ptr, sum_ptr, share_ptr, lse_ptr, n, group, stride_head, stride_key, parts,
             ROWS: tl.constexpr, DIM: tl.constexpr, KEYS: tl.constexpr, TILES: tl.constexpr, PARTS: tl.constexpr):
     """Kv head h, range r: lse over every range, then this range's sum of p . v (p rounded to the
     window's type) -> share [KV, PARTS, ROWS, DIM] float32; range 0 also stores lse."""
@@ -71,12 +71,13 @@ def _values(v_ptr, logits_ptr, max_ptr, sum_ptr, share_ptr, lse_ptr, n, group, s
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, DIM)
     real = rows < group
-    ranges = tl.arange(0, PARTS)
-    at = (h * PARTS + ranges[None, :]) * ROWS + rows[:, None]  # [ROWS, PARTS]; rows past group never written
-    tops = tl.load(max_ptr + at, mask=real[:, None], other=float("-inf"))
+    ranges = tl.arange(0, PARTS)  # parts, rounded up to a power of two
+    at = (h * parts + ranges[None, :]) * ROWS + rows[:, None]  # [ROWS, PARTS]; rows past group never written
+    held = real[:, None] & (ranges < parts)[None, :]
+    tops = tl.load(max_ptr + at, mask=held, other=float("-inf"))
     top = tl.max(tops, 1)
     shift = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.sum(tl.load(sum_ptr + at, mask=real[:, None], other=0.0) * tl.exp(tops - shift[:, None]), 1)
+    total = tl.sum(tl.load(sum_ptr + at, mask=held, other=0.0) * tl.exp(tops - shift[:, None]), 1)
     lse = tl.where(real, shift + tl.log(tl.where(real, total, 1.0)), 0.0)  # padded rows: p = 0
     if r == 0:
         tl.store(lse_ptr + h * group + rows, lse, mask=real)
@@ -89,19 +90,19 @@ def _values(v_ptr, logits_ptr, max_ptr, sum_ptr, share_ptr, lse_ptr, n, group, s
         p = narrow(tl.exp(s - lse[:, None]), tl.bfloat16)
         v = tl.load(v_ptr + h * stride_head + keys[:, None] * stride_key + dims[None, :], mask=inside[:, None],
                     other=0.0).to(tl.float32)
-        acc += tl.dot(p, v, input_precision="ieee")
-    tl.store(share_ptr + ((h * PARTS + r) * ROWS + rows[:, None]) * DIM + dims[None, :], acc)
+        acc += tl.dot(p, v, input_precision="tf32")  # bfloat16 values are exact in TF32: exact products
+    tl.store(share_ptr + ((h * parts + r) * ROWS + rows[:, None]) * DIM + dims[None, :], acc)
 
 
 @triton.jit
-def _sum_shares(share_ptr, out_ptr, group, ROWS: tl.constexpr, DIM: tl.constexpr, PARTS: tl.constexpr):
+def _sum_shares(share_ptr, out_ptr, group, parts, ROWS: tl.constexpr, DIM: tl.constexpr):
     """Kv head h's shares summed, rounded to bfloat16 -> out [H, DIM] float32."""
     h = tl.program_id(0)
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, DIM)
     acc = tl.zeros((ROWS, DIM), tl.float32)
-    for r in range(PARTS):
-        acc += tl.load(share_ptr + ((h * PARTS + r) * ROWS + rows[:, None]) * DIM + dims[None, :])
+    for r in range(parts):
+        acc += tl.load(share_ptr + ((h * parts + r) * ROWS + rows[:, None]) * DIM + dims[None, :])
     out = narrow(acc, tl.bfloat16)
     tl.store(out_ptr + (h * group + rows[:, None]) * DIM + dims[None, :], out, mask=(rows < group)[:, None])
 
@@ -130,7 +131,7 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torc
         raise ValueError(f"q's {num_heads} heads must be whole groups of k's {num_kv} kv heads")
     group = num_heads // num_kv
     rows = max(16, triton.next_power_of_2(group))
-    parts = triton.next_power_of_2(triton.cdiv(max(n, 1), KEYS * TILES))  # a power of two: _values reads all
+    parts = triton.cdiv(max(n, 1), KEYS * TILES)
     device = q.device
     logits = torch.empty((num_heads, n), dtype=torch.float32, device=device)
     tops = torch.empty((num_kv, parts, rows), dtype=torch.float32, device=device)
@@ -139,10 +140,9 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torc
     out = torch.empty((num_heads, dim), dtype=torch.float32, device=device)
     lse = torch.empty(num_heads, dtype=torch.float32, device=device)
     q = q.to(k.dtype).contiguous()
-    # ranges past the keys (parts is rounded up) hold none: their max is -inf, their sum 0
     _logits[(num_heads, parts)](q, k, lo, hi, logits, tops, sums, n, group, last, scale, k.stride(0), k.stride(1),
                                 ROWS=rows, DIM=dim, KEYS=KEYS, TILES=TILES)
-    _values[(num_kv, parts)](v, logits, tops, sums, share, lse, n, group, k.stride(0), k.stride(1),
-                             ROWS=rows, DIM=dim, KEYS=KEYS, TILES=TILES, PARTS=parts)
-    _sum_shares[(num_kv,)](share, out, group, ROWS=rows, DIM=dim, PARTS=parts)
+    _values[(num_kv, parts)](v, logits, tops, sums, share, lse, n, group, k.stride(0), k.stride(1), parts,
+                             ROWS=rows, DIM=dim, KEYS=KEYS, TILES=TILES, PARTS=triton.next_power_of_2(parts))
+    _sum_shares[(num_kv,)](share, out, group, parts, ROWS=rows, DIM=dim)
     return out, lse
