@@ -9,7 +9,8 @@ or q8_0 with its scales, widened in registers), and keeps an online softmax; a f
 arithmetic is float32 throughout, as the CPU's operator attends to the rest of the selection:
 the two parts must agree to float32 rounding, or a later selection can flip. Its products run
 on tensor cores as three TF32 products (tl.dot's tf32x3: float32's accuracy, within the tests'
-1e-5 of the float32 reference), 0.8 ms a token faster at 1M than IEEE float32 on the H200.
+1e-5 of the float32 reference), 0.8 ms a token faster at 1M than IEEE float32 on the H200
+(`precision`).
 
 This module needs triton; ktlong/decode/dram_blocks.py imports it when it is asked for.
 The CPU's tests run the kernel in Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py).
@@ -36,7 +37,7 @@ def _selected_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, near_k_ptr, 
                              group, max_selected, num_blocks, scale,
                              stride_row, stride_token, stride_srow, stride_stoken,
                              BLOCK: tl.constexpr, DIM: tl.constexpr, ROWS: tl.constexpr, KEYS: tl.constexpr, PER_SHARE: tl.constexpr,
-                             QUANT: tl.constexpr):
+                             QUANT: tl.constexpr, PRECISION: tl.constexpr):
     """Kv head h's query rows (group of them, padded to ROWS) over its hit blocks
     PER_SHARE * s .. PER_SHARE * (s + 1) - 1 that count (valid tokens) -> this share's out [ROWS,
     DIM] (normalised by its own softmax sum) and lse [ROWS]; 0 and -inf where it holds none.
@@ -77,12 +78,12 @@ def _selected_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, near_k_ptr, 
                                   tl.load(vs_ptr + s_at, mask=~near_tile, other=0))
                     keys = keys * ks.to(tl.float16, bitcast=True).to(tl.float32)
                     values = values * vs.to(tl.float16, bitcast=True).to(tl.float32)
-                logits = tl.dot(q, tl.trans(keys), input_precision="tf32x3") * scale  # [ROWS, KEYS]
+                logits = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale  # [ROWS, KEYS]
                 new_max = tl.maximum(run_max, tl.max(logits, 1))
                 correction = tl.exp(run_max - new_max)
                 p = tl.exp(logits - new_max[:, None])
                 run_sum = run_sum * correction + tl.sum(p, 1)
-                acc = acc * correction[:, None] + tl.dot(p, values, input_precision="tf32x3")
+                acc = acc * correction[:, None] + tl.dot(p, values, input_precision=PRECISION)
                 run_max = new_max
     held = run_sum > 0
     out = tl.where(held[:, None], acc / tl.where(held, run_sum, 1.0)[:, None], 0.0)
@@ -125,6 +126,13 @@ def _merge_shares(out_ptr, lse_ptr, base_o_ptr, base_lse_ptr, o_ptr, o_lse_ptr, 
     merged = tl.where(held, top + tl.log(tl.where(held, total, 1.0)), float("-inf"))
     tl.store(o_ptr + (h * group + rows[:, None]) * DIM + dims[None, :], o, mask=real[:, None])
     tl.store(o_lse_ptr + h * group + rows, merged, mask=real)
+
+
+def precision(head_dim: int) -> str:
+    """tl.dot's precision: three TF32 products (float32's accuracy on tensor cores) up to a
+    head_dim of 128; IEEE float32 past it, where tf32x3's operand tiles need more shared memory
+    than an H200 has (233,472 of 232,448 bytes at Gemma 3's 256)."""
+    return "tf32x3" if head_dim <= 128 else "ieee"
 
 
 def kernel_applies(kv_type: str, block_size: int, head_dim: int) -> bool:
@@ -190,7 +198,8 @@ def selected_blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q.contiguous(), k, v, ks, vs, near.k, near.v, near_ks, near_vs, near.count, hit_index, hit_valid,
         part, part_lse, group, max_selected, near.num_blocks, scale, k.stride(0), k.stride(1),
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
-        BLOCK=k.shape[1], DIM=dim, ROWS=rows, KEYS=min(KEYS, k.shape[1]), PER_SHARE=per_share, QUANT=quant)
+        BLOCK=k.shape[1], DIM=dim, ROWS=rows, KEYS=min(KEYS, k.shape[1]), PER_SHARE=per_share, QUANT=quant,
+        PRECISION=precision(dim))
     merged = torch.empty((num_heads, dim), dtype=torch.float32, device=q.device) if out is None else out
     expect("out", merged, shape=(num_heads, dim), dtype=torch.float32, device=q.device)
     if not merged.is_contiguous():
