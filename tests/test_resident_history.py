@@ -141,3 +141,30 @@ def test_handed_over_conversations_keep_their_resident_history_while_room_allows
     a.prefill(tokens(100))
     newest, oldest = held[a][-1], held[a][0]
     assert a.resident.layers == [0, 1, 2] and newest.resident.layers == [0, 1, 2] and oldest.resident.layers == []
+
+
+def test_the_selected_blocks_follow_the_copies_and_their_memory():
+    """`context_attention: gpu` reads a layer's leading blocks from its device copy as far as the
+    copy holds whole blocks; a change of the copies' memory (a layer added or freed) tells the
+    decoder to capture its graphs again, a copy that only grows does not."""
+    from ktlong.decode.dram_blocks import DramBlocks
+    from ktlong.kv.host_cache import HostKVCache
+    from ktlong.kv.resident import ResidentHistory
+
+    layout = kv_layout(3, 2, 32, 16, 400, "q8_0", page_type="fp32")
+    cpu = torch.device("cpu")
+    blocks = DramBlocks(HostKVCache(layout, pin=False), [0, 1, 2], 4, 0.125, cpu)
+    resident = ResidentHistory(layout, cpu)
+    resident.fit(2 * 2 * 2 * layout.capacity * layout.stored_row_bytes)  # layers 0 and 1
+    assert resident.layers == [0, 1]
+    assert blocks.use_resident(resident)  # new memory
+    assert blocks.near_counts == [0, 0, 0]
+    resident.extend(0, 0, 40)
+    resident.extend(1, 0, 40)
+    assert not blocks.use_resident(resident)  # the same memory, holding more
+    assert blocks.near_counts == [2, 2, 0] and blocks.near_blocks.tolist() == [2, 2, 0]  # whole blocks of 16
+    assert blocks.covers(0, 2) and not blocks.covers(0, 3) and not blocks.covers(2, 1)
+    resident.truncate(20)
+    assert not blocks.use_resident(resident) and blocks.near_counts == [1, 1, 0]
+    resident.fit(0)
+    assert blocks.use_resident(resident) and blocks.near_counts == [0, 0, 0]

@@ -83,13 +83,13 @@ class DramBlocks:
         self.resident: ResidentHistory | None = None
         self.near_blocks = torch.zeros(len(global_layers), dtype=torch.int64, device=device)
         self.near_counts = [0] * len(global_layers)
+        self.near_addresses: tuple = ()  # the copies' memory as use_resident last saw it
 
     def use_resident(self, resident: ResidentHistory | None) -> bool:
         """Read each global layer's leading blocks from the device's copy of its rows, as far as
         the copy holds whole blocks (before each step whose copies changed: the decoder tracks
         resident.version). True when the copies' memory changed, so that captured parts, which
         hold its addresses, must be captured again."""
-        before = self._near_addresses()
         self.resident = resident
         counts = [0] * len(self.layers)
         if resident is not None:
@@ -98,13 +98,12 @@ class DramBlocks:
                     counts[j] = resident.valid[layer] // self.block_size
         self.near_counts = counts
         self.near_blocks.copy_(torch.tensor(counts, dtype=torch.int64))
-        return self._near_addresses() != before
-
-    def _near_addresses(self) -> tuple:
-        if self.resident is None:
-            return ()
-        return tuple(self.resident.rows[layer]["k"].data_ptr() if layer in self.resident.rows else 0
-                     for layer in self.layers)
+        # the copies change in place: compare with the addresses the last call saw
+        addresses = () if resident is None else tuple(
+            tuple(t.data_ptr() for t in resident.rows[layer].values()) if layer in resident.rows else ()
+            for layer in self.layers)
+        moved, self.near_addresses = addresses != self.near_addresses, addresses
+        return moved
 
     def _near(self, j: int):
         """Layer j's device copy as the kernel reads it ([KV * NB, B, R] as the DRAM pages), or None.
