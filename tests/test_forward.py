@@ -116,3 +116,36 @@ def test_one_query_attention_equals_softmax_reference(num_kv, group, window):
     expected = torch.einsum("hk,hkd->hd", weights, vv)
     assert got.shape == (1, num_kv * group, dim)
     assert torch.allclose(got[0].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("biased", [("q", "k", "v"), ("k",), ()])
+def test_qkv_adds_each_part_its_own_bias(biased):
+    """q, k and v come from one product of the fused matrix; each part that has a bias gets it,
+    whether all three have one (one add over the whole product) or only some."""
+    from ktlong.gguf.weights import fuse_projections
+    from ktlong.models.random_model import random_model
+
+    model = random_model("tiny", torch.device("cpu"), torch.float32, seed=3)
+    c, layer = model.config, model.weights.layers[0]
+    g = torch.Generator().manual_seed(4)
+    parts = {"q": layer.wq, "k": layer.wk, "v": layer.wv}
+    biases = {p: torch.randn(parts[p].shape[0], generator=g) if p in biased else None for p in parts}
+    layer.wq, layer.wk, layer.wv = (parts[p].clone() for p in "qkv")  # separate again, then fused anew
+    layer.bq, layer.bk, layer.bv = biases["q"], biases["k"], biases["v"]
+    layer.wqkv = layer.bqkv = None
+    fuse_projections(layer)
+    assert (layer.bqkv is not None) == (len(biased) == 3)
+    x = torch.randn(2, c.hidden_size, generator=g)
+    positions = torch.tensor([0, 1])
+    q, k, v = model.qkv(0, x, positions, model.rope_tables(positions))
+    from ktlong.models.llama import rms_norm
+    from ktlong.models.rope import apply_rope
+
+    h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
+    cos, sin = model.rope_tables(positions)[False]
+    expected = {p: h @ parts[p].T + (biases[p] if biases[p] is not None else 0) for p in parts}
+    heads = {"q": c.num_heads, "k": c.num_kv_heads, "v": c.num_kv_heads}
+    expected = {p: e.view(2, heads[p], c.head_dim) for p, e in expected.items()}
+    torch.testing.assert_close(q, apply_rope(expected["q"], cos, sin))
+    torch.testing.assert_close(k, apply_rope(expected["k"], cos, sin))
+    torch.testing.assert_close(v, expected["v"])

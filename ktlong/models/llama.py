@@ -100,7 +100,7 @@ class LlamaModel:
             qkv = linear(h, w.wqkv)
             qkv = qkv if w.bqkv is None else qkv + w.bqkv
             q, k, v = qkv.split([w.wq.shape[0], w.wk.shape[0], w.wv.shape[0]], -1)
-            if w.bqkv is None and w.bq is not None:  # biases of mixed kinds
+            if w.bqkv is None and any(b is not None for b in (w.bq, w.bk, w.bv)):  # some parts' biases only
                 q, k, v = (t if b is None else t + b for t, b in ((q, w.bq), (k, w.bk), (v, w.bv)))
                 qkv = None
         else:
