@@ -6,8 +6,11 @@ operators/block_scores.py widens the anchors to float32 before its matrix produc
 (8,192 blocks of 128) that copy is 33 MB written and read again per layer, a quarter of a
 millisecond a layer more than reading the 17 MB of anchors once; then the mask takes three more
 kernels. The scores are the same linear forms (one anchor: (sum_g q_g) . a; QUEST: (sum_g q_g+) .
-max + (sum_g q_g-) . min), here a [KV, W] float32 vector (block_scores.query_vectors) against
-anchors viewed [KV, NB, W].
+max + (sum_g q_g-) . min): each kv head's [W] float32 vector (block_scores.query_vectors'),
+summed from q in the kernel, against anchors viewed [KV, NB, W].
+
+`selection_rows` turns torch.topk's result into the rows and token counts the selected blocks'
+kernel reads, in one kernel instead of about eight torch ops.
 """
 
 from __future__ import annotations

@@ -187,6 +187,10 @@ def selected_blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     elif (near.k.shape != k.shape or near.k.stride() != k.stride() or near.k.dtype != k.dtype
           or near.v.stride() != k.stride() or quant and near.k_scales.stride() != k_scales.stride()):
         raise ValueError("the device copy of the pages must be laid out as the DRAM pages")
+    merged = torch.empty((num_heads, dim), dtype=torch.float32, device=q.device) if out is None else out
+    expect("out", merged, shape=(num_heads, dim), dtype=torch.float32, device=q.device)
+    if not merged.is_contiguous():
+        raise ValueError("out must be contiguous")
     group = num_heads // num_kv
     rows = max(16, triton.next_power_of_2(group))
     shares = min(SHARES, max(max_selected, 1))
@@ -200,10 +204,6 @@ def selected_blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         BLOCK=k.shape[1], DIM=dim, ROWS=rows, KEYS=min(KEYS, k.shape[1]), PER_SHARE=per_share, QUANT=quant,
         PRECISION=precision(dim))
-    merged = torch.empty((num_heads, dim), dtype=torch.float32, device=q.device) if out is None else out
-    expect("out", merged, shape=(num_heads, dim), dtype=torch.float32, device=q.device)
-    if not merged.is_contiguous():
-        raise ValueError("out must be contiguous")
     merged_lse = torch.empty(num_heads, dtype=torch.float32, device=q.device)
     base_o, base_lse = (base[0].float().contiguous(), base[1].float().contiguous()) if base is not None else (part, part_lse)
     _merge_shares[(num_kv,)](part, part_lse, base_o, base_lse, merged, merged_lse, group,
