@@ -156,14 +156,16 @@ class NearPages(NamedTuple):
 
 def selected_blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scales: torch.Tensor | None,
                             v_scales: torch.Tensor | None, hit_index: torch.Tensor, hit_valid: torch.Tensor,
-                            scale: float, base: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            scale: float, base=None,
                             near: NearPages | None = None, out: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [H, D] (float32, or a narrower float widened here); k, v: one layer's pages [rows, B, R]
     (q8_0: int8 with k_scales, v_scales [rows, B, D/32] int16 words of float16); hit_index [KV, S]
     rows of each kv head's hit blocks, hit_valid [KV] tokens that count (whole blocks, first ones
     first) -> out [H, D], lse [H] float32 (natural log; -inf and 0 for a head that holds nothing).
-    base: a state (out [H, D], lse [H] float32) over other keys to merge in, e.g. the window's.
+    base: a state (out [H, D], lse [H] float32) over other keys to merge in, e.g. the window's, or
+    a function that returns one, called after the shares' kernel is queued (another stream's work
+    to join: it then runs beside the reads).
     near: a device copy of the leading blocks, read instead of k, v where it holds them. out: an
     [H, D] float32 tensor to write the result into. Fixed shapes, no sync."""
     expect("q", q, ndim=2, dtype=(torch.float32, torch.bfloat16, torch.float16))
@@ -205,6 +207,7 @@ def selected_blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         BLOCK=k.shape[1], DIM=dim, ROWS=rows, KEYS=min(KEYS, k.shape[1]), PER_SHARE=per_share, QUANT=quant,
         PRECISION=precision(dim))
     merged_lse = torch.empty(num_heads, dtype=torch.float32, device=q.device)
+    base = base() if callable(base) else base
     base_o, base_lse = (base[0].float().contiguous(), base[1].float().contiguous()) if base is not None else (part, part_lse)
     _merge_shares[(num_kv,)](part, part_lse, base_o, base_lse, merged, merged_lse, group,
                              SHARES=shares, ROWS=rows, DIM=dim, BASE=base is not None)

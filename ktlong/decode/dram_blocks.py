@@ -141,7 +141,7 @@ class DramBlocks:
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [H, D] over layer j's selected blocks in DRAM (or the device's copy) -> (out [H, D],
         lse [H]) float32, into `out` when given; base: a state (out, lse) over other keys merged
-        in by the same kernel."""
+        in by the same kernel, or a function that returns one once the reads are queued."""
         (k, v), (ks, vs) = self.pages[j], self.scales[j]
         rows = self.selection.select(j, q) if self.selection is not None else self.hits.load(j)
         return self.kernel(q, k, v, ks, vs, *rows, self.scale, base, self._near(j), out)

@@ -66,6 +66,9 @@ class DecodeStep:
             if window_attention_kernel.kernel_applies(layout.dtype, c.head_dim):
                 self.window_kernel = window_attention_kernel.window_attention
         self.num_layers = c.num_layers
+        # with the device selecting on a GPU, a global layer's window part runs on this second
+        # stream, beside its selection and its DRAM reads, which need only the same q (`_token`)
+        self.beside = torch.cuda.Stream(dev) if self.device_selects and dev.type == "cuda" else None
         # inputs, written before each replay
         self.token = torch.zeros(1, dtype=torch.long, device=dev)
         self.position = torch.zeros(1, dtype=torch.long, device=dev)
@@ -158,9 +161,28 @@ class DecodeStep:
         for j in range(len(self.global_layers) + 1):
             self._segment(j)
             if j < len(self.global_layers):  # the window's state merged into the selected blocks'
-                window = self._window_attention(self.global_layers[j], self.q_now)
+                window = self._window_beside(self.global_layers[j], self.q_now)
                 self.dram_blocks.attend(j, self.q_now, base=window, out=self.o_hit[j])
         self.dram_blocks.selection.report()
+
+    def _window_beside(self, layer: int, q: torch.Tensor):
+        """The layer's window part, queued on the second stream when there is one (it then
+        overlaps the selection's kernels and the DRAM reads, which wait on PCIe more than they
+        use the SMs) -> its state, or a function that joins the streams and returns it, for the
+        merge to call when it needs it. The state's memory comes from the second stream's pool
+        and is read by the main one before the next layer's window is queued there: the next q
+        depends on this merge."""
+        if self.beside is None:
+            return self._window_attention(layer, q)
+        main = torch.cuda.current_stream(q.device)
+        self.beside.wait_stream(main)
+        with torch.cuda.stream(self.beside):
+            state = self._window_attention(layer, q)
+
+        def joined():
+            main.wait_stream(self.beside)
+            return state
+        return joined
 
     def _dram_part(self, j: int):
         """Global layer j's selected blocks, read from DRAM."""
