@@ -49,9 +49,11 @@ def test_formats_the_kernel_takes():
     assert not kernel_applies("bf16", 128, 80) and not kernel_applies("bf16", 8, 128)
 
 
-def test_a_base_state_merges_as_merge_states_would():
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_base_state_merges_as_merge_states_would(deferred):
     """The window's state (here: attention over other keys, and one head with none) merged in
-    by the kernel's own merge equals the separate log-sum-exp merge."""
+    by the kernel's own merge equals the separate log-sum-exp merge; given as a function (the
+    decoder's join of its second stream), it is called once and merged the same."""
     from operators.merge_state import merge_states
     from operators.window_attention import attention_with_lse
 
@@ -66,9 +68,15 @@ def test_a_base_state_merges_as_merge_states_would():
     base_lse[0] = float("-inf")  # query head 0: nothing in the window
     base_out[0] = 0
     to = dict(device=DEVICE)
+    state, calls = (base_out.to(**to), base_lse.to(**to)), []
+
+    def joined():
+        calls.append(1)
+        return state
     out, lse = selected_blocks_attention(q.to(**to), data[0].to(**to), data[1].to(**to), None, None,
                                        hit_index.to(**to), hit_valid.to(**to), 0.125,
-                                       base=(base_out.to(**to), base_lse.to(**to)))
+                                       base=joined if deferred else state)
+    assert len(calls) == int(deferred)
     k, v = (values[p][hit_index].view(num_kv, -1, dim) for p in range(2))
     blocks_out, blocks_lse = attention_over_prefix(q, k, v, hit_valid, 0.125)
     ref_out, ref_lse = merge_states(blocks_out, blocks_lse, base_out, base_lse)

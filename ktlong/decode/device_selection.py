@@ -82,10 +82,14 @@ class DeviceSelection:
         self.has_selection = False
         self.kernel = _scores_kernel(anchors, selector, device)
         self.rows_kernel = None  # operators/block_scores_kernel.selection_rows, on a GPU with triton
+        self.topk = _torch_topk  # operators/block_topk_kernel.block_topk where it applies
         if device.type == "cuda" and triton_installed():
+            from operators import block_topk_kernel
             from operators.block_scores_kernel import selection_rows
 
             self.rows_kernel = selection_rows
+            if block_topk_kernel.kernel_applies(NB, self.places):
+                self.topk = block_topk_kernel.block_topk
 
     def load_candidates(self):
         """After build_all and preselect: the preselection mask of every layer to the device."""
@@ -127,7 +131,7 @@ class DeviceSelection:
             crowded = (last - first) > self.k  # SelectionSettings.crowded, on device values
             bias = torch.where(crowded, self.bias[j], torch.zeros_like(self.bias[j]))
             scores = torch.where(inside, scores + bias, torch.full_like(scores, float("-inf")))
-        top, picked = torch.topk(scores, self.places, dim=1)  # best first: the kernel reads the first count
+        top, picked = self.topk(scores, self.places)  # best first: the kernel reads the first count
         if self.rows_kernel is not None:  # the rows and counts below in one kernel
             self.rows_kernel(top, picked, self.params, self.index[j], self.valid[j], self.num_blocks, self.block_size)
             return self.index[j], self.valid[j]
@@ -146,6 +150,10 @@ class DeviceSelection:
     def selected(self) -> np.ndarray:
         """(kv head, block) pairs the last step read per global layer, after the device finished it."""
         return self.selected_host.numpy().sum(1) // self.block_size
+
+
+def _torch_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.topk(scores, k, dim=1)
 
 
 def _scores_kernel(anchors: DeviceAnchors, selector: DecodeBlockSelector, device: torch.device):
