@@ -26,7 +26,7 @@ TOPICS = ("the river Vlatna and its seven bridges", "the orchard of Kessa and it
 
 def document(i: int) -> str:
     topic = TOPICS[i]
-    lines = [f"Note {n} about {topic}: the record for day {n} says {n * 7 + i} visitors came." for n in range(24)]
+    lines = [f"Note {n} about {topic}: the record for day {n} says {n * 7 + i} visitors came." for n in range(12)]
     return "\n".join(lines)
 
 

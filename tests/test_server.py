@@ -491,10 +491,10 @@ def test_metrics_count_what_the_requests_used(server):
 def test_a_stream_shows_itself_alive_during_a_long_prefill(lm):
     """Keep-alive comments while the prompt prefills (here every 20 ms of a prefill of a few
     thousand tokens on the CPU); the official client skips them and reads the answer."""
-    app, _ = make_app(started(lm, MODEL, max_new_tokens=4, keepalive_seconds=0.02, chunk_size=256))
+    app, _ = make_app(started(lm, MODEL, max_new_tokens=4, keepalive_seconds=0.02, chunk_size=128))
     s = RunningServer(app)
     try:
-        document = " ".join(f"Item {i} weighs {i * 3} grams." for i in range(300))
+        document = " ".join(f"Item {i} weighs {i * 3} grams." for i in range(100))
         body = {"model": MODEL, "stream": True, "max_tokens": 4,
                 "messages": [{"role": "user", "content": document + " What does item 7 weigh?"}]}
         status, data = s.raw("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
@@ -514,10 +514,10 @@ def test_return_progress_streams_the_prefill_as_it_goes(lm):
     """With return_progress, the stream carries prefill progress chunks (no choices; done rises
     to the tokens this prefill computes) before the answer, which the official client reads as
     empty chunks; without stream it is refused."""
-    app, _ = make_app(started(lm, MODEL, max_new_tokens=4, chunk_size=256))
+    app, _ = make_app(started(lm, MODEL, max_new_tokens=4, chunk_size=128))
     s = RunningServer(app)
     try:
-        document = " ".join(f"Item {i} weighs {i * 3} grams." for i in range(300))
+        document = " ".join(f"Item {i} weighs {i * 3} grams." for i in range(100))
         messages = [{"role": "user", "content": document + " What does item 7 weigh?"}]
         client = s.client()
         chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True, max_tokens=4,
@@ -543,7 +543,7 @@ def test_a_prefill_whose_client_left_finishes_into_the_cache(lm, finish):
     app, _ = make_app(started(lm, MODEL, max_new_tokens=4, chunk_size=128, finish_prefill_on_disconnect=finish))
     s = RunningServer(app)
     try:
-        document = " ".join(f"Item {i} weighs {i * 3} grams." for i in range(400))
+        document = " ".join(f"Item {i} weighs {i * 3} grams." for i in range(150))
         messages = [{"role": "user", "content": document + " What does item 7 weigh?"}]
         conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
         conn.request("POST", "/v1/chat/completions", json.dumps({"model": MODEL, "messages": messages}),
@@ -573,7 +573,7 @@ def test_a_stream_outlives_a_client_time_out_shorter_than_its_prefill(lm):
     app, _ = make_app(started(lm, MODEL, max_new_tokens=4, chunk_size=128, keepalive_seconds=0.2))
     s = RunningServer(app)
     try:
-        document = " ".join(f"Item {i} weighs {i * 3} grams." for i in range(400))
+        document = " ".join(f"Item {i} weighs {i * 3} grams." for i in range(150))
         messages = [{"role": "user", "content": document + " What does item 7 weigh?"}]
         client = s.client(timeout=1.0)
         start = time.perf_counter()
