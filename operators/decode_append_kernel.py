@@ -1,10 +1,12 @@
 """A decode step's new key and value of one layer, placed in one Triton kernel, for GPUs: into the
-device window at the step's slot, and into the host's exchange rows from which the new token is
-written through to DRAM (as DRAM stores it: the window's type, or q8_0 quantised here).
+device window at the step's slot, and into host memory as DRAM stores it (the window's type, or
+q8_0 quantised here): the DRAM cache's own row at the token's position where the device reads
+that cache anyway (`context_attention: gpu`), else the exchange rows from which the host writes
+the token through.
 
 With torch ops the same work is two casts, two index copies, a stack, about fifteen kernels of
 q8_0 quantisation (operators/kv_quant.py) and two copies to host memory: twenty launches a global
-layer, 640 a token at 8B shapes, each a node of the step's CUDA graph. The exchange rows are
+layer, 640 a token at 8B shapes, each a node of the step's CUDA graph. Both destinations are
 pinned host memory, which the kernel writes over PCIe in place; the host reads them after the
 step's event, when the writes have landed.
 
@@ -15,6 +17,8 @@ float16.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -24,13 +28,14 @@ from operators.kv_quant import QBLOCK
 
 
 @triton.jit
-def _place_row(src_ptr, dst_ptr, data_ptr, scales_ptr, row, at, groups,
-               DIM: tl.constexpr, QUANT: tl.constexpr, EXCHANGE: tl.constexpr):
-    """One kv head's new row (src, [DIM // 32, 32] positions at) -> the window (dst, its type) and
-    exchange row `row` (values, or q8_0 data and scale words)."""
+def _place_row(src_ptr, dst_ptr, data_ptr, scales_ptr, at, groups,
+               DIM: tl.constexpr, QUANT: tl.constexpr, STORE: tl.constexpr):
+    """One kv head's new row (src, [DIM // 32, 32] positions at) -> the window (dst, its type)
+    and, with STORE, the stored row at data_ptr (values, or q8_0 data and its scale words at
+    scales_ptr)."""
     x = tl.load(src_ptr + at).to(dst_ptr.dtype.element_ty)
     tl.store(dst_ptr + at, x)
-    if EXCHANGE:
+    if STORE:
         if QUANT:
             xf = x.to(tl.float32)
             d = tl.max(tl.abs(xf), 1) / 127.0
@@ -39,22 +44,28 @@ def _place_row(src_ptr, dst_ptr, data_ptr, scales_ptr, row, at, groups,
             a = tl.abs(scaled)
             whole = tl.floor(a)
             rounded = whole + tl.floor(2 * (a - whole))
-            tl.store(data_ptr + row * DIM + at, tl.where(scaled < 0, -rounded, rounded).to(tl.int8))
-            tl.store(scales_ptr + row * (DIM // 32) + groups, d.to(tl.float16).to(tl.int16, bitcast=True))
+            tl.store(data_ptr + at, tl.where(scaled < 0, -rounded, rounded).to(tl.int8))
+            tl.store(scales_ptr + groups, d.to(tl.float16).to(tl.int16, bitcast=True))
         else:
-            tl.store(data_ptr + row * DIM + at, x.to(data_ptr.dtype.element_ty))
+            tl.store(data_ptr + at, x.to(data_ptr.dtype.element_ty))
 
 
 @triton.jit
-def _append_token(k_ptr, v_ptr, slot_ptr, wk_ptr, wv_ptr, w_head, w_token, data_ptr, scales_ptr, num_kv,
-                  DIM: tl.constexpr, QUANT: tl.constexpr, EXCHANGE: tl.constexpr):
-    """Kv head h: its key and value rows into the window at token slot and into the exchange."""
+def _append_token(k_ptr, v_ptr, slot_ptr, wk_ptr, wv_ptr, w_head, w_token, kd_ptr, vd_ptr, ks_ptr, vs_ptr,
+                  position_ptr, d_head, s_head,
+                  DIM: tl.constexpr, QUANT: tl.constexpr, STORE: tl.constexpr):
+    """Kv head h: its key and value rows into the window at token slot and into the stored
+    tables at token `position` (read from position_ptr)."""
     h = tl.program_id(0)
     groups = tl.arange(0, DIM // 32)
     at = groups[:, None] * 32 + tl.arange(0, 32)[None, :]
     window = h * w_head + tl.load(slot_ptr) * w_token
-    _place_row(k_ptr + h * DIM, wk_ptr + window, data_ptr, scales_ptr, h, at, groups, DIM, QUANT, EXCHANGE)
-    _place_row(v_ptr + h * DIM, wv_ptr + window, data_ptr, scales_ptr, num_kv + h, at, groups, DIM, QUANT, EXCHANGE)
+    row, scale_row = h * d_head, h * s_head
+    if STORE:
+        position = tl.load(position_ptr)
+        row, scale_row = row + position * DIM, scale_row + position * (DIM // 32)
+    _place_row(k_ptr + h * DIM, wk_ptr + window, kd_ptr + row, ks_ptr + scale_row, at, groups, DIM, QUANT, STORE)
+    _place_row(v_ptr + h * DIM, wv_ptr + window, vd_ptr + row, vs_ptr + scale_row, at, groups, DIM, QUANT, STORE)
 
 
 def kernel_applies(kv_type: str, head_dim: int) -> bool:
@@ -62,23 +73,44 @@ def kernel_applies(kv_type: str, head_dim: int) -> bool:
     return kv_type in ("bf16", "fp16", "fp32", "q8_0") and head_dim >= QBLOCK and head_dim & (head_dim - 1) == 0
 
 
+class StoredRows(NamedTuple):
+    """Where a layer's new K/V go as DRAM stores them: k, v [KV, N, D] (values, or q8_0 int8 with
+    k_scales, v_scales [KV, N, D/32] int16 words of float16; None for values), row `position` (a
+    1-element int64 device tensor, read at launch) of each. Host memory registered with CUDA
+    (pinned: the DRAM cache itself, or the host's exchange rows with N = 1), written in place."""
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scales: torch.Tensor | None
+    v_scales: torch.Tensor | None
+    position: torch.Tensor
+
+
 def append_token(k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                 data: torch.Tensor | None = None, scales: torch.Tensor | None = None):
+                 stored: StoredRows | None = None):
     """k, v [KV, D]: the step's new rows -> keys[:, slot], values[:, slot] of the window buffers
-    [KV, N, D] (slot: a 1-element int64 device tensor), and with data, the exchange rows: [2, KV,
-    D] values, or q8_0 int8 [2, KV, D] with scales int16 [2, KV, D/32] (float16 words). Fixed
-    shapes, no sync."""
+    [KV, N, D] (slot: a 1-element int64 device tensor), and with `stored`, its rows at its
+    position. Fixed shapes, no sync."""
     num_kv, dim = k.shape
     expect("v", v, shape=(num_kv, dim), dtype=k.dtype, device=k.device)
     expect("keys", keys, shape=(num_kv, None, dim), device=k.device)
     expect("values", values, shape=tuple(keys.shape), dtype=keys.dtype, device=k.device)
     if keys.stride(2) != 1 or values.stride() != keys.stride():
         raise ValueError("the window's keys and values must share one layout with contiguous rows")
-    quant = scales is not None
-    if data is not None:  # pinned host memory, written in place: its device is not checked
-        expect("data", data, shape=(2, num_kv, dim), dtype=torch.int8 if quant else None)
+    quant = stored is not None and stored.k_scales is not None
+    if stored is not None:  # host memory, written in place: its device is not checked
+        expect("stored.k", stored.k, shape=(num_kv, None, dim), dtype=torch.int8 if quant else None)
+        expect("stored.v", stored.v, shape=tuple(stored.k.shape), dtype=stored.k.dtype)
+        expect("stored.position", stored.position, shape=(1,), dtype=torch.int64, device=k.device)
+        if stored.k.stride(2) != 1 or stored.v.stride() != stored.k.stride():
+            raise ValueError("the stored keys and values must share one layout with contiguous rows")
         if quant:
-            expect("scales", scales, shape=(2, num_kv, dim // QBLOCK), dtype=torch.int16)
+            expect("stored.k_scales", stored.k_scales, shape=(num_kv, stored.k.shape[1], dim // QBLOCK),
+                   dtype=torch.int16)
+            expect("stored.v_scales", stored.v_scales, shape=tuple(stored.k_scales.shape), dtype=torch.int16)
+            if stored.k_scales.stride(2) != 1 or stored.v_scales.stride() != stored.k_scales.stride():
+                raise ValueError("the stored scales of keys and values must share one layout with contiguous rows")
+    to = stored if stored is not None else StoredRows(keys, values, None, None, slot)  # placeholders, never written
+    scales = (to.k_scales, to.v_scales) if quant else (slot, slot)
     _append_token[(num_kv,)](k.contiguous(), v.contiguous(), slot, keys, values, keys.stride(0), keys.stride(1),
-                             data if data is not None else keys, scales if quant else slot, num_kv,
-                             DIM=dim, QUANT=quant, EXCHANGE=data is not None)
+                             to.k, to.v, *scales, to.position, to.k.stride(0), scales[0].stride(0) if quant else 0,
+                             DIM=dim, QUANT=quant, STORE=stored is not None)

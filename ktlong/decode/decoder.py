@@ -96,8 +96,8 @@ class Decoder:
         # numpy views of the exchange buffers, read and written once per layer per token: a numpy
         # assignment costs a tenth of a torch indexing and copy_ call
         body = self.body
-        self.new_kv = host_words(body.kv_host)  # [global layers, 2, KV, R] as DRAM stores them
-        self.new_kv_scales = host_words(body.kv_scales_host)
+        if not body.writes_dram:  # [global layers, 2, KV, R] as DRAM stores them, for _write_through
+            self.new_kv, self.new_kv_scales = host_words(body.kv_host), host_words(body.kv_scales_host)
         self.q_np, self.o_np, self.lse_np = body.q_host.numpy(), body.o_host.numpy(), body.lse_host.numpy()
         # who reads the blocks the host selects (a token the device selects for runs as one piece)
         self.context: ContextAttention = CpuContextAttention(self.q_np, self.o_np, self.lse_np, self.k_stored,
@@ -173,7 +173,8 @@ class Decoder:
             t0 = time.perf_counter()
             body.wait()  # segment j and its copies of q, k/v (and scores) to host memory
             self.times.device_wait += time.perf_counter() - t0
-            self._write_through(j, layer, pos)
+            if not body.writes_dram:
+                self._write_through(j, layer, pos)
             if last > first:
                 scores = None if self.device_anchors is None else body.scores_host[j].numpy
                 self._context_part(j, layer, first, last, scores)
@@ -193,8 +194,9 @@ class Decoder:
         t0 = time.perf_counter()
         body.wait()
         self.times.device_wait += time.perf_counter() - t0
-        for j, layer in enumerate(self.global_layers):
-            self._write_through(j, layer, pos)
+        if not body.writes_dram:
+            for j, layer in enumerate(self.global_layers):
+                self._write_through(j, layer, pos)
         self.window.copy_to_sink(pos)
         logits = body.logits.clone()
         per_layer = self.selection.selected()

@@ -117,6 +117,13 @@ class DramBlocks:
         return self.near_pages(self.near_blocks[j], self.num_blocks, view("k"), view("v"), view("k_scales"),
                                view("v_scales"))
 
+    def token_rows(self, j: int) -> tuple:
+        """Layer j's DRAM tables by token, [KV, tokens, R] views (q8_0: and the scales'), where
+        the decode step's append kernel writes each new token's row."""
+        (k, v), (ks, vs) = self.pages[j], self.scales[j]
+        by_token = lambda t: None if t is None else t.view(self.num_rows // self.num_blocks, -1, t.shape[-1])
+        return by_token(k), by_token(v), by_token(ks), by_token(vs)
+
     def covers(self, j: int, last: int) -> bool:
         """Whether layer j's device copy holds every context block before `last` (then none of
         its selected blocks crossed PCIe)."""

@@ -16,7 +16,8 @@ segment j + 1 merges its state too. With the selection on the device as well
 one body (`_token`: each segment, then its layer's window and context parts), one graph.
 
 Each global layer's q, new K/V (and block scores) leave through host buffers, and the CPU's
-result comes back through others: pinned and read by the captured copies with graphs, plain
+result comes back through others (where the device reads the DRAM cache itself, the new K/V go
+straight into it: `writes_dram`): pinned and read by the captured copies with graphs, plain
 tensors when the segments run eagerly. With graphs, everything that changes from step to
 step is read from device memory at replay: the token,
 its position, its slot in the window buffer and the valid key range there. Nothing is baked
@@ -72,6 +73,7 @@ class DecodeStep:
         # inputs, written before each replay
         self.token = torch.zeros(1, dtype=torch.long, device=dev)
         self.position = torch.zeros(1, dtype=torch.long, device=dev)
+        self.zero = torch.zeros(1, dtype=torch.long, device=dev)
         self.slot = torch.zeros(1, dtype=torch.long, device=dev)  # buffer index of the new token
         self.lo = torch.zeros((), dtype=torch.long, device=dev)  # valid keys: lo..hi-1
         self.hi = torch.zeros((), dtype=torch.long, device=dev)
@@ -81,10 +83,14 @@ class DecodeStep:
         # copies read and write at replay (pinned), so a layer costs one sync and no copy calls
         self._pinned = PinnedTensors(dev.type == "cuda")
         self.q_host = self._host((n, c.num_heads, c.head_dim), torch.float32)
-        # k, v of the new token as DRAM stores them (q8_0 / q4_0: quantised here, on the device)
+        # k, v of the new token as DRAM stores them (q8_0 / q4_0: quantised here, on the device):
+        # where the device reads the DRAM cache, the append kernel writes them there itself
+        # (`writes_dram`); otherwise into these rows, which the host writes through
+        self.writes_dram = self.append_kernel is not None and dram_blocks is not None
         row, groups = layout.stored_row
-        self.kv_host = self._host((n, 2, c.num_kv_heads, row), layout.stored_dtype)
-        self.kv_scales_host = self._host((n, 2, c.num_kv_heads, groups), torch.int16)
+        self.kv_host = None if self.writes_dram else self._host((n, 2, c.num_kv_heads, row), layout.stored_dtype)
+        self.kv_scales_host = None if self.writes_dram else self._host((n, 2, c.num_kv_heads, groups), torch.int16)
+        self.stored_rows = [self._stored_rows(j) for j in range(n)] if self.append_kernel is not None else []
         self.o_host = self._host((n, c.num_heads, c.head_dim), torch.float32)
         self.lse_host = self._host((n, c.num_heads), torch.float32)
         self.scores_host = self._host((n, anchors.num_rows, anchors.num_blocks), torch.float32) if anchors else None
@@ -111,6 +117,17 @@ class DecodeStep:
 
     def _host(self, shape, dtype) -> torch.Tensor:
         return self._pinned.pin(torch.zeros(shape, dtype=dtype))
+
+    def _stored_rows(self, j: int):
+        """Where the append kernel puts global layer j's new K/V: its DRAM tables at the token's
+        position, or the exchange rows (one row, position 0)."""
+        from operators.decode_append_kernel import StoredRows
+
+        if self.writes_dram:
+            return StoredRows(*self.dram_blocks.token_rows(j), self.position)
+        quant = self.window.layout.is_quantized
+        kv, scales = self.kv_host[j][:, :, None], self.kv_scales_host[j][:, :, None]  # [2, KV, 1, R]
+        return StoredRows(kv[0], kv[1], scales[0] if quant else None, scales[1] if quant else None, self.zero)
 
     # ---- the device work, as captured ----------------------------------------------------
     def _segment(self, j: int):
@@ -195,9 +212,8 @@ class DecodeStep:
         keys, values = self.window.layer_buffers(layer)
         if j is not None and not self.device_selects:  # a global layer's q goes to the host, unless the device selects
             self.q_host[j].copy_(q[0].float(), non_blocking=True)
-        if self.append_kernel is not None:  # one kernel: the window's rows and, for a global layer, the exchange's
-            exchange = () if j is None else (self.kv_host[j], self.kv_scales_host[j] if self.window.layout.is_quantized else None)
-            self.append_kernel(k[0], v[0], self.slot, keys, values, *exchange)
+        if self.append_kernel is not None:  # one kernel: the window's rows and, for a global layer, the stored ones
+            self.append_kernel(k[0], v[0], self.slot, keys, values, None if j is None else self.stored_rows[j])
             return q[0]
         keys.index_copy_(1, self.slot, k[0].to(dtype)[:, None])
         values.index_copy_(1, self.slot, v[0].to(dtype)[:, None])
