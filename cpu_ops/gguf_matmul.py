@@ -63,6 +63,25 @@ def _row_runs(kind, runs, type_size, ru, ri, num_blocks, target, xm, store):
                     target[j] += s_lo * np.float32(ri[o + U(2) + j]) * xm[x0 + j]
 
 
+@nb.njit(inline="always", fastmath=True, cache=True)
+def _int8_run(kind, runs, lanes, ru, ri, o, b, k, d, dmin, xm, dx, half_sums):
+    """Run k of the block at byte o (block b) of one row of W times the 8-bit inputs xm, into the
+    row's 8 lanes; returns the share of the offsets and centers, (offset - s_h c) * sums[h]."""
+    s_lo, s_hi, offset, bits = run_params(kind, ru, ri, o, k, d, dmin)
+    run = b * U(runs) + k
+    x0, first, second = run * U(RUN), half_sums[U(2) * run], half_sums[U(2) * run + U(1)]
+    if kind == Q4_0 or kind == Q4_1 or kind == Q5_0 or kind == Q5_1:
+        nibble_run_dot(lanes, ru, split_nibbles_at(kind, o), bits, xm, x0, s_lo * dx[run])
+        return offset * (first + second)
+    if kind == Q4_K or kind == Q5_K or kind == Q6_K:
+        low, shift, high, high_shift, high_mask, center = byte_run_layout(kind, o, k)
+        byte_run_dot(lanes, ru, low, shift, high, high_shift, high_mask, xm, x0, s_lo * dx[run], s_hi * dx[run])
+        c = np.float32(center)
+        return (offset - s_lo * c) * first + (offset - s_hi * c) * second
+    signed_run_dot(lanes, ri, o + U(2), xm, x0, s_lo * dx[run])
+    return np.float32(0)
+
+
 def _compile(kind: int, block_size: int, type_size: int):
     """The type's three kernels (float32 products, dequantisation, products over 8-bit inputs);
     kind and the sizes are constants of each (a closure's variables), and Numba's cache keeps
@@ -106,21 +125,19 @@ def _compile(kind: int, block_size: int, type_size: int):
                     for b in range(num_blocks):
                         o = b * U(type_size)
                         d, dmin = block_halves(kind, ru, o)
-                        for k in range(U(runs)):
-                            s_lo, s_hi, offset, bits = run_params(kind, ru, ri, o, k, d, dmin)
-                            run = b * U(runs) + k
-                            x0, first, second = run * U(RUN), half_sums[U(2) * run], half_sums[U(2) * run + U(1)]
-                            if kind == Q4_0 or kind == Q4_1 or kind == Q5_0 or kind == Q5_1:
-                                nibble_run_dot(lanes, ru, split_nibbles_at(kind, o), bits, xm, x0, s_lo * dx[run])
-                                rest += offset * (first + second)
-                            elif kind == Q4_K or kind == Q5_K or kind == Q6_K:
-                                low, shift, high, high_shift, high_mask, center = byte_run_layout(kind, o, k)
-                                byte_run_dot(lanes, ru, low, shift, high, high_shift, high_mask, xm, x0,
-                                             s_lo * dx[run], s_hi * dx[run])
-                                c = np.float32(center)
-                                rest += (offset - s_lo * c) * first + (offset - s_hi * c) * second
-                            else:
-                                signed_run_dot(lanes, ri, o + U(2), xm, x0, s_lo * dx[run])
+                        if kind == Q4_K or kind == Q5_K or kind == Q6_K:  # written out: each run's shifts
+                            # and offsets become constants (Q6_K's 12 products a Qwen2.5-0.5B step: 8.6 -> 5.7 ms)
+                            rest += _int8_run(kind, runs, lanes, ru, ri, o, b, U(0), d, dmin, xm, dx, half_sums)
+                            rest += _int8_run(kind, runs, lanes, ru, ri, o, b, U(1), d, dmin, xm, dx, half_sums)
+                            rest += _int8_run(kind, runs, lanes, ru, ri, o, b, U(2), d, dmin, xm, dx, half_sums)
+                            rest += _int8_run(kind, runs, lanes, ru, ri, o, b, U(3), d, dmin, xm, dx, half_sums)
+                            rest += _int8_run(kind, runs, lanes, ru, ri, o, b, U(4), d, dmin, xm, dx, half_sums)
+                            rest += _int8_run(kind, runs, lanes, ru, ri, o, b, U(5), d, dmin, xm, dx, half_sums)
+                            rest += _int8_run(kind, runs, lanes, ru, ri, o, b, U(6), d, dmin, xm, dx, half_sums)
+                            rest += _int8_run(kind, runs, lanes, ru, ri, o, b, U(7), d, dmin, xm, dx, half_sums)
+                        else:
+                            for k in range(U(runs)):
+                                rest += _int8_run(kind, runs, lanes, ru, ri, o, b, k, d, dmin, xm, dx, half_sums)
                     y[m, r] = lanes.sum() + rest
 
     return matmul, dequantize, int8_matmul
