@@ -32,6 +32,13 @@ KEYS = 32  # tokens per tile: a [32, head_dim] float32 tile of K and of V fit in
 
 
 @triton.jit
+def _per_value(words, KEYS: tl.constexpr, DIM: tl.constexpr):
+    """Scale words [KEYS, DIM / 32] (float16 bits) -> float32 [KEYS, DIM], each to its 32 values."""
+    scales = words.to(tl.float16, bitcast=True).to(tl.float32)
+    return tl.reshape(tl.broadcast_to(scales[:, :, None], (KEYS, DIM // 32, 32)), (KEYS, DIM))
+
+
+@triton.jit
 def _selected_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, near_k_ptr, near_v_ptr, near_ks_ptr, near_vs_ptr,
                              near_ptr, index_ptr, valid_ptr, out_ptr, lse_ptr,
                              group, max_selected, num_blocks, scale,
@@ -70,14 +77,16 @@ def _selected_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, near_k_ptr, 
                                 tl.load(k_ptr + at, mask=~near_tile, other=0)).to(tl.float32)  # [KEYS, DIM]
                 values = tl.where(near_tile, tl.load(near_v_ptr + at, mask=near_tile, other=0),
                                   tl.load(v_ptr + at, mask=~near_tile, other=0)).to(tl.float32)
-                if QUANT:
-                    s_at = row * stride_srow + tokens[:, None] * stride_stoken + dims[None, :] // 32  # a scale per 32
-                    ks = tl.where(near_tile, tl.load(near_ks_ptr + s_at, mask=near_tile, other=0),
-                                  tl.load(ks_ptr + s_at, mask=~near_tile, other=0))
-                    vs = tl.where(near_tile, tl.load(near_vs_ptr + s_at, mask=near_tile, other=0),
-                                  tl.load(vs_ptr + s_at, mask=~near_tile, other=0))
-                    keys = keys * ks.to(tl.float16, bitcast=True).to(tl.float32)
-                    values = values * vs.to(tl.float16, bitcast=True).to(tl.float32)
+                if QUANT:  # each scale word read once ([KEYS, DIM / 32]), then spread over its 32 values
+                    groups = tl.arange(0, DIM // 32)
+                    s_at = row * stride_srow + tokens[:, None] * stride_stoken + groups[None, :]
+                    near_words = tl.full((KEYS, DIM // 32), 0, tl.int1) | near_block
+                    ks = tl.where(near_words, tl.load(near_ks_ptr + s_at, mask=near_words, other=0),
+                                  tl.load(ks_ptr + s_at, mask=~near_words, other=0))
+                    vs = tl.where(near_words, tl.load(near_vs_ptr + s_at, mask=near_words, other=0),
+                                  tl.load(vs_ptr + s_at, mask=~near_words, other=0))
+                    keys = keys * _per_value(ks, KEYS, DIM)
+                    values = values * _per_value(vs, KEYS, DIM)
                 logits = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale  # [ROWS, KEYS]
                 new_max = tl.maximum(run_max, tl.max(logits, 1))
                 correction = tl.exp(run_max - new_max)
