@@ -1,6 +1,7 @@
 """The decode step's append kernel against torch ops: the window rows as index_copy_ writes them
-and the exchange rows as quantize_kv (q8_0, the same bytes) or a cast gives them. On the CPU the
-kernel runs in Triton's interpreter (tests/conftest.py); on a GPU compiled, on the device."""
+and the stored rows (DRAM's, or the exchange's) as quantize_kv (q8_0, the same bytes) or a cast
+gives them. On the CPU the kernel runs in Triton's interpreter (tests/conftest.py); on a GPU
+compiled, on the device."""
 
 import pytest
 import torch
