@@ -20,7 +20,7 @@ from ktlong.errors import KtlongError
 from ktlong.kv.memory_plan import GIB, available_dram_bytes
 from ktlong.models.random_model import SHAPES, num_weight_elements, random_config
 from ktlong.parallel.shard import shard_config
-from ktlong.session.plan import plan_session
+from ktlong.session.plan import plan_session, resolve_chunk_size
 
 # what this bench reads of the config: what the memory plan counts
 READS = frozenset({"chunk_size", "block_size", "kv_type", "local_windows_len", "anchor_type", "anchor_num",
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
                      f"{at.device_total / GIB:.1f}" if at else "-", f"{n * at.dram_total / GIB:.1f}" if at else "-",
                      f"{at.weights / GIB:.1f}" if at else "-"])
     kv = config.kv_type if config.kv_type != "auto" else "bf16"
-    print(f"{args.shape}, kv {kv}, chunk {config.chunk_size}, local window {config.local_windows_len}, "
+    print(f"{args.shape}, kv {kv}, chunk {resolve_chunk_size(config.chunk_size, config.block_size, device)}, local window {config.local_windows_len}, "
           f"GPU cap {args.gpu_cap_gb} GiB per rank, {dram / GIB:.0f} GiB of host memory")
     print_table(["tensor parallel", "GPU limit", "DRAM limit", "longest context", "bound by",
                  "GPU GiB per rank", "DRAM GiB all ranks", "weights GiB per rank"], rows)

@@ -4,16 +4,16 @@ GGUF model in normal mode.
 
 python -m ktlong.bench cpu-weights --model smollm2-135m --lengths 4k,16k [--tokens 32] [--runs 2]
                                     [--arms float32,stored,llama.cpp] [--llama_cpp]
-                                    [--set kv_type=fp32]
+                                    [--set kv_type=fp32] [--set chunk_size=1024]
 
 Each run of each arm is a process of its own, so that its peak resident memory is its own; the
 arms alternate. A run loads the model on the CPU, prefills a prompt of the length (fixed token
 ids) and decodes --tokens tokens greedily. The table gives medians over the runs: prefill and
 decode tokens per second, the peak resident memory, and the decode ratio to the first arm. The cache is
-normal mode's: kv_type (auto: bfloat16 on the CPU), prefill chunks of 512 tokens.
---llama_cpp adds an arm of llama.cpp (llama-cpp-python, installed separately) on the same GGUF
-file, the same prompt ids and as many threads as torch uses, `n_batch` 512; it feeds its decode
-steps fixed ids (a step's time does not depend on which).
+normal mode's as the config sets it: kv_type (auto: bfloat16 on the CPU) and chunk_size (0: 512
+tokens on the CPU). --llama_cpp adds an arm of llama.cpp (llama-cpp-python, installed separately)
+on the same GGUF file, the same prompt ids and as many threads as torch uses, `n_batch` 512 (its
+default); it feeds its decode steps fixed ids (a step's time does not depend on which).
 """
 
 from __future__ import annotations
@@ -25,35 +25,35 @@ import subprocess
 import sys
 import time
 
+import torch
+
 from ktlong.bench.common import median
 from ktlong.bench.llama_cpp_arm import prompt_ids
 from ktlong.cli import parse_lengths, print_table
 from ktlong.config import load_config, parse_set, refuse_unread
 from ktlong.errors import KtlongError
 from ktlong.gguf.weights import CpuWeights
+from ktlong.session.plan import resolve_chunk_size
 
 ARMS = {"float32": CpuWeights(), "stored": CpuWeights(stored=True)}
 
 
 LLAMA_CPP = "llama.cpp"
-CHUNK = 512  # prefill tokens per chunk, llama.cpp's n_batch
-READS = frozenset({"kv_type"})
+READS = frozenset({"kv_type", "chunk_size"})
 
 
 def run_arm(model: str, length: int, tokens: int, cpu: CpuWeights, config) -> dict:
     """One run in this process: prefill and decode seconds, peak resident bytes."""
-    import torch
-
     from ktlong.models.loader import load_model
     from ktlong.session.dense import DenseSession
     from ktlong.session.plan import resolve_dense_kv_dtype
 
-    kv_dtype = resolve_dense_kv_dtype(config.kv_type, torch.device("cpu"), torch.float32)  # refused before loading
+    resolve_dense_kv_dtype(config.kv_type, torch.device("cpu"), torch.float32)  # refused before loading
     lm = load_model(model, "cpu", torch.float32, cpu=cpu)
     if length + tokens > lm.config.context_length:
         raise KtlongError(f"--lengths {length} plus {tokens} tokens exceed the model's context of "
                           f"{lm.config.context_length}; use shorter lengths.")
-    session = DenseSession(lm.model, length + tokens, CHUNK, kv_dtype)
+    session = DenseSession.from_config(lm.model, config, length + tokens)
     ids = prompt_ids(lm.config.vocab_size, length)
     start = time.perf_counter()
     logits = session.prefill(ids)
@@ -73,8 +73,6 @@ def command(arm: str, model: str, length: int, tokens: int, sets: list[str]) -> 
     if arm != LLAMA_CPP:
         return [sys.executable, "-m", "ktlong.bench", "cpu-weights", "--model", model, "--lengths", str(length),
                 "--tokens", str(tokens), "--arm", arm, *(a for item in sets for a in ("--set", item))]
-    import torch
-
     from ktlong.gguf.registry import resolve_model_path
 
     return [sys.executable, "-m", "ktlong.bench.llama_cpp_arm", str(resolve_model_path(model)), str(length),
@@ -92,7 +90,7 @@ def main(argv=None) -> int:
                    help=f"arms to run, in this order, comma-separated, from {', '.join([*ARMS, LLAMA_CPP])}; the "
                         "decode ratio is to the first")
     p.add_argument("--llama_cpp", action="store_true", help="add an arm of llama.cpp (llama-cpp-python) on the same file")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="kv_type, the cache's storage")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="kv_type (the cache's storage) or chunk_size")
     p.add_argument("--arm", choices=list(ARMS), help=argparse.SUPPRESS)  # one run, in a child process
     args = p.parse_args(argv)
     if args.runs < 1 or args.tokens < 1:
@@ -128,6 +126,7 @@ def main(argv=None) -> int:
             rows.append([f"{length:,}", arm, f"{length / median([r['prefill_s'] for r in rs]):,.0f}",
                          f"{1 / decode[arm]:.1f}", f"{median([r['peak_bytes'] for r in rs]) / 2**30:.2f}",
                          f"{decode[arms[0]] / decode[arm]:.2f}x"])
-    print(f"{args.model}, CPU, kv_type {config.kv_type}, {args.runs} runs per arm, medians")
+    chunk = resolve_chunk_size(config.chunk_size, config.block_size, torch.device("cpu"))
+    print(f"{args.model}, CPU, kv_type {config.kv_type}, prefill chunks of {chunk}, {args.runs} runs per arm, medians")
     print_table(["prompt", "weights", "prefill tok/s", "decode tok/s", "peak RSS GiB", f"decode vs {arms[0]}"], rows)
     return 0

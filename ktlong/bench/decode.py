@@ -48,7 +48,7 @@ from ktlong.kv.resident import ResidentHistory
 from ktlong.session.long_context import RESIDENT_MARGIN
 from ktlong.models.random_model import SHAPES, num_weight_elements, random_config, random_model
 from ktlong.parallel.group import join_ranks, quiet_unless_main
-from ktlong.session.plan import resolve_block_scoring, resolve_kv_type, resolve_selection
+from ktlong.session.plan import resolve_block_scoring, resolve_chunk_size, resolve_kv_type, resolve_selection
 from ktlong.session.settings import selection_settings
 from operators.kv_quant import quantize_kv
 
@@ -89,7 +89,8 @@ def resident_copies(model, host: HostKVCache, config, settings, budget: int, loc
         return None
     layout, c = host.layout, model.config
     anchors = anchors_per_block(config.anchor_type, config.anchor_num) if scores_on_device(settings) else 0
-    memory = plan_memory(c, num_weight_elements(c), model.dtype.itemsize, layout, config.chunk_size, budget, True,
+    chunk = resolve_chunk_size(config.chunk_size, config.block_size, model.device)
+    memory = plan_memory(c, num_weight_elements(c), model.dtype.itemsize, layout, chunk, budget, True,
                          local, anchors)
     resident = ResidentHistory(layout, model.device)
     resident.fit(budget - memory.prefill_device - RESIDENT_MARGIN)

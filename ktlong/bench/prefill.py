@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     model = random_model(args.shape, device, dtype, tp=tp)
     ranks = f", tensor parallel {tp.world} (rank 0's figures)" if tp is not None else ""
     print(f"{args.shape} random {dtype} weights on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
-          f"chunk {config.chunk_size}, block {config.block_size}, GPU cap {config.gpu_memory_budget_gb} GiB"
+          f"chunk {plans[0].chunk_size}, block {config.block_size}, GPU cap {config.gpu_memory_budget_gb} GiB"
           f"{' per GPU' if tp is not None else ''}{ranks}")
     compact = plans[0].compact
     arms = [("compact" if compact else "dense", compact)]

@@ -29,9 +29,10 @@ class DenseSession:
     @classmethod
     def from_config(cls, model: LlamaModel, config, max_seq_len: int) -> "DenseSession":
         """Normal mode's session: the config's chunk size and kv_type (resolved in plan.py)."""
-        from ktlong.session.plan import resolve_dense_kv_dtype
+        from ktlong.session.plan import resolve_chunk_size, resolve_dense_kv_dtype
 
-        return cls(model, max_seq_len, config.chunk_size, resolve_dense_kv_dtype(config.kv_type, model.device, model.dtype))
+        return cls(model, max_seq_len, resolve_chunk_size(config.chunk_size, config.block_size, model.device),
+                   resolve_dense_kv_dtype(config.kv_type, model.device, model.dtype))
 
     saves_cache = False  # a file of the dense cache is not offered: long-context mode saves its DRAM cache
     prefill_density = None  # no CompactAttention

@@ -93,6 +93,17 @@ def resolve_dense_kv_dtype(kv_type: str, device: torch.device, dtype: torch.dtyp
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[kv_type]
 
 
+CHUNK_GPU, CHUNK_CPU = 8192, 512  # chunk_size 0's prompt tokens per prefill chunk
+
+
+def resolve_chunk_size(chunk_size: int, block_size: int, device: torch.device) -> int:
+    """0: 8192 on a GPU; 512 on a CPU, llama.cpp's batch, where a larger chunk gains no speed and
+    its activations sit in host memory beside the weights and the cache. At least one block."""
+    if chunk_size:
+        return chunk_size
+    return max(CHUNK_GPU if device.type == "cuda" else CHUNK_CPU, block_size)
+
+
 def resolve_cuda_graph(use_cuda_graph: bool | str, device: torch.device) -> bool:
     """Graphs replay the long-context decode step on a GPU: auto and true mean on with CUDA."""
     return device.type == "cuda" and use_cuda_graph in (True, "auto")
@@ -139,10 +150,11 @@ def plan_session(config: Config, model_config: ModelConfig, num_weight_elements:
     selection = resolve_selection(selection_settings(config, model_config.num_layers, decode), device,
                                   tensor_parallel, layout)
     anchors = anchors_per_block(config.anchor_type, config.anchor_num) if scores_on_device(selection) else 0
-    memory = plan_memory(model_config, num_weight_elements, dtype.itemsize, layout, config.chunk_size, budget,
+    chunk_size = resolve_chunk_size(config.chunk_size, config.block_size, device)
+    memory = plan_memory(model_config, num_weight_elements, dtype.itemsize, layout, chunk_size, budget,
                          is_gpu, local_windows_len, anchors)
     return SessionPlan(device, dtype, layout, memory, kv_type, resolve_cuda_graph(config.use_cuda_graph, device),
-                       max_seq_len, budget, is_gpu, local_windows_len, config.chunk_size,
+                       max_seq_len, budget, is_gpu, local_windows_len, chunk_size,
                        resolve_backend(config.attention_backend, device, model_config.head_dim, layout.dtype),
                        compact_params(config, prefill), selection, decode_threads(config.threads_num),
                        config.threads_num, config.resident_history)
