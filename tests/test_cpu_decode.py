@@ -19,7 +19,7 @@ from ktlong.gguf.weights import CpuWeights
 from ktlong.kv.dense_cache import DenseKVCache
 from ktlong.models.loader import load_model
 from ktlong.session.dense import DenseSession
-from ktlong.session.plan import resolve_dense_kv_dtype
+from ktlong.session.plan import resolve_chunk_size, resolve_dense_kv_dtype
 from operators.dense_attention import dense_attention
 from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
@@ -138,3 +138,11 @@ def test_normal_mode_cache_types():
     assert resolve_dense_kv_dtype("fp32", cpu, torch.float32) == torch.float32
     with pytest.raises(KtlongError, match="kv_type q8_0 is for --mode long_context"):
         resolve_dense_kv_dtype("q8_0", cpu, torch.float32)
+
+
+def test_chunk_size_zero_is_8192_on_a_gpu_and_512_on_a_cpu_and_at_least_a_block():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_chunk_size(0, 128, cpu) == 512
+    assert resolve_chunk_size(0, 128, cuda) == 8192
+    assert resolve_chunk_size(0, 1024, cpu) == 1024  # a chunk is whole blocks
+    assert resolve_chunk_size(2048, 128, cpu) == 2048  # a value set is kept
