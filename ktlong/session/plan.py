@@ -97,8 +97,9 @@ CHUNK_GPU, CHUNK_CPU = 8192, 512  # chunk_size 0's prompt tokens per prefill chu
 
 
 def resolve_chunk_size(chunk_size: int, block_size: int, device: torch.device) -> int:
-    """0: 8192 on a GPU; 512 on a CPU, llama.cpp's batch, where a larger chunk gains no speed and
-    its activations sit in host memory beside the weights and the cache. At least one block."""
+    """0: 8192 on a GPU; 512 on a CPU, llama.cpp's batch, where a chunk's activations sit in host
+    memory beside the weights and the cache and a larger chunk gains little speed
+    (docs/decisions.md). At least one block."""
     if chunk_size:
         return chunk_size
     return max(CHUNK_GPU if device.type == "cuda" else CHUNK_CPU, block_size)
