@@ -243,7 +243,9 @@ def test_cpu_weights_bench_compares_stored_weights_with_float32_in_processes_of_
     path = tmp_path / "q4.gguf"
     write_tiny_gguf(path, TinySpec(weight_type=T.Q4_0), seed=5)
     assert bench(["cpu-weights", "--model", str(path), "--lengths", "64", "--tokens", "2", "--runs", "1"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|") and "64" in line]
+    out = capsys.readouterr().out
+    assert "prefill chunks of 512" in out  # the config's chunk_size, 0: 512 on the CPU
+    rows = [line for line in out.splitlines() if line.startswith("|") and "64" in line]
     assert [row.split("|")[2].strip() for row in rows] == ["float32", "stored"]
     assert rows[0].rstrip(" |").endswith("1.00x")
     assert bench(["cpu-weights", "--model", str(path), "--lengths", "600"]) == 2  # past the context: one sentence
