@@ -78,7 +78,8 @@ def main(argv=None) -> int:
                      f"{at.device_total / GIB:.1f}" if at else "-", f"{n * at.dram_total / GIB:.1f}" if at else "-",
                      f"{at.weights / GIB:.1f}" if at else "-"])
     kv = config.kv_type if config.kv_type != "auto" else "bf16"
-    print(f"{args.shape}, kv {kv}, chunk {resolve_chunk_size(config.chunk_size, config.block_size, device)}, local window {config.local_windows_len}, "
+    chunk = resolve_chunk_size(config.chunk_size, config.block_size, device)
+    print(f"{args.shape}, kv {kv}, chunk {chunk}, local window {config.local_windows_len}, "
           f"GPU cap {args.gpu_cap_gb} GiB per rank, {dram / GIB:.0f} GiB of host memory")
     print_table(["tensor parallel", "GPU limit", "DRAM limit", "longest context", "bound by",
                  "GPU GiB per rank", "DRAM GiB all ranks", "weights GiB per rank"], rows)
