@@ -118,6 +118,28 @@ def test_one_query_attention_equals_softmax_reference(num_kv, group, window):
     assert torch.allclose(got[0].double(), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_kv,group,num_q,num_k", [(3, 3, 64, 300), (2, 7, 100, 777), (4, 1, 16, 17)])
+def test_a_chunk_after_its_history_equals_softmax_reference(num_kv, group, num_q, num_k):
+    """A prefill chunk's attention on the CPU below a history (dense_attention's split into the
+    history and the chunk's own causal keys, merged by log-sum-exp) over strided head-major views
+    equals causal softmax(q k / sqrt(d)) v in float64, query i seeing keys up to num_k - num_q + i."""
+    from operators.dense_attention import dense_attention
+
+    g = torch.Generator().manual_seed(num_kv * 100 + num_q)
+    dim = 32
+    cache_k, cache_v = (torch.randn(num_kv, 1000, dim, generator=g) for _ in range(2))
+    k, v = cache_k[:, :num_k], cache_v[:, :num_k]
+    q = torch.randn(num_q, num_kv * group, dim, generator=g)
+    got = dense_attention(q, k, v, None)
+    kk, vv = k.double().repeat_interleave(group, 0), v.double().repeat_interleave(group, 0)
+    scores = torch.einsum("thd,hkd->htk", q.double(), kk) / dim ** 0.5
+    visible = torch.arange(num_k)[None, :] <= torch.arange(num_q)[:, None] + (num_k - num_q)
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+    expected = torch.einsum("htk,hkd->thd", weights, vv)
+    assert got.shape == (num_q, num_kv * group, dim)
+    assert torch.allclose(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("biased", [("q", "k", "v"), ("k",), ()])
 def test_qkv_adds_each_part_its_own_bias(biased):
     """q, k and v come from one product of the fused matrix; each part that has a bias gets it,
