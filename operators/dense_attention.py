@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from operators.merge_state import merge_states
+
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     scale: float | None = None, window: int = 0) -> torch.Tensor:
@@ -64,16 +66,13 @@ def _chunk_after_history(q, k, v, scale) -> torch.Tensor:
     num_q, num_heads, dim = q.shape
     num_kv, num_k, _ = k.shape
     group, history = num_heads // num_kv, num_k - num_q
-    heads = q.transpose(0, 1).contiguous()  # [H, Tq, D]: a kv head's group is rows group*Tq apart
+    heads = q.transpose(0, 1).contiguous()  # [H, Tq, D]: kv head j's group is one run of group*Tq rows
     out_h, lse_h = flash(heads.view(1, num_kv, group * num_q, dim), k[None, :, :history], v[None, :, :history],
                          scale=scale)[:2]
     own_k, own_v = (t[:, history:].repeat_interleave(group, 0)[None] for t in (k, v))
     out_d, lse_d = flash(heads[None], own_k, own_v, is_causal=True, scale=scale)[:2]
-    lse_h, lse_d = lse_h.reshape(num_heads, num_q, 1), lse_d.reshape(num_heads, num_q, 1)
-    top = torch.maximum(lse_h, lse_d)
-    w_h, w_d = torch.exp(lse_h - top), torch.exp(lse_d - top)
-    out = (out_h.reshape(num_heads, num_q, dim) * w_h + out_d.reshape(num_heads, num_q, dim) * w_d) / (w_h + w_d)
-    return out.to(q.dtype).transpose(0, 1)
+    out, _ = merge_states(out_h.reshape(-1, dim), lse_h.reshape(-1), out_d.reshape(-1, dim), lse_d.reshape(-1))
+    return out.view(num_heads, num_q, dim).to(q.dtype).transpose(0, 1)
 
 
 def _sdpa(q, k, v, mask, is_causal, scale) -> torch.Tensor:
