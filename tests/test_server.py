@@ -5,6 +5,7 @@ stops its generation, and a bounded queue survives load."""
 
 import http.client
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -298,11 +299,7 @@ def free_port() -> int:
 
 
 def test_the_command_serves_and_refuses_bad_options(tmp_path):
-    env = {"XDG_CONFIG_HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
-           "KTLONG_API_KEY": "k1"}
-    import os
-
-    env = {**os.environ, **env}
+    env = {**server_env(tmp_path), "PATH": "/usr/bin:/bin", "KTLONG_API_KEY": "k1"}
     bad = subprocess.run([sys.executable, "-m", "ktlong.server", "--port", "70000"], capture_output=True,
                          text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "'port' = 70000" in bad.stderr and "Traceback" not in bad.stderr
@@ -382,9 +379,10 @@ def test_a_request_without_a_seed_samples_afresh(lm):
 
 
 def server_env(tmp_path):
-    import os
-
-    return {**os.environ, "XDG_CONFIG_HOME": str(tmp_path), "HOME": str(tmp_path)}
+    """A server process's environment: a home and config of its own, and this run's caches (the
+    compiled Numba kernels, assembled models), which a fresh home would compile and build anew."""
+    caches = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return {**os.environ, "XDG_CONFIG_HOME": str(tmp_path), "HOME": str(tmp_path), "XDG_CACHE_HOME": caches}
 
 
 def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path):
