@@ -77,13 +77,14 @@ def sha256_of(path: Path) -> str:
 
 
 def _join_parts(model: PackagedModel) -> Path:
-    """Concatenate the parts once into the cache; verify the sha256 before publishing."""
+    """Concatenate the parts once into the cache; verify the sha256 before publishing. Each
+    process writes a partial file of its own, so two that start at once both publish a whole file."""
     target = cache_dir() / model.file_name
     if target.is_file():
         return target
     sources = [_package_file(model, pkg, part) for pkg, part in zip(model.packages, model.parts)]
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(".partial")
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
     digest = hashlib.sha256()
     with open(partial, "wb") as out:
         for source in sources:
