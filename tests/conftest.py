@@ -9,6 +9,14 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # workers of `pytest -n 2` share the cores: a thread each (torch, Numba, and the processes the
+    # tests start), where two threads each would contend for them
+    import numba
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    numba.set_num_threads(1)
 if not torch.cuda.is_available():
     # Triton kernels run in Triton's interpreter on the CPU; it reads this once, when triton is
     # first imported, so it is set before any test imports it

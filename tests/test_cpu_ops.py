@@ -133,13 +133,14 @@ def test_work_shares_do_not_change_results(threads):
     q, k, v = data(seed=5)
     ks, vs = encode(k, "fp16"), encode(v, "fp16")
     blocks, counts = as_arrays([[0, 4, 7], [1, 2, 3, 9, 11], list(range(12)), [6]][:KV])
+    before = numba.get_num_threads()
     numba.set_num_threads(threads)
     try:
         a = sparse_attention(q, ks, vs, blocks, counts, 12 * B, B, 0.125, threads=threads)
         b = sparse_attention(q, ks, vs, blocks, counts, 12 * B, B, 0.125, threads=16)  # 16 shares
         one = sparse_attention(q, ks, vs, blocks, counts, 12 * B, B, 0.125, threads=1)
     finally:
-        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        numba.set_num_threads(before)
     ref, ref_lse = sparse_attention_reference(q, ks, vs, [list(r[:n]) for r, n in zip(blocks, counts)], 12 * B, B,
                                               0.125)
     for out, lse in (a, b, one):
