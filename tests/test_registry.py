@@ -1,6 +1,7 @@
 """A model packaged in parts is joined into the cache once, whole and verified, beside other
 processes doing the same."""
 
+import errno
 import hashlib
 import os
 import subprocess
@@ -46,8 +47,8 @@ print(registry._join_parts(model))
 
 
 def test_two_processes_joining_at_once_both_publish_the_whole_file(tmp_path, monkeypatch):
-    """One process is stopped half way (it reads its second part from a pipe no one has written yet) while
-    another joins the same model and publishes it; the first then finishes and publishes too."""
+    """One process is held half way (it reads its second part from a pipe no one has written yet)
+    while another joins the same model and publishes it; the first then finishes and publishes too."""
     whole = b"".join(PARTS)
     digest = hashlib.sha256(whole).hexdigest()
     model = parts_model(tmp_path, monkeypatch, digest)
@@ -59,12 +60,19 @@ def test_two_processes_joining_at_once_both_publish_the_whole_file(tmp_path, mon
     try:
         deadline = time.time() + 60
         while not list(cache_dir().glob("*.partial")):  # it has written its first part
-            assert first.poll() is None and time.time() < deadline, first.stderr.read()
+            assert first.poll() is None and time.time() < deadline, f"the first join ended ({first.poll()})"
             time.sleep(0.05)
         path = _join_parts(model)
         assert path.read_bytes() == whole
-        with open(fifo, "wb") as pipe:
-            pipe.write(PARTS[1])
+        while True:  # the pipe opens once the first join reads it
+            try:
+                pipe = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError as e:
+                assert e.errno == errno.ENXIO and first.poll() is None and time.time() < deadline, e
+                time.sleep(0.05)
+        os.write(pipe, PARTS[1])  # fits the pipe's buffer
+        os.close(pipe)
         out, err = first.communicate(timeout=60)
     finally:
         first.kill()
