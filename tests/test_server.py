@@ -379,10 +379,9 @@ def test_a_request_without_a_seed_samples_afresh(lm):
 
 
 def server_env(tmp_path):
-    """A server process's environment: a home and config of its own, and this run's caches (the
-    compiled Numba kernels, assembled models), which a fresh home would compile and build anew."""
-    caches = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return {**os.environ, "XDG_CONFIG_HOME": str(tmp_path), "HOME": str(tmp_path), "XDG_CACHE_HOME": caches}
+    """A server process's environment: a config folder of its own, and this run's home, so its
+    caches (compiled Numba kernels, assembled models) are the ones the run already built."""
+    return {**os.environ, "XDG_CONFIG_HOME": str(tmp_path)}
 
 
 def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path):
