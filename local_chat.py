@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from ktlong.cli import print_error
     from ktlong.errors import KtlongError
-    from ktlong.parallel.group import quiet_unless_main
+    from ktlong.parallel.launch import quiet_unless_main
 
     quiet_unless_main()
     try:
@@ -52,13 +52,14 @@ def run(args) -> int:
     from ktlong.cli import print_error
     from ktlong.config import load_config
     from ktlong.errors import ConfigError, KtlongError
-    from ktlong.session.saved_cache import check_save_path
     from ktlong.session.startup import overrides_from, start
 
     config = load_config(args.config, overrides_from(args))
     if args.prompt_file:  # refused before the model loads, not after
         read_text_file(args.prompt_file, "--prompt_file")
     if args.save_kv:  # before a prefill that may take minutes
+        from ktlong.session.saved_cache import check_save_path
+
         check_save_path(args.save_kv)
     if (args.save_kv or args.load_kv) and config.mode != "long_context":
         raise ConfigError("--save_kv and --load_kv keep the long-context KV cache; add --mode long_context.")

@@ -101,7 +101,7 @@ def _compile(kind: int, block_size: int, type_size: int):
                     _row_runs(kind, runs, type_size, u8[r], i8[r], num_blocks, lanes, x[m], False)
                     y[m, r] = lanes.sum()
 
-    @nb.njit(parallel=True, fastmath=True, cache=True)
+    @nb.njit(parallel=True, fastmath=True, cache=True, nogil=True)  # nogil: threads may dequantise parts at once
     def dequantize(u8, i8, out):
         # u8, i8: [out, row_bytes] -> out: [out, in] float32
         num_out, num_blocks = u8.shape[0], U(out.shape[1] // block_size)

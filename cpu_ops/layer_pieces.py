@@ -9,12 +9,11 @@ torch's CPU path; the K/V rows are written as bfloat16 words, rounded to nearest
 
 from __future__ import annotations
 
-import math
-
 import numba as nb
 import numpy as np
 
 from cpu_ops.bf16 import bf16_word
+from cpu_ops.exp import exp_nonpositive
 
 
 @nb.njit(cache=True, fastmath=True)
@@ -64,10 +63,36 @@ def place_qkv(qkv, bias, cos, sin, q, k_row, v_row):
             v_row[h, c] = bf16_word(qkv[start + num_kv * dim + c])
 
 
-@nb.njit(cache=True, fastmath=True)
+@nb.njit(cache=True, fastmath=True, error_model="numpy")  # numpy's division: no zero check, so the loop vectorises
 def silu_times(gate_up, out):
     """gate_up [2 I] (gate, then up) -> out [I] = silu(gate) * up."""
     n = out.shape[0]
     for i in range(n):
         g = gate_up[i]
-        out[i] = g / (np.float32(1.0) + np.float32(math.exp(-g))) * gate_up[n + i]
+        e = exp_nonpositive(-abs(g))  # sigmoid(g) from e**-|g|, which cannot overflow
+        sigmoid = np.float32(1.0) / (np.float32(1.0) + e) if g >= 0 else e / (np.float32(1.0) + e)
+        out[i] = g * sigmoid * gate_up[n + i]
+
+
+@nb.njit(cache=True, parallel=True)
+def add_rms_norm_rows(x, delta, weight, eps, out):
+    """add_rms_norm over the rows of a prefill chunk: x [T, n] += delta [T, n] (an empty delta,
+    [0, n], adds nothing); out [T, n] = the rows normalised, times weight."""
+    for t in nb.prange(x.shape[0]):
+        add_rms_norm(x[t], delta[t] if delta.shape[0] else delta[0:0, 0], weight, eps, out[t])
+
+
+@nb.njit(cache=True, parallel=True)
+def place_qkv_rows(qkv, bias, cos, sin, q, keys, values, start):
+    """place_qkv over the rows of a prefill chunk: qkv [T, (H + 2 KV) * D] -> q [T, H, D]; row t's
+    k and v as bfloat16 words into keys, values [KV, tokens, D] at position start + t. cos, sin:
+    [T, rotated dims]."""
+    for t in nb.prange(qkv.shape[0]):
+        place_qkv(qkv[t], bias, cos[t], sin[t], q[t], keys[:, start + t], values[:, start + t])
+
+
+@nb.njit(cache=True, parallel=True)
+def silu_times_rows(gate_up, out):
+    """silu_times over the rows of a prefill chunk: gate_up [T, 2 I] -> out [T, I]."""
+    for t in nb.prange(gate_up.shape[0]):
+        silu_times(gate_up[t], out[t])

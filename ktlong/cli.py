@@ -11,7 +11,7 @@ from ktlong.errors import KtlongError
 def print_error(error: Exception) -> None:
     """A refusal, from every rank: a quiet rank's own sentence still reaches the terminal, since
     torchrun may stop rank 0 before it prints when another rank fails first."""
-    from ktlong.parallel.group import launched_rank  # torch: not imported by `--help`
+    from ktlong.parallel.launch import launched_rank
 
     rank = launched_rank()
     if rank == 0:

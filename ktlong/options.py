@@ -50,6 +50,7 @@ SECTIONS: list[tuple[str, list[Option]]] = [
         Option('device', 'auto', 'auto (cuda when present, else cpu) | cpu | cuda | cuda:N', flag='device'),
         Option('dtype', 'auto', 'auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16 | float16', choices=('auto', 'float32', 'bfloat16', 'float16')),
         Option('cpu_stored_weights', True, "on a CPU in one process, keep each matrix of a quantised type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) as the GGUF stores it and multiply it in place with Numba kernels: a decode step reads 0.56-1.06 bytes per weight instead of float32's 4; false = dequantised to dtype, as on a GPU"),
+        Option('cpu_engine', 'auto', "normal mode on a CPU in one process: auto = numpy and Numba without torch (about 200 MB less memory) where the model allows: the llama family with every matrix and the embedding of a type above, kept as stored, a bf16 cache, float32 compute; else torch's | torch = torch's always", choices=('auto', 'torch')),
         Option('max_seq_len', 0, "longest prompt plus answer in tokens; 0 = the model's context length (extended by rope_scaling)", low=0, flag='max_seq_len'),
         Option('rope_scaling', 'auto', "RoPE context extension, as llama.cpp's --rope-scaling: auto (what the GGUF says) | none | linear | yarn", choices=('auto', 'none', 'linear', 'yarn'), flag='rope_scaling'),
         Option('rope_scale', 0.0, "context scaling factor, as --rope-scale (Qwen2.5: yarn and 4 reach 131,072); 0 = the GGUF's", low=0, flag='rope_scale'),

@@ -17,6 +17,7 @@ from ktlong.errors import KtlongError
 from ktlong.gguf.stored_matrix import StoredMatrix
 from ktlong.gguf.weights import CpuWeights
 from ktlong.kv.dense_cache import DenseKVCache
+from ktlong.models import llama
 from ktlong.models.loader import load_model
 from ktlong.session.dense import DenseSession
 from ktlong.session.plan import resolve_chunk_size, resolve_dense_kv_dtype
@@ -72,8 +73,9 @@ def decode_against_torch(tmp_path, fused, int8, monkeypatch, rounded=False):
     session.prefill(prompt)
     lm.model.forward(torch.tensor(prompt), reference, 0)
     if rounded:  # the reference's decode products take their inputs rounded to 8 bits, in numpy
-        linear = StoredMatrix.linear
-        monkeypatch.setattr(StoredMatrix, "linear", lambda self, x: linear(self, rounded_to_8_bits(x)))
+        linear = llama.linear
+        monkeypatch.setattr(llama, "linear", lambda x, w, bias=None: linear(
+            rounded_to_8_bits(x) if isinstance(w, StoredMatrix) else x, w, bias))
     token, pairs = 5, []
     for step in range(4):
         pairs.append((session.step(token), lm.model.forward(torch.tensor([token]), reference, 300 + step)[0]))

@@ -15,6 +15,7 @@ from cpu_ops.gguf_blocks import KERNEL_TYPES, half_by_bits
 from cpu_ops import int8_runs
 from cpu_ops.gguf_matmul import Activations, dequantize, matmul, product_into
 from ktlong.gguf.stored_matrix import MAX_IN_PLACE_ROWS, StoredMatrix
+from ktlong.models.llama import linear
 
 # byte offsets of each block's float16 fields (scales, minimums)
 HALVES = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
@@ -110,13 +111,14 @@ def test_product_into_without_avx2_takes_float32_inputs():
 
 
 @pytest.mark.parametrize("num_x", [1, MAX_IN_PLACE_ROWS, MAX_IN_PLACE_ROWS + 1])  # in place, and dequantised
-def test_stored_matrix_linear(num_x):
+def test_stored_matrix_products(num_x):
     blocks = random_blocks(T.Q5_0, 40, 256, seed=9)
     w = torch.from_numpy(reference(T.Q5_0, blocks, 256))
-    matrix = StoredMatrix(torch.from_numpy(blocks), T.Q5_0, (40, 256))
+    matrix = StoredMatrix(blocks, T.Q5_0, (40, 256))
     x = torch.randn(num_x, 256, generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(matrix.linear(x), x @ w.t(), rtol=1e-5, atol=1e-5)
-    assert matrix.linear(x.bfloat16()).dtype == torch.bfloat16
+    torch.testing.assert_close(linear(x, matrix), x @ w.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.from_numpy(matrix.product(x.numpy())), x @ w.t(), rtol=1e-5, atol=1e-5)
+    assert linear(x.bfloat16(), matrix).dtype == torch.bfloat16
 
 
 def test_inputs_that_do_not_fit_are_refused():

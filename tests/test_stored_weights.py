@@ -10,11 +10,12 @@ from gguf import GGMLQuantizationType as T
 from ktlong.gguf.dequant import dequantize
 from ktlong.gguf.model_config import ModelConfig
 from ktlong.gguf.reader import GGUFFile
-from ktlong.gguf.stored_matrix import StoredMatrix, linear
+from ktlong.gguf.stored_matrix import StoredMatrix
 from ktlong.gguf.stored_rows import StoredRows
-from ktlong.gguf.weights import CpuWeights, load_weights, unpermute_qk
+from ktlong.gguf.model_config import unpermute_qk
+from ktlong.gguf.weights import CpuWeights, load_weights
 from ktlong.kv.dense_cache import DenseKVCache
-from ktlong.models.llama import LlamaModel
+from ktlong.models.llama import LlamaModel, linear
 from tests.tiny_gguf import TinySpec, write_tiny_gguf
 
 # the types the gguf package quantises (the kernels of the K types are tested in test_gguf_matmul.py)
@@ -38,7 +39,7 @@ def test_stored_model_gives_the_dequantised_models_logits(tmp_path, tied):
     assert isinstance(layer0.w_up, StoredMatrix) and isinstance(layer1.w_gate, StoredMatrix)  # Q8_0
     assert isinstance(layer1.wo, torch.Tensor)  # F16 has no kernel: dequantised
     # layer 1's q, k, v (gate, up) share Q8_0: one matrix each, multiplied once; layer 0's do not
-    assert layer1.wqkv is not None and layer1.w_gate_up is not None and layer1.wv.blocks.data_ptr() > layer1.wq.blocks.data_ptr()
+    assert layer1.wqkv is not None and layer1.w_gate_up is not None and layer1.wv.blocks.ctypes.data > layer1.wq.blocks.ctypes.data
     assert layer0.wqkv is None and layer0.w_gate_up is None
     assert isinstance(stored.output, StoredMatrix) and isinstance(stored.embed, StoredRows)
     ids = torch.tensor([5, 17, 250, 3, 99, 42])
@@ -57,8 +58,8 @@ def test_q_and_k_rows_reorder_as_stored_bytes(tmp_path):
     unreordered matrix's product, reordered, to the bit."""
     raw = torch.from_numpy(np.random.default_rng(3).integers(0, 256, (64, 4 * 20), dtype=np.uint8))
     raw.view(64, 4, 20)[:, :, :4] = torch.tensor([0, 0x20, 0, 0x24], dtype=torch.uint8)  # d, m: small normal halves
-    plain = StoredMatrix(raw, T.Q4_1, (64, 128))
-    reordered = StoredMatrix(unpermute_qk(raw, 4).contiguous(), T.Q4_1, (64, 128))
+    plain = StoredMatrix(raw.numpy(), T.Q4_1, (64, 128))
+    reordered = StoredMatrix(np.ascontiguousarray(unpermute_qk(raw.numpy(), 4)), T.Q4_1, (64, 128))
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4))
     assert torch.equal(linear(x, reordered), unpermute_qk(linear(x, plain).t(), 4).t())
     w = dequantize(raw.reshape(-1), T.Q4_1, (64, 128))

@@ -1,49 +1,51 @@
-"""CPU-only decode and prefill with the GGUF's matrices kept as stored and multiplied in place
-(cpu_stored_weights, the default) against the same weights dequantised to float32, on a real
-GGUF model in normal mode.
+"""CPU-only decode and prefill on a real GGUF model in normal mode: torch's model with the GGUF's
+matrices kept as stored and multiplied in place (stored), the same with them dequantised to
+float32 (float32), the torch-free CPU engine (cpu_engine, ktlong/models/cpu_llama.py), and
+llama.cpp.
 
 python -m ktlong.bench cpu-weights --model smollm2-135m --lengths 4k,16k [--tokens 32] [--runs 2]
-                                    [--arms float32,stored,llama.cpp] [--llama_cpp]
+                                    [--arms float32,stored,cpu_engine,llama.cpp] [--llama_cpp]
                                     [--set kv_type=fp32] [--set chunk_size=1024]
 
-Each run of each arm is a process of its own, so that its peak resident memory is its own; the
-arms alternate. A run loads the model on the CPU, prefills a prompt of the length (fixed token
-ids) and decodes --tokens tokens greedily. The table gives medians over the runs: prefill and
-decode tokens per second, the peak resident memory, and the decode ratio to the first arm. The cache is
-normal mode's as the config sets it: kv_type (auto: bfloat16 on the CPU) and chunk_size (0: 512
-tokens on the CPU). --llama_cpp adds an arm of llama.cpp (llama-cpp-python, installed separately)
-on the same GGUF file, the same prompt ids and as many threads as torch uses, `n_batch` 512 (its
-default); it feeds its decode steps fixed ids (a step's time does not depend on which).
+Each run of each arm is a process of its own, so that its peak resident memory is its own (the
+cpu_engine and llama.cpp arms import no torch); the arms alternate. A run loads the model on the
+CPU, prefills a prompt of the length (fixed token ids) and decodes --tokens tokens greedily. The
+table gives medians over the runs: prefill and decode tokens per second, the peak resident
+memory, and the decode ratio to the first arm. The cache is normal mode's as the config sets it:
+kv_type (auto: bfloat16 on the CPU; the cpu_engine arm takes bf16 only) and chunk_size (0: 512
+tokens on the CPU). --llama_cpp adds an arm of llama.cpp (llama-cpp-python, installed
+separately) on the same GGUF file, the same prompt ids and as many threads as torch uses,
+`n_batch` 512 (its default); it feeds its decode steps fixed ids (a step's time does not depend
+on which).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
-import time
 
 import torch
 
 from ktlong.bench.common import median
-from ktlong.bench.llama_cpp_arm import prompt_ids
+from ktlong.bench.cpu_engine_arm import time_session
 from ktlong.cli import parse_lengths, print_table
 from ktlong.config import load_config, parse_set, refuse_unread
 from ktlong.errors import KtlongError
 from ktlong.gguf.weights import CpuWeights
-from ktlong.session.plan import resolve_chunk_size
+from ktlong.session.chunked import resolve_chunk_size
 
 ARMS = {"float32": CpuWeights(), "stored": CpuWeights(stored=True)}
 
 
-LLAMA_CPP = "llama.cpp"
+LLAMA_CPP, CPU_ENGINE = "llama.cpp", "cpu_engine"
+CHILD_ARMS = (CPU_ENGINE, LLAMA_CPP)  # run by modules of their own
 READS = frozenset({"kv_type", "chunk_size"})
 
 
 def run_arm(model: str, length: int, tokens: int, cpu: CpuWeights, config) -> dict:
-    """One run in this process: prefill and decode seconds, peak resident bytes."""
+    """One run of torch's model in this process: prefill and decode seconds, peak resident bytes."""
     from ktlong.models.loader import load_model
     from ktlong.session.dense import DenseSession
     from ktlong.session.plan import resolve_dense_kv_dtype
@@ -53,23 +55,16 @@ def run_arm(model: str, length: int, tokens: int, cpu: CpuWeights, config) -> di
     if length + tokens > lm.config.context_length:
         raise KtlongError(f"--lengths {length} plus {tokens} tokens exceed the model's context of "
                           f"{lm.config.context_length}; use shorter lengths.")
-    session = DenseSession.from_config(lm.model, config, length + tokens)
-    ids = prompt_ids(lm.config.vocab_size, length)
-    start = time.perf_counter()
-    logits = session.prefill(ids)
-    prefill = time.perf_counter() - start
-    steps = []
-    for _ in range(tokens):
-        start = time.perf_counter()
-        logits = session.step(int(logits.argmax()))
-        steps.append(time.perf_counter() - start)
-    return {"prefill_s": prefill, "decode_s": median(steps),
-            "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return time_session(DenseSession.from_config(lm.model, config, length + tokens), lm.config.vocab_size, length,
+                        tokens)
 
 
 def command(arm: str, model: str, length: int, tokens: int, sets: list[str]) -> list[str]:
-    """The child process of one run: ktlong's arms through this bench, llama.cpp's through a
-    module that imports no torch (ktlong/bench/llama_cpp_arm.py)."""
+    """The child process of one run: torch's arms through this bench; the CPU engine's and
+    llama.cpp's through modules that import no torch (ktlong/bench/cpu_engine_arm.py,
+    ktlong/bench/llama_cpp_arm.py)."""
+    if arm == CPU_ENGINE:
+        return [sys.executable, "-m", "ktlong.bench.cpu_engine_arm", model, str(length), str(tokens), *sets]
     if arm != LLAMA_CPP:
         return [sys.executable, "-m", "ktlong.bench", "cpu-weights", "--model", model, "--lengths", str(length),
                 "--tokens", str(tokens), "--arm", arm, *(a for item in sets for a in ("--set", item))]
@@ -86,8 +81,8 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", default="4k", help="prompt lengths in tokens")
     p.add_argument("--tokens", type=int, default=32, help="tokens decoded per run (the median step is reported)")
     p.add_argument("--runs", type=int, default=2, help="runs per arm and length, alternating")
-    p.add_argument("--arms", default="float32,stored",
-                   help=f"arms to run, in this order, comma-separated, from {', '.join([*ARMS, LLAMA_CPP])}; the "
+    p.add_argument("--arms", default="stored,cpu_engine",
+                   help=f"arms to run, in this order, comma-separated, from {', '.join([*ARMS, *CHILD_ARMS])}; the "
                         "decode ratio is to the first")
     p.add_argument("--llama_cpp", action="store_true", help="add an arm of llama.cpp (llama-cpp-python) on the same file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="kv_type (the cache's storage) or chunk_size")
@@ -103,9 +98,9 @@ def main(argv=None) -> int:
         print(json.dumps(run_arm(args.model, lengths[0], args.tokens, ARMS[args.arm], config)))
         return 0
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = [a for a in arms if a not in (*ARMS, LLAMA_CPP)]
+    unknown = [a for a in arms if a not in (*ARMS, *CHILD_ARMS)]
     if unknown or not arms:
-        raise KtlongError(f"--arms {args.arms}: choose from {', '.join([*ARMS, LLAMA_CPP])}, comma-separated.")
+        raise KtlongError(f"--arms {args.arms}: choose from {', '.join([*ARMS, *CHILD_ARMS])}, comma-separated.")
     if args.llama_cpp and LLAMA_CPP not in arms:
         arms.append(LLAMA_CPP)
     rows = []

@@ -47,7 +47,8 @@ from ktlong.kv.memory_plan import GIB, plan_memory
 from ktlong.kv.resident import ResidentHistory
 from ktlong.session.long_context import RESIDENT_MARGIN
 from ktlong.models.random_model import SHAPES, num_weight_elements, random_config, random_model
-from ktlong.parallel.group import join_ranks, quiet_unless_main
+from ktlong.parallel.group import join_ranks
+from ktlong.parallel.launch import quiet_unless_main
 from ktlong.session.plan import resolve_block_scoring, resolve_chunk_size, resolve_kv_type, resolve_selection
 from ktlong.session.settings import selection_settings
 from operators.kv_quant import quantize_kv

@@ -22,7 +22,8 @@ from ktlong.errors import KtlongError
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.memory_plan import GIB
 from ktlong.models.random_model import SHAPES, num_weight_elements, random_config, random_model
-from ktlong.parallel.group import join_ranks, quiet_unless_main
+from ktlong.parallel.group import join_ranks
+from ktlong.parallel.launch import quiet_unless_main
 from ktlong.parallel.shard import shard_config
 from ktlong.prefill import LayerMajorPrefill, PrefillStats
 from ktlong.session.plan import plan_session

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from ktlong.errors import Cancelled
 from ktlong.session.protocol import Session
-from ktlong.chat.constrained import JsonConstraint
 from ktlong.chat.sampling import Sampler
 from ktlong.chat.text_stream import TextStream
+
+if TYPE_CHECKING:
+    import torch
+
+    from ktlong.chat.constrained import JsonConstraint
 
 
 @dataclass
@@ -35,8 +37,8 @@ def generate(session: Session, prompt_ids: list[int], max_new_tokens: int, sampl
              should_stop: Callable[[], bool] | None = None,
              on_progress: Callable[[int, int], None] | None = None,
              should_stop_prefill: Callable[[], bool] | None = None,
-             on_token: Callable[[int, torch.Tensor], None] | None = None,
-             constraint: JsonConstraint | None = None) -> Generation:
+             on_token: "Callable[[int, torch.Tensor], None] | None" = None,
+             constraint: "JsonConstraint | None" = None) -> Generation:
     """Greedy or sampled continuation of prompt_ids; Ctrl-C ends it early, keeping what was made,
     and so does should_stop (asked between prefill chunks and before every token). on_progress:
     the prefill's (tokens done, tokens it computes) after every chunk. should_stop_prefill: asked

@@ -9,7 +9,7 @@ from pathlib import Path
 from ktlong.config import Config
 from ktlong.errors import KtlongError
 from ktlong.chat.conversation import Conversation, PromptTooLongError
-from ktlong.session.dense import DenseSession
+from ktlong.session.chunked import dense_session
 from ktlong.session.protocol import Session
 from ktlong.chat.generate import generate
 from ktlong.models.loader import LoadedModel
@@ -31,7 +31,7 @@ class ChatLoop:
         self.out, self.err = out or sys.stdout, err or sys.stderr
         template = lm.chat_template if config.use_chat_template else None
         self.conversation = Conversation(lm.tokenizer, template, config.system_prompt)
-        self.session = session or DenseSession.from_config(lm.model, config, max_seq_len)
+        self.session = session or dense_session(lm.model, config, max_seq_len)
         self.sampler = Sampler(config.temperature, config.top_p, config.top_k, config.seed)
 
     def notice(self, text: str):

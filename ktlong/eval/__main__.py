@@ -49,7 +49,8 @@ def main(argv=None) -> int:
     from ktlong.models.loader import load_model, open_model
     from ktlong.gguf.model_config import RopeOptions
     from ktlong.gguf.weights import CpuWeights
-    from ktlong.parallel.group import join_ranks, quiet_unless_main
+    from ktlong.parallel.group import join_ranks
+    from ktlong.parallel.launch import quiet_unless_main
     from ktlong.session.settings import ARMS
 
     quiet_unless_main()

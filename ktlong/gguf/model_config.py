@@ -12,6 +12,17 @@ from ktlong.gguf.reader import GGUFFile
 # the loader undoes that so every model uses the half-split (NeoX) rotation.
 PERMUTED_QK_ARCHS = frozenset({"llama"})
 SUPPORTED_ARCHS = frozenset({"llama", "qwen2", "gemma3"})
+
+
+def unpermute_qk(w, num_heads: int):
+    """Undo llama.cpp's row permutation (adjacent-pair RoPE -> half-split RoPE).
+
+    w: [num_heads * head_dim, ...], a tensor or an array; rows of a head go from (d/2, 2) order
+    to (2, d/2).
+    """
+    rest = w.shape[1:]
+    head_dim = w.shape[0] // num_heads
+    return w.reshape(num_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 GEMMA3_SLIDING_PATTERN = 6  # every 6th layer is global, the others slide (llama.cpp's setting)
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
 

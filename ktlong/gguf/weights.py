@@ -13,7 +13,7 @@ import torch
 from ktlong.gguf.dequant import SUPPORTED_TYPES, dequantize
 from ktlong.errors import GGUFError
 from ktlong.gguf.reader import GGUFFile
-from ktlong.gguf.model_config import PERMUTED_QK_ARCHS, ModelConfig
+from ktlong.gguf.model_config import PERMUTED_QK_ARCHS, ModelConfig, unpermute_qk
 from ktlong.gguf.stored_rows import StoredRows
 from ktlong.gguf.stored_matrix import StoredMatrix, compile_kernels
 from cpu_ops.gguf_blocks import KERNEL_TYPES
@@ -78,16 +78,6 @@ class ModelWeights:
     rope_freq_factors: torch.Tensor | None  # [rope_dim / 2], llama3-style scaling
 
 
-def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's row permutation (adjacent-pair RoPE -> half-split RoPE).
-
-    w: [num_heads * head_dim, ...]; rows of a head go from (d/2, 2) order to (2, d/2).
-    """
-    rest = w.shape[1:]
-    head_dim = w.shape[0] // num_heads
-    return w.reshape(num_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
-
-
 class TensorSource:
     """Dequantises named tensors from a GGUF file onto one device, checking types first."""
 
@@ -127,9 +117,10 @@ class TensorSource:
         permuted_heads: undo llama.cpp's q/k row permutation over that many heads (a row is whole
         blocks, so stored bytes reorder as rows too)."""
         rows = (lambda t: unpermute_qk(t, permuted_heads)) if permuted_heads else (lambda t: t)
-        info, raw = self._raw(name, shape)
+        info = self._info(name, shape)
         if self.stored and info.ggml_type in KERNEL_TYPES:
-            return StoredMatrix(rows(raw.view(shape[0], -1)).contiguous(), info.ggml_type, shape)
+            return StoredMatrix.from_gguf(self.gf, name, shape, permuted_heads)
+        _, raw = self._raw(name, shape)
         return rows(dequantize(raw, info.ggml_type, info.shape, self.dtype))
 
     def get_optional(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor | None:
@@ -221,7 +212,7 @@ def load_weights(gf: GGUFFile, config: ModelConfig, device: torch.device,
     if c.has_output_head:
         output = src.matrix("output.weight", (c.vocab_size, c.hidden_size))
     elif tied_in_place:  # the head multiplies the embedding's own bytes
-        output = StoredMatrix(embed.rows, embed.ggml_type, embed.shape)
+        output = StoredMatrix(embed.rows.numpy(), embed.ggml_type, embed.shape)
     else:
         output = embed
     gf.release_pages()

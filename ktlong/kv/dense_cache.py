@@ -14,26 +14,22 @@ import torch
 
 from cpu_ops.kv_storage import StoredKV
 from cpu_ops.sparse_attention import NO_SCALES, sparse_attention
+from ktlong.kv.word_cache import BLOCK, WordCache, padded_length
 from operators.dense_attention import dense_attention
-
-BLOCK = 128  # tokens per block of the Numba operator's view: the unit its threads share out
 
 
 class DenseKVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
                  device: torch.device, dtype: torch.dtype):
         # k, v: [num_layers, num_kv_heads, max_len rounded up to a block, head_dim]
-        padded = -(-max_len // BLOCK) * BLOCK
-        shape = (num_layers, num_kv_heads, padded, head_dim)
+        shape = (num_layers, num_kv_heads, padded_length(max_len), head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.max_len = max_len
-        self.words = None  # on the CPU in bfloat16: [k, v] -> per layer [KV, blocks, BLOCK, D] uint16 views
+        self.words = None  # on the CPU in bfloat16: the same bytes as a WordCache, for the Numba operators
         if self.k.device.type == "cpu" and dtype == torch.bfloat16:
-            blocked = (num_kv_heads, padded // BLOCK, BLOCK, head_dim)
-            self.words = [[t[i].view(torch.int16).numpy().view(np.uint16).reshape(blocked) for i in range(num_layers)]
-                           for t in (self.k, self.v)]
-            self.every_block = np.tile(np.arange(padded // BLOCK, dtype=np.int32), (num_kv_heads, 1))
+            self.words = WordCache(*([t[i].view(torch.int16).numpy().view(np.uint16) for i in range(num_layers)]
+                                     for t in (self.k, self.v)), max_len)
 
     def append(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
         """Write k, v: [T, KV, D] at positions start..start+T (rounded to the cache's dtype);
@@ -44,17 +40,13 @@ class DenseKVCache:
         self.v[layer, :, start:end] = v.transpose(0, 1)
         return self.k[layer, :, :end], self.v[layer, :, :end]
 
-    def block_counts(self, end: int) -> np.ndarray:
-        """Per kv head, how many of every_block's blocks hold the first `end` tokens."""
-        return np.full(self.k.shape[1], -(-end // BLOCK), np.int32)
-
     def attention(self, layer: int, q: torch.Tensor, end: int, scale: float, window: int = 0) -> torch.Tensor:
         """Causal attention of q [T, H, D], the queries at positions end-T..end-1, over the
         layer's first `end` cached tokens (dense_attention's semantics) -> [T, H, D] in q's dtype."""
         if self.words is not None and q.shape[0] == 1 and not (window and end > window):
-            keys, values = (StoredKV("bf16", w[layer], NO_SCALES) for w in self.words)
-            out, _ = sparse_attention(q[0].float().numpy(), keys, values, self.every_block, self.block_counts(end), end,
-                                      BLOCK, scale)
+            keys, values = (StoredKV("bf16", w[layer], NO_SCALES) for w in self.words.words)
+            out, _ = sparse_attention(q[0].float().numpy(), keys, values, self.words.every_block,
+                                      self.words.block_counts(end), end, BLOCK, scale)
             return torch.from_numpy(out).to(q.dtype)[None]
         first = end - window if window and q.shape[0] == 1 and end > window else 0  # one query sees its window only
         keys, values = self.k[layer, :, first:end], self.v[layer, :, first:end]

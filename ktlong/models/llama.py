@@ -12,15 +12,31 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ktlong.kv.dense_cache import DenseKVCache
 from ktlong.gguf.model_config import ModelConfig
-from ktlong.gguf.stored_matrix import linear
+from ktlong.gguf.stored_matrix import MAX_IN_PLACE_ROWS, StoredMatrix
 from ktlong.models.rope import apply_rope, inv_freq, rope_at, rope_cos_sin
 from ktlong.gguf.weights import ModelWeights
 from operators import triton_installed
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | StoredMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T + bias: F.linear over a tensor; over a StoredMatrix (on the CPU), in float32 and
+    returned in x's dtype: a few rows in place, more by F.linear over the matrix dequantised
+    (torch's GEMM shares the OpenMP threads of torch and Numba; numpy's BLAS would contend with them)."""
+    if not isinstance(w, StoredMatrix):
+        return F.linear(x, w, bias)
+    rows = x.reshape(-1, x.shape[-1]).float()
+    if rows.shape[0] <= MAX_IN_PLACE_ROWS:
+        y = torch.from_numpy(w.product(np.ascontiguousarray(rows.numpy())))
+    else:
+        y = F.linear(rows, torch.from_numpy(w.dequantized()))
+    y = y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
+    return y + bias if bias is not None else y
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

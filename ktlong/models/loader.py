@@ -1,4 +1,6 @@
-"""Load a GGUF model: config, tokenizer and weights from one file."""
+"""Load a GGUF model: config, tokenizer and weights from one file, into torch's model
+(`load_model`) or the torch-free CPU engine's (`load_cpu_model`). torch is imported only by the
+first, so a process that runs the CPU engine never holds it."""
 
 from __future__ import annotations
 
@@ -7,18 +9,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from ktlong.gguf.chat_template import ChatTemplate, template_for
 from ktlong.gguf.reader import GGUFFile
 from ktlong.gguf.model_config import ModelConfig, RopeOptions
 from ktlong.gguf.registry import resolve_model_path
-from ktlong.models.llama import LlamaModel
 from ktlong.gguf.tokenizer import GGUFTokenizer
-from ktlong.gguf.weights import CpuWeights, load_weights
-from ktlong.parallel.shard import rank_share
 
 if TYPE_CHECKING:
+    import torch
+
+    from ktlong.gguf.weights import CpuWeights
+    from ktlong.models.cpu_llama import CpuLlama
+    from ktlong.models.llama import LlamaModel
     from ktlong.parallel.group import TensorParallel
 
 
@@ -28,12 +30,14 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: GGUFTokenizer
     chat_template: ChatTemplate
-    model: LlamaModel
+    model: "LlamaModel | CpuLlama"
     load_seconds: float
     num_weight_elements: int
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
+def default_dtype(device: "torch.device") -> "torch.dtype":
+    import torch
+
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
@@ -44,23 +48,48 @@ def open_model(name_or_path: str | None, rope: RopeOptions = RopeOptions()) -> t
     return gf, rope.apply(ModelConfig.from_gguf(gf))
 
 
-def load_model(name_or_path: str | None, device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = None, rope: RopeOptions = RopeOptions(),
+def _tokenizer(gf: GGUFFile, chat_template: str | None) -> tuple[GGUFTokenizer, ChatTemplate]:
+    """The tokenizer and chat template, then the parsed metadata dropped (the vocabulary's arrays
+    need not sit beside the weights)."""
+    tokenizer = GGUFTokenizer(gf)
+    template = template_for(tokenizer, chat_template if chat_template is not None else tokenizer.chat_template)
+    gf.forget_metadata()
+    return tokenizer, template
+
+
+def load_model(name_or_path: str | None, device: "str | torch.device" = "cpu",
+               dtype: "torch.dtype | None" = None, rope: RopeOptions = RopeOptions(),
                tp: "TensorParallel | None" = None, chat_template: str | None = None,
-               cpu: CpuWeights = CpuWeights()) -> LoadedModel:
-    """With tp, this rank's share of the heads and MLP columns; config and model are the rank's
-    (ktlong/parallel/shard.py). chat_template: a template's source used instead of the GGUF's.
-    cpu: what a CPU in one process keeps as stored (the cpu_stored_weights option)."""
+               cpu: "CpuWeights | None" = None) -> LoadedModel:
+    """torch's model. With tp, this rank's share of the heads and MLP columns; config and model
+    are the rank's (ktlong/parallel/shard.py). chat_template: a template's source used instead of
+    the GGUF's. cpu: what a CPU in one process keeps as stored (the cpu_stored_weights option)."""
+    import torch
+
+    from ktlong.gguf.weights import CpuWeights, load_weights
+    from ktlong.models.llama import LlamaModel
+    from ktlong.parallel.shard import rank_share
+
     start = time.perf_counter()
     device = torch.device(device)
     gf, config = open_model(name_or_path, rope)
     rank_config, elements = config, gf.num_weight_elements
     if tp is not None:  # refused here, before any weight is read, if it does not split
         rank_config, elements = rank_share(config, elements, tp.world)
-    tokenizer = GGUFTokenizer(gf)
-    template = template_for(tokenizer, chat_template if chat_template is not None else tokenizer.chat_template)
-    gf.forget_metadata()  # read: its parsed arrays (the vocabulary's) need not sit beside the weights
+    tokenizer, template = _tokenizer(gf, chat_template)
     weights = load_weights(gf, config, device, dtype or default_dtype(device),
-                           (tp.rank, tp.world) if tp is not None else None, cpu)
+                           (tp.rank, tp.world) if tp is not None else None, cpu or CpuWeights())
     return LoadedModel(gf.path, rank_config, tokenizer, template, LlamaModel(rank_config, weights, tp),
                        time.perf_counter() - start, elements)
+
+
+def load_cpu_model(gf: GGUFFile, config: ModelConfig, chat_template: str | None = None) -> LoadedModel:
+    """The CPU engine's model (ktlong/models/cpu_llama.py) from a file open_model opened, where
+    cpu_llama.unsupported(gf, config) is None."""
+    from ktlong.models.cpu_llama import CpuLlama
+
+    start = time.perf_counter()
+    tokenizer, template = _tokenizer(gf, chat_template)
+    elements = gf.num_weight_elements
+    model = CpuLlama.from_gguf(gf, config)
+    return LoadedModel(gf.path, config, tokenizer, template, model, time.perf_counter() - start, elements)

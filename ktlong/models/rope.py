@@ -2,50 +2,22 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ktlong.gguf.model_config import RopeConfig
+from ktlong.models.rope_frequencies import inverse_frequencies
 from operators import triton_installed
 
 
 def inv_freq(rope: RopeConfig, freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [dim/2] (float32) and the attention scale that the scaling asks for.
+    """Inverse frequencies [dim/2] (float32) and the attention scale that the scaling asks for
+    (rope_frequencies.inverse_frequencies, as a tensor).
 
     freq_factors: llama3-style per-frequency divisors stored as the rope_freqs tensor.
     """
-    dim = rope.dim
-    freqs = 1.0 / rope.base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    mscale = 1.0
-    if rope.scaling_type == "linear":
-        freqs = freqs / rope.factor
-    elif rope.scaling_type == "yarn":
-        freqs, mscale = _yarn(freqs, rope)
-    if freq_factors is not None:
-        freqs = freqs / freq_factors.to(torch.float64)
-    return freqs.float(), mscale
-
-
-def _yarn(freqs: torch.Tensor, rope: RopeConfig) -> tuple[torch.Tensor, float]:
-    # YaRN (Peng et al. 2023): keep high frequencies, interpolate low ones by `factor`,
-    # blend linearly between the dimensions where beta_fast and beta_slow rotations fit
-    # into the original context.
-    dim, base, factor = rope.dim, rope.base, rope.factor
-    original = rope.original_context_length
-
-    def dim_of_rotations(num_rotations):
-        return dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low = max(math.floor(dim_of_rotations(rope.yarn_beta_fast)), 0)
-    high = min(math.ceil(dim_of_rotations(rope.yarn_beta_slow)), dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    keep = 1 - ramp  # 1: extrapolate (keep), 0: interpolate
-    blended = freqs / factor * (1 - keep) + freqs * keep
-    mscale = (0.1 * math.log(factor) + 1.0) * rope.yarn_attn_factor if factor > 1 else 1.0
-    return blended, mscale
+    factors = None if freq_factors is None else freq_factors.double().cpu().numpy()
+    freqs, mscale = inverse_frequencies(rope, factors)
+    return torch.from_numpy(freqs), mscale
 
 
 def rope_cos_sin(inv: torch.Tensor, positions: torch.Tensor, mscale: float = 1.0):

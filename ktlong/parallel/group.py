@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ktlong.errors import ConfigError
+from ktlong.parallel.launch import launched_rank, launched_world
 
 
 _STARTING_CORES: list[int] | None = None
@@ -77,28 +78,6 @@ class TensorParallel:
         if self.is_main:
             return lambda: self.broadcast_text(read_line())
         return lambda: self.broadcast_text("")
-
-
-def quiet_unless_main():
-    """Under torchrun, ranks other than 0 print nothing (they run the same program and would say
-    the same); a crash still reaches the terminal."""
-    import sys
-    import traceback
-
-    if launched_rank() == 0:
-        return
-    sys.stdout = sys.stderr = open(os.devnull, "w")
-    sys.excepthook = lambda kind, value, tb: traceback.print_exception(kind, value, tb, file=sys.__stderr__)
-
-
-def launched_world() -> int:
-    """How many processes torchrun started (1 without torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def launched_rank() -> int:
-    """This process's rank among them (0 without torchrun)."""
-    return int(os.environ.get("RANK", "0"))
 
 
 def start_tensor_parallel(size: int, device_type: str) -> TensorParallel | None:

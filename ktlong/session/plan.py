@@ -26,6 +26,7 @@ from ktlong.gguf.model_config import ModelConfig
 from ktlong.kv.layout import KVLayout, model_kv_layout
 from ktlong.kv.memory_plan import GIB, MemoryPlan, available_dram_bytes, check_plan, plan_memory
 from ktlong.prefill import resolve_backend
+from ktlong.session.chunked import resolve_chunk_size
 from ktlong.session.settings import compact_params, selection_settings, split_arm
 from operators.compact_attention import CompactParams
 from operators.kv_quant import QUANTIZED
@@ -91,18 +92,6 @@ def resolve_dense_kv_dtype(kv_type: str, device: torch.device, dtype: torch.dtyp
     if kv_type == "auto":
         return dtype if device.type == "cuda" else torch.bfloat16
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[kv_type]
-
-
-CHUNK_GPU, CHUNK_CPU = 8192, 512  # chunk_size 0's prompt tokens per prefill chunk
-
-
-def resolve_chunk_size(chunk_size: int, block_size: int, device: torch.device) -> int:
-    """0: 8192 on a GPU; 512 on a CPU, llama.cpp's batch, where a chunk's activations sit in host
-    memory beside the weights and the cache and a larger chunk gains little speed
-    (docs/decisions.md). At least one block."""
-    if chunk_size:
-        return chunk_size
-    return max(CHUNK_GPU if device.type == "cuda" else CHUNK_CPU, block_size)
 
 
 def resolve_cuda_graph(use_cuda_graph: bool | str, device: torch.device) -> bool:

@@ -1,12 +1,15 @@
 """What the chat, the server and the evaluation ask of a session (dense or long-context): a
 conversation's tokens in a KV cache, reused by common prefix, prefilled and then decoded one
-token at a time."""
+token at a time. Logits are torch tensors from torch's model and numpy arrays from the CPU
+engine (ktlong/models/cpu_llama.py)."""
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 
 class Session(Protocol):
@@ -35,10 +38,10 @@ class Session(Protocol):
 
     def prefill(self, prompt_ids: list[int], show_progress: bool = False,
                 should_stop: Callable[[], bool] | None = None,
-                on_progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+                on_progress: Callable[[int, int], None] | None = None) -> "torch.Tensor | np.ndarray":
         """Make the cache hold prompt_ids; the last token's logits [vocab]. should_stop is asked
         between chunks; when it says so, Cancelled is raised. on_progress(done, total): the
         prompt tokens prefilled so far of those this prefill computes, after every chunk."""
 
-    def step(self, token_id: int) -> torch.Tensor:
+    def step(self, token_id: int) -> "torch.Tensor | np.ndarray":
         """Append one token; its logits [vocab]."""

@@ -80,12 +80,55 @@ class Started:
     tp: object = None  # TensorParallel when tensor_parallel > 1
 
 
+def cpu_engine_refusal(config: Config, gf, model_config) -> str | None:
+    """Why normal mode does not run on the torch-free CPU engine (ktlong/models/cpu_llama.py);
+    None: it does. The cpu_engine option's auto, resolved here."""
+    from ktlong.device import device_type
+    from ktlong.models.cpu_llama import unsupported
+
+    if config.cpu_engine != "auto":
+        return f"cpu_engine is {config.cpu_engine}"
+    if config.mode != "normal" or config.tensor_parallel > 1 or device_type(config.device) != "cpu":
+        return "it runs normal mode on one CPU process"
+    if not config.cpu_stored_weights or config.kv_type not in ("auto", "bf16") or config.dtype not in ("auto", "float32"):
+        return "it keeps the weights as stored, a bf16 cache and float32 compute"
+    return unsupported(gf, model_config)
+
+
 def start(config: Config, log=None) -> Started:
     """Check the model file, plan (and refuse what does not fit) before any weight is read, load
-    the weights, and build the long-context session when the mode asks for one."""
-    from ktlong.device import resolve_device, resolve_dtype
+    the weights, and build the long-context session when the mode asks for one. Normal mode on
+    a CPU runs the torch-free engine where cpu_engine_refusal allows, and never imports torch."""
     from ktlong.gguf.chat_template import configured_template
-    from ktlong.models.loader import load_model, open_model
+    from ktlong.models.loader import load_cpu_model, open_model
+    from ktlong.gguf.model_config import RopeOptions
+    from cpu_ops.threads import decode_threads
+
+    log = log or sys.stderr
+    gf, model_config = open_model(config.model, RopeOptions.of(config))  # checks the file, reads no weight
+    template = configured_template(config.chat_template_file)
+    max_seq_len = config.check_against_model(model_config.num_layers, model_config.context_length)
+    refusal = cpu_engine_refusal(config, gf, model_config)
+    if refusal is None:
+        import numba
+
+        numba.set_num_threads(decode_threads(config.threads_num, spare_core=False))
+        lm = load_cpu_model(gf, model_config, template)
+        _print_loaded(lm, "cpu (numpy and Numba)", max_seq_len, log)
+        return Started(lm, config, max_seq_len, None)
+    return _start_torch(config, gf, model_config, template, max_seq_len, refusal, log)
+
+
+def _print_loaded(lm, where: str, max_seq_len: int, log):
+    c = lm.config
+    print(f"[loaded {lm.path.name}: {c.arch}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} "
+          f"heads, context {c.context_length}, on {where} in {lm.load_seconds:.1f}s; "
+          f"max_seq_len {max_seq_len}]", file=log)
+
+
+def _start_torch(config: Config, gf, model_config, template, max_seq_len: int, refusal: str, log) -> Started:
+    from ktlong.device import resolve_device, resolve_dtype
+    from ktlong.models.loader import load_model
     from ktlong.gguf.model_config import RopeOptions
     from ktlong.gguf.weights import CpuWeights
     from ktlong.parallel.group import join_ranks
@@ -93,11 +136,9 @@ def start(config: Config, log=None) -> Started:
     from cpu_ops.threads import decode_threads
     from ktlong.session.plan import apply_threads, plan_session, resolve_dense_kv_dtype
 
-    log = log or sys.stderr
-    gf, model_config = open_model(config.model, RopeOptions.of(config))  # checks the file, reads no weight
-    template = configured_template(config.chat_template_file)
-    max_seq_len = config.check_against_model(model_config.num_layers, model_config.context_length)
     device = resolve_device(config.device)
+    if config.mode == "normal" and config.cpu_engine == "auto" and device.type == "cpu" and config.tensor_parallel <= 1:
+        print(f"[torch's engine: the CPU engine does not run this, as {refusal}]", file=log)
     tp, device = join_ranks(config.tensor_parallel, model_config, device)
     num_weight_elements = gf.num_weight_elements
     if tp is not None:
@@ -118,10 +159,7 @@ def start(config: Config, log=None) -> Started:
         resolve_dense_kv_dtype(config.kv_type, device, dtype)  # refused here, before any weight is read
         apply_threads(decode_threads(config.threads_num, spare_core=device.type != "cpu"), config.threads_num)
     lm = load_model(config.model, device, dtype, RopeOptions.of(config), tp, template, CpuWeights.of(config))
-    c = lm.config
-    print(f"[loaded {lm.path.name}: {c.arch}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} "
-          f"heads, context {c.context_length}, on {device} in {lm.load_seconds:.1f}s; "
-          f"max_seq_len {max_seq_len}]", file=log)
+    _print_loaded(lm, str(device), max_seq_len, log)
     session = None
     if plan is not None:
         from ktlong.session.long_context import LongContextSession
