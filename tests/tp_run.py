@@ -33,7 +33,7 @@ def run_arm(gguf: str, arm: str, world: int, device: str = "cpu"):
     from ktlong.session.startup import start
 
     config = default_config(model=gguf, device=device, tensor_parallel=world, **{**LONG, **ARMS[arm]})
-    started = start(config, log=open(os.devnull, "w"))
+    started = start(config, log=open(os.devnull, "w"), cpu_engine=False)  # torch's model, as the ranks run
     session = started.session or DenseSession.from_config(started.lm.model, config, started.max_seq_len)
     rng = np.random.default_rng(4)
     prompt = [int(t) for t in rng.integers(0, 300, size=PROMPT_LEN)]

@@ -84,7 +84,7 @@ def main(argv=None) -> int:
             raise ConfigError("The server runs in one process; drop --tensor_parallel (local_chat.py, the "
                               "evaluation and the benches take it).")
         check_port(config.host, config.port)  # before minutes of loading, not after
-        started = start(config)
+        started = start(config, cpu_engine=False)  # its grammars and logprobs are torch operations
         app, api_key = make_app(started)
     except KtlongError as e:
         print_error(e)

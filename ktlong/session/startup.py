@@ -95,10 +95,11 @@ def cpu_engine_refusal(config: Config, gf, model_config) -> str | None:
     return unsupported(gf, model_config)
 
 
-def start(config: Config, log=None) -> Started:
+def start(config: Config, log=None, cpu_engine: bool = True) -> Started:
     """Check the model file, plan (and refuse what does not fit) before any weight is read, load
     the weights, and build the long-context session when the mode asks for one. Normal mode on
-    a CPU runs the torch-free engine where cpu_engine_refusal allows, and never imports torch."""
+    a CPU runs the torch-free engine where cpu_engine_refusal allows, and never imports torch;
+    cpu_engine False: torch's model always (the server's grammars and logprobs are torch's)."""
     from ktlong.gguf.chat_template import configured_template
     from ktlong.models.loader import load_cpu_model, open_model
     from ktlong.gguf.model_config import RopeOptions
@@ -108,7 +109,7 @@ def start(config: Config, log=None) -> Started:
     gf, model_config = open_model(config.model, RopeOptions.of(config))  # checks the file, reads no weight
     template = configured_template(config.chat_template_file)
     max_seq_len = config.check_against_model(model_config.num_layers, model_config.context_length)
-    refusal = cpu_engine_refusal(config, gf, model_config)
+    refusal = cpu_engine_refusal(config, gf, model_config) if cpu_engine else ""
     if refusal is None:
         import numba
 
@@ -127,6 +128,7 @@ def _print_loaded(lm, where: str, max_seq_len: int, log):
 
 
 def _start_torch(config: Config, gf, model_config, template, max_seq_len: int, refusal: str, log) -> Started:
+    """refusal: why the CPU engine does not run this (empty: it was not asked to)."""
     from ktlong.device import resolve_device, resolve_dtype
     from ktlong.models.loader import load_model
     from ktlong.gguf.model_config import RopeOptions
@@ -137,7 +139,7 @@ def _start_torch(config: Config, gf, model_config, template, max_seq_len: int, r
     from ktlong.session.plan import apply_threads, plan_session, resolve_dense_kv_dtype
 
     device = resolve_device(config.device)
-    if config.mode == "normal" and config.cpu_engine == "auto" and device.type == "cpu" and config.tensor_parallel <= 1:
+    if refusal and config.mode == "normal" and config.cpu_engine == "auto" and device.type == "cpu" and config.tensor_parallel <= 1:
         print(f"[torch's engine: the CPU engine does not run this, as {refusal}]", file=log)
     tp, device = join_ranks(config.tensor_parallel, model_config, device)
     num_weight_elements = gf.num_weight_elements
