@@ -237,17 +237,22 @@ def test_eval_renders_its_prompts_with_the_chat_template_file(no_user_file, tmp_
     assert seen == ["[hi]"]
 
 
-def test_cpu_weights_bench_compares_stored_weights_with_float32_in_processes_of_their_own(tmp_path, capsys):
+def test_cpu_weights_bench_compares_its_arms_in_processes_of_their_own(tmp_path, capsys):
     from gguf import GGMLQuantizationType as T
 
     path = tmp_path / "q4.gguf"
     write_tiny_gguf(path, TinySpec(weight_type=T.Q4_0), seed=5)
-    assert bench(["cpu-weights", "--model", str(path), "--lengths", "64", "--tokens", "2", "--runs", "1"]) == 0
+    assert bench(["cpu-weights", "--model", str(path), "--lengths", "64", "--tokens", "2", "--runs", "1",
+                  "--arms", "float32,stored,cpu_engine"]) == 0
     out = capsys.readouterr().out
     assert "prefill chunks of 512" in out  # the config's chunk_size, 0: 512 on the CPU
     rows = [line for line in out.splitlines() if line.startswith("|") and "64" in line]
-    assert [row.split("|")[2].strip() for row in rows] == ["float32", "stored"]
+    assert [row.split("|")[2].strip() for row in rows] == ["float32", "stored", "cpu_engine"]
     assert rows[0].rstrip(" |").endswith("1.00x")
+    assert bench(["cpu-weights", "--model", str(path), "--lengths", "64", "--runs", "1", "--arms", "cpu_engine",
+                  "--set", "kv_type=fp32"]) == 2  # the engine keeps a bf16 cache: one sentence
+    err = capsys.readouterr().err
+    assert "cpu_engine arm cannot run" in err and err.count("error:") == 1 and "Traceback" not in err
     assert bench(["cpu-weights", "--model", str(path), "--lengths", "600"]) == 2  # past the context: one sentence
     err = capsys.readouterr().err
     assert "context of 512" in err and err.count("error:") == 1 and "Traceback" not in err

@@ -72,6 +72,9 @@ def unsupported(gf: GGUFFile, config: ModelConfig) -> str | None:
             return f"it lacks {name}"
         if gf.tensors[name].ggml_type not in KERNEL_TYPES:
             return f"{name} is {gf.tensors[name].ggml_type.name}, which the CPU kernels do not read"
+    for i in range(config.num_layers):
+        if len({f"blk.{i}.attn_{x}.bias" in gf.tensors for x in "qkv"}) > 1:
+            return f"layer {i} has biases for some of q, k and v only"
     vectors = [f"blk.{i}.{p}" for i in range(config.num_layers)
                for p in ("attn_norm.weight", "ffn_norm.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias")]
     for name in vectors + ["output_norm.weight", "rope_freqs.weight"]:
@@ -121,11 +124,7 @@ class CpuLlama:
                    matrix("attn_k", (kv_dim, c.hidden_size), c.num_kv_heads),
                    matrix("attn_v", (kv_dim, c.hidden_size))]
             biases = [p + f"attn_{x}.bias" for x in "qkv"]
-            bias = np.zeros(0, np.float32)
-            if all(b in gf.tensors for b in biases):
-                bias = np.concatenate([vector(gf, b) for b in biases])
-            elif any(b in gf.tensors for b in biases):
-                raise ValueError(f"layer {i} has biases for some of q, k and v only")
+            bias = np.concatenate([vector(gf, b) for b in biases]) if biases[0] in gf.tensors else np.zeros(0, np.float32)
             layers.append(CpuLayer(
                 attn_norm=vector(gf, p + "attn_norm.weight"), qkv=products(qkv), bias=bias,
                 wo=matrix("attn_output", (c.hidden_size, q_dim)), ffn_norm=vector(gf, p + "ffn_norm.weight"),

@@ -5,6 +5,7 @@ own weights, where `cpu_view` fits the model."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ktlong.gguf.stored_matrix import StoredMatrix
@@ -31,7 +32,7 @@ def cpu_view(model: LlamaModel) -> CpuLlama | None:
         layers.append(CpuLayer(
             attn_norm=lw.attn_norm.float().numpy(),
             qkv=products([lw.wqkv] if lw.wqkv is not None else [lw.wq, lw.wk, lw.wv]),
-            bias=torch.cat(biases).float().numpy() if biases else torch.zeros(0).numpy(),
+            bias=torch.cat(biases).float().numpy() if biases else np.zeros(0, np.float32),
             wo=lw.wo, ffn_norm=lw.ffn_norm.float().numpy(),
             gate_up=products([lw.w_gate_up] if lw.w_gate_up is not None else [lw.w_gate, lw.w_up]),
             down=lw.w_down))
