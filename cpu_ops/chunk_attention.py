@@ -17,7 +17,7 @@ from cpu_ops.bf16 import bits_as_float32
 from cpu_ops.exp import exp_nonpositive
 from cpu_ops.workers import Workers
 
-SCORE_BUDGET = 1 << 20  # floats in one block's score matrix (4 MiB a worker)
+SCORE_BUDGET = 1 << 21  # floats in one block's score matrix (8 MiB a worker)
 
 
 @nb.njit(cache=True, parallel=True, fastmath=True, nogil=True)

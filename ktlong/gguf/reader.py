@@ -88,6 +88,12 @@ class GGUFFile:
                             "recent llama.cpp.")
         return value
 
+    def check_shape(self, name: str, shape: tuple[int, ...]):
+        """Refuse a tensor whose shape is not the one the metadata implies (kernels index by it)."""
+        if self.tensors[name].shape != tuple(shape):
+            raise GGUFError(f"{self.path}: tensor {name} has shape {self.tensors[name].shape}, the metadata "
+                            f"implies {tuple(shape)}; the file is corrupt.")
+
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a read-only uint8 view of the memory map."""
         info = self.tensors[name]

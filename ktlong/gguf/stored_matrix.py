@@ -61,8 +61,9 @@ class StoredMatrix:
 
     @classmethod
     def from_gguf(cls, gf: GGUFFile, name: str, shape: tuple[int, int], permuted_heads: int = 0) -> "StoredMatrix":
-        """The tensor `name` (of KERNEL_TYPES, checked against `shape` by the caller) copied out of
-        the file as stored, its rows reordered where permuted_heads asks (a row is whole blocks)."""
+        """The tensor `name` (of KERNEL_TYPES) copied out of the file as stored, its rows
+        reordered where permuted_heads asks (a row is whole blocks)."""
+        gf.check_shape(name, shape)
         blocks = np.array(gf.raw(name)).reshape(shape[0], -1)
         if permuted_heads:
             blocks = np.ascontiguousarray(unpermute_qk(blocks, permuted_heads))

@@ -103,9 +103,8 @@ class TensorSource:
         if info is None:
             raise GGUFError(f"{self.gf.path} lacks tensor {name}; the file is incomplete or not a "
                             f"{self.gf.architecture} model.")
-        if shape is not None and info.shape != shape:
-            raise GGUFError(f"{self.gf.path}: tensor {name} has shape {info.shape}, the metadata "
-                            f"implies {shape}; the file is corrupt.")
+        if shape is not None:
+            self.gf.check_shape(name, shape)
         return info
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:

@@ -75,16 +75,20 @@ def unsupported(gf: GGUFFile, config: ModelConfig) -> str | None:
     for i in range(config.num_layers):
         if len({f"blk.{i}.attn_{x}.bias" in gf.tensors for x in "qkv"}) > 1:
             return f"layer {i} has biases for some of q, k and v only"
-    vectors = [f"blk.{i}.{p}" for i in range(config.num_layers)
-               for p in ("attn_norm.weight", "ffn_norm.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias")]
-    for name in vectors + ["output_norm.weight", "rope_freqs.weight"]:
+    norms = [f"blk.{i}.{p}.weight" for i in range(config.num_layers) for p in ("attn_norm", "ffn_norm")]
+    for name in norms + ["output_norm.weight"]:
+        if name not in gf.tensors:
+            return f"it lacks {name}"
+    biases = [f"blk.{i}.attn_{x}.bias" for i in range(config.num_layers) for x in "qkv"]
+    for name in norms + biases + ["output_norm.weight", "rope_freqs.weight"]:
         if name in gf.tensors and gf.tensors[name].ggml_type not in VECTOR_TYPES:
             return f"{name} is {gf.tensors[name].ggml_type.name}, not a float type"
     return None
 
 
-def vector(gf: GGUFFile, name: str) -> np.ndarray:
-    """A float tensor of the file (F32, F16 or BF16) as a float32 array of its own."""
+def vector(gf: GGUFFile, name: str, size: int) -> np.ndarray:
+    """A float tensor of the file (F32, F16 or BF16) of `size` elements as a float32 array of its own."""
+    gf.check_shape(name, (size,))
     raw, kind = gf.raw(name), gf.tensors[name].ggml_type
     if kind == T.F32:
         return np.array(raw.view(np.float32))
@@ -124,18 +128,19 @@ class CpuLlama:
                    matrix("attn_k", (kv_dim, c.hidden_size), c.num_kv_heads),
                    matrix("attn_v", (kv_dim, c.hidden_size))]
             biases = [p + f"attn_{x}.bias" for x in "qkv"]
-            bias = np.concatenate([vector(gf, b) for b in biases]) if biases[0] in gf.tensors else np.zeros(0, np.float32)
+            bias = (np.concatenate([vector(gf, b, n) for b, n in zip(biases, (q_dim, kv_dim, kv_dim))])
+                    if biases[0] in gf.tensors else np.zeros(0, np.float32))
             layers.append(CpuLayer(
-                attn_norm=vector(gf, p + "attn_norm.weight"), qkv=products(qkv), bias=bias,
-                wo=matrix("attn_output", (c.hidden_size, q_dim)), ffn_norm=vector(gf, p + "ffn_norm.weight"),
+                attn_norm=vector(gf, p + "attn_norm.weight", c.hidden_size), qkv=products(qkv), bias=bias,
+                wo=matrix("attn_output", (c.hidden_size, q_dim)), ffn_norm=vector(gf, p + "ffn_norm.weight", c.hidden_size),
                 gate_up=products([matrix("ffn_gate", (c.intermediate_size, c.hidden_size)),
                                   matrix("ffn_up", (c.intermediate_size, c.hidden_size))]),
                 down=matrix("ffn_down", (c.hidden_size, c.intermediate_size))))
             gf.release_pages()
         embed = StoredMatrix.from_gguf(gf, "token_embd.weight", (c.vocab_size, c.hidden_size))
         head = StoredMatrix.from_gguf(gf, "output.weight", (c.vocab_size, c.hidden_size)) if c.has_output_head else embed
-        factors = vector(gf, "rope_freqs.weight") if "rope_freqs.weight" in gf.tensors else None
-        final_norm = vector(gf, "output_norm.weight")
+        factors = vector(gf, "rope_freqs.weight", c.rope.dim // 2) if "rope_freqs.weight" in gf.tensors else None
+        final_norm = vector(gf, "output_norm.weight", c.hidden_size)
         gf.release_pages()
         every = [m for layer in layers for m, _ in (*layer.qkv, *layer.gate_up, (layer.wo, 0), (layer.down, 0))]
         compile_kernels([head, *every])
