@@ -59,7 +59,8 @@ def chunk_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, end: in
     num_q, num_heads, dim = q.shape
     num_kv = keys.shape[0]
     group, history = num_heads // num_kv, end - num_q
-    block = max(1, min(num_q, SCORE_BUDGET // (group * end)))
+    blocks = -(-num_q // max(1, SCORE_BUDGET // (group * end)))
+    block = -(-num_q // blocks)  # equal blocks: no sliver of a few queries left at the end
     scaled = (q * np.float32(scale)).transpose(1, 0, 2)  # [H, T, D]
     out = np.empty((num_heads, num_q, dim), np.float32)
     k32, v32 = np.empty((num_kv, end, dim), np.float32), np.empty((num_kv, end, dim), np.float32)
