@@ -85,10 +85,12 @@ def cpu_engine_refusal(config: Config, gf, model_config) -> str | None:
     None: it does. The cpu_engine option's auto, resolved here."""
     from ktlong.device import device_type
     from ktlong.models.cpu_llama import unsupported
+    from ktlong.parallel.launch import launched_world
 
     if config.cpu_engine != "auto":
         return f"cpu_engine is {config.cpu_engine}"
-    if config.mode != "normal" or config.tensor_parallel > 1 or device_type(config.device) != "cpu":
+    if (config.mode != "normal" or config.tensor_parallel > 1 or launched_world() > 1
+            or device_type(config.device) != "cpu"):
         return "it runs normal mode on one CPU process"
     if not config.cpu_stored_weights or config.kv_type not in ("auto", "bf16") or config.dtype not in ("auto", "float32"):
         return "it keeps the weights as stored, a bf16 cache and float32 compute"
