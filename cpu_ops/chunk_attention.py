@@ -20,21 +20,21 @@ from cpu_ops.workers import Workers
 SCORE_BUDGET = 1 << 21  # floats in one block's score matrix (8 MiB a worker)
 
 
-@nb.njit(cache=True, parallel=True, fastmath=True, nogil=True)
+@nb.njit(cache=True, fastmath=True, nogil=True)
 def widen_bf16(words, end, out):
     """words [tokens, D] uint16 (bfloat16) -> out[:end] [end, D] float32."""
-    for t in nb.prange(end):
+    for t in range(end):
         for d in range(words.shape[1]):
             out[t, d] = bits_as_float32(np.uint32(words[t, d]) << 16)
 
 
-@nb.njit(cache=True, parallel=True, fastmath=True, nogil=True)
+@nb.njit(cache=True, fastmath=True, nogil=True)
 def causal_softmax(scores, first, block, sums):
     """scores [R, C]: row r is query r % block of a block whose first query sees columns up to
     `first` (inclusive); each row's visible scores become exp(s - max), the rest 0, and sums[r]
     their sum."""
     rows, cols = scores.shape
-    for r in nb.prange(rows):
+    for r in range(rows):
         row = scores[r]
         visible = min(first + r % block + 1, cols)
         top = row[0]

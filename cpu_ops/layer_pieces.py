@@ -74,25 +74,25 @@ def silu_times(gate_up, out):
         out[i] = g * sigmoid * gate_up[n + i]
 
 
-@nb.njit(cache=True, parallel=True)
+@nb.njit(cache=True)
 def add_rms_norm_rows(x, delta, weight, eps, out):
     """add_rms_norm over the rows of a prefill chunk: x [T, n] += delta [T, n] (an empty delta,
     [0, n], adds nothing); out [T, n] = the rows normalised, times weight."""
-    for t in nb.prange(x.shape[0]):
+    for t in range(x.shape[0]):
         add_rms_norm(x[t], delta[t] if delta.shape[0] else delta[0:0, 0], weight, eps, out[t])
 
 
-@nb.njit(cache=True, parallel=True)
+@nb.njit(cache=True)
 def place_qkv_rows(qkv, bias, cos, sin, q, keys, values, start):
     """place_qkv over the rows of a prefill chunk: qkv [T, (H + 2 KV) * D] -> q [T, H, D]; row t's
     k and v as bfloat16 words into keys, values [KV, tokens, D] at position start + t. cos, sin:
     [T, rotated dims]."""
-    for t in nb.prange(qkv.shape[0]):
+    for t in range(qkv.shape[0]):
         place_qkv(qkv[t], bias, cos[t], sin[t], q[t], keys[:, start + t], values[:, start + t])
 
 
-@nb.njit(cache=True, parallel=True)
+@nb.njit(cache=True)
 def silu_times_rows(gate_up, out):
     """silu_times over the rows of a prefill chunk: gate_up [T, 2 I] -> out [T, I]."""
-    for t in nb.prange(gate_up.shape[0]):
+    for t in range(gate_up.shape[0]):
         silu_times(gate_up[t], out[t])
