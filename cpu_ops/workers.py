@@ -24,6 +24,11 @@ class Workers:
         """fn over items, the results in order (on this thread alone with one worker)."""
         return list(self.pool.map(fn, items)) if self.pool is not None else [fn(item) for item in items]
 
+    def close(self) -> None:
+        """Let the threads end (they are idle between chunks)."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=False)
+
     def spans(self, length: int) -> list[tuple[int, int]]:
         """0..length cut into one near-equal span a worker."""
         cuts = [length * i // self.count for i in range(self.count + 1)]

@@ -163,6 +163,7 @@ class CpuLlama:
         many as Numba's threads; each BLAS and Numba call meanwhile runs on one thread."""
         threads = nb.get_num_threads()
         if self.workers.count != threads:
+            self.workers.close()
             self.workers = Workers(threads)
         nb.set_num_threads(1)
         try:
