@@ -13,7 +13,7 @@ from ktlong.session.dense import DenseSession
 from ktlong.session.long_context import LongContextSession
 from ktlong.session.plan import plan_session
 from operators.dense_attention import dense_attention
-from operators.kv_quant import dequantize_kv, quantize_kv
+from operators.kv_quant import dequantize_kv
 from tests.tiny_gguf import TinySpec, tiny_model
 
 ERROR = {"q8_0": 1 / 254 + 2 ** -10, "q4_0": 1 / 8 + 2 ** -10}  # of each block's largest magnitude
@@ -26,6 +26,16 @@ def session(lm, kv_type, max_seq_len=512, **options):
     assert plan.layout.kv_type == kv_type and plan.layout.dtype == torch.float32  # pages stay unquantised
     return LongContextSession(lm.model, plan.layout, chunk_size=64, backend="torch", hidden_on_device=True,
                               compact=None, selection=plan.selection, local_windows_len=48, use_cuda_graph=False)
+
+
+def float32_bound(config, num_positions, logits):
+    """How far two float32 computations of the same logits from the same stored K/V may differ
+    when they sum in different orders (Numba's fastmath operator against torch's attention):
+    Higham's bound for an n-term sum, gamma_n = n u / (1 - n u), with n the longest sum (the
+    attended positions or the hidden width), once per layer on each side, relative to the
+    logits' magnitude. It holds for any order of summation, so on any CPU."""
+    n, u = max(num_positions, config.hidden_size), 2.0 ** -24
+    return 2 * config.num_layers * n * u / (1 - n * u) * float(logits.abs().max())
 
 
 def dense_kv(lm, ids):
@@ -65,22 +75,19 @@ def test_prefill_stores_quantised_kv_and_side_tables_of_the_exact_keys(tiny, kv_
         torch.testing.assert_close(host.key_mean[layer][:, :9], keys.mean(2), rtol=1e-4, atol=1e-5)
 
 
-def round_trip(x, kv_type):
-    return dequantize_kv(*quantize_kv(x, kv_type), kv_type, x.dtype)
-
-
-def reference_step(lm, cache, token, pos, exact_from, kv_type):
-    """Plain dense decode of one token over K/V as the quantised cache holds them: positions
-    before exact_from went through DRAM (rounded), later ones are still exact on the device.
-    cache: per layer [k, v] lists of exact [KV, D] rows, extended here."""
+def reference_step(lm, cache, host, token, pos, exact_from):
+    """Plain dense decode of one token over K/V as the session's cache holds them: positions
+    before exact_from are read back from DRAM as stored, later ones are still exact on the
+    device. cache: per layer [k, v] lists of exact [KV, D] rows, extended here."""
     model = lm.model
     x = model.embed(torch.tensor([token]))
     for layer in range(lm.config.num_layers):
         q, k, v = model.qkv(layer, x, torch.tensor([pos]))
         cache[layer][0].append(k[0])
         cache[layer][1].append(v[0])
-        keys, values = (torch.stack([round_trip(t, kv_type) if p < exact_from else t for p, t in enumerate(rows)], 1)
-                        for rows in cache[layer])  # [KV, pos + 1, D]
+        keys, values = (torch.cat([host.unquantized(layer, which, 0, exact_from, torch.float32),
+                                   torch.stack(rows[exact_from:], 1)], 1)
+                        for which, rows in zip("kv", cache[layer]))  # [KV, pos + 1, D]
         x = model.residual_block(layer, x, dense_attention(q, keys, values, model.scale))
     return model.logits(x)[0]
 
@@ -98,8 +105,8 @@ def test_decode_equals_dense_attention_over_the_cache_as_stored(tiny, kv_type):
     token = int(b.argmax())
     for pos in range(120, 190):  # the 48-token window slides; blocks fill and join selection
         exact_from = max(len(ids), s.decoder.window.window_start)
-        a, b = reference_step(tiny, cache, token, pos, exact_from, kv_type), s.step(token)
-        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-3)
+        a, b = reference_step(tiny, cache, s.host, token, pos, exact_from), s.step(token)
+        torch.testing.assert_close(b, a, rtol=0, atol=float32_bound(tiny.config, pos + 1, a))
         token = int(a.argmax())
     for layer in range(tiny.config.num_layers):  # decode's write-through quantised the same way
         generated = torch.stack(cache[layer][0][120:189], 1)
