@@ -114,6 +114,7 @@ SECTIONS: list[tuple[str, list[Option]]] = [
         Option('cache_dir', '', 'long-context mode: folder where conversations evicted from DRAM are written as saved caches, and found again after a restart; empty = no disk tier', flag='cache_dir'),
         Option('cache_disk_gb', 64.0, 'most GiB the files in cache_dir may take; the least recently used go first', low=0, low_exclusive=True, flag='cache_disk_gb'),
         Option('cache_min_tokens', 1024, 'an earlier conversation is brought back for a prompt that shares at least this many leading tokens with it', low=1),
+        Option('body_timeout_seconds', 30.0, 'a request whose body sends nothing for this many seconds gets a 408 and its connection is closed', low=0, low_exclusive=True),
         Option('keepalive_seconds', 5.0, 'a streamed answer sends an SSE comment after this many seconds without an event (a long prefill), so that proxies and clients see the connection alive', low=0, low_exclusive=True),
     ]),
 ]

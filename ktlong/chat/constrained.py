@@ -9,6 +9,8 @@ schema itself.
 
 from __future__ import annotations
 
+import re._parser
+
 import numpy as np
 import torch
 
@@ -16,18 +18,58 @@ from ktlong.errors import KtlongError
 
 ANY_OBJECT = {"type": "object"}  # response_format json_object: any JSON object
 _BITS = torch.arange(32, dtype=torch.int32)  # bit i of a word: token 32 * word + i
+# a pattern whose shortest match is longer than this is refused: llguidance's lexer builds one
+# expression per counted repetition and gives up part way through the answer ("^(a{1000}){1000}$")
+MAX_PATTERN_WIDTH = 10_000
 
 
-def json_grammar(schema: dict) -> str:
-    """The grammar of answers valid under schema, checked; KtlongError names what llguidance
-    cannot take. No free whitespace between JSON tokens: an answer cannot run on in spaces."""
+class SchemaError(KtlongError):
+    """A JSON schema that cannot be enforced: found before the answer starts, or (past
+    llguidance's limits) while it is written."""
+
+
+def json_grammar(schema: dict, tokenizer=None) -> str:
+    """The grammar of answers valid under schema, checked; SchemaError names what llguidance
+    cannot take. No free whitespace between JSON tokens: an answer cannot run on in spaces.
+    tokenizer: a GGUFTokenizer, to check also that the grammar admits an answer at all."""
     from llguidance import LLMatcher
 
-    grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    _check_patterns(schema)
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    except Exception as e:  # llguidance's own checks raise ValueError, RuntimeError, TypeError ...
+        raise SchemaError(f"The JSON schema cannot be enforced ({str(e)[:300]}).") from None
     error = LLMatcher.validate_grammar(grammar)  # empty when valid
     if error:
-        raise KtlongError(f"The JSON schema cannot be enforced ({error[:300]}).")
+        raise SchemaError(f"The JSON schema cannot be enforced ({error[:300]}).")
+    if tokenizer is not None:
+        matcher = JsonConstraint(tokenizer, grammar).matcher
+        matcher.compute_bitmask()
+        if matcher.is_error() or matcher.is_stopped():  # {"$ref": "#"}: nothing can start an answer
+            raise SchemaError("The JSON schema admits no JSON value (a reference to itself with nothing "
+                              "else, say); give a schema that some value satisfies.")
     return grammar
+
+
+def _check_patterns(schema):
+    """Refuse a 'pattern' whose shortest match is longer than MAX_PATTERN_WIDTH characters."""
+    todo = [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, list):
+            todo.extend(node)
+        elif isinstance(node, dict):
+            pattern = node.get("pattern")
+            if isinstance(pattern, str):
+                try:
+                    width = re._parser.parse(pattern).getwidth()[0]
+                except (re.error, RecursionError, OverflowError):
+                    width = 0  # not Python's syntax: llguidance decides
+                if width > MAX_PATTERN_WIDTH:
+                    raise SchemaError(f"The JSON schema's pattern {pattern[:60]!r} matches only strings of "
+                                      f"{width:,} characters or more; the most this server enforces is "
+                                      f"{MAX_PATTERN_WIDTH:,}.")
+            todo.extend(node.values())
 
 
 class JsonConstraint:
@@ -36,14 +78,19 @@ class JsonConstraint:
 
         self.vocab = tokenizer.vocab_size
         self.matcher = LLMatcher(tokenizer.guidance, grammar)
+        self._check()
+
+    def _check(self):
         if self.matcher.is_error():
-            raise KtlongError(f"The JSON schema cannot be enforced ({self.matcher.get_error()[:300]}).")
+            first_line = self.matcher.get_error().split("\n", 1)[0]
+            raise SchemaError(f"The JSON schema cannot be enforced ({first_line[:200]}); simplify it.")
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [vocab] with every token the grammar forbids at -inf (a copy). The bitmask
         (one bit a token, little-endian 32-bit words) goes to the logits' device packed, 4 KB
         for 128K tokens, and is unpacked there: no host sync, no index list."""
         words = torch.from_numpy(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32).copy())
+        self._check()  # past llguidance's limits, its lexer stops part way through an answer
         words = words.to(logits.device, non_blocking=True)
         allowed = ((words[:, None] >> _BITS.to(logits.device)) & 1).view(-1).bool()
         keep = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
@@ -53,6 +100,7 @@ class JsonConstraint:
 
     def consume(self, token: int):
         if not self.matcher.consume_token(token):
+            self._check()
             raise KtlongError(f"token {token} is outside the grammar ({self.matcher.get_error()[:200]})")
 
     @property

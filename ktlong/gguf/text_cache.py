@@ -35,9 +35,11 @@ class _Encoded:
 
 
 class TextCache:
-    def __init__(self, tokenizer, keep: int = KEEP, min_chars: int = MIN_CHARS):
-        """tokenizer: a GGUFTokenizer; its byte_level says whether its texts may be cut."""
-        self.tokenizer, self.keep, self.min_chars = tokenizer, keep, min_chars
+    def __init__(self, tokenizer, keep: int = KEEP, min_chars: int = MIN_CHARS, max_ids: int | None = None):
+        """tokenizer: a GGUFTokenizer; its byte_level says whether its texts may be cut.
+        max_ids: texts of more tokens are encoded but not remembered (a prompt that long is
+        refused, and nobody asks about it again)."""
+        self.tokenizer, self.keep, self.min_chars, self.max_ids = tokenizer, keep, min_chars, max_ids
         self.texts: OrderedDict[int, _Encoded] = OrderedDict()  # id(entry) -> entry, oldest first
         self.lock = threading.Lock()  # requests are encoded on several threads
 
@@ -56,6 +58,8 @@ class TextCache:
                 if id(base) in self.texts:
                     self.texts.move_to_end(id(base))
             return base.ids[:count] + tail
+        if self.max_ids is not None and count + len(tail) > self.max_ids:
+            return (base.ids[:count] if n else []) + tail
         found = [(cut + at, count + before) for at, before in pieces if at]
         entry = _Encoded(text, (base.ids[:count] if n else []) + tail,
                          (base.cuts[:n] if n else []) + [c for c, _ in found],

@@ -46,7 +46,8 @@ def make_app(started, log=None):
     api_key = config.api_key or os.environ.get(API_KEY_VARIABLE, "")
     worker = Worker(session, lm.tokenizer, config.queue_size, log, config.finish_prefill_on_disconnect,
                     cache_store(config, started, session, log))
-    return build_app(worker, prompting, model_id(config.model, lm.path), api_key, config.keepalive_seconds), api_key
+    return build_app(worker, prompting, model_id(config.model, lm.path), api_key, config.keepalive_seconds,
+                     config.body_timeout_seconds), api_key
 
 
 def cache_store(config, started, session, log=None):

@@ -13,7 +13,7 @@ import time
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -31,6 +31,7 @@ SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 # the rest of a request: a body past max_seq_len of them cannot fit and is refused as it arrives
 BODY_BYTES_PER_TOKEN = 64
 BODY_BYTES_BESIDES = 1 << 20
+MAX_DEPTH = 64  # JSON schemas of tools and answers nest a dozen levels; every reader below may recurse
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -41,19 +42,48 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-async def read_json(request: Request, max_bytes: int) -> dict:
-    """The body as a JSON object, refused (4xx) as soon as it passes max_bytes, and when it is
-    not JSON, holds NaN or Infinity, nests too deep, or holds text that is not Unicode."""
-    size = 0
-    parts = []
-    async for part in request.stream():
-        size += len(part)
-        if size > max_bytes:
-            raise ApiError(413, f"The request body is larger than {max_bytes / 2**20:.1f} MiB, more than "
-                           "this server's max_seq_len can hold; send less.")
-        parts.append(part)
+class BodyLimits:
+    """What request bodies may cost while they arrive: max_bytes for one body (the tokens
+    max_seq_len could hold), max_in_flight for all the unfinished ones together, and a body
+    that sends nothing for timeout seconds is dropped."""
+
+    def __init__(self, max_bytes: int, max_in_flight: int, timeout: float):
+        self.max_bytes, self.max_in_flight, self.timeout = max_bytes, max_in_flight, timeout
+        self.in_flight = 0  # bytes held by bodies still arriving (the event loop's thread only)
+
+    async def read(self, request: Request) -> bytes:
+        held, parts = 0, []
+        chunks = request.stream().__aiter__()
+        try:
+            while True:
+                try:
+                    part = await asyncio.wait_for(chunks.__anext__(), self.timeout)
+                except StopAsyncIteration:
+                    return b"".join(parts)
+                except asyncio.TimeoutError:
+                    raise ApiError(408, f"The request body stopped arriving for {self.timeout:g} s; send it "
+                                   "whole, without pauses.", code="body_timeout") from None
+                except ClientDisconnect:  # nobody to answer; the 499 is for the log
+                    raise ApiError(499, "The client disconnected while sending its request.") from None
+                if held + len(part) > self.max_bytes:
+                    raise ApiError(413, f"The request body is larger than {self.max_bytes / 2**20:.1f} MiB, more "
+                                   "than this server's max_seq_len can hold; send less.")
+                if self.in_flight + len(part) > self.max_in_flight:
+                    raise ApiError(503, "The server holds too many unfinished request bodies; retry later.",
+                                   code="server_busy", kind="server_error")
+                held += len(part)
+                self.in_flight += len(part)
+                parts.append(part)
+        finally:
+            self.in_flight -= held
+
+
+async def read_json(request: Request, limits: BodyLimits) -> dict:
+    """The body as a JSON object (read within `limits`), refused (4xx) when it is not JSON,
+    holds NaN or Infinity, nests too deep, or holds text that is not Unicode."""
+    raw = await limits.read(request)
     try:
-        text = b"".join(parts).decode("utf-8")  # strict: no surrogates (json.loads would let them pass)
+        text = raw.decode("utf-8")  # strict: no surrogates (json.loads would let them pass)
         body = json.loads(text, parse_constant=_no_constant)
         if SURROGATE_ESCAPE.search(text):  # a lone surrogate (\ud800) fails here
             json.dumps(body, ensure_ascii=False).encode("utf-8")
@@ -68,7 +98,21 @@ async def read_json(request: Request, max_bytes: int) -> dict:
         raise ApiError(400, f"The request body is not valid JSON ({str(e)[:200]}).") from None
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
+    if nesting(body) > MAX_DEPTH:
+        raise ApiError(400, f"The request body nests deeper than {MAX_DEPTH} levels; send a flatter JSON object.")
     return body
+
+
+def nesting(value) -> int:
+    """How deep JSON containers nest in value (a scalar: 0), without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            todo.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node)
+                        if isinstance(child, (dict, list)))
+    return deepest
 
 
 async def watch_disconnect(request: Request, ticket: Ticket):
@@ -89,7 +133,7 @@ KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it, the connectio
 
 
 def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str = "",
-              keepalive_seconds: float = 5.0) -> Starlette:
+              keepalive_seconds: float = 5.0, body_timeout_seconds: float = 30.0) -> Starlette:
     created = int(time.time())
 
     def check_key(request: Request):
@@ -108,6 +152,8 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
     card = {"id": model_id, "object": "model", "created": created, "owned_by": "ktlong",
             "max_model_len": prompting.max_seq_len}
     max_body = prompting.max_seq_len * BODY_BYTES_PER_TOKEN + BODY_BYTES_BESIDES
+    # unfinished bodies together: two of the largest, or dozens of long documents of real text
+    limits = BodyLimits(max_body, 2 * max_body, body_timeout_seconds)
 
     async def models(request: Request):
         check_key(request)
@@ -122,7 +168,7 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
 
     async def complete(request: Request, kind: str):
         check_key(request)
-        body = await read_json(request, max_body)
+        body = await read_json(request, limits)
         check_model(body, model_id)
         make = prompting.chat_job if kind == "chat" else prompting.completion_job
         job = await run_in_threadpool(make, body)  # a long document takes a while to tokenize
@@ -208,13 +254,13 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
 
     async def tokenize(request: Request):
         check_key(request)
-        body = await read_json(request, max_body)
+        body = await read_json(request, limits)
         ids = await run_in_threadpool(prompting.token_ids, body)
         return JSONResponse({"count": len(ids), "max_model_len": prompting.max_seq_len, "tokens": ids})
 
     async def detokenize(request: Request):
         check_key(request)
-        body = await read_json(request, max_body)
+        body = await read_json(request, limits)
         return JSONResponse({"prompt": prompting.detokenize(body)})
 
     def cache_store():
@@ -247,6 +293,7 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
         return JSONResponse(result if result is not None else {"id": entry_id, "deleted": True})
 
     async def metrics(request: Request):
+        check_key(request)  # its counts and byte totals describe the traffic; scrapers send the key
         return Response(worker.metrics.render(), media_type=CONTENT_TYPE)
 
     async def chat(request: Request):

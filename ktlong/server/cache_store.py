@@ -26,10 +26,10 @@ from pathlib import Path
 
 from ktlong.errors import ConfigError
 from ktlong.kv.host_cache import HostKVCache
-from ktlong.session.cache_records import CacheFileError
+from ktlong.session.cache_records import CacheFileError, OtherSettings
 from ktlong.session.long_context import HeldConversation, LongContextSession
 from ktlong.session.prefix import cached_prefix
-from ktlong.session.saved_cache import load_cache, save_cache, saved_token_ids
+from ktlong.session.saved_cache import load_cache, remove_orphans, save_cache, saved_token_ids
 
 SUFFIX = ".ktkv"
 ENTRY_ID = re.compile(r"[0-9a-f]{12}")
@@ -171,13 +171,14 @@ class CacheStore:
             entry.held = None
             self._keep_outgoing(outgoing)
         else:
-            self._park_live()
+            self._park_live(keep=entry)
             start = time.perf_counter()
             try:
                 load_cache(self._path(entry), session, self.fp)
             except (CacheFileError, OSError) as e:
                 self.log(f"[cache: conversation {entry.id} dropped: {e}]")
-                del self.entries[entry.id]
+                self._remove_file(entry)
+                self.entries.pop(entry.id, None)
                 session.reset()
                 self.live = None
                 return False
@@ -199,10 +200,11 @@ class CacheStore:
                 self._fall_back(live)
         self.live = None
 
-    def _park_live(self):
+    def _park_live(self, keep: Entry | None = None):
         """The session emptied, its conversation held in DRAM (a slot freed by spilling the least
         recently used one to disk when all are taken), or spilled at once without slots, or
-        forgotten when too short to keep."""
+        forgotten when too short to keep. keep: the conversation about to be loaded, whose file
+        no spill may remove to make room."""
         live, session = self.live, self.session
         if live is None or not self._worth_keeping():
             session.reset()
@@ -211,10 +213,10 @@ class CacheStore:
             self.live = None
             return
         live.ids = list(session.ids)
-        host = self._free_host()
+        host = self._free_host(keep)
         if host is None:  # no DRAM slots: straight to disk
-            if not self._spill(live, session):
-                del self.entries[live.id]
+            if not self._spill(live, session, keep):
+                self.entries.pop(live.id, None)
             session.reset()
         else:
             live.held = session.exchange(HeldConversation.empty(session.layout, host))
@@ -229,9 +231,10 @@ class CacheStore:
             entry.ids = saved_token_ids(self._path(entry), self.fp, self.session.max_seq_len)
         except (CacheFileError, OSError) as e:
             self.log(f"[cache: conversation {entry.id} dropped: {e}]")
+            self._remove_file(entry)
             self.entries.pop(entry.id, None)
 
-    def _free_host(self) -> HostKVCache | None:
+    def _free_host(self, keep: Entry | None = None) -> HostKVCache | None:
         """A host cache for the session: a spare, a new one within the slots, or the least
         recently used held conversation's after spilling it; None without slots."""
         if self.spare:
@@ -243,31 +246,33 @@ class CacheStore:
             return None
         victim = min(held, key=lambda e: e.last_used)
         host = victim.held.host
-        if not self._spill(victim, victim.held):
-            del self.entries[victim.id]
+        if not self._spill(victim, victim.held, keep):
+            self.entries.pop(victim.id, None)
         victim.held = None
         return host
 
     # ---- the disk tier ----
 
-    def _spill(self, entry: Entry, source) -> bool:
+    def _spill(self, entry: Entry, source, keep: Entry | None = None) -> bool:
         """Write entry's cache (the session's or a held one) to its file; False when it could
-        not be (no cache_dir, over the disk budget, a failed write: logged)."""
+        not be (no cache_dir, over the disk budget, a failed write: logged). keep: an entry
+        whose file stays, whatever room the write needs."""
         if self.folder is None:
             return False
         try:
-            save_cache(self._path(entry), source, self.fp, [], make_room=lambda size, whole: self._make_room(size, whole, entry))
+            save_cache(self._path(entry), source, self.fp, [],
+                       make_room=lambda size, whole: self._make_room(size, whole, entry, keep))
         except (CacheFileError, OSError) as e:
             self.log(f"[cache: conversation {entry.id} not written to disk: {e}]")
             return False
         entry.disk_bytes, entry.disk_tokens = self._path(entry).stat().st_size, len(source.ids)
         return True
 
-    def _make_room(self, size: int, whole: bool, writing: Entry):
-        """Remove the least recently used files until `size` bytes fit cache_disk_gb (a whole
-        write replaces the entry's file; an append adds to it)."""
+    def _make_room(self, size: int, whole: bool, writing: Entry, keep: Entry | None = None):
+        """Remove the least recently used files (not keep's) until `size` bytes fit
+        cache_disk_gb (a whole write replaces the entry's file; an append adds to it)."""
         while self.disk_bytes() - (writing.disk_bytes if whole else 0) + size > self.disk_budget:
-            others = [e for e in self.entries.values() if e.disk_bytes and e is not writing]
+            others = [e for e in self.entries.values() if e.disk_bytes and e is not writing and e is not keep]
             if not others:
                 raise CacheFileError(f"it needs {size / 2**30:.2f} GiB and cache_disk_gb allows "
                                      f"{self.disk_budget / 2**30:.2f} GiB; raise cache_disk_gb")
@@ -286,21 +291,32 @@ class CacheStore:
                 self.session.saved_file = None
 
     def _scan(self):
-        """The files of an earlier run, their headers checked; others are left alone."""
+        """The files of an earlier run, their headers checked: a damaged one is removed (it
+        would take disk space outside cache_disk_gb for ever), one made for other settings is
+        left alone, as are files of other names. So are partial writes whose process is gone."""
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"cache_dir {self.folder} cannot be a folder ({e.strerror or e}); name another.") from None
         if not os.access(self.folder, os.W_OK):
             raise ConfigError(f"cache_dir {self.folder} is not writable; name another.")
+        for tmp in self.folder.glob(f".*{SUFFIX}.*.tmp"):
+            remove_orphans(self.folder / tmp.name[1:tmp.name.index(SUFFIX) + len(SUFFIX)])
         for path in sorted(self.folder.glob("*" + SUFFIX)):
             if not ENTRY_ID.fullmatch(path.stem):
+                continue
+            if path.is_symlink() or not path.is_file() or not os.access(path, os.R_OK):
+                self.log(f"[cache: {path.name} skipped: not a readable regular file]")
                 continue
             try:
                 ids = saved_token_ids(path, self.fp, self.session.max_seq_len)
                 st = path.stat()
-            except (CacheFileError, OSError) as e:
+            except (OtherSettings, OSError) as e:
                 self.log(f"[cache: {path.name} skipped: {e}]")
+                continue
+            except CacheFileError as e:
+                path.unlink(missing_ok=True)
+                self.log(f"[cache: {path.name} removed: {e}]")
                 continue
             self.entries[path.stem] = Entry(path.stem, ids, st.st_mtime, disk_bytes=st.st_size,
                                             disk_tokens=len(ids))

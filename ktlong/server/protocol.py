@@ -94,22 +94,38 @@ def _integer(body: dict, name: str, default, low: int, high: int | None = None):
     return value
 
 
-def _refuse_unsupported(body: dict):
-    """Options this server does not implement are refused, not silently ignored."""
+# the request fields this server reads; "user", "metadata", "store" and "service_tier" change
+# nothing about an answer, so they are taken and left aside
+PARAMETERS = {"model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+              "top_k", "seed", "stop", "logprobs", "n", "presence_penalty", "frequency_penalty", "best_of", "echo",
+              "return_progress", "user", "metadata", "store", "service_tier"}
+CHAT_PARAMETERS = PARAMETERS | {"messages", "tools", "tool_choice", "parallel_tool_calls", "response_format",
+                                "top_logprobs"}
+COMPLETION_PARAMETERS = PARAMETERS | {"prompt"}
+
+
+def _refuse_unsupported(body: dict, known: set[str]):
+    """Options this server does not implement are refused, not silently ignored: any field it
+    does not read (off values aside: null, false, an empty list or object), and values of the
+    ones it reads only in part."""
+    for name, value in body.items():
+        if name not in known and value not in (None, False, [], {}):
+            raise bad(name[:60], f"'{name[:60]}' is not supported by this server; leave it out.")
     if _integer(body, "n", 1, 1) != 1:
         raise bad("n", "'n' must be 1: this server generates one choice per request.")
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
             raise bad(name, f"'{name}' is not supported here; leave it out or set it to 0.")
-    for name in ("functions", "logit_bias", "suffix", "function_call", "reasoning_effort", "modalities", "audio",
-                 "web_search_options", "prediction", "min_p", "repetition_penalty", "typical_p", "guided_json",
-                 "guided_regex", "guided_choice", "guided_grammar"):
-        if body.get(name) not in (None, False, 0, [], {}):
-            raise bad(name, f"'{name}' is not supported by this server; leave it out.")
     if body.get("echo"):
         raise bad("echo", "'echo' is not supported by this server; leave it out.")
     if _integer(body, "best_of", 1, 1) != 1:
         raise bad("best_of", "'best_of' must be 1 here.")
+
+
+def _seed(body: dict) -> int:
+    """The request's seed (0 included), or without one a fresh draw."""
+    seed = _integer(body, "seed", None, 0, 2**63 - 1)
+    return secrets.randbits(63) if seed is None else seed
 
 
 def _logprobs(body: dict, kind: str) -> int | None:
@@ -199,7 +215,7 @@ def message_text(message, i: int) -> tuple[str, str]:
     return ("system" if role == "developer" else role), content
 
 
-def _response_grammar(body: dict) -> str | None:
+def _response_grammar(body: dict, tokenizer: GGUFTokenizer) -> str | None:
     """The grammar of response_format: none for text, any JSON object for json_object, the
     schema's answers for json_schema (strict or not: it is always enforced)."""
     fmt = body.get("response_format")
@@ -215,7 +231,7 @@ def _response_grammar(body: dict) -> str | None:
         raise bad("response_format", "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
                   "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}.")
     try:
-        return json_grammar(schema)
+        return json_grammar(schema, tokenizer)
     except KtlongError as e:
         raise bad("response_format", str(e)) from None
 
@@ -260,6 +276,11 @@ def encode_messages(tokenizer: GGUFTokenizer, template: ChatTemplate, messages: 
     broken up (defused). texts: where the messages' texts are encoded, reusing the ids of long
     texts that earlier requests shared a prefix with."""
     plain = texts.encode if texts is not None else lambda t: tokenizer.encode(t, add_bos=False, parse_special=False)
+    # what the template writes besides the texts (tools, calls' names and arguments, call ids)
+    # is encoded as the template's own text: special tokens' names in it are broken up first
+    tools = defused_strings(tokenizer, tools)
+    messages = [{k: v if k in ("role", "content") else defused_strings(tokenizer, v) for k, v in m.items()}
+                for m in messages]
     if not tokenizer.space_prefix:
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use code points
         rendered = template.render([{**m, "content": mark} for m, mark in zip(messages, marks)], tools=tools)
@@ -287,6 +308,39 @@ def defused(tokenizer: GGUFTokenizer, text: str) -> str:
     return text
 
 
+def defused_strings(tokenizer: GGUFTokenizer, value):
+    """value (JSON: objects, lists, strings, numbers) with every string and key defused."""
+    if isinstance(value, str):
+        return defused(tokenizer, value)
+    if isinstance(value, list):
+        return [defused_strings(tokenizer, v) for v in value]
+    if isinstance(value, dict):
+        return {defused(tokenizer, k): defused_strings(tokenizer, v) for k, v in value.items()}
+    return value
+
+
+# texts longer than max_seq_len tokens of this many characters are counted before they are encoded
+# (real text averages 3 to 5 characters a token)
+CHARS_PER_TOKEN_CHECKED = 8
+PIECE_CHARS = 1 << 16
+
+
+def count_tokens(tokenizer: GGUFTokenizer, texts: list[str], limit: int) -> int:
+    """The tokens of texts, counted a piece of about PIECE_CHARS characters at a time (cut at a
+    space, where the pre-tokenizers cut too), and only until the count passes limit."""
+    count = 0
+    for text in texts:
+        start = 0
+        while start < len(text) and count <= limit:
+            end = start + PIECE_CHARS
+            if end < len(text):
+                space = text.rfind(" ", start + 1, end)
+                end = space if space > start else end
+            count += len(tokenizer.encode(text[start:end], add_bos=False, parse_special=False))
+            start = end
+    return count
+
+
 class Prompting:
     """Requests to token ids, with the model's tokenizer and chat template."""
 
@@ -296,13 +350,16 @@ class Prompting:
         self.max_seq_len, self.defaults = max_seq_len, defaults
         self.longest_token = max(len(t) for t in tokenizer.tokens)
         self.tool_format = tool_format(template.source)
-        self.texts = TextCache(tokenizer)  # a document asked about again is not encoded again
+        self.texts = TextCache(tokenizer, max_ids=max_seq_len)  # a document asked about again is not encoded again
 
     def chat_job(self, body: dict) -> Job:
         fmt, forced, tools = self._tools(body)
         ids = self.chat_ids(body, tools)
-        if forced:  # the call the prompt opens, its markers as the template's tokens
-            ids += self.tokenizer.encode(forced, add_bos=False)
+        if forced:  # the call the prompt opens: its markers as the template's tokens, a name as text
+            named = forced.rfind(json.dumps(tools[0]["function"]["name"])) if len(tools) == 1 else -1
+            markers, name = (forced[:named], forced[named:]) if named >= 0 else (forced, "")
+            ids += self.tokenizer.encode(markers, add_bos=False)
+            ids += self.tokenizer.encode(name, add_bos=False, parse_special=False)
         parallel = body.get("parallel_tool_calls", True)
         if not isinstance(parallel, bool):
             raise bad("parallel_tool_calls", "'parallel_tool_calls' must be true or false.")
@@ -326,7 +383,7 @@ class Prompting:
         if not isinstance(messages, list) or not messages:
             raise bad("messages", "'messages' is required: a non-empty list of {\"role\", \"content\"} objects.")
         turns = [message_text(m, i) for i, m in enumerate(messages)]
-        self._check_length(sum(len(c) for _, c in turns), "messages")
+        self._check_length([c for _, c in turns], "messages")
         rendered = [tool_fields(m, {"role": r, "content": c}, i) for i, (m, (r, c)) in enumerate(zip(messages, turns))]
         if self.system_prompt and turns[0][0] != "system":
             rendered.insert(0, {"role": "system", "content": self.system_prompt})
@@ -365,7 +422,7 @@ class Prompting:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            self._check_length(len(prompt), "prompt")
+            self._check_length([prompt], "prompt")
             ids = self.tokenizer.encode(prompt, parse_special=False)
         elif (isinstance(prompt, list) and prompt and
               all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
@@ -389,16 +446,24 @@ class Prompting:
             raise bad("tokens", f"'tokens' holds a token id outside the vocabulary (0 to {vocab - 1}).")
         return self.tokenizer.decode(tokens)
 
-    def _check_length(self, num_chars: int, param: str):
-        """Refuse, before tokenizing it, text that holds more tokens than max_seq_len whatever it
-        says: more characters than max_seq_len of the vocabulary's longest token."""
+    def _check_length(self, texts: list[str], param: str):
+        """Refuse, before tokenizing them whole, texts that hold more tokens than max_seq_len:
+        more characters than max_seq_len of the vocabulary's longest token, or, where they are
+        longer than real text of max_seq_len tokens would be, tokens counted a piece at a time
+        until there are too many (so a refusal costs at most max_seq_len tokens' work, and the
+        event loop's other requests get the GIL between pieces)."""
+        num_chars = sum(map(len, texts))
+        too_long = bad(param, f"The prompt is {num_chars:,} characters, more than this server's max_seq_len of "
+                       f"{self.max_seq_len:,} tokens can hold; shorten it.", "context_length_exceeded")
         if num_chars > self.max_seq_len * self.longest_token:
-            raise bad(param, f"The prompt is {num_chars:,} characters, more than this server's max_seq_len of "
-                      f"{self.max_seq_len:,} tokens can hold; shorten it.", "context_length_exceeded")
+            raise too_long
+        if num_chars > self.max_seq_len * CHARS_PER_TOKEN_CHECKED and \
+                count_tokens(self.tokenizer, texts, self.max_seq_len) > self.max_seq_len:
+            raise too_long
 
     def _job(self, kind: str, ids: list[int], body: dict, prompt_param: str, tools: ToolFormat | None = None,
              forced: str = "", parallel: bool = True, names: tuple[str, ...] = ()) -> Job:
-        _refuse_unsupported(body)
+        _refuse_unsupported(body, CHAT_PARAMETERS if kind == "chat" else COMPLETION_PARAMETERS)
         d = self.defaults
         if len(ids) >= self.max_seq_len:
             raise bad(prompt_param, f"The prompt is {len(ids):,} tokens but this server's max_seq_len is "
@@ -414,10 +479,10 @@ class Prompting:
                    temperature=_number(body, "temperature", d.temperature, 0.0, 2.0),
                    top_p=_number(body, "top_p", d.top_p, 0.0, 1.0, low_open=True),
                    top_k=_integer(body, "top_k", d.top_k, 0),
-                   seed=_integer(body, "seed", None, 0, 2**63 - 1) or secrets.randbits(63),  # none: a fresh draw
+                   seed=_seed(body),
                    stop=_stop(body), stream=stream, include_usage=include_usage, progress=progress,
                    logprobs=_logprobs(body, kind), tools=tools, tool_names=names, forced=forced,
-                   parallel_calls=parallel, grammar=_response_grammar(body) if kind == "chat" else None)
+                   parallel_calls=parallel, grammar=_response_grammar(body, self.tokenizer) if kind == "chat" else None)
 
 
 def new_id(kind: str) -> str:

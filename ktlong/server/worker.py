@@ -18,7 +18,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ktlong.chat.constrained import JsonConstraint
+from ktlong.chat.constrained import JsonConstraint, SchemaError
 from ktlong.chat.generate import generate
 from ktlong.chat.logprobs import token_logprob
 from ktlong.chat.sampling import Sampler
@@ -146,6 +146,8 @@ class Worker:
                                     kind="server_error", code="server_shutting_down"))
             elif outcome is not None:
                 ticket.put(outcome)
+        except SchemaError as e:  # the schema grew past llguidance's limits part way through
+            ticket.put(ApiError(400, str(e), "response_format"))
         except KtlongError as e:
             ticket.put(ApiError(500, str(e), kind="server_error"))
         except Exception:  # never a traceback to the client; the operator gets it

@@ -43,6 +43,10 @@ class CacheFileError(KtlongError):
     """A saved cache that cannot be written or used as it is."""
 
 
+class OtherSettings(CacheFileError):
+    """A sound saved cache made by another version, model or setting: kept, not used."""
+
+
 class TruncatedRecord(CacheFileError):
     """A record that runs past the end of the file: the last one, cut short while it was written."""
 
@@ -115,7 +119,7 @@ def read_record(path: Path, mapped: mmap.mmap, start: int, magic: bytes) -> Reco
     if found != magic:
         return None
     if not 1 <= version <= VERSION:
-        raise CacheFileError(f"{path} is a saved cache of format {version}, this ktlong reads up to {VERSION}; "
+        raise OtherSettings(f"{path} is a saved cache of format {version}, this ktlong reads up to {VERSION}; "
                              "save it again with this version.")
     end = start + PREAMBLE.size + header_len
     if end > len(mapped):
@@ -125,16 +129,34 @@ def read_record(path: Path, mapped: mmap.mmap, start: int, magic: bytes) -> Reco
         raise CacheFileError(f"{path} is corrupted (a header does not match its checksum); save it again.")
     try:
         header = json.loads(blob)
+        if not isinstance(header, dict) or not isinstance(header.get("tensors"), list):
+            raise TypeError("not an object with a list of tables")
         align = header.get("align", ALIGN)
         if align not in (COPIED_ALIGN, ALIGN) or start % align:
             raise ValueError(f"alignment {align}")
+        for e in header["tensors"]:
+            _check_entry(e)
         data_start = aligned(end, align)
         size = max((e["offset"] + aligned(e["nbytes"], align) for e in header["tensors"]), default=0)
-    except (ValueError, KeyError, TypeError) as e:
-        raise CacheFileError(f"{path} has a malformed header ({type(e).__name__}: {e}); save it again.") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise CacheFileError(f"{path} has a malformed header ({type(e).__name__}: {str(e)[:100]}); "
+                             "save it again.") from None
     if data_start + size > len(mapped):
         raise TruncatedRecord(f"{path} is truncated (a table ends past the file); save it again.")
     return Record(header, data_start, aligned(data_start + size, align), digest.hex())
+
+
+def _natural(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _check_entry(e):
+    """A table's index entry as encode_record writes it, or TypeError."""
+    if not (isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("dtype"), str)
+            and _natural(e.get("offset")) and _natural(e.get("nbytes"))
+            and isinstance(e.get("shape"), list) and all(map(_natural, e["shape"]))
+            and isinstance(e.get("crc32"), list) and all(map(_natural, e["crc32"]))):
+        raise TypeError("a table's entry is not as written")
 
 
 def check_tables(path: Path, record: Record, expected: dict[str, torch.Tensor]):

@@ -28,6 +28,7 @@ import hashlib
 import mmap
 import os
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,8 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ktlong.session.cache_records import (APPENDED, COPIED_ALIGN, WHOLE, CacheFileError, Record, check_tables,
-                                          encode_record, fill_tables, read_record, write_record)
+from ktlong.session.cache_records import (APPENDED, COPIED_ALIGN, WHOLE, CacheFileError, OtherSettings, Record,
+                                          check_tables, encode_record, fill_tables, read_record, write_record)
 
 MAX_APPENDED = 64
 
@@ -169,7 +170,7 @@ def save_cache(path: str | os.PathLike, session, fp: dict, turns: list, make_roo
     header["fingerprint"] = fp
     head, placed, size, digest = encode_record(WHOLE, header, _tensors(session, 0, num_tokens))
     _check_space(folder, size, make_room, True)
-    _remove_orphans(path)
+    remove_orphans(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -209,7 +210,7 @@ def check_save_path(path: str | os.PathLike) -> Path:
     return target
 
 
-def _remove_orphans(path: Path):
+def remove_orphans(path: Path):
     """Temporary files of whole saves to `path` whose process is gone (killed mid-save): each
     is named .NAME.PID.XXXX.tmp by the process writing it."""
     for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
@@ -249,11 +250,7 @@ def load_cache(path: str | os.PathLike, session, fp: dict) -> list:
     session as it was; bad data found while filling leaves it empty. Either way a CacheFileError
     says what is wrong."""
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise CacheFileError(f"Saved cache {path} does not exist; check --load_kv.")
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            raise CacheFileError(f"{path} is empty, not a saved ktlong cache; check --load_kv.")
+    with open_saved(path) as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
             return _load(path, f.fileno(), mapped, session, fp)
@@ -264,15 +261,38 @@ def load_cache(path: str | os.PathLike, session, fp: dict) -> list:
                 pass
 
 
+def open_saved(path: Path):
+    """path opened for reading when it is a non-empty regular file; CacheFileError otherwise,
+    without blocking on a pipe or reading a device."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise CacheFileError(f"Saved cache {path} does not exist; check the path.") from None
+    except IsADirectoryError:
+        raise CacheFileError(f"Saved cache {path} is a folder; name the file saved with --save_kv.") from None
+    except OSError as e:
+        raise CacheFileError(f"Cannot read saved cache {path} ({e.strerror}); check the path.") from None
+    st = os.fstat(fd)
+    problem = ("is a folder" if stat.S_ISDIR(st.st_mode) else "is not a regular file (a pipe or a device)"
+               if not stat.S_ISREG(st.st_mode) else "is empty" if st.st_size == 0 else "")
+    if problem:
+        os.close(fd)
+        raise CacheFileError(f"Saved cache {path} {problem}, not a saved ktlong cache; check the path.")
+    return os.fdopen(fd, "rb")
+
+
 def _records(path: Path, mapped: mmap.mmap, fp: dict, capacity: int) -> list[Record]:
     """The whole record and the complete appended ones after it, checked against this session."""
     whole = read_record(path, mapped, 0, WHOLE)
     if whole is None:
         raise CacheFileError(f"{path} is not a saved ktlong cache; check --load_kv.")
-    diffs = _differences(whole.header.get("fingerprint", {}), fp)
+    saved = whole.header.get("fingerprint", {})
+    if not isinstance(saved, dict):
+        raise CacheFileError(f"{path} has a malformed header (its fingerprint is not an object); save it again.")
+    diffs = _differences(saved, fp)
     if diffs:
-        raise CacheFileError(f"{path} was saved for other settings: {diffs}; load it with the "
-                             "model and options it was made with.")
+        raise OtherSettings(f"{path} was saved for other settings: {diffs[:500]}; load it with the "
+                            "model and options it was made with.")
     records = [whole]
     while True:
         try:
@@ -292,7 +312,7 @@ def _records(path: Path, mapped: mmap.mmap, fp: dict, capacity: int) -> list[Rec
             raise CacheFileError(f"{path} has a header this version does not write (its token count, token ids "
                                  "or conversation); save the cache again.")
         if n > capacity:
-            raise CacheFileError(f"{path} holds {n:,} tokens and this session's max_seq_len is {capacity:,}; "
+            raise OtherSettings(f"{path} holds {n:,} tokens and this session's max_seq_len is {capacity:,}; "
                                  f"raise --max_seq_len to at least {n}.")
     return records
 
@@ -301,9 +321,7 @@ def saved_token_ids(path: str | os.PathLike, fp: dict, capacity: int) -> list[in
     """The token ids a saved cache holds, its header checked as load_cache checks it (the
     fingerprint, every record's header) without reading the tables; CacheFileError otherwise."""
     path = Path(path)
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            raise CacheFileError(f"{path} is empty, not a saved ktlong cache.")
+    with open_saved(path) as f:
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             return list(_records(path, mapped, fp, capacity)[-1].header["token_ids"])
 
