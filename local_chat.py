@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ktlong.session.startup import add_config_flags
 
     p = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="local_chat.py", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Chat with a long-context GGUF model on one GPU plus host memory, or on the CPU.",
         epilog="Options not listed here: --set KEY=VALUE with any key of configs/default.yaml; "
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
 
 def run(args) -> int:
     from ktlong.chat.loop import ChatLoop
-    from ktlong.chat.text_file import read_text_file
+    from ktlong.chat.text_file import max_text_bytes, read_text_file
     from ktlong.cli import print_error
     from ktlong.config import load_config
     from ktlong.errors import ConfigError, KtlongError
@@ -56,7 +57,7 @@ def run(args) -> int:
 
     config = load_config(args.config, overrides_from(args))
     if args.prompt_file:  # refused before the model loads, not after
-        read_text_file(args.prompt_file, "--prompt_file")
+        read_text_file(args.prompt_file, "--prompt_file", max_text_bytes(config.max_seq_len))
     if args.save_kv:  # before a prefill that may take minutes
         from ktlong.session.saved_cache import check_save_path
 

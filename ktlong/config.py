@@ -132,6 +132,41 @@ def user_config_path() -> Path:
     return Path(root) / "ktlong" / "config.yaml"
 
 
+MAX_YAML_DEPTH = 8  # options are scalars; a few levels leave room for a list of them
+
+
+class OptionsLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping and nesting deeper than
+    MAX_YAML_DEPTH (before its recursion could reach Python's limit)."""
+
+    depth = 0
+
+    def compose_node(self, parent, index):
+        self.depth += 1
+        try:
+            if self.depth > MAX_YAML_DEPTH:
+                raise yaml.composer.ComposerError(None, None, f"it nests deeper than {MAX_YAML_DEPTH} levels",
+                                                  self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {str(key)[:60]!r} is given twice",
+                                                        key_node.start_mark)
+            seen.add(key) if isinstance(key, (str, int, float, bool)) else None
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str):
+    """text's YAML value, read by OptionsLoader."""
+    return yaml.load(text, Loader=OptionsLoader)
+
+
 def read_yaml_options(path: Path) -> dict[str, tuple[object, str]]:
     """Read a flat YAML mapping of options: {key: (value, "path:line")}, unknown keys refused."""
     try:
@@ -139,8 +174,8 @@ def read_yaml_options(path: Path) -> dict[str, tuple[object, str]]:
             raise ConfigError(f"Config file {path} is larger than {MAX_CONFIG_BYTES // 1024} KiB; a config "
                               "holds one 'option: value' line per option.")
         text = path.read_text(encoding="utf-8")
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        values = yaml.safe_load(text)
+        node = yaml.compose(text, Loader=OptionsLoader)
+        values = load_yaml(text)
     except OSError as e:
         raise ConfigError(f"Cannot read config file {path} ({e.strerror}); check the path.") from None
     except UnicodeDecodeError:
@@ -185,7 +220,7 @@ def parse_set(items: list[str]) -> dict[str, tuple[object, str]]:
         if key not in option_names():
             raise ConfigError(unknown_key_message(key, f"--set {item}"))
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = load_yaml(raw) if raw.strip() else ""
         except yaml.YAMLError:
             raise ConfigError(f"--set {key}: {raw[:60]!r} is not a YAML value; quote it, e.g. "
                               f"--set '{key}=\"...\"'.") from None

@@ -7,22 +7,22 @@ import argparse
 import sys
 
 from ktlong.cli import print_error
-from ktlong.config import DEFAULT_FILE, load_config, parse_set, show, user_config_path
+from ktlong.config import DEFAULT_FILE, load_config, show, user_config_path
 from ktlong.errors import KtlongError
 from ktlong.options import render_defaults
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ktlong.config", description="Show the configuration in force, "
+    from ktlong.session.startup import add_config_flags
+
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m ktlong.config", description="Show the configuration in force, "
                                 "or what a long-context session would run with it.")
     p.add_argument("command", choices=["show", "path", "defaults"], help="show: every option, its value and "
                    "where it came from (with --plan: the resolved plan for the model instead); path: the user "
                    "config file; defaults: write configs/default.yaml from the declarations in ktlong/options.py")
     p.add_argument("--plan", action="store_true", help="show: the plan a long-context session of the model would "
                    "run, every auto resolved (reads the GGUF's header, no weights)")
-    p.add_argument("--model", help="show --plan: a packaged model name or GGUF path (default: the config's model)")
-    p.add_argument("--config", help="an extra YAML file merged over the user file")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="set any option (repeatable)")
+    add_config_flags(p)  # the options as local_chat.py takes them
     return p
 
 
@@ -46,6 +46,8 @@ def plan_text(config) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ktlong.session.startup import overrides_from
+
     args = build_parser().parse_args(argv)
     try:
         if args.command == "path":
@@ -56,10 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             tmp.replace(DEFAULT_FILE)
             print(f"wrote {DEFAULT_FILE}")
         else:
-            overrides = parse_set(args.set)
-            if args.model:
-                overrides["model"] = (args.model, "--model")
-            config = load_config(args.config, overrides)
+            config = load_config(args.config, overrides_from(args))
             print(plan_text(config) if args.plan else show(config))
     except KtlongError as e:
         print_error(e)

@@ -61,7 +61,7 @@ def perplexity(lm: LoadedModel, text: str, ctx: int, max_windows: int = 0) -> di
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ktlong.perplexity", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m ktlong.perplexity", description=__doc__.split("\n\n")[0])
     p.add_argument("--gguf_path", "--model", dest="model", help="GGUF file or packaged model name "
                    "(default: smollm2-135m)")
     p.add_argument("--text_file", required=True, help="UTF-8 text to score")

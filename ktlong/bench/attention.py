@@ -150,7 +150,7 @@ def captured_rows(path, device, backend):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ktlong.bench attention", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m ktlong.bench attention", description=__doc__.split("\n\n")[0])
     p.add_argument("--chunks", default="1024,4096")
     p.add_argument("--histories", default="32k,128k,512k")
     p.add_argument("--densities", default="0.1,0.2,0.3")

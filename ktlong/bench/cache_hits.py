@@ -166,7 +166,7 @@ def load_rates(log_path: str) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ktlong.bench cache-hits", description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m ktlong.bench cache-hits", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="GGUF file or packaged model name")
     p.add_argument("--docs", type=int, default=3, help=f"documents, 2 to {len(NAMES)} (default 3)")

@@ -30,7 +30,7 @@ def capture_hook(layers: set[int], capture_start: int, block_size: int, captured
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ktlong.bench capture", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m ktlong.bench capture", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--text_file", required=True)
     p.add_argument("--tokens", type=int, default=8192)

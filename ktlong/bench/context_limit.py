@@ -42,7 +42,7 @@ def longest(fits, block: int) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ktlong.bench context-limit", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m ktlong.bench context-limit", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     p.add_argument("--tensor_parallel", default="1,2", help="rank counts, comma-separated")
     p.add_argument("--gpu_cap_gb", type=float, default=24.0, help="GPU memory per rank")

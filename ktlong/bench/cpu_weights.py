@@ -75,7 +75,7 @@ def command(arm: str, model: str, length: int, tokens: int, sets: list[str]) -> 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ktlong.bench cpu-weights", description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m ktlong.bench cpu-weights", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="packaged model name or GGUF path")
     p.add_argument("--lengths", default="4k", help="prompt lengths in tokens")

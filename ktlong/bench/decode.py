@@ -158,7 +158,7 @@ def host_to_device_gbps(device: torch.device, nbytes: int = 1 << 30) -> float | 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ktlong.bench decode", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m ktlong.bench decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="32k,128k,512k")
     p.add_argument("--tokens", type=int, default=32, help="decode steps timed per row (after 4 warm-up steps)")
     p.add_argument("--gpu_cap_gb", type=float, default=24.0)

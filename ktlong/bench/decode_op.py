@@ -70,7 +70,7 @@ def timed(fn, reps):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ktlong.bench decode-op", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m ktlong.bench decode-op", description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="32k,128k,512k")
     p.add_argument("--top_k", type=int, default=96)
     p.add_argument("--local", type=int, default=4096)

@@ -126,7 +126,7 @@ def profile_reuse(fn):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ktlong.bench follow-up", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m ktlong.bench follow-up", description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="128k")
     p.add_argument("--question", type=int, default=64, help="tokens of the follow-up question")
     p.add_argument("--repeats", type=int, default=3, help="runs of re-prefill and of reuse; medians are printed")

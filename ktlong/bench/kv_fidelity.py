@@ -53,7 +53,7 @@ def last_token_log_probs(session, ids: list[int]) -> torch.Tensor:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ktlong.bench kv-fidelity", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m ktlong.bench kv-fidelity", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-coder-0.5b", help="packaged model name or GGUF path")
     p.add_argument("--lengths", default="16k,32k")

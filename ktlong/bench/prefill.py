@@ -35,7 +35,7 @@ READS = options_in("long-context prefill") | {"block_size", "kv_type", "anchor_t
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ktlong.bench prefill", description=__doc__)
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m ktlong.bench prefill", description=__doc__)
     p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     p.add_argument("--lengths", default="32k,128k")
     p.add_argument("--chunk_size", type=int, help="default: the config's chunk_size")

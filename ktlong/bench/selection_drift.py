@@ -55,7 +55,7 @@ def drift(history: list[dict[int, list[frozenset]]], window: int) -> dict[int, t
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ktlong.bench selection-drift", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m ktlong.bench selection-drift", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-coder-0.5b", help="packaged model name or GGUF path")
     p.add_argument("--length", default="8k", help="prompt length in the model's tokens")
     p.add_argument("--tokens", type=int, default=64, help="decode steps recorded")

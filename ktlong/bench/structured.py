@@ -60,7 +60,7 @@ class TimedConstraint(JsonConstraint):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ktlong.bench structured", description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m ktlong.bench structured", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="packaged model name or GGUF path (default: the config's model)")
     p.add_argument("--lengths", default="128k", help="prompt lengths in the model's tokens")

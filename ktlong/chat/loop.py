@@ -14,7 +14,7 @@ from ktlong.session.protocol import Session
 from ktlong.chat.generate import generate
 from ktlong.models.loader import LoadedModel
 from ktlong.chat.sampling import Sampler
-from ktlong.chat.text_file import read_text_file
+from ktlong.chat.text_file import max_text_bytes, read_text_file
 
 HELP = ('Type a message. Empty line: send the prompt file. A file path: send that file. """: start '
         'or end multi-line input. /reset: forget the conversation. /save PATH, /load PATH: the KV cache '
@@ -65,7 +65,7 @@ class ChatLoop:
         """A file's text as a message (read_text_file), or None after a notice of why not: the
         chat goes on."""
         try:
-            return read_text_file(path, "file")
+            return read_text_file(path, "file", max_text_bytes(self.max_seq_len))
         except KtlongError as e:
             self.notice(str(e))
             return None

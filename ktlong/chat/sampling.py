@@ -21,11 +21,13 @@ class Sampler:
     def probabilities(self, logits) -> np.ndarray:
         """The distribution a sampled token is drawn from [vocab]: softmax(logits / temperature),
         tokens outside the top k and outside the top-p nucleus set to 0, renormalised."""
-        x = as_array(logits) / self.temperature
+        x = as_array(logits)
+        with np.errstate(over="ignore"):  # shifted first: a tiny temperature makes -inf, never inf - inf
+            x = (x - x.max()) / self.temperature
         if self.top_k:
             k = min(self.top_k, x.shape[0])
             x[x < np.partition(x, -k)[-k]] = -np.inf
-        probs = np.exp(x - x.max())
+        probs = np.exp(x)
         probs /= probs.sum()
         if self.top_p < 1.0:
             order = np.argsort(-probs, kind="stable")

@@ -3,22 +3,52 @@ that says what to change."""
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 from ktlong.errors import KtlongError
 
+# bytes of text a prompt of max_seq_len tokens may take: real text runs 3 to 5 bytes a token,
+# so four times that leaves room for any document that can fit
+BYTES_PER_TOKEN = 16
+MAX_TEXT_BYTES = 256 << 20  # when no max_seq_len is known yet
 
-def read_text_file(path: str, flag: str) -> str:
+
+def max_text_bytes(max_seq_len: int) -> int:
+    """The largest file read as a prompt for max_seq_len tokens (0: not known yet)."""
+    return max_seq_len * BYTES_PER_TOKEN if max_seq_len > 0 else MAX_TEXT_BYTES
+
+
+def read_text_file(path: str, flag: str, max_bytes: int = MAX_TEXT_BYTES) -> str:
     """The file's UTF-8 text without its trailing whitespace (an editor's final newline would
     otherwise end a user turn and change the answer; llama.cpp drops it too). flag: how the user
-    named the file, e.g. "--prompt_file"."""
+    named the file, e.g. "--prompt_file". Only a regular file of at most max_bytes is read (a
+    pipe, a device or a folder is refused before anything is read)."""
     file = Path(path).expanduser()
-    if file.is_dir():
-        raise KtlongError(f"{flag} {path} is a folder; give a text file.")
     try:
-        data = file.read_bytes()
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)  # a pipe opens without waiting for a writer
+    except IsADirectoryError:
+        raise KtlongError(f"{flag} {path} is a folder; give a text file.") from None
     except OSError as e:
         raise KtlongError(f"cannot read {flag} {path} ({e.strerror}); check the path.") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise KtlongError(f"{flag} {path} is a folder; give a text file.")
+        if not stat.S_ISREG(st.st_mode):
+            raise KtlongError(f"{flag} {path} is not a regular file (a pipe or a device); save the text to a "
+                              "file and give that.")
+        if st.st_size > max_bytes:
+            raise KtlongError(f"{flag} {path} is {st.st_size / 2**20:,.1f} MiB, more than this session's "
+                              f"max_seq_len can hold ({max_bytes / 2**20:,.1f} MiB of text); give a shorter file.")
+        try:
+            data = f.read(max_bytes + 1)  # a file that grows while it is read stops at the bound too
+        except OSError as e:
+            raise KtlongError(f"cannot read {flag} {path} ({e.strerror}); check the path.") from None
+    if len(data) > max_bytes:
+        raise KtlongError(f"{flag} {path} is more than {max_bytes / 2**20:,.1f} MiB of text, more than this "
+                          "session's max_seq_len can hold; give a shorter file.")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:

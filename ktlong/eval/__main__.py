@@ -20,7 +20,7 @@ WHY_OPTIONS = "runs each task greedily in long-context mode at the --lengths giv
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ktlong.eval", description=__doc__.split("\n\n")[1],
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m ktlong.eval", description=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("task", choices=sorted(TASKS))
     p.add_argument("--model", default=None, help="packaged model name or GGUF path (default: smollm2-135m)")

@@ -13,6 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ktlong.session.startup import add_config_flags
 
     p = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="python -m ktlong.server",
         description="Serve a long-context GGUF model over the OpenAI API (/v1/chat/completions, "
                     "/v1/completions, /v1/models, /health).",
