@@ -24,18 +24,20 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("task", choices=sorted(TASKS))
     p.add_argument("--model", default=None, help="packaged model name or GGUF path (default: smollm2-135m)")
-    p.add_argument("--lengths", default="2k,4k,8k", help="target prompt lengths in the model's tokens")
-    p.add_argument("--samples", type=int, default=10, help="samples per (length, depth)")
+    p.add_argument("--lengths", default="2k,4k,8k", help="target prompt lengths in the model's tokens, comma-separated: a count, or with k (1024) "
+                   "or m (1048576), e.g. 4096,32k,1m (default: %(default)s)")
+    p.add_argument("--samples", type=int, default=10, help="samples per (length, depth) (default: %(default)s)")
     p.add_argument("--attention", default="dense,sparse",
                    help="arms, comma-separated: dense, sparse (CompactAttention prefill and sparse decode), "
                         "sparse-prefill or sparse-decode (one stage sparse, to tell which loses an answer), "
                         "transformers (the same GGUF run by transformers, SDPA: the dense arm's reference); "
-                        "an arm with options of its own: sparse@selector=xattention@threshold=0.95")
+                        "an arm with options of its own: sparse@selector=xattention@threshold=0.95 "
+                        "(default: %(default)s)")
     p.add_argument("--depths", default=None, help="needle depths in [0, 1]; default 0.5 (needle: 0,.25,.5,.75,1)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="results", help="folder for results.json (and heatmaps)")
-    p.add_argument("--device", default=None, help="auto, cpu, cuda")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config option")
+    p.add_argument("--seed", type=int, default=0, help="seed of the samples' texts and needles (default: %(default)s)")
+    p.add_argument("--out", default="results", help="folder for results.json (and heatmaps) (default: %(default)s)")
+    p.add_argument("--device", default=None, help="auto, cpu, cuda (default: the config's device)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config option that changes a greedy session (repeatable)")
     p.add_argument("--tensor_parallel", type=int, default=None, metavar="N",
                    help="split the model over N ranks; start with torchrun --nproc_per_node N")
     args = p.parse_args(argv)

@@ -73,6 +73,13 @@ def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], dep
     max_new = MAX_NEW_TOKENS[task]
     results = []
     prompts = {}  # (length, depth, i) -> (sample, ids): every arm gets the same prompts, built once
+
+    def prompt(length: int, depth: float, i: int):
+        if (length, depth, i) not in prompts:
+            sample = make_sample(task, length, depth, seed * 100003 + length * 7 + int(depth * 1000) * 13 + i, count)
+            prompts[length, depth, i] = sample, conversation.render_ids([], sample.prompt)
+        return prompts[length, depth, i]
+
     for attention in attentions:
         max_seq_len = max(lengths) + max_new + 1
         if attention == "transformers":
@@ -81,14 +88,17 @@ def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], dep
             session = TransformersSession(lm, max_seq_len)
         else:
             session = make_session(lm, variant_config(config, attention), split_variant(attention)[0], max_seq_len)
+        # the first sample's run, untimed: what compiles or loads on first use (Numba's kernels,
+        # the arm's graphs) is not counted as its speed
+        t0 = time.perf_counter()
+        session.reset()
+        generate(session, prompt(lengths[0], depths[0], 0)[1], max_new, Sampler(), lm.tokenizer.stop_ids,
+                 lm.tokenizer.decode)
+        print(f"[{task} {attention}: warm-up run, not timed ({time.perf_counter() - t0:.1f}s)]", file=log, flush=True)
         for length in lengths:
             for depth in depths:
                 for i in range(samples):
-                    if (length, depth, i) not in prompts:
-                        sample = make_sample(task, length, depth,
-                                             seed * 100003 + length * 7 + int(depth * 1000) * 13 + i, count)
-                        prompts[length, depth, i] = sample, conversation.render_ids([], sample.prompt)
-                    sample, ids = prompts[length, depth, i]
+                    sample, ids = prompt(length, depth, i)
                     session.reset()
                     t0 = time.perf_counter()
                     gen = generate(session, ids, max_new, Sampler(), lm.tokenizer.stop_ids, lm.tokenizer.decode)

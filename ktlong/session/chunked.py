@@ -83,7 +83,9 @@ def dense_session(model, config, max_seq_len: int) -> ChunkedSession:
     if isinstance(model, CpuLlama):
         from ktlong.session.cpu_dense import CpuDenseSession
 
-        return CpuDenseSession(model, max_seq_len, resolve_chunk_size(config.chunk_size, config.block_size, "cpu"))
+        session = CpuDenseSession(model, max_seq_len, resolve_chunk_size(config.chunk_size, config.block_size, "cpu"))
+        session.warm_up()
+        return session
     from ktlong.session.dense import DenseSession
 
     return DenseSession.from_config(model, config, max_seq_len)
