@@ -202,6 +202,54 @@ def test_a_prompt_file_that_is_a_folder_is_one_sentence(no_user_file, capsys, tm
     one_sentence_error(capsys, "is a folder")
 
 
+@pytest.mark.parametrize("kind", ["fifo", "device", "too_big", "too_big_for_max_seq_len"])
+def test_a_prompt_file_is_a_regular_file_within_the_bytes_max_seq_len_can_use(no_user_file, capsys, tmp_path,
+                                                                              monkeypatch, kind):
+    """Refused before anything is read: a pipe would block, /dev/zero never ends, a file
+    larger than the context could hold would be read and tokenized whole."""
+    import os
+
+    import local_chat
+    import ktlong.session.startup
+    from ktlong.chat.text_file import BYTES_PER_TOKEN, MAX_TEXT_BYTES
+
+    path, flags = tmp_path / "doc.txt", []
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path = "/dev/zero"
+    else:
+        with open(path, "wb") as f:  # sparse: no disk used
+            f.truncate(MAX_TEXT_BYTES + 1 if kind == "too_big" else 4096 * BYTES_PER_TOKEN + 1)
+        flags = [] if kind == "too_big" else ["--max_seq_len", "4096"]
+    monkeypatch.setattr(ktlong.session.startup, "start", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert local_chat.main(["--prompt_file", str(path), *flags]) == 2
+    one_sentence_error(capsys, "--prompt_file", "regular file" if kind in ("fifo", "device") else "MiB")
+
+
+def test_config_show_takes_the_options_flags_and_no_abbreviation(no_user_file, capsys):
+    from ktlong.config_command import main as config_command
+
+    assert config_command(["show", "--mode", "long_context", "--set", "block_size=32"]) == 0
+    shown = capsys.readouterr().out
+    assert any(line.split() == ["mode", "'long_context'", "--mode"] for line in shown.splitlines())
+    with pytest.raises(SystemExit) as e:  # --mod is not --mode, nor --model
+        config_command(["show", "--mod", "long_context"])
+    assert e.value.code == 2 and "unrecognized arguments: --mod" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module, argv", [
+    ("local_chat", ["--max_seq", "4096"]), ("ktlong.server.__main__", ["--max_seq", "4096"]),
+    ("ktlong.eval.__main__", ["passkey", "--sampl", "2"]), ("ktlong.perplexity", ["--text_file", "x", "--ct", "64"]),
+    ("ktlong.bench.__main__", ["decode", "--context", "4k"])])
+def test_no_command_takes_an_abbreviated_flag(capsys, module, argv):
+    import importlib
+
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(module).main(argv)
+    assert e.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
 def test_ctrl_c_while_the_model_loads_is_one_line_and_exit_130(no_user_file, capsys, monkeypatch):
     import local_chat
     import ktlong.session.startup

@@ -28,20 +28,18 @@ def read_text_file(path: str, flag: str, max_bytes: int = MAX_TEXT_BYTES) -> str
     file = Path(path).expanduser()
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)  # a pipe opens without waiting for a writer
-    except IsADirectoryError:
-        raise KtlongError(f"{flag} {path} is a folder; give a text file.") from None
     except OSError as e:
         raise KtlongError(f"cannot read {flag} {path} ({e.strerror}); check the path.") from None
+    st = os.fstat(fd)
+    problem = ("is a folder; give a text file" if stat.S_ISDIR(st.st_mode) else
+               "is not a regular file (a pipe or a device); save the text to a file and give that"
+               if not stat.S_ISREG(st.st_mode) else
+               f"is {st.st_size / 2**20:,.1f} MiB, more than this session's max_seq_len can hold "
+               f"({max_bytes / 2**20:,.1f} MiB of text); give a shorter file" if st.st_size > max_bytes else "")
+    if problem:
+        os.close(fd)
+        raise KtlongError(f"{flag} {path} {problem}.")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise KtlongError(f"{flag} {path} is a folder; give a text file.")
-        if not stat.S_ISREG(st.st_mode):
-            raise KtlongError(f"{flag} {path} is not a regular file (a pipe or a device); save the text to a "
-                              "file and give that.")
-        if st.st_size > max_bytes:
-            raise KtlongError(f"{flag} {path} is {st.st_size / 2**20:,.1f} MiB, more than this session's "
-                              f"max_seq_len can hold ({max_bytes / 2**20:,.1f} MiB of text); give a shorter file.")
         try:
             data = f.read(max_bytes + 1)  # a file that grows while it is read stops at the bound too
         except OSError as e:
