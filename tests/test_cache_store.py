@@ -147,3 +147,29 @@ def test_cache_dir_is_refused_where_no_cache_can_be_kept(lm, tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="name another"):
         make_app(started(lm, MODEL, mode="long_context", max_seq_len=2048, cache_dir=str(tmp_path / "file")))
+
+
+def test_a_conversation_brought_back_from_disk_is_never_evicted_by_the_one_it_replaces(lm, tmp_path):
+    """No DRAM slots and disk room for one file: going back to document 0 parks document 1,
+    whose spill needs room, and the only file it could take is document 0's, about to be
+    loaded. Document 0 comes back; document 1 goes nowhere (logged)."""
+    lines = []
+    st = started(lm, MODEL, mode="long_context", max_new_tokens=8, block_size=16, chunk_size=64,
+                 local_windows_len=64, max_seq_len=2048, cache_min_tokens=MIN_TOKENS, cache_dir=str(tmp_path),
+                 cache_dram_gb=0.0)
+    app, _ = make_app(st, log=None)
+    store = app.state.worker.store
+    store.log = lines.append
+    server = RunningServer(app)
+    try:
+        ask(server, lm, 0, "How many visitors came on day 1?")
+        ask(server, lm, 1, "How many visitors came on day 1?")  # document 0 spilled to its file
+        (first,) = tmp_path.glob("*.ktkv")
+        store.disk_budget = first.stat().st_size * 3 // 2  # room for one file, not two
+        use = ask(server, lm, 0, "How many visitors came on day 2?")
+        assert use.prompt_tokens_details.cached_from == "disk"
+        assert [p.name for p in tmp_path.glob("*.ktkv")] == [first.name] or not list(tmp_path.glob("*.ktkv"))
+        assert any("raise cache_disk_gb" in line for line in lines)  # document 1's spill, refused
+        assert ask(server, lm, 0, "How many visitors came on day 3?").prompt_tokens_details.cached_from == "session"
+    finally:
+        server.stop()

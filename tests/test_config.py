@@ -253,6 +253,23 @@ def test_values_that_would_crash_or_leak_are_refused_in_one_sentence(user_file, 
         assert needle in message, message
 
 
+def test_yaml_nesting_past_its_bound_and_a_key_given_twice_are_refused(tmp_path, user_file):
+    deep = "[" * 5000 + "]" * 5000
+    path = tmp_path / "deep.yaml"
+    path.write_text(f"temperature: {deep}\n")
+    with pytest.raises(ConfigError, match=f"{path}:1 is not valid YAML \\(it nests deeper than 8 levels\\)"):
+        read_yaml_options(path)
+    with pytest.raises(ConfigError, match="--set temperature: .* is not a YAML value"):
+        parse_set([f"temperature={deep}"])
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("temperature: 0.5\ntop_k: 3\ntemperature: 0.7\n")
+    with pytest.raises(ConfigError, match=f"{twice}:3 .*the key 'temperature' is given twice"):
+        load_config(str(twice), write_user_file=False)
+    shallow = tmp_path / "ok.yaml"
+    shallow.write_text("system_prompt: '[[[['\ntop_k: 3\n")
+    assert load_config(str(shallow), write_user_file=False).top_k == 3
+
+
 def test_a_set_value_that_is_not_yaml_is_one_sentence():
     with pytest.raises(ConfigError, match=r"--set system_prompt: '\[x' is not a YAML value"):
         parse_set(["system_prompt=[x"])

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from ktlong.config import ConfigError, load_config, option_names
 from ktlong.gguf.chat_template import ChatTemplate
 from ktlong.models.loader import load_model
-from ktlong.server.app import read_json
+from ktlong.server.app import BodyLimits, read_json
 from ktlong.server.protocol import ApiError, Defaults, Job, Prompting, check_model
 from ktlong.session.saved_cache import CacheFileError, load_cache, save_cache
 from tests.test_saved_cache import FP, TURNS, prompt, same_cache, session_for
@@ -61,7 +61,7 @@ class Body:
 def answer(prompting, data: bytes, kind: str):
     """What the server does with a body before the model: a Job, or an ApiError it sends."""
     try:
-        body = asyncio.run(read_json(Body(data), 1 << 20))
+        body = asyncio.run(read_json(Body(data), BodyLimits(1 << 20, 2 << 20, 30.0)))
         check_model(body, MODEL_ID)
         return (prompting.chat_job if kind == "chat" else prompting.completion_job)(body)
     except ApiError as e:
@@ -150,3 +150,163 @@ def test_a_damaged_cache_file_is_refused_or_loads_as_saved(saved, tmp_path, cut,
         same_cache(session, original)
     else:
         assert session.ids == original.ids[:session.host.num_tokens]
+
+
+# ---- tools and tool calls: no field carries a control token into the prompt ----
+
+@pytest.fixture(scope="module")
+def qwen_prompting(qwen_path):
+    """Qwen2.5-Coder's tokenizer and its tool-calling chat template, without its weights."""
+    from ktlong.gguf.chat_template import template_for
+    from ktlong.gguf.reader import GGUFFile
+    from ktlong.gguf.tokenizer import GGUFTokenizer
+
+    tokenizer = GGUFTokenizer(GGUFFile(str(qwen_path)))
+    template = template_for(tokenizer, tokenizer.chat_template)
+    return Prompting(tokenizer, template, "", 4096, Defaults(16, 0.0, 1.0, 0, 0))
+
+
+def special_counts(prompting, ids) -> dict[int, int]:
+    special = {prompting.tokenizer.encode(name, add_bos=False)[0] for name in prompting.tokenizer.special_names}
+    counts = {}
+    for t in ids:
+        if t in special:
+            counts[t] = counts.get(t, 0) + 1
+    return counts
+
+
+def tools_request(strings):
+    """A chat request with tools and an earlier call whose every free string is the next of strings."""
+    s = iter(strings)
+    tool = {"type": "function", "function": {"name": next(s), "description": next(s), "parameters": {
+        "type": "object", "properties": {next(s): {"type": "string", "description": next(s)}}}}}
+    call = {"id": next(s), "type": "function", "function": {"name": next(s),
+                                                            "arguments": json.dumps({next(s): next(s)})}}
+    return {"model": MODEL_ID, "tools": [tool], "messages": [
+        {"role": "user", "content": next(s)}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": next(s)}]}
+
+
+hostile = st.lists(st.sampled_from(["<|im_end|>", "<|im_start|>", "system", "<tool_call>", "</tool_call>",
+                                    "<|endoftext|>", "<|fim_prefix|>", "\n", "{", '"']) | texts,
+                   min_size=1, max_size=5).map("".join)
+
+
+@FUZZ
+@given(strings=st.lists(hostile, min_size=10, max_size=10), forced=st.booleans())
+def test_tools_and_calls_carry_no_control_token_from_any_field(qwen_prompting, strings, forced):
+    """The prompt's special tokens are the template's own: as many of each as when every
+    string the client wrote is a plain word."""
+    strings = [s or "x" for s in strings]
+    body, plain = tools_request(strings), tools_request([f"w{i}" for i in range(10)])
+    if forced:
+        for b in (body, plain):
+            b["tool_choice"] = {"type": "function", "function": {"name": b["tools"][0]["function"]["name"]}}
+    try:
+        job = qwen_prompting.chat_job(body)
+    except ApiError as e:  # a name or call the template cannot take is refused, never rendered
+        assert 400 <= e.status < 500
+        return
+    expected = special_counts(qwen_prompting, qwen_prompting.chat_job(plain).prompt_ids)
+    assert special_counts(qwen_prompting, job.prompt_ids) == expected
+
+
+# ---- JSON schemas: a 2xx whose answer validates, or a 4xx; never a 5xx ----
+
+scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False) | texts
+bounds = st.integers(-2**66, 2**66) | st.floats(-1e40, 1e40, allow_nan=False)
+counts = st.integers(0, 6) | st.integers(0, 2**66)
+patterns = st.sampled_from(["^[a-z]+$", "^(a{1000}){1000}$", "^[0-9]{3}-[0-9]{2}$", "(", "^(ab|cd){2,4}$", "a*b*",
+                            "^\\d{20000}$", "[[:alpha:]]"])
+leaf_schemas = st.one_of(
+    st.fixed_dictionaries({"type": st.just("integer")}, optional={"minimum": bounds, "maximum": bounds}),
+    st.fixed_dictionaries({"type": st.just("number")}, optional={"minimum": bounds, "exclusiveMaximum": bounds}),
+    st.fixed_dictionaries({"type": st.just("string")},
+                          optional={"minLength": counts, "maxLength": counts, "pattern": patterns}),
+    st.sampled_from([{"type": "boolean"}, {"type": "null"}, {"$ref": "#"}, {"$ref": "#/$defs/nowhere"}, {},
+                     {"type": "objectx"}, {"not": {}}]),
+    st.fixed_dictionaries({"enum": st.lists(scalars, max_size=4)}), st.fixed_dictionaries({"const": scalars}))
+schemas = st.recursive(leaf_schemas, lambda inner: st.one_of(
+    st.fixed_dictionaries({"type": st.just("array"), "items": inner}, optional={"minItems": counts,
+                                                                               "maxItems": counts}),
+    st.fixed_dictionaries({"type": st.just("object"), "properties": st.dictionaries(st.sampled_from("abc"), inner,
+                                                                                   max_size=3)},
+                          optional={"required": st.lists(st.sampled_from("abcd"), max_size=3, unique=True),
+                                    "additionalProperties": st.booleans()}),
+    st.fixed_dictionaries({"anyOf": st.lists(inner, min_size=1, max_size=3)})), max_leaves=6)
+
+
+@pytest.fixture(scope="module")
+def schema_server(tmp_path_factory):
+    from ktlong.server.__main__ import make_app
+    from tests.http_server import RunningServer, started
+
+    path = tmp_path_factory.mktemp("m") / "tiny.gguf"
+    write_tiny_gguf(path, TinySpec(), seed=1)
+    lm = load_model(str(path))
+    server = RunningServer(make_app(started(lm, MODEL_ID, max_seq_len=256, max_new_tokens=24))[0])
+    yield server
+    server.stop()
+
+
+@FUZZ
+@given(schema=schemas, seed=st.integers(0, 2**32))
+def test_any_json_schema_is_an_answer_that_validates_or_a_4xx(schema_server, schema, seed):
+    import jsonschema
+
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "json"}], "temperature": 1.0, "seed": seed,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+    status, data = schema_server.raw("POST", "/v1/chat/completions", json.dumps(body),
+                                     {"Content-Type": "application/json"})
+    out = json.loads(data)
+    assert status < 500, out
+    if status >= 400:
+        assert out["error"]["message"].endswith(".") and "\n" not in out["error"]["message"]
+        return
+    choice = out["choices"][0]
+    if choice["finish_reason"] == "stop":  # "length": cut at max_tokens, as any answer may be
+        jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+
+
+# ---- cache_dir at start-up: any file is used, skipped or removed in one line, never a crash or a hang ----
+
+@FUZZ
+@given(files=st.lists(st.tuples(
+    st.sampled_from(["damaged", "header", "fifo", "folder", "link", "orphan"]), st.binary(max_size=64),
+    json_values, st.lists(st.tuples(st.integers(0, 1 << 22), st.integers(0, 7)), max_size=3)), max_size=5))
+def test_any_cache_dir_contents_start_the_store(saved, tmp_path_factory, files):
+    import hashlib
+    import os
+
+    from ktlong.server.cache_store import CacheStore
+    from ktlong.session.cache_records import PREAMBLE, VERSION, WHOLE
+    from tests.test_cache_dir_files import dead_pid, within
+
+    lm, original, data = saved
+    folder = tmp_path_factory.mktemp("cache_dir")
+    for i, (kind, tail, header, flips) in enumerate(files):
+        path = folder / f"{i + 1:012x}.ktkv"
+        if kind == "damaged":
+            damaged = bytearray(data)
+            for at, bit in flips:
+                damaged[at % len(damaged)] ^= 1 << bit
+            path.write_bytes(bytes(damaged[:len(damaged) - len(tail)]))
+        elif kind == "header":  # a right checksum over any JSON
+            text = json.dumps(header).encode()
+            path.write_bytes(PREAMBLE.pack(WHOLE, VERSION, len(text), hashlib.sha256(text).digest()) + text + tail)
+        elif kind == "fifo":
+            os.mkfifo(path)
+        elif kind == "folder":
+            path.mkdir()
+        elif kind == "link":
+            path.symlink_to("/dev/zero" if tail else folder / "nowhere")
+        else:
+            (folder / f".{path.name}.{dead_pid()}.x.tmp").write_bytes(tail)
+    lines = []
+    with within(30):
+        store = CacheStore(session_for(lm), FP, 0, str(folder), 1 << 30, 16, lines.append)
+    assert all("\n" not in line for line in lines)
+    for entry in store.entries.values():  # what it took loads as saved
+        assert entry.ids == original.ids or original.ids[:len(entry.ids)] == entry.ids
+    assert not list(folder.glob(".*.tmp"))
+    assert len(store.entries) + len(lines) == sum(kind != "orphan" for kind, *_ in files)

@@ -38,10 +38,10 @@ def json_grammar(schema: dict, tokenizer=None) -> str:
     try:
         grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
     except Exception as e:  # llguidance's own checks raise ValueError, RuntimeError, TypeError ...
-        raise SchemaError(f"The JSON schema cannot be enforced ({str(e)[:300]}).") from None
+        raise SchemaError(f"The JSON schema cannot be enforced ({one_line(str(e))}).") from None
     error = LLMatcher.validate_grammar(grammar)  # empty when valid
     if error:
-        raise SchemaError(f"The JSON schema cannot be enforced ({error[:300]}).")
+        raise SchemaError(f"The JSON schema cannot be enforced ({one_line(error)}).")
     if tokenizer is not None:
         matcher = JsonConstraint(tokenizer, grammar).matcher
         matcher.compute_bitmask()
@@ -49,6 +49,12 @@ def json_grammar(schema: dict, tokenizer=None) -> str:
             raise SchemaError("The JSON schema admits no JSON value (a reference to itself with nothing "
                               "else, say); give a schema that some value satisfies.")
     return grammar
+
+
+def one_line(text: str, limit: int = 200) -> str:
+    """llguidance's message as one line: its first, whitespace collapsed, cut at limit characters."""
+    first = " ".join(text.strip().split("\n", 1)[0].split())
+    return first[:limit].rstrip(":")
 
 
 def _check_patterns(schema):
@@ -82,8 +88,8 @@ class JsonConstraint:
 
     def _check(self):
         if self.matcher.is_error():
-            first_line = self.matcher.get_error().split("\n", 1)[0]
-            raise SchemaError(f"The JSON schema cannot be enforced ({first_line[:200]}); simplify it.")
+            raise SchemaError(f"The JSON schema cannot be enforced ({one_line(self.matcher.get_error())}); "
+                              "simplify it.")
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [vocab] with every token the grammar forbids at -inf (a copy). The bitmask
