@@ -360,3 +360,19 @@ def test_cache_hits_bench_summarises_phases_answers_and_loads(tmp_path):
     log = tmp_path / "server.log"
     log.write_text("[cache: conversation ab loaded from disk: 119,737 tokens, 1.42 GiB in 0.18 s (7.97 GiB/s)]\nother\n")
     assert load_rates(str(log)) == ["1.42 GiB in 0.18 s (7.97 GiB/s)"]
+
+
+@pytest.mark.parametrize("given", [None, "max_split_size_mb:64"])
+def test_importing_ktlong_gives_the_gpu_allocator_expandable_segments_unless_set(given):
+    """Blocks cut to one session's sizes would count against the device cap beside the next
+    session's plan (the follow-up bench ran out of memory at 24 GiB); a value the user set stays."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    if given is not None:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = given
+    out = subprocess.run([sys.executable, "-c", "import os, ktlong; print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])"],
+                         env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == (given or "expandable_segments:True")

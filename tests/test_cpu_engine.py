@@ -131,3 +131,23 @@ def test_chat_on_the_cpu_never_imports_torch(tmp_path):
         assert ("on cpu (numpy and Numba)" in run.stderr) == (engine == "auto")
         answers.append(run.stdout)
     assert answers[0] == answers[1] and answers[0].strip()
+
+
+def test_the_engine_compiles_behind_the_notice_and_forgets_its_warm_up(tmp_path, capsys):
+    """The session made for a chat runs its kernels once behind the start-up notice (a fresh
+    install would otherwise stop the first answer after its first word for half a minute), and
+    what it ran leaves no trace: the first prompt's logits equal a session's that never warmed up."""
+    from ktlong.config import default_config
+    from ktlong.session.chunked import dense_session
+
+    spec = SPECS["llama"][0]
+    write_tiny_gguf(tmp_path / "m.gguf", spec, seed=5)
+    gf, config = open_model(str(tmp_path / "m.gguf"))
+    model = CpuLlama.from_gguf(gf, config)
+    capsys.readouterr()
+    warmed = dense_session(model, default_config(chunk_size=128), 400)
+    notice = capsys.readouterr().err
+    assert notice.startswith("[kernels that compile on first use:") and "before anything is timed]" in notice
+    assert warmed.ids == []
+    prompt = np.random.default_rng(3).integers(0, spec.vocab - 2, 200).tolist()
+    np.testing.assert_array_equal(warmed.prefill(prompt), CpuDenseSession(model, 400, warmed.chunk_size).prefill(prompt))

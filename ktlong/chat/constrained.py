@@ -21,6 +21,10 @@ _BITS = torch.arange(32, dtype=torch.int32)  # bit i of a word: token 32 * word 
 # a pattern whose shortest match is longer than this is refused: llguidance's lexer builds one
 # expression per counted repetition and gives up part way through the answer ("^(a{1000}){1000}$")
 MAX_PATTERN_WIDTH = 10_000
+# numeric bounds llguidance enforces exactly: at 16 digits and more, 4 of 80 were off by one
+# (minimum 8929548040361255 let 8929548040361254 through)
+MAX_BOUND = 10 ** 15
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
 class SchemaError(KtlongError):
@@ -34,7 +38,7 @@ def json_grammar(schema: dict, tokenizer=None) -> str:
     tokenizer: a GGUFTokenizer, to check also that the grammar admits an answer at all."""
     from llguidance import LLMatcher
 
-    _check_patterns(schema)
+    _check_values(schema)
     try:
         grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
     except Exception as e:  # llguidance's own checks raise ValueError, RuntimeError, TypeError ...
@@ -57,20 +61,28 @@ def one_line(text: str, limit: int = 200) -> str:
     return first[:limit].rstrip(":")
 
 
-def _check_patterns(schema):
-    """Refuse a 'pattern' whose shortest match is longer than MAX_PATTERN_WIDTH characters."""
+def _check_values(schema):
+    """Refuse what llguidance would take and not enforce: a 'pattern' that is not a regular
+    expression, or whose shortest match is longer than MAX_PATTERN_WIDTH characters; a numeric
+    bound of MAX_BOUND or more."""
     todo = [schema]
     while todo:
         node = todo.pop()
         if isinstance(node, list):
             todo.extend(node)
         elif isinstance(node, dict):
+            for name in BOUNDS:
+                bound = node.get(name)
+                if isinstance(bound, (int, float)) and not isinstance(bound, bool) and not abs(bound) < MAX_BOUND:
+                    raise SchemaError(f"The JSON schema's {name} {bound:g} is too large to enforce exactly; bounds "
+                                      f"must lie within ±1e15.")
             pattern = node.get("pattern")
             if isinstance(pattern, str):
                 try:
                     width = re._parser.parse(pattern).getwidth()[0]
-                except (re.error, RecursionError, OverflowError):
-                    width = 0  # not Python's syntax: llguidance decides
+                except (re.error, RecursionError, OverflowError) as e:  # as validators check "format": "regex"
+                    raise SchemaError(f"The JSON schema's pattern {pattern[:60]!r} is not a regular expression "
+                                      f"({one_line(str(e), 80)}); fix it.") from None
                 if width > MAX_PATTERN_WIDTH:
                     raise SchemaError(f"The JSON schema's pattern {pattern[:60]!r} matches only strings of "
                                       f"{width:,} characters or more; the most this server enforces is "

@@ -23,11 +23,12 @@ class CpuDenseSession(ChunkedSession):
         self.cache = WordCache.zeros(c.num_layers, c.num_kv_heads, c.head_dim, max_seq_len)
         self.decode = CpuDecodeStep(model, self.cache)
 
-    def warm_up(self, log=sys.stderr):
+    def warm_up(self, log=None):
         """Run a short prompt and one decode step, then forget them, behind one notice: Numba
         compiles the prefill and decode kernels on their first call (about half a minute on a
         fresh install, loaded from its cache later), which would otherwise stop the first answer
         after its first word and count in its speed."""
+        log = log or sys.stderr
         print("[kernels that compile on first use:", end="", file=log, flush=True)
         start = time.perf_counter()
         self.prefill([0] * min(16, self.max_seq_len - 1))
