@@ -4,7 +4,6 @@ user file's path, and configs/default.yaml rendered from the declarations."""
 from __future__ import annotations
 
 import argparse
-import sys
 
 from ktlong.cli import print_error
 from ktlong.config import DEFAULT_FILE, load_config, show, user_config_path

@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import signal
-import struct
 from contextlib import contextmanager
 
 import pytest

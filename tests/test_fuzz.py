@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from ktlong.config import ConfigError, load_config, option_names
 from ktlong.gguf.chat_template import ChatTemplate
 from ktlong.models.loader import load_model
-from ktlong.server.app import BodyLimits, read_json
+from ktlong.server.request_body import BodyLimits, read_json
 from ktlong.server.protocol import ApiError, Defaults, Job, Prompting, check_model
 from ktlong.session.saved_cache import CacheFileError, load_cache, save_cache
 from tests.test_saved_cache import FP, TURNS, prompt, same_cache, session_for

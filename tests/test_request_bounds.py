@@ -18,8 +18,9 @@ from ktlong.chat.sampling import Sampler
 from ktlong.gguf.chat_template import ChatTemplate
 from ktlong.models.loader import load_model
 from ktlong.server.__main__ import make_app
-from ktlong.server.app import MAX_DEPTH, BodyLimits, read_json
-from ktlong.server.protocol import CHARS_PER_TOKEN_CHECKED, ApiError, Defaults, Prompting, count_tokens
+from ktlong.server.request_body import MAX_DEPTH, BodyLimits, read_json
+from ktlong.server.prompt_ids import CHARS_PER_TOKEN_CHECKED, count_tokens
+from ktlong.server.protocol import ApiError, Defaults, Prompting
 from tests.http_server import RunningServer, started
 from tests.tiny_gguf import TinySpec, write_tiny_gguf
 

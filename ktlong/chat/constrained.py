@@ -10,6 +10,7 @@ schema itself.
 from __future__ import annotations
 
 import re._parser
+import warnings
 
 import numpy as np
 import torch
@@ -79,7 +80,9 @@ def _check_values(schema):
             pattern = node.get("pattern")
             if isinstance(pattern, str):
                 try:
-                    width = re._parser.parse(pattern).getwidth()[0]
+                    with warnings.catch_warnings():  # "possible nested set": Python's note on its own syntax
+                        warnings.simplefilter("ignore", FutureWarning)
+                        width = re._parser.parse(pattern).getwidth()[0]
                 except (re.error, RecursionError, OverflowError) as e:  # as validators check "format": "regex"
                     raise SchemaError(f"The JSON schema's pattern {pattern[:60]!r} is not a regular expression "
                                       f"({one_line(str(e), 80)}); fix it.") from None
