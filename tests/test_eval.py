@@ -169,6 +169,24 @@ def test_an_arm_with_options_of_its_own_runs_with_them(monkeypatch):
         runner.variant_config(config, "sparse@threshold=2")
 
 
+class FakeSession:
+    """What run_task asks of a session when generate is replaced."""
+    last_stats = None
+
+    def reset(self):
+        pass
+
+
+class FakeConversation:
+    """A prompt's ids: one a word."""
+
+    def __init__(self, *a):
+        pass
+
+    def render_ids(self, history, text):
+        return list(range(len(text.split())))
+
+
 def test_results_are_saved_after_every_sample(monkeypatch, tmp_path):
     """A run cut short keeps what it measured: on_result sees the results after each sample,
     and write_json replaces results.json whole (no temporary file left beside it)."""
@@ -178,21 +196,8 @@ def test_results_are_saved_after_every_sample(monkeypatch, tmp_path):
     import ktlong.eval.runner as runner
     from ktlong.config import default_config
 
-    class Session:
-        last_stats = None
-
-        def reset(self):
-            pass
-
-    class Conv:
-        def __init__(self, *a):
-            pass
-
-        def render_ids(self, history, text):
-            return list(range(len(text.split())))
-
-    monkeypatch.setattr(runner, "make_session", lambda *a: Session())
-    monkeypatch.setattr(runner, "Conversation", Conv)
+    monkeypatch.setattr(runner, "make_session", lambda *a: FakeSession())
+    monkeypatch.setattr(runner, "Conversation", FakeConversation)
     monkeypatch.setattr(runner, "generate", lambda session, ids, *a: types.SimpleNamespace(
         text="12345", prefill_seconds=1.0, decode_tokens_per_second=2.0))
     lm = types.SimpleNamespace(tokenizer=types.SimpleNamespace(stop_ids=[], decode=str), chat_template=None)
@@ -247,19 +252,6 @@ def test_each_arm_runs_once_untimed_before_its_samples(monkeypatch, tmp_path):
     import ktlong.eval.runner as runner
     from ktlong.config import default_config
 
-    class Session:
-        last_stats = None
-
-        def reset(self):
-            pass
-
-    class Conv:
-        def __init__(self, *a):
-            pass
-
-        def render_ids(self, history, text):
-            return list(range(len(text.split())))
-
     calls = []
 
     def generate(session, ids, *a):
@@ -268,8 +260,8 @@ def test_each_arm_runs_once_untimed_before_its_samples(monkeypatch, tmp_path):
         return types.SimpleNamespace(text="12345", prefill_seconds=50.0 if first else 1.0,
                                      decode_tokens_per_second=2.0)
 
-    monkeypatch.setattr(runner, "make_session", lambda *a: Session())
-    monkeypatch.setattr(runner, "Conversation", Conv)
+    monkeypatch.setattr(runner, "make_session", lambda *a: FakeSession())
+    monkeypatch.setattr(runner, "Conversation", FakeConversation)
     monkeypatch.setattr(runner, "generate", generate)
     lm = types.SimpleNamespace(tokenizer=types.SimpleNamespace(stop_ids=[], decode=str), chat_template=None)
     log = tmp_path / "log"
