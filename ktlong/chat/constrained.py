@@ -26,6 +26,7 @@ MAX_PATTERN_WIDTH = 10_000
 # (minimum 8929548040361255 let 8929548040361254 through)
 MAX_BOUND = 10 ** 15
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+DATA = ("const", "enum", "default", "examples")  # values, not schemas: their keys mean nothing here
 
 
 class SchemaError(KtlongError):
@@ -75,8 +76,8 @@ def _check_values(schema):
             for name in BOUNDS:
                 bound = node.get(name)
                 if isinstance(bound, (int, float)) and not isinstance(bound, bool) and not abs(bound) < MAX_BOUND:
-                    raise SchemaError(f"The JSON schema's {name} {bound:g} is too large to enforce exactly; bounds "
-                                      f"must lie within ±1e15.")
+                    raise SchemaError(f"The JSON schema's {name} {str(bound)[:40]} is too large to enforce exactly; "
+                                      "bounds must lie within ±1e15.")
             pattern = node.get("pattern")
             if isinstance(pattern, str):
                 try:
@@ -90,7 +91,7 @@ def _check_values(schema):
                     raise SchemaError(f"The JSON schema's pattern {pattern[:60]!r} matches only strings of "
                                       f"{width:,} characters or more; the most this server enforces is "
                                       f"{MAX_PATTERN_WIDTH:,}.")
-            todo.extend(node.values())
+            todo.extend(v for k, v in node.items() if k not in DATA)
 
 
 class JsonConstraint:
