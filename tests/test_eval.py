@@ -245,8 +245,8 @@ def test_samples_are_the_longest_that_fit(task):
 
 def test_each_arm_runs_once_untimed_before_its_samples(monkeypatch, tmp_path):
     """The first run of an arm compiles and loads what it uses on first use; it is run on the
-    first prompt before the samples and counts in no result (a density-100% table read 4.82x
-    when it did)."""
+    first prompt (its first WARM_UP_TOKENS) before the samples and counts in no result (a
+    density-100% table read 4.82x when it did)."""
     import types
 
     import ktlong.eval.runner as runner

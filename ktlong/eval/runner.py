@@ -64,6 +64,9 @@ def make_session(lm: LoadedModel, config: Config, attention: str, max_seq_len: i
     return LongContextSession.from_plan(lm.model, plan)
 
 
+WARM_UP_TOKENS = 2048  # an arm's untimed first run: long enough for decode to select blocks
+
+
 def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], depths: list[float],
              samples: int, attentions: list[str], seed: int, log=sys.stderr, on_result=None) -> list[Result]:
     """on_result(results so far) after every sample (the CLI rewrites results.json there, so a
@@ -88,11 +91,11 @@ def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], dep
             session = TransformersSession(lm, max_seq_len)
         else:
             session = make_session(lm, variant_config(config, attention), split_variant(attention)[0], max_seq_len)
-        # the first sample's run, untimed: what compiles or loads on first use (Numba's kernels,
-        # the arm's graphs) is not counted as its speed
+        # the head of the first sample, untimed: what compiles or loads on first use (kernels are
+        # built per shape and type, not per length; the arm's graphs) is not counted as its speed
         t0 = time.perf_counter()
         session.reset()
-        generate(session, prompt(lengths[0], depths[0], 0)[1], max_new, Sampler(), lm.tokenizer.stop_ids,
+        generate(session, prompt(lengths[0], depths[0], 0)[1][:WARM_UP_TOKENS], 2, Sampler(), lm.tokenizer.stop_ids,
                  lm.tokenizer.decode)
         print(f"[{task} {attention}: warm-up run, not timed ({time.perf_counter() - t0:.1f}s)]", file=log, flush=True)
         for length in lengths:
