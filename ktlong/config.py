@@ -155,10 +155,12 @@ class OptionsLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
-            if isinstance(key, (str, int, float, bool)) and key in seen:
+            if not isinstance(key, (str, int, float, bool)):  # unhashable keys: SafeLoader refuses them
+                continue
+            if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"the key {str(key)[:60]!r} is given twice",
                                                         key_node.start_mark)
-            seen.add(key) if isinstance(key, (str, int, float, bool)) else None
+            seen.add(key)
         return super().construct_mapping(node, deep)
 
 

@@ -3,16 +3,15 @@ that says what to change."""
 
 from __future__ import annotations
 
-import os
-import stat
-from pathlib import Path
-
 from ktlong.errors import KtlongError
+from ktlong.regular_file import NotRegularFile, open_regular
 
 # bytes of text a prompt of max_seq_len tokens may take: real text runs 3 to 5 bytes a token,
 # so four times that leaves room for any document that can fit
 BYTES_PER_TOKEN = 16
 MAX_TEXT_BYTES = 256 << 20  # when no max_seq_len is known yet
+HINTS = {"is a folder": "give a text file",
+         "is not a regular file (a pipe or a device)": "save the text to a file and give that"}
 
 
 def max_text_bytes(max_seq_len: int) -> int:
@@ -25,21 +24,14 @@ def read_text_file(path: str, flag: str, max_bytes: int = MAX_TEXT_BYTES) -> str
     otherwise end a user turn and change the answer; llama.cpp drops it too). flag: how the user
     named the file, e.g. "--prompt_file". Only a regular file of at most max_bytes is read (a
     pipe, a device or a folder is refused before anything is read)."""
-    file = Path(path).expanduser()
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)  # a pipe opens without waiting for a writer
-    except OSError as e:
-        raise KtlongError(f"cannot read {flag} {path} ({e.strerror}); check the path.") from None
-    st = os.fstat(fd)
-    problem = ("is a folder; give a text file" if stat.S_ISDIR(st.st_mode) else
-               "is not a regular file (a pipe or a device); save the text to a file and give that"
-               if not stat.S_ISREG(st.st_mode) else
-               f"is {st.st_size / 2**20:,.1f} MiB, more than this session's max_seq_len can hold "
-               f"({max_bytes / 2**20:,.1f} MiB of text); give a shorter file" if st.st_size > max_bytes else "")
-    if problem:
-        os.close(fd)
-        raise KtlongError(f"{flag} {path} {problem}.")
-    with os.fdopen(fd, "rb") as f:
+        f, size = open_regular(path)
+    except NotRegularFile as e:
+        raise KtlongError(f"{flag} {path} {e}; {HINTS.get(str(e), 'check the path')}.") from None
+    with f:
+        if size > max_bytes:
+            raise KtlongError(f"{flag} {path} is {size / 2**20:,.1f} MiB, more than this session's max_seq_len can "
+                              f"hold ({max_bytes / 2**20:,.1f} MiB of text); give a shorter file.")
         try:
             data = f.read(max_bytes + 1)  # a file that grows while it is read stops at the bound too
         except OSError as e:

@@ -28,7 +28,6 @@ import hashlib
 import mmap
 import os
 import shutil
-import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ktlong.regular_file import NotRegularFile, open_regular
 from ktlong.session.cache_records import (APPENDED, COPIED_ALIGN, WHOLE, CacheFileError, OtherSettings, Record,
                                           check_tables, encode_record, fill_tables, read_record, write_record)
 
@@ -265,20 +265,13 @@ def open_saved(path: Path):
     """path opened for reading when it is a non-empty regular file; CacheFileError otherwise,
     without blocking on a pipe or reading a device."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise CacheFileError(f"Saved cache {path} does not exist; check the path.") from None
-    except IsADirectoryError:
-        raise CacheFileError(f"Saved cache {path} is a folder; name the file saved with --save_kv.") from None
-    except OSError as e:
-        raise CacheFileError(f"Cannot read saved cache {path} ({e.strerror}); check the path.") from None
-    st = os.fstat(fd)
-    problem = ("is a folder" if stat.S_ISDIR(st.st_mode) else "is not a regular file (a pipe or a device)"
-               if not stat.S_ISREG(st.st_mode) else "is empty" if st.st_size == 0 else "")
-    if problem:
-        os.close(fd)
-        raise CacheFileError(f"Saved cache {path} {problem}, not a saved ktlong cache; check the path.")
-    return os.fdopen(fd, "rb")
+        f, size = open_regular(path)
+    except NotRegularFile as e:
+        raise CacheFileError(f"Saved cache {path} {e}; check the path.") from None
+    if size == 0:
+        f.close()
+        raise CacheFileError(f"Saved cache {path} is empty, not a saved ktlong cache; check the path.")
+    return f
 
 
 def _records(path: Path, mapped: mmap.mmap, fp: dict, capacity: int) -> list[Record]:

@@ -1,0 +1,30 @@
+"""Opening a file a user names, which must be a regular file: a pipe would block the open or the
+read, a device (/dev/zero) would never end, a folder cannot be read as one."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import BinaryIO
+
+
+class NotRegularFile(Exception):
+    """What the path is instead, as the end of a sentence that begins with the path: "is a
+    folder", "is not a regular file (a pipe or a device)", "does not exist (...)", "cannot be read (...)"."""
+
+
+def open_regular(path: str | os.PathLike) -> tuple[BinaryIO, int]:
+    """(the file opened for reading, its size in bytes), without waiting for a pipe's writer;
+    NotRegularFile otherwise."""
+    try:
+        fd = os.open(Path(path).expanduser(), os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError as e:
+        raise NotRegularFile(f"does not exist ({e.strerror})") from None
+    except OSError as e:
+        raise NotRegularFile(f"cannot be read ({e.strerror})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NotRegularFile("is a folder" if stat.S_ISDIR(st.st_mode) else "is not a regular file (a pipe or a device)")
+    return os.fdopen(fd, "rb"), st.st_size
