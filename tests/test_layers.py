@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # lowest first; a unit is a folder of ktlong/ or a module at its top
 LAYERS = [
-    {"errors"},
+    {"errors", "regular_file"},
     {"options"},
     {"config", "device", "parallel"},
     {"gguf"},
