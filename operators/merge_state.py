@@ -17,16 +17,16 @@ LN2 = math.log(2.0)
 
 
 def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor):
-    """o_*: [H, D]; lse_*: [H] float32 (natural log) -> (o [H, D] float32, lse [H])."""
-    expect("o_a", o_a, ndim=2)
+    """o_*: [..., H, D]; lse_*: [..., H] float32 (natural log) -> (o [..., H, D] float32, lse [..., H]):
+    one state per head, for any leading shape (a decode batch's sequences)."""
     expect("o_b", o_b, shape=tuple(o_a.shape), device=o_a.device)
-    expect("lse_a", lse_a, shape=(o_a.shape[0],), dtype=torch.float32, device=o_a.device)
-    expect("lse_b", lse_b, shape=(o_a.shape[0],), dtype=torch.float32, device=o_a.device)
+    expect("lse_a", lse_a, shape=tuple(o_a.shape[:-1]), dtype=torch.float32, device=o_a.device)
+    expect("lse_b", lse_b, shape=tuple(o_a.shape[:-1]), dtype=torch.float32, device=o_a.device)
     m = torch.maximum(lse_a, lse_b)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
     total = w_a + w_b
-    o = (o_a.float() * w_a[:, None] + o_b.float() * w_b[:, None]) / total.clamp_min(1e-30)[:, None]
+    o = (o_a.float() * w_a[..., None] + o_b.float() * w_b[..., None]) / total.clamp_min(1e-30)[..., None]
     return o, m + torch.log(total)
 
 

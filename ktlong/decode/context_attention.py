@@ -1,61 +1,55 @@
-"""Who attends a global layer's query to the blocks the host selected from DRAM, behind one
-small interface that the decoder calls once per global layer and step, between the device's
-segments (ktlong/decode/decoder.py):
+"""Who attends each sequence's query of a global layer to the blocks the host selected from DRAM,
+once per global layer and step for the whole batch, between the device's segments
+(ktlong/decode/batch.py):
 
-- CpuContextAttention: the Numba operator reads the blocks from DRAM (cpu_ops/sparse_attention.py);
-  its state (out, lse) goes back to the device through the exchange buffers;
-- GpuContextAttention: the device reads them where they lie in pinned DRAM
-  (ktlong/decode/dram_blocks.py), in a part replayed now; its state stays on the device. A dense
-  layer's every block does not fit its index: the CPU operator reads those.
+- the device, where the sequence's selection fits its index (`context_attention: gpu`): it reads
+  the blocks where they lie in pinned DRAM (ktlong/decode/dram_blocks.py), in a part queued
+  first for every sequence at once, so that it reads while the CPU works; its state stays on
+  the device;
+- the Numba operator otherwise (cpu_ops/sparse_attention.py): `context_attention: cpu`, or a
+  dense layer's every block, which does not fit the device's index. Its state (out, lse) goes
+  back to the device through the exchange buffers.
 
-When the device also selects the blocks, no host part is left between layers, and the decoder
-runs the token as one piece of device work instead (Decoder._device_step).
+When the device also selects the blocks, no host part is left between layers, and the batch
+runs the token as one piece of device work instead (DecodeBatch._device_step).
 """
 
 from __future__ import annotations
-
-from typing import Protocol
 
 import numpy as np
 
 from cpu_ops.sparse_attention import sparse_attention
 
-
-class ContextAttention(Protocol):
-    def attend(self, j: int, layer: int, blocks: np.ndarray | None, counts: np.ndarray | None, end: int) -> int:
-        """Global layer j's (model layer `layer`) selected blocks [KV, S] with their counts [KV]
-        (None: nothing selected) of a context of `end` tokens -> how many of them the CPU read."""
+Selection = tuple[np.ndarray, np.ndarray] | None  # blocks [KV, S] and their counts [KV]; None: nothing
 
 
-class CpuContextAttention:
-    def __init__(self, q: np.ndarray, out: np.ndarray, lse: np.ndarray, k_stored: list, v_stored: list,
-                 block_size: int, scale: float):
-        """q, out, lse: the exchange buffers [global layers, H, ...] (numpy views); k_stored,
-        v_stored: every layer's DRAM K and V as the operator reads them."""
-        self.q, self.out, self.lse = q, out, lse
-        self.k_stored, self.v_stored, self.block_size, self.scale = k_stored, v_stored, block_size, scale
+class ContextAttention:
+    def __init__(self, body, block_size: int, scale: float):
+        """body: the batch's device part (ktlong/decode/step.py), whose exchange buffers carry
+        each sequence's q in and its state out, and which replays the device's reads."""
+        self.body, self.block_size, self.scale = body, block_size, scale
+        self.q, self.out, self.lse = body.q_host.numpy(), body.o_host.numpy(), body.lse_host.numpy()
 
-    def attend(self, j: int, layer: int, blocks: np.ndarray | None, counts: np.ndarray | None, end: int) -> int:
-        read = int(counts.sum()) if counts is not None else 0
-        if not read:
-            self.lse[j] = -np.inf  # an empty state: the merge keeps the device's
-            return 0
-        self.out[j], self.lse[j] = sparse_attention(self.q[j], self.k_stored[layer], self.v_stored[layer], blocks,
-                                                    counts, end, self.block_size, self.scale)
+    def attend(self, j: int, layer: int, sequences: list, selections: list[Selection], ends: list[int]) -> list[int]:
+        """Global layer j's (model layer `layer`) selections, one per sequence, over contexts of
+        `ends` tokens -> how many (kv head, block) pairs of each the CPU read."""
+        on_device = [False] * len(sequences)
+        if self.body.reads_dram:
+            for b, (sequence, selection) in enumerate(zip(sequences, selections)):
+                on_device[b] = selection is not None and sequence.dram_blocks.fits(selection[0])
+                if on_device[b]:
+                    sequence.dram_blocks.split(j, *selection)
+                else:
+                    sequence.dram_blocks.no_hits(j)
+            self.body.replay_dram_blocks(j)  # queued first: the device reads while the CPU works
+        read = []
+        for b, (sequence, selection, end) in enumerate(zip(sequences, selections, ends)):
+            count = 0 if selection is None or on_device[b] else int(selection[1].sum())
+            if count:
+                self.out[b, j], self.lse[b, j] = sparse_attention(
+                    self.q[b, j], sequence.k_stored[layer], sequence.v_stored[layer], *selection, end,
+                    self.block_size, self.scale)
+            else:
+                self.lse[b, j] = -np.inf  # an empty state: the merge keeps the device's
+            read.append(count)
         return read
-
-
-class GpuContextAttention:
-    def __init__(self, dram_blocks, body, cpu: CpuContextAttention):
-        """dram_blocks: the device's reads of the DRAM pages; body: the decode step, which replays
-        them (DecodeStep.replay_dram_blocks); cpu: for what does not fit the device's index."""
-        self.dram_blocks, self.body, self.cpu = dram_blocks, body, cpu
-
-    def attend(self, j: int, layer: int, blocks: np.ndarray | None, counts: np.ndarray | None, end: int) -> int:
-        on_device = blocks is not None and self.dram_blocks.fits(blocks)
-        if on_device:
-            self.dram_blocks.split(j, blocks, counts)
-        else:
-            self.dram_blocks.no_hits(j)
-        self.body.replay_dram_blocks(j)  # queued first: the device reads while the CPU works
-        return self.cpu.attend(j, layer, None, None, end) if on_device else self.cpu.attend(j, layer, blocks, counts, end)

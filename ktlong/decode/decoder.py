@@ -1,6 +1,11 @@
 """Decode over the DRAM cache, one token at a time: the device attends to the sinks and the
 local window, and to blocks selected from the rest, merged by log-sum-exp.
 
+A Decoder is one conversation's decode state: its device window, anchors, selection state
+(token_step, layer_step, preselection) and the DRAM cache it reads. Decoders step together in a
+batch (ktlong/decode/batch.py): one pass over the weights per step for all of them, each reading
+its own blocks; a decoder stepped alone is a batch of one, its own (`step`).
+
 Who reads the selected blocks is the plan's `context_attention`:
 - gpu: the device reads them where they lie in pinned DRAM (ktlong/decode/dram_blocks.py), and
   where it also selects them (ktlong/decode/device_selection.py) a token is one piece of device
@@ -20,16 +25,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ktlong.decode.context_attention import ContextAttention, CpuContextAttention, GpuContextAttention
+from ktlong.decode.batch import DecodeBatch
 from ktlong.decode.dram_blocks import DramBlocks
-from ktlong.decode.step import DecodeStep
 from ktlong.decode.selection import DecodeBlockSelector, SelectionSettings, stored_view
 from ktlong.decode.device_anchors import DeviceAnchors, scores_on_device
 from ktlong.decode.device_selection import DeviceSelection, selects_on_device
 from ktlong.decode.window import DeviceWindow
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import SINK_BLOCKS
-from ktlong.kv.pinned import host_words
 from ktlong.models.llama import LlamaModel
 from operators.block_summary import anchor_keys, block_summaries
 
@@ -80,30 +83,26 @@ class Decoder:
         self.step_index = 0
         self.times = DecodeTimes()
         self.cuda = model.device.type == "cuda"
-        # the device part: one body, replayed from CUDA graphs or run eagerly (ktlong/decode/step.py)
+        # the device's reads of the selected blocks in DRAM, and its own selection, which makes a
+        # token one piece of device work
         self.dram_blocks = None
-        self.selection = None  # the device selects too: a token is one piece of device work
+        self.selection = None
         if context_attention == "gpu" and settings.second_select_num:
             if selects_on_device(self.selector, self.device_anchors, self.global_layers):
                 self.selection = DeviceSelection(self.selector, self.device_anchors, self.global_layers, model.device)
                 self.selection.load_candidates()
             self.dram_blocks = DramBlocks(host, self.global_layers, settings.second_select_num, model.scale,
                                           model.device, self.selection)
-        self.body = DecodeStep(model, self.window, self.global_layers, use_cuda_graph and self.cuda,
-                               self.device_anchors, self.dram_blocks)
         self._resident_seen = None  # the resident.version the selected blocks' reads follow
-        self._follow_resident()
-        # numpy views of the exchange buffers, read and written once per layer per token: a numpy
-        # assignment costs a tenth of a torch indexing and copy_ call
-        body = self.body
-        if not body.writes_dram:  # [global layers, 2, KV, R] as DRAM stores them, for _write_through
-            self.new_kv, self.new_kv_scales = host_words(body.kv_host), host_words(body.kv_scales_host)
-        self.q_np, self.o_np, self.lse_np = body.q_host.numpy(), body.o_host.numpy(), body.lse_host.numpy()
-        # who reads the blocks the host selects (a token the device selects for runs as one piece)
-        self.context: ContextAttention = CpuContextAttention(self.q_np, self.o_np, self.lse_np, self.k_stored,
-                                                             self.v_stored, self.block_size, model.scale)
-        if self.dram_blocks is not None:
-            self.context = GpuContextAttention(self.dram_blocks, body, self.context)
+        self.follow_resident()
+        # this conversation stepped alone: a batch of one, with its own body and graphs, kept
+        # with the decoder while it is parked (ktlong/session/parked_decoders.py)
+        self.alone = DecodeBatch(model, [self], use_cuda_graph and self.cuda)
+
+    @property
+    def body(self):
+        """The device part of this decoder's steps alone (ktlong/decode/step.py)."""
+        return self.alone.body
 
     def _preselect(self, block_mass: dict[int, np.ndarray]):
         first, last = self.window.context_blocks
@@ -128,111 +127,48 @@ class Decoder:
         self._preselect(block_mass)
         if self.selection is not None:
             self.selection.load_candidates()
-        self._follow_resident()
+        self.follow_resident()
         self.step_index = 0
 
-    def _follow_resident(self):
+    def follow_resident(self):
         """The selected blocks' reads follow the device's copies of layers' rows (resident):
-        which layers it holds and how far. The copies change between turns, not within one;
-        captured graphs that hold an address the copies no longer have are captured again."""
+        which layers it holds and how far. The copies change between turns, not within one; a
+        body whose captured graphs hold an address the copies no longer have captures them
+        again (DecodeStep.ready)."""
         if self.dram_blocks is None or self.resident is None or self.resident.version == self._resident_seen:
             return
         self._resident_seen = self.resident.version
-        if self.dram_blocks.use_resident(self.resident):
-            self.body.forget_graphs()
+        self.dram_blocks.use_resident(self.resident)
 
     @torch.inference_mode()
     def capture_graphs(self):
-        """Capture the CUDA graphs now, at the end of prefill, so that no decode step pays for it.
-        Capture runs the step of a placeholder token at the next position; the real step at
-        that position writes the same window slot and exchange buffers again."""
-        self._follow_resident()
-        if not self.body.ready:
-            self.body.set_step(0, self.host.num_tokens)
-            self.body.capture()
+        """Capture the CUDA graphs of this decoder's steps alone now, at the end of prefill, so
+        that no decode step pays for it."""
+        self.alone.capture_graphs([self])
 
     @torch.inference_mode()
     def step(self, token_id: int) -> torch.Tensor:
-        """Run one token at position host.num_tokens; return its logits [vocab]. The device part
-        runs segment by segment, the CPU part of each global layer between segments."""
-        start = time.perf_counter()
-        body, window = self.body, self.window
+        """Run one token at position host.num_tokens, this conversation alone; return its logits [vocab]."""
+        return self.alone.step([self], [token_id])[0]
+
+    @property
+    def position(self) -> int:
+        """Where the next token goes."""
         pos = self.host.num_tokens
         assert pos < self.layout.capacity, "the KV cache is full; raise max_seq_len"
-        body.set_step(token_id, pos)
-        first, last = window.context_blocks
-        if self.selection is not None:
-            self.selection.set_step(self.step_index, first, last)
-        self._follow_resident()
-        if not body.ready:
-            body.capture()
-        if self.selection is not None:
-            return self._device_step(pos, start, last)
-        body.replay(0)
-        for j, layer in enumerate(self.global_layers):
-            t0 = time.perf_counter()
-            body.wait()  # segment j and its copies of q, k/v (and scores) to host memory
-            self.times.device_wait += time.perf_counter() - t0
-            if not body.writes_dram:
-                self._write_through(j, layer, pos)
-            if last > first:
-                scores = None if self.device_anchors is None else body.scores_host[j].numpy
-                self._context_part(j, layer, first, last, scores)
-            else:  # nothing in DRAM beyond the window yet
-                self.context.attend(j, layer, None, None, 0)
-            body.replay(j + 1)
-        window.copy_to_sink(pos)
-        logits = body.logits.clone()
-        self._end_step(pos, start)
-        return logits
+        return pos
 
-    def _device_step(self, pos: int, start: float, last: int) -> torch.Tensor:
-        """A token the device runs alone (it selects and reads the blocks itself): one replay,
-        one wait, then the new K/V of every global layer through to DRAM."""
-        body = self.body
-        body.replay_token()
-        t0 = time.perf_counter()
-        body.wait()
-        self.times.device_wait += time.perf_counter() - t0
-        if not body.writes_dram:
-            for j, layer in enumerate(self.global_layers):
-                self._write_through(j, layer, pos)
-        self.window.copy_to_sink(pos)
-        logits = body.logits.clone()
-        per_layer = self.selection.selected()
-        selected = int(per_layer.sum())
-        self.times.selected += selected
-        self.times.device_read += selected
-        self.times.near_read += sum(int(n) for j, n in enumerate(per_layer) if self.dram_blocks.covers(j, last))
-        self._end_step(pos, start)
-        return logits
-
-    def _write_through(self, j: int, layer: int, pos: int):
-        """The new token's K/V of global layer j (in the exchange buffers) into DRAM."""
+    def write_through(self, layer: int, pos: int, kv: np.ndarray, scales: np.ndarray):
+        """The new token's K/V of a global layer, [2, KV, R] as DRAM stores them (and their
+        scales), into DRAM at pos."""
         b, t = divmod(pos, self.block_size)
         k_dram, v_dram = self.k_stored[layer], self.v_stored[layer]
-        k_dram.data[:, b, t], v_dram.data[:, b, t] = self.new_kv[j, 0], self.new_kv[j, 1]
+        k_dram.data[:, b, t], v_dram.data[:, b, t] = kv[0], kv[1]
         if self.layout.is_quantized:
-            k_dram.scales[:, b, t], v_dram.scales[:, b, t] = self.new_kv_scales[j, 0], self.new_kv_scales[j, 1]
+            k_dram.scales[:, b, t], v_dram.scales[:, b, t] = scales[0], scales[1]
 
-    def _context_part(self, j: int, layer: int, first: int, last: int, device_scores=None):
-        """Global layer j's context blocks in [first, last): selected by the host, attended by the
-        context attention (the CPU operator, or the device reading DRAM)."""
-        t1 = time.perf_counter()
-        blocks, counts = self.selector.select(layer, self.step_index, self.q_np[j], first, last, device_scores)
-        t2 = time.perf_counter()
-        read_by_cpu = self.context.attend(j, layer, blocks, counts, last * self.block_size)
-        t3 = time.perf_counter()
-        selected = int(counts.sum())
-        self.times.selection += t2 - t1
-        self.times.cpu_attention += t3 - t2
-        self.times.kv_bytes += read_by_cpu * self.block_bytes
-        self.times.selected += selected
-        self.times.device_read += selected - read_by_cpu
-        if self.dram_blocks is not None and not read_by_cpu and self.dram_blocks.covers(j, last):
-            self.times.near_read += selected
-
-    def _end_step(self, pos: int, start: float):
+    def end_step(self, pos: int, start: float):
+        """After the step that wrote pos: the window, the cache and the selection state move on."""
         self.window.advance()
         self.host.advance(1)
         if (pos + 1) % self.block_size == 0:

@@ -85,11 +85,11 @@ class DramBlocks:
         self.near_counts = [0] * len(global_layers)
         self.near_addresses: tuple = ()  # the copies' memory as use_resident last saw it
 
-    def use_resident(self, resident: ResidentHistory | None) -> bool:
+    def use_resident(self, resident: ResidentHistory | None):
         """Read each global layer's leading blocks from the device's copy of its rows, as far as
         the copy holds whole blocks (before each step whose copies changed: the decoder tracks
-        resident.version). True when the copies' memory changed, so that captured parts, which
-        hold its addresses, must be captured again."""
+        resident.version). near_addresses: the copies' memory, which captured parts hold, so
+        that a body captures them again when it moved (DecodeStep.ready)."""
         self.resident = resident
         counts = [0] * len(self.layers)
         if resident is not None:
@@ -98,12 +98,9 @@ class DramBlocks:
                     counts[j] = resident.valid[layer] // self.block_size
         self.near_counts = counts
         self.near_blocks.copy_(torch.tensor(counts, dtype=torch.int64))
-        # the copies change in place: compare with the addresses the last call saw
-        addresses = () if resident is None else tuple(
+        self.near_addresses = () if resident is None else tuple(
             tuple(t.data_ptr() for t in resident.rows[layer].values()) if layer in resident.rows else ()
             for layer in self.layers)
-        moved, self.near_addresses = addresses != self.near_addresses, addresses
-        return moved
 
     def _near(self, j: int):
         """Layer j's device copy as the kernel reads it ([KV * NB, B, R] as the DRAM pages), or None.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ktlong.kv.host_cache import HostKVCache
-from ktlong.kv.layout import SINK_BLOCKS, KVLayout
+from ktlong.kv.layout import KVLayout
 from ktlong.kv.pinned import copy_heads
 from operators.kv_quant import dequantize_kv
 

@@ -1,0 +1,138 @@
+"""Conversations decoded together: one step runs every decoder of the batch (ktlong/decode/decoder.py)
+through one device body (ktlong/decode/step.py), so the weights are read once per step
+whatever the batch's size, while each conversation keeps its own window, anchors, selection
+state and DRAM cache and reads its own blocks. A conversation decoded alone is a batch of one.
+
+A step: each sequence's token and position go to the body; the device runs segment by
+segment, and between segments the host does each sequence's part of the global layer (writes
+its new K/V through to DRAM, selects its blocks, and the context attention reads them,
+ktlong/decode/context_attention.py); or, where the device selects too, the token is one piece of
+device work. Conversations join and leave between steps: a batch of other members is another
+DecodeBatch (with CUDA graphs, its own, captured on its first step).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from ktlong.decode.context_attention import ContextAttention
+from ktlong.decode.step import DecodeStep
+from ktlong.kv.pinned import host_words
+
+if TYPE_CHECKING:
+    from ktlong.decode.decoder import Decoder
+
+
+class DecodeBatch:
+    def __init__(self, model, sequences: list["Decoder"], use_cuda_graph: bool):
+        """sequences: the members, in the order of the batch's rows; the batch keeps their device
+        parts through its body, not them (each step names them: `step`)."""
+        self.body = body = DecodeStep(model, sequences, use_cuda_graph)
+        self.global_layers = body.global_layers
+        self.context = ContextAttention(body, body.layout.block_size, model.scale)
+        self.q = body.q_host.numpy()
+        if not body.writes_dram:  # [B, global layers, 2, KV, R] as DRAM stores them, for write_through
+            self.new_kv, self.new_kv_scales = host_words(body.kv_host), host_words(body.kv_scales_host)
+        self.scores = body.scores_host.numpy() if body.scores_blocks and not body.device_selects else None
+
+    def _check(self, sequences: list["Decoder"]):
+        assert len(sequences) == self.body.batch and all(
+            s.window is w for s, w in zip(sequences, self.body.windows)), "a batch steps the members it was built for"
+
+    @torch.inference_mode()
+    def capture_graphs(self, sequences: list["Decoder"]):
+        """Capture the CUDA graphs now (at the end of a prefill), so that no decode step pays for
+        it. Capture runs the step of a placeholder token at each sequence's next position; the
+        real step there writes the same window slots and exchange buffers again."""
+        self._check(sequences)
+        for s in sequences:
+            s.follow_resident()
+        if not self.body.ready:
+            for b, s in enumerate(sequences):
+                self.body.set_step(b, 0, s.host.num_tokens)
+            self.body.capture()
+
+    @torch.inference_mode()
+    def step(self, sequences: list["Decoder"], tokens: list[int]) -> torch.Tensor:
+        """Run token b of each sequence b at its next position -> logits [B, vocab]."""
+        self._check(sequences)
+        start = time.perf_counter()
+        body = self.body
+        positions = [s.position for s in sequences]
+        ranges = [s.window.context_blocks for s in sequences]
+        for b, (s, token, pos) in enumerate(zip(sequences, tokens, positions)):
+            body.set_step(b, token, pos)
+            if s.selection is not None:
+                s.selection.set_step(s.step_index, *ranges[b])
+            s.follow_resident()
+        if not body.ready:
+            body.capture()
+        if body.device_selects:
+            self._device_step(sequences, positions, ranges)
+        else:
+            body.replay(0)
+            for j, layer in enumerate(self.global_layers):
+                self._wait(sequences)  # segment j and its copies of q, k/v (and scores) to host memory
+                if not body.writes_dram:
+                    for b, (s, pos) in enumerate(zip(sequences, positions)):
+                        s.write_through(layer, pos, self.new_kv[b, j], self.new_kv_scales[b, j])
+                self._context_part(j, layer, sequences, ranges)
+                body.replay(j + 1)
+        for s, pos in zip(sequences, positions):
+            s.window.copy_to_sink(pos)
+        logits = body.logits.clone()
+        for s, pos in zip(sequences, positions):
+            s.end_step(pos, start)
+        return logits
+
+    def _wait(self, sequences: list["Decoder"]):
+        t0 = time.perf_counter()
+        self.body.wait()
+        waited = time.perf_counter() - t0
+        for s in sequences:
+            s.times.device_wait += waited
+
+    def _device_step(self, sequences: list["Decoder"], positions: list[int], ranges: list[tuple[int, int]]):
+        """A token the device runs alone (it selects and reads the blocks itself): one replay,
+        one wait, then the new K/V of every global layer through to DRAM."""
+        body = self.body
+        body.replay_token()
+        self._wait(sequences)
+        for b, (s, pos, (_, last)) in enumerate(zip(sequences, positions, ranges)):
+            if not body.writes_dram:
+                for j, layer in enumerate(self.global_layers):
+                    s.write_through(layer, pos, self.new_kv[b, j], self.new_kv_scales[b, j])
+            per_layer = s.selection.selected()
+            selected = int(per_layer.sum())
+            s.times.selected += selected
+            s.times.device_read += selected
+            s.times.near_read += sum(int(n) for j, n in enumerate(per_layer) if s.dram_blocks.covers(j, last))
+
+    def _context_part(self, j: int, layer: int, sequences: list["Decoder"], ranges: list[tuple[int, int]]):
+        """Global layer j's context blocks of each sequence in its [first, last): selected by the
+        host, attended by the context attention (the CPU operator, or the device reading DRAM)."""
+        selections = []
+        for b, (s, (first, last)) in enumerate(zip(sequences, ranges)):
+            if last <= first:  # nothing in DRAM beyond the window yet
+                selections.append(None)
+                continue
+            scores = None if self.scores is None else (lambda b=b: self.scores[b, j])
+            t0 = time.perf_counter()
+            selections.append(s.selector.select(layer, s.step_index, self.q[b, j], first, last, scores))
+            s.times.selection += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        read = self.context.attend(j, layer, sequences, selections, [last * self.body.layout.block_size for _, last in ranges])
+        share = (time.perf_counter() - t0) / len(sequences)
+        for s, selection, by_cpu, (_, last) in zip(sequences, selections, read, ranges):
+            s.times.cpu_attention += share
+            if selection is None:
+                continue
+            selected = int(selection[1].sum())
+            s.times.kv_bytes += by_cpu * s.block_bytes
+            s.times.selected += selected
+            s.times.device_read += selected - by_cpu
+            if s.dram_blocks is not None and not by_cpu and s.dram_blocks.covers(j, last):
+                s.times.near_read += selected
