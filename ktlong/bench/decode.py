@@ -4,7 +4,12 @@ machine without a GPU (or with --device cpu) the same rows but CUDA graphs, on t
 by default, float32.
 
 python -m ktlong.bench decode [--contexts 32k,128k,512k] [--tokens 32] [--set key=value] [--modes ...]
-    [--shape llama-3.1-8b|tiny] [--device auto|cpu|cuda]
+    [--batch 1,2,4,8] [--shape llama-3.1-8b|tiny] [--device auto|cpu|cuda]
+
+--batch: conversations decoded together (ktlong/decode/batch.py), each over its own DRAM cache of
+the context's length: one pass over the weights per step, each conversation's selected blocks
+read apart. tok/s counts every conversation's tokens; the floors are the weights once per step
+plus every conversation's K/V.
 
 Rows: all blocks on the CPU (dense), sparse with every token on the CPU (no device window),
 and hybrid (device window + CPU sparse blocks; `graphs-gpu-context`: the GPU reads every selected block from DRAM itself, `context_attention: gpu`,
@@ -37,7 +42,7 @@ from ktlong.bench.drifting_selection import DriftingSelection
 from ktlong.config import load_config, options_in, parse_set, refuse_unread
 from ktlong.device import resolve_device
 from ktlong.errors import KtlongError
-from ktlong.decode.dram_blocks import DramBlocks
+from ktlong.decode.batch import DecodeBatch
 from ktlong.decode.decoder import Decoder
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import kv_layout
@@ -118,6 +123,41 @@ def synchronize(device: torch.device):
         torch.cuda.synchronize(device)
 
 
+def parse_batches(text: str) -> list[int]:
+    """--batch: comma-separated batch sizes from 1 to 256, in order."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1 or max(sizes) > 256:
+        raise KtlongError(f"--batch takes comma-separated batch sizes from 1 to 256, such as 1,2,4,8 (not '{text}').")
+    return sizes
+
+
+def figures(decoders: list, per_step: list[float], stream_gbps: float, pcie_gbps: float | None,
+            weight_floor: float) -> list[str]:
+    """A row's figures for a batch: tok/s over every conversation; a step's time, CPU attention,
+    selection, waiting and the rest (ms, medians and means per step); the K/V the step read
+    (every conversation's) and the floors: K/V the CPU read at its stream rate and the GPU over
+    PCIe (less what it read from its own copies of layers' rows), the weights once per step."""
+    per_step = sorted(per_step)
+    med = per_step[len(per_step) // 2]
+    n = decoders[0].times.steps
+    total = lambda field: sum(getattr(d.times, field) for d in decoders)  # noqa: E731
+    cpu, sel = total("cpu_attention") / n, total("selection") / n
+    wait, step = decoders[0].times.device_wait / n, decoders[0].times.total / n  # each member waits the same
+    gpu_read = (sum((d.times.device_read - d.times.near_read) * d.block_bytes for d in decoders)
+                if decoders[0].dram_blocks is not None else 0)
+    cpu_read = total("kv_bytes")
+    kv_floor = cpu_read / n / (stream_gbps * 1e9) + (gpu_read / n / (pcie_gbps * 1e9) if gpu_read else 0)
+    floor = kv_floor + weight_floor
+    selected = total("selected")
+    return [f"{len(decoders) / med:.1f}", f"{med * 1e3:.1f}", f"{cpu * 1e3:.1f}", f"{sel * 1e3:.1f}",
+            f"{wait * 1e3:.1f}", f"{(step - cpu - sel - wait) * 1e3:.1f}", f"{(cpu_read + gpu_read) / n / 1e6:.0f}",
+            f"{kv_floor * 1e3:.1f}", f"{weight_floor * 1e3:.1f}", f"{floor * 1e3:.1f}", f"{floor / med:.0%}",
+            f"{total('device_read') / selected:.0%}" if selected else "-"]
+
+
 def weight_bytes_per_token(model) -> int:
     """Bytes of the weights one decode step reads: every layer's projections and the output
     head (the embedding table gives one row; the norms are negligible)."""
@@ -173,6 +213,9 @@ def main(argv=None) -> int:
                         "from the real selection (random weights select nearly new blocks every token; real "
                         "text keeps most: 0.72 at 128K on Qwen2.5, docs/measurements/2026-11-decode.md); default: "
                         "the real selection")
+    p.add_argument("--batch", default="1", metavar="SIZES",
+                   help="conversations decoded together, comma-separated batch sizes (default: 1), each "
+                        "conversation over its own cache of the context's length")
     p.add_argument("--tensor_parallel", type=int, default=1, metavar="N",
                    help="split heads and MLP columns over N ranks; start with torchrun --nproc_per_node N")
     args = p.parse_args(argv)
@@ -191,6 +234,7 @@ def main(argv=None) -> int:
                   "each --modes row's own context attention and graphs, without preselection, under --gpu_cap_gb")
     config = load_config(overrides=overrides, write_user_file=False)
     contexts = parse_lengths(args.contexts)
+    batches = parse_batches(args.batch)
     shape = args.shape or ("llama-3.1-8b" if cuda else "tiny")
     dtype = torch.bfloat16 if cuda else torch.float32
     tp, device = join_ranks(args.tensor_parallel, random_config(shape), device)
@@ -231,58 +275,58 @@ def main(argv=None) -> int:
         layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size,
                            context + 4 + args.tokens + 1, resolve_kv_type(config.kv_type, dtype),
                            anchor_type=config.anchor_type, anchor_num=config.anchor_num)
-        host = HostKVCache(layout, pin=cuda)
-        fill_random(host, context)
+        hosts = []  # one DRAM cache per conversation, for the largest batch
+        for i in range(max(batches)):
+            hosts.append(HostKVCache(layout, pin=cuda))
+            fill_random(hosts[-1], context, seed=i)
         for name, settings, local, graphs in modes:
-            if name.startswith("dense") and context > 128 * 1024:
-                rows.append([f"{context // 1024}K", name, *["-"] * 11, "skipped (minutes per token)"])
-                continue
-            host.reset()  # the previous row's tokens go
-            host.advance(context)
-            resident = (resident_copies(model, host, config, settings, int(args.gpu_cap_gb * GIB), local)
-                        if settings.context_attention == "gpu" else None)
-            decoder = Decoder(model, host, settings, local, use_cuda_graph=graphs, resident=resident)
-            if args.selection_drift is not None and decoder.selection is not None:
-                raise KtlongError("--selection_drift replaces the host's selection, and graphs-gpu-context selects "
-                                  "on the device; add --set block_scoring=cpu to keep the selection on the host.")
-            if args.selection_drift is not None:
-                decoder.selector.select = DriftingSelection(decoder.selector.select, args.selection_drift)
-            for t in range(4):
-                decoder.step(t)
-            decoder.times = type(decoder.times)()
-            synchronize(device)
-            per_token = []
-            for t in range(args.tokens):
-                t0 = time.perf_counter()
-                decoder.step(100 + t)
+            for size in batches:
+                if name.startswith("dense") and context > 128 * 1024:
+                    rows.append([f"{context // 1024}K", size, name, *["-"] * 12, "skipped (minutes per token)"])
+                    continue
+                for host in hosts[:size]:  # the previous row's tokens go
+                    host.reset()
+                    host.advance(context)
+                # a conversation alone keeps the layers' rows its session would keep on the GPU; a
+                # batch's conversations read every block from DRAM
+                resident = (resident_copies(model, hosts[0], config, settings, int(args.gpu_cap_gb * GIB), local)
+                            if settings.context_attention == "gpu" and size == 1 else None)
+                decoders = [Decoder(model, host, settings, local, use_cuda_graph=graphs, resident=resident)
+                            for host in hosts[:size]]
+                if args.selection_drift is not None and decoders[0].selection is not None:
+                    raise KtlongError("--selection_drift replaces the host's selection, and graphs-gpu-context "
+                                      "selects on the device; add --set block_scoring=cpu to keep the selection "
+                                      "on the host.")
+                if args.selection_drift is not None:
+                    for i, decoder in enumerate(decoders):
+                        decoder.selector.select = DriftingSelection(decoder.selector.select, args.selection_drift, i)
+                batch = DecodeBatch(model, decoders, graphs and cuda)
+                for t in range(4):
+                    batch.step(decoders, [t] * size)
+                for decoder in decoders:
+                    decoder.times = type(decoder.times)()
                 synchronize(device)
-                per_token.append(time.perf_counter() - t0)
-            per_token.sort()
-            med = per_token[len(per_token) // 2]
-            tm = decoder.times
-            n = tm.steps
-            cpu, sel, wait = tm.cpu_attention / n, tm.selection / n, tm.device_wait / n
-            # K/V the CPU read from DRAM at its stream rate, and what the GPU read there over PCIe
-            # (less what it read from its own copies of layers' rows: HBM, counted as free here)
-            gpu_read = (tm.device_read - tm.near_read) * decoder.block_bytes if decoder.dram_blocks is not None else 0
-            kv_floor = tm.kv_bytes / n / (stream_gbps * 1e9) + (gpu_read / n / (pcie_gbps * 1e9) if gpu_read else 0)
-            rows.append(row := [f"{context // 1024}K", name, f"{1 / med:.1f}", f"{med * 1e3:.1f}", f"{cpu * 1e3:.1f}",
-                         f"{sel * 1e3:.1f}", f"{wait * 1e3:.1f}", f"{(tm.total / n - cpu - sel - wait) * 1e3:.1f}",
-                         f"{(tm.kv_bytes + gpu_read) / n / 1e6:.0f}", f"{kv_floor * 1e3:.1f}", f"{weight_floor * 1e3:.1f}",
-                         f"{(kv_floor + weight_floor) * 1e3:.1f}",
-                         f"{tm.device_read / tm.selected:.0%}" if tm.selected else "-",
-                         (f"peak GPU {torch.cuda.max_memory_allocated(device) / GIB:.1f} GiB, " if cuda else "")
-                         + f"KV in DRAM {layout.num_layers * layout.layer_bytes() / GIB:.1f} GiB"
-                         + (f", {len(resident.layers)}/{len(layout.global_layers)} layers' rows on the GPU"
-                            if resident is not None else "")])
-            print("partial:", " | ".join(map(str, row)), flush=True)
-        del host, decoder, resident
-        if cuda:
-            torch.cuda.empty_cache()
+                per_step = []
+                for t in range(args.tokens):
+                    t0 = time.perf_counter()
+                    batch.step(decoders, [100 + t] * size)
+                    synchronize(device)
+                    per_step.append(time.perf_counter() - t0)
+                rows.append(row := [f"{context // 1024}K", size, name, *figures(decoders, per_step, stream_gbps,
+                                                                             pcie_gbps, weight_floor)])
+                row.append((f"peak GPU {torch.cuda.max_memory_allocated(device) / GIB:.1f} GiB, " if cuda else "")
+                           + f"KV in DRAM {size * layout.num_layers * layout.layer_bytes() / GIB:.1f} GiB"
+                           + (f", {len(resident.layers)}/{len(layout.global_layers)} layers' rows on the GPU"
+                              if resident is not None else ""))
+                print("partial:", " | ".join(map(str, row)), flush=True)
+                del batch, decoders, resident
+                if cuda:
+                    torch.cuda.empty_cache()
+        del hosts
     pcie = f", by the GPU (gpu-context) at its pinned-copy rate of {pcie_gbps:.1f} GB/s" if pcie_gbps else ""
     print(f"floors: K/V read at the host's stream of {stream_gbps:.1f} GB/s{pcie}; {weight_bytes / 1e9:.2f} GB of weights "
           f"read at the {'GPU' if cuda else 'DRAM'} copy rate of {hbm_gbps:,.0f} GB/s = {weight_floor * 1e3:.2f} ms")
-    print_table(["context", "mode", "tok/s", "ms/token", "CPU attention", "selection", "wait for q",
+    print_table(["context", "batch", "mode", "tok/s", "ms/step", "CPU attention", "selection", "wait for q",
                  "rest (GPU, merge, Python)", "K/V read from DRAM MB", "K/V floor", "weights floor", "floors summed",
-                 "read by the GPU", "note"], rows)
+                 "of the floor", "read by the GPU", "note"], rows)
     return 0
