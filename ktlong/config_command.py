@@ -7,7 +7,7 @@ import argparse
 
 from ktlong.cli import print_error
 from ktlong.config import DEFAULT_FILE, load_config, show, user_config_path
-from ktlong.errors import KtlongError
+from ktlong.errors import ConfigError, KtlongError
 from ktlong.options import render_defaults
 
 
@@ -41,7 +41,12 @@ def plan_text(config) -> str:
     device = resolve_device(config.device)
     plan = plan_session(config, model_config, elements, max_seq_len, device, resolve_dtype(config.dtype, device),
                         config.tensor_parallel)
-    return f"{gf.path.name}: {model_config.arch}, {model_config.num_layers} layers\n{plan.describe()}"
+    try:
+        plan.check()
+        verdict = "[it fits this machine]"
+    except ConfigError as e:
+        verdict = f"[it does not fit: {e}]"
+    return f"{gf.path.name}: {model_config.arch}, {model_config.num_layers} layers\n{plan.describe()}\n{verdict}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -92,6 +92,7 @@ SECTIONS: list[tuple[str, list[Option]]] = [
         Option('token_step', 1, 'reselect blocks every token_step tokens, reuse in between', low=1),
         Option('block_scoring', 'auto', 'where blocks are scored: auto (the GPU when there is one, from a device copy of the anchors) | device | cpu', choices=('auto', 'device', 'cpu')),
         Option('context_attention', 'auto', 'who attends to the selected context blocks in DRAM: auto (gpu on a GPU with triton, one rank, kv_type bf16/fp16/fp32/q8_0; else cpu) | cpu (the Numba operator) | gpu (the GPU reads them where they lie, over PCIe, zero-copy, and selects them too: one CUDA graph a token; ktlong/decode/dram_blocks.py; 50 vs 29 tok/s at 128K q8_0 on an H100, docs/decisions.md); unused on the CPU', choices=('auto', 'cpu', 'gpu')),
+        Option('max_num_seqs', 1, "long-context mode: conversations decoded together, one batch (one pass over the weights a step for all of them, each reading its own blocks; ktlong/decode/batch.py); the plan sizes each one's decode window and anchors on the GPU and its KV cache of max_seq_len in DRAM, and refuses what does not fit", low=1, high=256, flag='max_num_seqs'),
         Option('threads_num', 0, 'CPU threads for the Numba kernels; 0 = every core but one beside a GPU, every core on the CPU alone in normal mode', low=0, flag='cpu_infer'),
     ]),
     ('generation', [

@@ -194,6 +194,7 @@ def test_config_show_plan_prints_the_resolved_plan(user_file, capsys, smollm2_pa
     """The plan for the named model on this machine (the CPU here): every auto resolved, as
     local_chat prints it at start-up."""
     from ktlong.config_command import main
+    from ktlong.kv.memory_plan import available_dram_bytes
 
     assert main(["show", "--plan", "--model", "smollm2-135m", "--set", "max_seq_len=4096",
                  "--set", "kv_type=q8_0"]) == 0
@@ -203,6 +204,14 @@ def test_config_show_plan_prints_the_resolved_plan(user_file, capsys, smollm2_pa
                  "CUDA graphs off", "RAM for the KV cache"):
         assert text in out
     assert "auto" not in out
+    assert out.rstrip().endswith("[it fits this machine]")
+    # a plan that cannot fit says so, with the refusal a session would give
+    assert main(["show", "--plan", "--model", "smollm2-135m", "--set", "max_seq_len=8192", "--max_num_seqs", "256",
+                 "--set", "kv_type=fp32", "--set", "local_windows_len=8192"]) == 0
+    out = capsys.readouterr().out
+    assert "RAM decode window x256" in out and "up to 256 conversations a step" in out
+    if 256 * 8192 * 30 * 2 * 3 * 64 * 4 > available_dram_bytes():  # 256 fp32 caches of 8K tokens: 94 GiB
+        assert "[it does not fit: The KV caches of max_num_seqs 256 conversations" in out
     assert main(["show", "--plan", "--model", "no-such-model"]) == 2
 
 

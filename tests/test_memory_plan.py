@@ -126,3 +126,28 @@ def test_bf16_at_1m_on_a_125_gib_host_is_refused_naming_q8_0():
     plan = plan_for(1 << 20)  # LLaMA-3.1-8B, bf16 K/V, 24 GiB GPU: hidden states in DRAM too
     with pytest.raises(ConfigError, match=r"needs 140.0 GiB of DRAM .* set kv_type: q8_0 \(needs 80.0 GiB\)"):
         check_plan(plan, 24 * GIB, True, free_dram=125 * GIB, max_seq_len=1 << 20)
+
+
+def test_max_num_seqs_conversations_each_get_a_window_anchors_and_a_cache_and_the_refusal_names_how_many_fit():
+    c = random_config("llama-3.1-8b")
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 128, 128 << 10, "q8_0", page_type="bf16",
+                       anchor_type="DYNAMIC", anchor_num=1)
+    one = plan_memory(c, num_weight_elements(c), 2, layout, 8192, 24 * GIB, True, 4096, 1)
+    eight = plan_memory(c, num_weight_elements(c), 2, layout, 8192, 24 * GIB, True, 4096, 1, conversations=8)
+    # by hand: q8_0 keeps 34 bytes per 32 values; K and V of 32 layers x 8 heads x 128 at 128K
+    assert one.dram_kv == 2 * 32 * 8 * (128 << 10) * 128 * 34 // 32
+    assert eight.dram_total == 8 * (one.dram_kv + one.dram_side_tables) + eight.dram_hidden
+    window = 2 * 32 * 8 * (128 + 4096 + 2 * 128) * 128 * 2  # sinks, window and two blocks, bf16
+    assert one.decode_window == window
+    assert eight.decode_device - one.decode_device == 7 * (window + one.decode_anchors)
+    assert "GPU decode window x8" in eight.table() and "DRAM KV (32 global layers) x8" in eight.table()
+    check_plan(eight, 24 * GIB, True, free_dram=8 * eight.dram_cache + (1 << 30), max_seq_len=128 << 10)
+    # DRAM for three conversations' caches: three fit
+    with pytest.raises(ConfigError, match=r"max_num_seqs 8 conversations .* lower max_num_seqs to 3, or lower"):
+        check_plan(eight, 24 * GIB, True, free_dram=3 * eight.dram_cache + (1 << 30), max_seq_len=128 << 10)
+    # a GPU budget that leaves room for five conversations' windows and anchors beside the weights
+    per = window + one.decode_anchors
+    budget = one.weights + one.kv_pages + 5 * per + per // 2
+    assert budget >= one.prefill_device
+    with pytest.raises(ConfigError, match=r"lower max_num_seqs to 5, or max_seq_len"):
+        check_plan(eight, budget, True, free_dram=1 << 50, max_seq_len=128 << 10)

@@ -31,6 +31,9 @@ class MemoryPlan:
     global_layers: int = 0
     sliding_layers: int = 0
     device_is_gpu: bool = True
+    # conversations decoded together (max_num_seqs): each has its own decode window and anchors
+    # on the device and its own KV cache in DRAM (the fields above are one conversation's)
+    conversations: int = 1
 
     @property
     def prefill_device(self) -> int:
@@ -38,7 +41,7 @@ class MemoryPlan:
 
     @property
     def decode_device(self) -> int:
-        return self.weights + self.kv_pages + self.decode_window + self.decode_anchors
+        return self.weights + self.kv_pages + self.conversations * (self.decode_window + self.decode_anchors)
 
     @property
     def device_total(self) -> int:
@@ -46,27 +49,42 @@ class MemoryPlan:
         return max(self.prefill_device, self.decode_device)
 
     @property
+    def dram_cache(self) -> int:
+        """One conversation's KV cache and side tables in DRAM."""
+        return self.dram_kv + self.dram_kv_sliding + self.dram_side_tables
+
+    @property
     def dram_total(self) -> int:
-        return self.dram_kv + self.dram_kv_sliding + self.dram_side_tables + self.dram_hidden
+        return self.conversations * self.dram_cache + self.dram_hidden
+
+    def conversations_that_fit(self, budget_bytes: int, free_dram: int) -> int:
+        """The most conversations whose decode windows, anchors and caches fit beside the rest."""
+        per_device = self.decode_window + self.decode_anchors
+        room = budget_bytes - self.weights - self.kv_pages if self.device_is_gpu else 1 << 62
+        fit_device = room // per_device if per_device else 1 << 62
+        fit_dram = (free_dram - self.dram_hidden) // self.dram_cache if self.dram_cache else 1 << 62
+        return max(0, min(fit_device, fit_dram))
 
     def table(self) -> str:
         """GPU and DRAM rows on a GPU run; on a CPU run both live in the machine's RAM."""
         dev, host = ("GPU", "DRAM") if self.device_is_gpu else ("RAM", "RAM")
+        n = self.conversations
+        each = f" x{n}" if n > 1 else ""  # every conversation's
         rows = [(f"{dev} weights", self.weights), (f"{dev} KV pages (one layer)", self.kv_pages),
                 (f"{dev} hidden states" if self.hidden_on_device else f"{dev} hidden staging", self.hidden),
                 (f"{dev} workspace (one chunk)", self.workspace),
-                (f"{dev} decode window", self.decode_window)]
+                (f"{dev} decode window{each}", n * self.decode_window)]
         if self.decode_anchors:
-            rows.append((f"{dev} decode anchors", self.decode_anchors))
+            rows.append((f"{dev} decode anchors{each}", n * self.decode_anchors))
         rows += [(f"{dev} peak" if self.device_is_gpu else "RAM peak for compute", self.device_total),
-                 (f"{host} KV ({self.global_layers} global layers)", self.dram_kv)]
+                 (f"{host} KV ({self.global_layers} global layers){each}", n * self.dram_kv)]
         if self.sliding_layers:
-            rows.append((f"{host} KV ({self.sliding_layers} sliding, tail)", self.dram_kv_sliding))
-        rows.append((f"{host} side tables", self.dram_side_tables))
+            rows.append((f"{host} KV ({self.sliding_layers} sliding, tail){each}", n * self.dram_kv_sliding))
+        rows.append((f"{host} side tables{each}", n * self.dram_side_tables))
         if self.device_is_gpu:  # on the CPU the hidden states are the compute rows' own
             rows.append(("DRAM hidden states", self.dram_hidden))
         rows.append(("DRAM total" if self.device_is_gpu else "RAM for the KV cache", self.dram_total))
-        return "\n".join(f"  {name:<32}{size / GIB:>9.2f} GiB" for name, size in rows)
+        return "\n".join(f"  {name:<36}{size / GIB:>9.2f} GiB" for name, size in rows)
 
 
 def workspace_bytes(c: ModelConfig, chunk: int, layout: KVLayout, act_bytes: int) -> int:
@@ -96,8 +114,9 @@ def decode_anchor_bytes(layout: KVLayout, anchors_per_block: int) -> int:
 
 def plan_memory(c: ModelConfig, num_weight_elements: int, act_bytes: int, layout: KVLayout,
                 chunk_size: int, budget_bytes: int, device_is_gpu: bool, local_windows_len: int = 4096,
-                device_anchors_per_block: int = 0) -> MemoryPlan:
-    """device_anchors_per_block: anchors per block when decode scores blocks on the GPU, else 0."""
+                device_anchors_per_block: int = 0, conversations: int = 1) -> MemoryPlan:
+    """device_anchors_per_block: anchors per block when decode scores blocks on the GPU, else 0.
+    conversations: decoded together (max_num_seqs), each of up to layout.capacity tokens."""
     weights = num_weight_elements * act_bytes
     kv_pages = layout.page_bytes()
     chunk = min(chunk_size, layout.capacity)
@@ -114,14 +133,16 @@ def plan_memory(c: ModelConfig, num_weight_elements: int, act_bytes: int, layout
         dram_kv=layout.dram_kv_bytes(sliding=False), dram_kv_sliding=layout.dram_kv_bytes(sliding=True),
         dram_side_tables=layout.dram_side_table_bytes(),
         dram_hidden=0 if hidden_on_device else full_hidden,
-        dram_total_q8_0=dram_total_with(dataclasses.replace(layout, kv_type="q8_0"), 0 if hidden_on_device else full_hidden)
+        dram_total_q8_0=dram_total_with(dataclasses.replace(layout, kv_type="q8_0"), 0 if hidden_on_device else full_hidden,
+                                        conversations)
         if layout.head_dim % 32 == 0 else 0,
         global_layers=len(layout.global_layers), sliding_layers=layout.num_layers - len(layout.global_layers),
-        device_is_gpu=device_is_gpu)
+        device_is_gpu=device_is_gpu, conversations=conversations)
 
 
-def dram_total_with(layout: KVLayout, dram_hidden: int) -> int:
-    return layout.dram_kv_bytes(False) + layout.dram_kv_bytes(True) + layout.dram_side_table_bytes() + dram_hidden
+def dram_total_with(layout: KVLayout, dram_hidden: int, conversations: int = 1) -> int:
+    cache = layout.dram_kv_bytes(False) + layout.dram_kv_bytes(True) + layout.dram_side_table_bytes()
+    return conversations * cache + dram_hidden
 
 
 def available_dram_bytes() -> int:
@@ -137,12 +158,16 @@ def available_dram_bytes() -> int:
 
 def check_plan(plan: MemoryPlan, budget_bytes: int, device_is_gpu: bool, free_dram: int,
                max_seq_len: int):
+    n = plan.conversations
+    fewer = plan.conversations_that_fit(budget_bytes, free_dram)
     if device_is_gpu and plan.device_total > budget_bytes:
         fixed = plan.weights + plan.workspace
         hint = ("lower max_seq_len" if fixed < budget_bytes else
                 "the weights alone do not fit: use a smaller or more quantised model")
+        if n > 1 and plan.prefill_device <= budget_bytes and 0 < fewer < n:
+            hint = f"lower max_num_seqs to {fewer}, or max_seq_len"
         if plan.decode_anchors and fixed < budget_bytes and plan.decode_device > budget_bytes:
-            hint += f", set block_scoring: cpu (saves {plan.decode_anchors / GIB:.2f} GiB of device anchors)"
+            hint += f", set block_scoring: cpu (saves {n * plan.decode_anchors / GIB:.2f} GiB of device anchors)"
         raise ConfigError(f"The plan needs {plan.device_total / GIB:.1f} GiB of GPU memory but "
                           f"gpu_memory_budget_gb allows {budget_bytes / GIB:.1f} GiB; {hint}, lower "
                           "chunk_size, or raise gpu_memory_budget_gb if the GPU has more.")
@@ -150,6 +175,8 @@ def check_plan(plan: MemoryPlan, budget_bytes: int, device_is_gpu: bool, free_dr
         tokens = int(max_seq_len * free_dram / plan.dram_total)
         smaller = (f"set kv_type: q8_0 (needs {plan.dram_total_q8_0 / GIB:.1f} GiB) or "
                    if 0 < plan.dram_total_q8_0 < plan.dram_total else "")
-        raise ConfigError(f"The KV cache for max_seq_len {max_seq_len:,} needs "
-                          f"{plan.dram_total / GIB:.1f} GiB of DRAM but {free_dram / GIB:.1f} GiB is "
-                          f"free; {smaller}lower max_seq_len to about {tokens:,}.")
+        what = (f"The KV caches of max_num_seqs {n} conversations of max_seq_len {max_seq_len:,} need" if n > 1
+                else f"The KV cache for max_seq_len {max_seq_len:,} needs")
+        fewer_text = f"lower max_num_seqs to {fewer}, or " if n > 1 and fewer > 0 else ""
+        raise ConfigError(f"{what} {plan.dram_total / GIB:.1f} GiB of DRAM but {free_dram / GIB:.1f} GiB is "
+                          f"free; {smaller}{fewer_text}lower max_seq_len to about {tokens:,}.")

@@ -54,6 +54,7 @@ class SessionPlan:
     threads: int  # the decode operator's CPU threads (apply_threads sets them at start-up)
     torch_threads: int  # torch's, when threads_num asks for a number; 0: torch's own default
     resident_history: bool
+    max_num_seqs: int  # conversations decoded together, each sized by the memory plan
 
     def describe(self) -> str:
         s, c = self.selection, self.compact
@@ -66,7 +67,8 @@ class SessionPlan:
                  f"  decode: top {s.second_select_num} blocks by {s.anchor_type} anchors ({s.head_select_mode}), "
                  f"scored on the {'GPU' if s.block_scoring == 'device' and self.is_gpu else 'CPU'}, read by the "
                  f"{'GPU' if s.context_attention == 'gpu' else 'CPU operator'}; CUDA graphs "
-                 f"{'on' if self.use_cuda_graph else 'off'}; {self.threads} CPU thread{'s' if self.threads > 1 else ''}",
+                 f"{'on' if self.use_cuda_graph else 'off'}; {self.threads} CPU thread{'s' if self.threads > 1 else ''}"
+                 + (f"; up to {self.max_num_seqs} conversations a step" if self.max_num_seqs > 1 else ""),
                  self.memory.table()]
         return "\n".join(lines)
 
@@ -142,9 +144,9 @@ def plan_session(config: Config, model_config: ModelConfig, num_weight_elements:
     anchors = anchors_per_block(config.anchor_type, config.anchor_num) if scores_on_device(selection) else 0
     chunk_size = resolve_chunk_size(config.chunk_size, config.block_size, device)
     memory = plan_memory(model_config, num_weight_elements, dtype.itemsize, layout, chunk_size, budget,
-                         is_gpu, local_windows_len, anchors)
+                         is_gpu, local_windows_len, anchors, config.max_num_seqs)
     return SessionPlan(device, dtype, layout, memory, kv_type, resolve_cuda_graph(config.use_cuda_graph, device),
                        max_seq_len, budget, is_gpu, local_windows_len, chunk_size,
                        resolve_backend(config.attention_backend, device, model_config.head_dim, layout.dtype),
                        compact_params(config, prefill), selection, decode_threads(config.threads_num),
-                       config.threads_num, config.resident_history)
+                       config.threads_num, config.resident_history, config.max_num_seqs)
