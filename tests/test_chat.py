@@ -14,6 +14,7 @@ from ktlong.models.loader import load_model
 from ktlong.chat.sampling import Sampler
 from tests.reference_llama import reference_logits
 from tests.tiny_gguf import TinySpec, write_tiny_gguf
+from tests.no_text import NO_TEXT
 
 
 @pytest.fixture
@@ -34,7 +35,7 @@ def test_greedy_generation_equals_recomputing_every_step(tiny):
     lm, spec, tensors = tiny
     prompt = [5, 17, 99, 3, 250, 41, 7]
     session = DenseSession(lm.model, 64, chunk_size=4)  # prompt spans two chunks
-    result = generate(session, prompt, 10, Sampler(), frozenset(), lambda ids: "")
+    result = generate(session, prompt, 10, Sampler(), frozenset(), NO_TEXT)
     expected, ids = [], list(prompt)
     for _ in range(10):
         token = int(reference_logits(tensors, spec, ids)[-1].argmax())
@@ -99,7 +100,7 @@ def test_ctrl_c_stops_the_answer_but_not_the_session(tiny, config):
             raise KeyboardInterrupt
 
     session, sampler = loop.session, loop.sampler
-    result = generate(session, [1, 2, 3], 20, sampler, frozenset(), lm.tokenizer.decode,
+    result = generate(session, [1, 2, 3], 20, sampler, frozenset(), lm.tokenizer,
                       on_text=interrupt_after_three)
     assert result.finish_reason == "interrupted" and len(result.token_ids) == 3
     again = loop.ask("still alive?")

@@ -28,7 +28,7 @@ def test_long_context_server_on_the_gpu_answers_as_a_session_does(tmp_path, monk
     prompt = [int(t) for t in torch.randint(0, 300, (900,), generator=torch.Generator().manual_seed(1))]
     reference = started(lm, path, **options).session
     assert reference.use_cuda_graph
-    expected = [generate(reference, prompt, 12, Sampler(), lm.tokenizer.stop_ids, lm.tokenizer.decode)
+    expected = [generate(reference, prompt, 12, Sampler(), lm.tokenizer.stop_ids, lm.tokenizer)
                 for _ in range(2)]  # the second time from the cache (one token prefilled)
     assert reference.last_prefill_tokens == 1
     del reference

@@ -61,7 +61,7 @@ def test_answers_keep_to_their_schemas_with_cuda_graphs(tmp_path, monkeypatch):
         for temperature in (0.0, 1.0):  # greedy, and sampled over what the mask leaves
             constraint = CheckedConstraint(lm.tokenizer, json_grammar(schema))
             gen = generate(session, prompt, 200, Sampler(temperature, seed=i), lm.tokenizer.stop_ids,
-                           lm.tokenizer.decode, constraint=constraint)
+                           lm.tokenizer, constraint=constraint)
             assert gen.finish_reason == "stop" and constraint.done, gen.text
             assert session.decoder.body.capturing  # the steps replayed CUDA graphs
             assert keeps(json.loads(gen.text)), gen.text

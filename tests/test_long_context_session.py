@@ -12,6 +12,7 @@ from ktlong.session.long_context import LongContextSession
 from ktlong.chat.sampling import Sampler
 from tests.settings import selection, with_anchors
 from tests.tiny_gguf import TinySpec, tiny_model
+from tests.no_text import NO_TEXT
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +30,8 @@ def session_for(lm, max_seq_len, block_size=16, chunk_size=32):
 
 def test_generation_equals_dense_session(tiny):
     prompt = list(np.random.default_rng(3).integers(0, 300, size=45))
-    dense = generate(DenseSession(tiny.model, 128, 32), prompt, 40, Sampler(), frozenset(), lambda i: "")
-    long = generate(session_for(tiny, 128), prompt, 40, Sampler(), frozenset(), lambda i: "")
+    dense = generate(DenseSession(tiny.model, 128, 32), prompt, 40, Sampler(), frozenset(), NO_TEXT)
+    long = generate(session_for(tiny, 128), prompt, 40, Sampler(), frozenset(), NO_TEXT)
     assert long.token_ids == dense.token_ids and len(long.token_ids) == 40
 
 
@@ -53,7 +54,7 @@ def test_follow_up_prefills_only_its_new_tokens_and_equals_a_re_prefill(tiny, fo
     rng = np.random.default_rng(follow_up)
     session = every_block(tiny, 400)
     first = [int(t) for t in rng.integers(0, 300, size=37)]  # ends mid-block and mid-chunk
-    gen = generate(session, first, 6, Sampler(), frozenset(), lambda i: "")
+    gen = generate(session, first, 6, Sampler(), frozenset(), NO_TEXT)
     conversation = first + gen.token_ids[:-1]  # the last sampled token was never fed: not in the cache
     follow = conversation + [int(t) for t in rng.integers(0, 300, size=follow_up)]
     extended = session.prefill(follow)
@@ -97,7 +98,7 @@ def test_a_follow_up_keeps_the_decoder_and_decodes_as_a_new_one_would(tiny, bloc
     rng = np.random.default_rng(7)
     first = [int(t) for t in rng.integers(0, 300, size=150)]
     kept, rebuilt = new_session(), new_session()
-    answers = [generate(s, first, 9, Sampler(), frozenset(), lambda i: "").token_ids for s in (kept, rebuilt)]
+    answers = [generate(s, first, 9, Sampler(), frozenset(), NO_TEXT).token_ids for s in (kept, rebuilt)]
     assert answers[0] == answers[1]
     follow = first + answers[0][:-1] + [int(t) for t in rng.integers(0, 300, size=90)]
     decoder = kept.decoder
@@ -159,8 +160,8 @@ def test_a_conversation_handed_over_and_back_keeps_its_decoder_and_decodes_as_a_
     for i, doc in enumerate(docs):  # A, handed over for B in a second host cache
         if i:
             held = swapping.exchange(HeldConversation.empty(layout, HostKVCache(layout, pin=False)))
-        answers.append(generate(swapping, doc, 5, Sampler(), frozenset(), lambda i: "").token_ids)
-        assert generate(alone[i], doc, 5, Sampler(), frozenset(), lambda i: "").token_ids == answers[-1]
+        answers.append(generate(swapping, doc, 5, Sampler(), frozenset(), NO_TEXT).token_ids)
+        assert generate(alone[i], doc, 5, Sampler(), frozenset(), NO_TEXT).token_ids == answers[-1]
         decoders.append(swapping.decoder)
     for i in (0, 1):  # back to A (B handed over), then to B
         assert held.decoder is decoders[i] and swapping.parked.held() == [held]
@@ -271,8 +272,8 @@ def test_gemma3_sliding_layers_generate_like_dense_and_skip_offload(tmp_path):
                                  compact=None, selection=selection(second_select_num=1000, preselect_block=False),
                                  local_windows_len=32, use_cuda_graph=False)
     dense_session = DenseSession(lm.model, 256, 32)
-    dense = generate(dense_session, prompt, 30, Sampler(), frozenset(), lambda i: "")
-    long = generate(session, prompt, 30, Sampler(), frozenset(), lambda i: "")
+    dense = generate(dense_session, prompt, 30, Sampler(), frozenset(), NO_TEXT)
+    long = generate(session, prompt, 30, Sampler(), frozenset(), NO_TEXT)
     assert long.token_ids == dense.token_ids
     # DRAM: sliding layers hold a 4-block tail (32 local tokens / 16 + 2) and no side tables;
     # the global layer holds every block
@@ -359,7 +360,7 @@ def test_a_stopped_prefill_leaves_a_cache_the_next_prefill_can_trust(tiny, kind)
     again = session.prefill(prompt)
     assert session.last_prefill_tokens == (150 if kind == "long_context" else 150 - 64)
     assert rel(again, make().prefill(prompt)) < 1e-5
-    gen = generate(session, prompt, 5, Sampler(), frozenset(), lambda i: "", should_stop=lambda: True)
+    gen = generate(session, prompt, 5, Sampler(), frozenset(), NO_TEXT, should_stop=lambda: True)
     assert gen.finish_reason == "cancelled" and gen.token_ids == []
 
 
@@ -408,8 +409,8 @@ def test_a_document_shorter_than_the_local_window_runs_from_the_config(tiny):
     assert plan.local_windows_len == 128 < config.local_windows_len
     session = LongContextSession.from_plan(tiny.model, plan)
     prompt = list(np.random.default_rng(3).integers(0, 300, size=45))
-    dense = generate(DenseSession(tiny.model, 128, 32), prompt, 40, Sampler(), frozenset(), lambda i: "")
-    long = generate(session, prompt, 40, Sampler(), frozenset(), lambda i: "")
+    dense = generate(DenseSession(tiny.model, 128, 32), prompt, 40, Sampler(), frozenset(), NO_TEXT)
+    long = generate(session, prompt, 40, Sampler(), frozenset(), NO_TEXT)
     assert long.token_ids == dense.token_ids and len(long.token_ids) == 40
 
 

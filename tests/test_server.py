@@ -48,7 +48,7 @@ def server(lm):
 def reference(lm, ids, max_tokens, stop_at=None):
     """What `generate` answers for these ids on a fresh dense session: the text the server must send."""
     gen = generate(DenseSession.from_config(lm.model, default_config(), 8192), ids, max_tokens, Sampler(), lm.tokenizer.stop_ids,
-                   lm.tokenizer.decode)
+                   lm.tokenizer)
     return gen
 
 

@@ -59,3 +59,41 @@ def test_chat_template_renders_chatml(real_model):
     lm = real_model("qwen2.5-coder-0.5b")
     text = lm.chat_template.render([{"role": "user", "content": "Hi"}])
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("model", ["smollm2_path", "qwen_path", "gemma_path"])
+def test_a_text_stream_pieces_join_to_the_whole_decode_without_decoding_the_answer_again(request, model):
+    """Streamed pieces, one a token, join to the whole answer's decode (the reference), for text
+    with multi-byte characters and for random ids; a character cut between tokens comes whole
+    with the token that ends it. push never decodes the answer so far: only text() does."""
+    import random
+
+    from ktlong.chat.text_stream import TextStream
+
+    tok = GGUFTokenizer(GGUFFile(request.getfixturevalue(model)))
+    rng = random.Random(5)
+    answers = [tok.encode(text, add_bos=False) for text in TEXTS]
+    answers += [[rng.randrange(tok.vocab_size) for _ in range(150)] for _ in range(10)]
+    decoded = []
+
+    class Counting:  # the tokenizer, with its whole-answer decodes counted
+        decode_stream = tok.decode_stream
+
+        @staticmethod
+        def decode(ids):
+            decoded.append(len(ids))
+            return tok.decode(ids)
+
+    for ids in answers:
+        stream = TextStream(Counting)
+        pieces = [stream.push(i) for i in ids]
+        assert not decoded
+        whole = stream.text()
+        assert decoded == [len(ids)]
+        decoded.clear()
+        joined = "".join(pieces)
+        # the end may hold a character that never completes: the whole decode shows it as U+FFFD
+        assert joined == whole or (whole.startswith(joined) and set(whole[len(joined):]) == {"\ufffd"}), ids
+    emoji = tok.encode("👨‍👩‍👧‍👦", add_bos=False)
+    stream = TextStream(tok)
+    assert "".join(stream.push(i) for i in emoji) == "👨‍👩‍👧‍👦"

@@ -51,7 +51,7 @@ def hf(lm, hf_tokenizer):
 
 def greedy(lm, prompt_ids, max_tokens=40) -> str:
     return generate(DenseSession.from_config(lm.model, default_config(), 4096), prompt_ids, max_tokens, Sampler(),
-                    lm.tokenizer.stop_ids, lm.tokenizer.decode).text
+                    lm.tokenizer.stop_ids, lm.tokenizer).text
 
 
 def reference_call(lm, hf, messages, tools, opening):

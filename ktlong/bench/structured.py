@@ -98,11 +98,11 @@ def main(argv=None) -> int:
         free, held, masks, answer = [], [], [], ""
         for _ in range(args.runs):
             session.reset()
-            gen = generate(session, ids, args.tokens, Sampler(), frozenset(), lm.tokenizer.decode)
+            gen = generate(session, ids, args.tokens, Sampler(), frozenset(), lm.tokenizer)
             free.append(gen.decode_seconds / max(len(gen.token_ids) - 1, 1))
             session.reset()
             constraint = TimedConstraint(lm.tokenizer, grammar)
-            gen = generate(session, ids, 512, Sampler(), lm.tokenizer.stop_ids, lm.tokenizer.decode,
+            gen = generate(session, ids, 512, Sampler(), lm.tokenizer.stop_ids, lm.tokenizer,
                            constraint=constraint)
             held.append(gen.decode_seconds / max(len(gen.token_ids) - 1, 1))
             masks.append(median(constraint.seconds))

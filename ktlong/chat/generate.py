@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable
 from ktlong.errors import Cancelled
 from ktlong.session.protocol import Session
 from ktlong.chat.sampling import Sampler
-from ktlong.chat.text_stream import TextStream
+from ktlong.chat.text_stream import Detokenizer, TextStream
 
 if TYPE_CHECKING:
     import torch
@@ -32,7 +32,7 @@ class Generation:
 
 
 def generate(session: Session, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler,
-             stop_ids: frozenset[int], decode: Callable[[list[int]], str],
+             stop_ids: frozenset[int], tokenizer: Detokenizer,
              on_text: Callable[[str], None] = lambda s: None, show_progress: bool = False,
              should_stop: Callable[[], bool] | None = None,
              on_progress: Callable[[int, int], None] | None = None,
@@ -46,7 +46,7 @@ def generate(session: Session, prompt_ids: list[int], max_new_tokens: int, sampl
     on_token(token, logits): each generated token with the logits it was sampled from.
     constraint: a grammar the answer keeps to (its tokens masked before sampling); the answer
     ends when the grammar does."""
-    stream = TextStream(decode)
+    stream = TextStream(tokenizer)
     max_new_tokens = min(max_new_tokens, session.max_seq_len - len(prompt_ids))
     start = time.perf_counter()
     finish, prefill_done = "length", start

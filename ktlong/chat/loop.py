@@ -47,7 +47,7 @@ class ChatLoop:
         if dropped:
             self.notice(f"dropped the {dropped} oldest turn(s) to stay within max_seq_len={self.max_seq_len}")
         result = generate(self.session, ids, self.config.max_new_tokens, self.sampler,
-                          self.lm.tokenizer.stop_ids, self.lm.tokenizer.decode,
+                          self.lm.tokenizer.stop_ids, self.lm.tokenizer,
                           on_text=lambda s: print(s, end="", file=self.out, flush=True),
                           show_progress=True)
         print(file=self.out, flush=True)

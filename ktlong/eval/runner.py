@@ -96,7 +96,7 @@ def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], dep
         t0 = time.perf_counter()
         session.reset()
         generate(session, prompt(lengths[0], depths[0], 0)[1][:WARM_UP_TOKENS], 2, Sampler(), lm.tokenizer.stop_ids,
-                 lm.tokenizer.decode)
+                 lm.tokenizer)
         print(f"[{task} {attention}: warm-up run, not timed ({time.perf_counter() - t0:.1f}s)]", file=log, flush=True)
         for length in lengths:
             for depth in depths:
@@ -104,7 +104,7 @@ def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], dep
                     sample, ids = prompt(length, depth, i)
                     session.reset()
                     t0 = time.perf_counter()
-                    gen = generate(session, ids, max_new, Sampler(), lm.tokenizer.stop_ids, lm.tokenizer.decode)
+                    gen = generate(session, ids, max_new, Sampler(), lm.tokenizer.stop_ids, lm.tokenizer)
                     stats = session.last_stats
                     densities = stats.density_per_layer if stats else []
                     # the prefill itself, as the prefill bench times it; the rest of the session's

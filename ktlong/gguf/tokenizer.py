@@ -10,8 +10,10 @@ when special tokens are allowed.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers.decoders import DecodeStream
 
 from ktlong.errors import GGUFError
 from ktlong.gguf.reader import GGUFFile
@@ -138,6 +140,13 @@ class GGUFTokenizer:
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self._tk.decode(ids, skip_special_tokens=skip_special)
+
+    def decode_stream(self) -> Callable[[int], str | None]:
+        """The text of ids given one at a time: each call takes the next id and returns the text
+        it completes (None while a character is still incomplete), decoding a few ids, not all
+        of them so far (tokenizers' DecodeStream)."""
+        stream, tk = DecodeStream(skip_special_tokens=False), self._tk
+        return lambda token_id: stream.step(tk, token_id)
 
     @functools.cached_property
     def guidance(self):

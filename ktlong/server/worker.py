@@ -186,7 +186,7 @@ class Worker:
         where = self.store.prepare(job.prompt_ids) if self.store is not None else "session"
         constraint = JsonConstraint(self.tokenizer, job.grammar) if job.grammar is not None else None
         gen = generate(self.session, job.prompt_ids, job.max_tokens, sampler, self.tokenizer.stop_ids,
-                       self.tokenizer.decode, on_text=on_text, on_token=on_token if job.logprobs is not None else None,
+                       self.tokenizer, on_text=on_text, on_token=on_token if job.logprobs is not None else None,
                        should_stop=lambda: ticket.cancelled.is_set() or stops.hit,
                        on_progress=on_progress if job.progress else None,
                        should_stop_prefill=lambda: self.closing.is_set() or (ticket.cancelled.is_set()
