@@ -2,7 +2,6 @@
 fills the rest from the real selection."""
 
 import numpy as np
-import pytest
 
 from ktlong.bench.drifting_selection import DriftingSelection
 
@@ -22,9 +21,9 @@ def run(share, shared, steps=300):
     return history
 
 
-@pytest.mark.slow  # seconds on the 2-core machine: the full suite runs it, the fast lane does not
 def test_share_one_keeps_the_first_selection_and_zero_follows_the_real_one():
-    assert all((h == run(1.0, False)[0]).all() for h in run(1.0, False))
+    history = run(1.0, False)
+    assert all((h == history[0]).all() for h in history)
     rng = np.random.default_rng(1)
     real = real_selection(np.random.default_rng(1), False)
     drifting = DriftingSelection(real_selection(rng, False), 0.0)
