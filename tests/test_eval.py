@@ -88,7 +88,7 @@ def test_sparse_decode_answers_like_dense_on_a_passkey_at_8k(tmp_path, monkeypat
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     lm = real_model("smollm2-135m")
-    config = load_config(overrides=parse_set(["chunk_size=8192", "local_windows_len=1024", "block_size=64",
+    config = load_config(overrides=parse_set(["chunk_size=2048", "local_windows_len=1024", "block_size=64",
                                               "second_select_num=16", "preselect_block_count=32"]))
     dense, sparse = run_task(lm, config, "passkey", [8000], [0.4], 1, ["dense", "sparse"], seed=1)
     assert sparse.output == dense.output and dense.correct
