@@ -4,7 +4,7 @@ a fast real subset retrieves the passkey with dense and with sparse attention.""
 import pytest
 
 from ktlong.eval.haystack import sentences
-from ktlong.eval.tasks import TASKS, first_integer, make_sample, score
+from ktlong.eval.tasks import TASKS, first_integer, make_sample, references, score
 
 
 def words(text):
@@ -17,7 +17,7 @@ def test_samples_fit_the_target_length_and_repeat_by_seed(task):
     b = make_sample(task, 1500, 0.5, seed=3, count_tokens=words)
     c = make_sample(task, 1500, 0.5, seed=4, count_tokens=words)
     assert a == b and a.answer != c.answer
-    assert 1500 * 0.9 <= a.num_tokens <= 1500 and a.answer in a.prompt
+    assert 1500 * 0.9 <= a.num_tokens <= 1500 and all(ref in a.prompt for ref in references(task, a.answer))
 
 
 @pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.75, 1.0])
@@ -284,3 +284,48 @@ def test_help_gives_the_defaults_and_the_forms_of_lengths(capsys):
     for text in ("4096,32k,1m (default: 2k,4k,8k)", "(default: 10)", "(default: dense,sparse)", "(default: 0)",
                  "(default: results)"):
         assert text in shown, text
+
+
+def test_ruler_tasks_ask_what_their_text_says():
+    """Each RULER task's answer, recomputed from its prompt by plain parsing: the values stated
+    for the asked key(s), the variables a value reaches through its chain, the words counted in
+    the list or text, the passage whose first sentence the question quotes."""
+    import re
+    from collections import Counter
+
+    mv = make_sample("multivalue", 2000, 0.3, seed=1, count_tokens=words)
+    person = re.search(r"numbers for (\w+)\?", mv.prompt).group(1)
+    assert re.findall(rf"One of the special magic numbers for {person} is (\d+)\.", mv.prompt) == references(
+        "multivalue", mv.answer) and len(references("multivalue", mv.answer)) == 4
+
+    mq = make_sample("multiquery", 2000, 0.6, seed=2, count_tokens=words)
+    asked = re.search(r"numbers for (.+)\? Answer", mq.prompt).group(1).replace(" and ", ", ").split(", ")
+    stated = dict(re.findall(r"The special magic number for (\w+) is (\d+)\.", mq.prompt))
+    assert len(stated) == 5 and references("multiquery", mq.answer) == [stated[p] for p in asked]
+
+    vt = make_sample("vartrack", 2000, 0.1, seed=3, count_tokens=words)
+    value = re.search(r"assigned the value (\d+)", vt.prompt).group(1)
+    reached = set(re.findall(rf"VAR (\w+) = {value}\.", vt.prompt))
+    for source, target in re.findall(r"VAR (\w+) = VAR (\w+)\.", vt.prompt) * 5:  # follow the copies
+        if target in reached:
+            reached.add(source)
+    assert sorted(reached) == sorted(references("vartrack", vt.answer)) and len(reached) == 5
+
+    cw = make_sample("commonwords", 3000, 0.5, seed=4, count_tokens=words)
+    listed = Counter(re.findall(r"\d+\. (\w+)", cw.prompt.split("\n\n")[1]))
+    assert sorted(w for w, n in listed.most_common(10)) == sorted(references("commonwords", cw.answer))
+    assert listed.most_common(11)[-1][1] < listed.most_common(10)[-1][1]
+
+    fw = make_sample("freqwords", 3000, 0.5, seed=5, count_tokens=words)
+    counted = Counter(fw.prompt.split("\n\n")[1].split()).most_common(4)
+    assert [w for w, _ in counted[:3]] == references("freqwords", fw.answer) and counted[2][1] > counted[3][1]
+
+    qa = make_sample("qa", 3000, 0.5, seed=6, count_tokens=words)
+    quoted = re.search(r'documented as follows: "(.+)"\?', qa.prompt).group(1)
+    holders = [line for line in qa.prompt.split("\n\n")[1].split("\n") if quoted in line]
+    assert len(holders) == 1 and holders[0].split(": ")[0].split(".")[-1] == qa.answer
+
+    # scored as RULER scores them: every reference (any order, any case), or for qa any one
+    assert score("multiquery", "1, 2, 3, 4", "4 3 2 and 1") and not score("multiquery", "1, 2, 3, 44", "1 2 3 4")
+    assert score("commonwords", "Apple, pear", "pear and APPLE") and score("qa", qa.answer, f"It is {qa.answer}.")
+    assert not score("qa", qa.answer, "I do not know.")

@@ -1,7 +1,8 @@
 """python -m ktlong.eval TASK --model NAME_OR_GGUF --lengths 2k,4k,8k --samples N
     --attention dense,sparse [--depths 0,0.25,0.5,0.75,1] [--seed S] [--out DIR] [--set key=value]
 
-Runs TASK (passkey, needle, kvretrieval, multikey) through the long-context path of
+Runs TASK (passkey, needle, kvretrieval, multikey; RULER's multivalue, multiquery, vartrack,
+commonwords, freqwords and qa) through the long-context path of
 local_chat.py --mode long_context: layer-major prefill (CompactAttention when sparse) and
 sparse decode, with the model's chat template, dense and sparse on the same prompts.
 """

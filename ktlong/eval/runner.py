@@ -20,7 +20,8 @@ from ktlong.session.long_context import LongContextSession
 from ktlong.session.plan import apply_threads, plan_session
 from ktlong.chat.sampling import Sampler
 
-MAX_NEW_TOKENS = {"passkey": 16, "needle": 32, "kvretrieval": 64, "multikey": 24}
+MAX_NEW_TOKENS = {"passkey": 16, "needle": 32, "kvretrieval": 64, "multikey": 24, "multivalue": 64,
+                  "multiquery": 64, "vartrack": 48, "commonwords": 96, "freqwords": 32, "qa": 32}
 
 
 @dataclass

@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
+from ktlong.eval import stdlib_text
 from ktlong.eval.haystack import sentences
 
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -38,11 +39,25 @@ def first_integer(text: str) -> str | None:
     return m.group(0) if m else None
 
 
+# tasks whose answer is several references, joined by ", " in Sample.answer: each must be in
+# the output (RULER's string_match_all), or for qa any one of them (its string_match_part)
+ALL_OF = {"multivalue", "multiquery", "vartrack", "commonwords", "freqwords"}
+ANY_OF = {"qa"}
+
+
+def references(task: str, answer: str) -> list[str]:
+    return answer.split(", ") if task in ALL_OF | ANY_OF else [answer]
+
+
 def score(task: str, answer: str, output: str) -> bool:
     if task == "passkey":
         return first_integer(output) == answer
     if task == "needle":
         return answer.lower() in output.lower()
+    if task in ALL_OF:  # as RULER scores them, case aside; a sample counts when it found them all
+        return all(ref.lower() in output.lower() for ref in references(task, answer))
+    if task in ANY_OF:
+        return any(ref.lower() in output.lower() for ref in references(task, answer))
     return answer in output  # kvretrieval, multikey: the exact value
 
 
@@ -99,24 +114,148 @@ def multikey(rng: random.Random, num_units: int, depth: float):
     return prompt, numbers[target]
 
 
+def _spread(units: list[str], needles: list[str], depth: float) -> list[str]:
+    """The needles in order, the first at depth and the others evenly after it to the end."""
+    places = [depth + (1 - depth) * i / len(needles) for i in range(len(needles))]
+    for text, at in sorted(zip(needles, places), key=lambda x: -x[1]):
+        units = _insert(units, text, at)
+    return units
+
+
+def multivalue(rng: random.Random, num_units: int, depth: float):
+    """One key with four values in four places (RULER's multi-value needle); all four asked."""
+    person, *others = rng.sample(NAMES, 3)
+    values = [str(n) for n in rng.sample(range(1000000, 9999999), 4)]
+    units = sentences(num_units, rng.randint(0, 1 << 30))
+    for other, at in zip(others, (0.3, 0.8)):  # other keys' values, not asked
+        units = _insert(units, f"One of the special magic numbers for {other} is {rng.randint(1000000, 9999999)}.", at)
+    units = _spread(units, [f"One of the special magic numbers for {person} is {v}." for v in values], depth)
+    prompt = (f"Read the following text.\n\n{' '.join(units)}\n\nWhat are all the special magic numbers for "
+              f"{person}? Answer with the numbers only.")
+    return prompt, ", ".join(values)
+
+
+def multiquery(rng: random.Random, num_units: int, depth: float):
+    """Four keys, each with its value, asked in one question (RULER's multi-query needle)."""
+    people = rng.sample(NAMES, 5)
+    numbers = [str(n) for n in rng.sample(range(1000000, 9999999), 5)]
+    units = sentences(num_units, rng.randint(0, 1 << 30))
+    units = _insert(units, f"The special magic number for {people[4]} is {numbers[4]}.", 0.5)  # not asked
+    units = _spread(units, [f"The special magic number for {p} is {n}." for p, n in zip(people[:4], numbers)], depth)
+    asked = ", ".join(people[:3]) + f" and {people[3]}"
+    prompt = (f"Read the following text.\n\n{' '.join(units)}\n\nWhat are the special magic numbers for {asked}? "
+              "Answer with the numbers only.")
+    return prompt, ", ".join(numbers[:4])
+
+
+def _variable(rng: random.Random) -> str:
+    return "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
+
+
+def vartrack(rng: random.Random, num_units: int, depth: float):
+    """A value passed along a chain of five variables (RULER's variable tracking, one chain of
+    four hops), the assignments spread from depth on, beside a second chain of another value."""
+    names = []
+    while len(names) < 10:
+        name = _variable(rng)
+        if name not in names:
+            names.append(name)
+    value, other = rng.sample(range(10000, 99999), 2)
+    units = sentences(num_units, rng.randint(0, 1 << 30))
+
+    def chain(variables, number):
+        return [f"VAR {variables[0]} = {number}."] + [f"VAR {b} = VAR {a}." for a, b in zip(variables, variables[1:])]
+    units = _spread(units, chain(names[5:], other), 0.2)
+    units = _spread(units, chain(names[:5], value), depth)
+    prompt = (f"Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+              f"{' '.join(units)}\n\nFind all variables that are assigned the value {value} in the text above. "
+              "Answer with the variable names only.")
+    return prompt, ", ".join(names[:5])
+
+
+SYLLABLES = ["ka", "lo", "mer", "tis", "van", "ru", "pel", "dor", "shi", "bam", "ne", "qua", "zor", "fi", "gul",
+             "tep", "wis", "yan", "cro", "hib"]
+
+
+def _words(rng: random.Random, count: int) -> list[str]:
+    """count distinct made-up words of three syllables."""
+    found: dict[str, None] = {}
+    while len(found) < count:
+        found["".join(rng.choice(SYLLABLES) for _ in range(3))] = None
+    return list(found)
+
+
+def commonwords(rng: random.Random, num_units: int, depth: float):
+    """A numbered list of words where ten appear 30 times each and the others 3 times (RULER's
+    common words extraction); the ten asked. depth plays no part."""
+    words = _words(rng, 10 + num_units)
+    common, rare = words[:10], words[10:]
+    items = common * 30 + rare * 3
+    rng.shuffle(items)
+    listing = " ".join(f"{i + 1}. {w}" for i, w in enumerate(items))
+    prompt = (f"Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
+              f"ones that appear most often.\n\n{listing}\n\nWhat are the 10 most common words in the above list? "
+              "Answer with the words only.")
+    return prompt, ", ".join(common)
+
+
+def freqwords(rng: random.Random, num_units: int, depth: float):
+    """A text of coded words drawn by a Zipf law (RULER's frequent words extraction, alpha 2): the
+    three most frequent asked, the third strictly ahead of the fourth. depth plays no part."""
+    vocabulary = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(5)) for _ in range(60)]
+    weights = [1 / (rank + 1) ** 2 for rank in range(len(vocabulary))]
+    drawn = rng.choices(vocabulary, weights, k=max(num_units, 12))
+    counts = {w: drawn.count(w) for w in set(drawn)}
+    top = sorted(counts, key=lambda w: (-counts[w], vocabulary.index(w)))
+    while len(top) > 3 and counts[top[2]] <= counts[top[3]]:  # no tie at the cut
+        drawn.insert(rng.randrange(len(drawn) + 1), top[2])
+        counts[top[2]] += 1
+    prompt = (f"Read the following coded text and track the frequency of each coded word. Find the three most "
+              f"frequently appeared coded words.\n\n{' '.join(drawn)}\n\nWhat are the three most frequently "
+              "appeared coded words in the above coded text? Answer with the words only.")
+    return prompt, ", ".join(top[:3])
+
+
+def qa(rng: random.Random, num_units: int, depth: float):
+    """Question answering over real text (RULER's QA, on text that ships with Python): the
+    documentation of num_units functions, classes and methods of the standard library; the
+    question quotes one's first sentence and asks whose it is, the passage at depth."""
+    passages, askable = stdlib_text.passages(), stdlib_text.askable()
+    gold = passages[rng.choice(askable)]
+    order = list(range(len(passages)))
+    rng.shuffle(order)
+    others = [passages[i] for i in order if passages[i] is not gold][:num_units]
+    units = _insert([f"{p.module}.{p.name}: {p.text}" for p in others], f"{gold.module}.{gold.name}: {gold.text}", depth)
+    body = "\n".join(units)
+    prompt = (f"Answer the question based on the given documents.\n\n{body}\n\nWhich function, class or method "
+              f"above is documented as follows: \"{gold.first_sentence}\"? Answer with its name only.")
+    return prompt, gold.name.split(".")[-1]
+
+
 TASKS: dict[str, Callable] = {"passkey": passkey, "needle": needle, "kvretrieval": kvretrieval,
-                              "multikey": multikey}
+                              "multikey": multikey, "multivalue": multivalue, "multiquery": multiquery,
+                              "vartrack": vartrack, "commonwords": commonwords, "freqwords": freqwords, "qa": qa}
 
 
 def _bracket(count: Callable[[int], int], length: int) -> tuple[int, int]:
     """(lo, hi): lo units fit in length tokens (or lo is 1), hi units do not. A prompt grows
-    about linearly in its units, so two small prompts give an estimate and the bracket is
-    widened from it by doubling steps: a few counts of long prompts, each a tokenization of up
-    to `length` tokens, instead of the dozen that doubling from 8 takes."""
+    about linearly in its units, so two small prompts give an estimate, one long prompt corrects
+    it (units whose sizes vary, as the QA task's passages do, make the first estimate miss), and
+    the bracket is widened from there by doubling steps: a few counts of long prompts, each a
+    tokenization of up to `length` tokens, instead of the dozen that doubling from 8 takes."""
     n8, n64 = count(8), count(64)
     if n8 > length:
         return 1, 8
     if n64 > length:
         return 8, 64
     per_unit = max((n64 - n8) / 56, 1e-6)
+    first = max(65, int(64 + (length - n64) / per_unit))
+    n_first = count(first)
+    per_unit = max((n_first - n64) / (first - 64), 1e-6)
     guess = max(64, int(64 + (length - n64) / per_unit))
     step = max(1, guess // 500)
-    if count(guess) <= length:
+    fits = (n_first if guess == first else count(guess)) <= length
+    if fits:
         lo, hi = guess, guess + step
         while count(hi) <= length:
             lo, step = hi, step * 2
