@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Callable
 
 from ktlong.errors import Cancelled
 from ktlong.session.protocol import Session
+from ktlong.chat.answer import Answer
 from ktlong.chat.sampling import Sampler
-from ktlong.chat.text_stream import Detokenizer, TextStream
+from ktlong.chat.text_stream import Detokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -46,33 +47,16 @@ def generate(session: Session, prompt_ids: list[int], max_new_tokens: int, sampl
     on_token(token, logits): each generated token with the logits it was sampled from.
     constraint: a grammar the answer keeps to (its tokens masked before sampling); the answer
     ends when the grammar does."""
-    stream = TextStream(tokenizer)
-    max_new_tokens = min(max_new_tokens, session.max_seq_len - len(prompt_ids))
+    answer = Answer(min(max_new_tokens, session.max_seq_len - len(prompt_ids)), sampler, stop_ids, tokenizer,
+                    on_text, should_stop, on_token, constraint)
     start = time.perf_counter()
-    finish, prefill_done = "length", start
+    finish, prefill_done = None, start
     try:
         logits = session.prefill(prompt_ids, show_progress, should_stop_prefill or should_stop, on_progress)
         prefill_done = time.perf_counter()
-        for i in range(max_new_tokens):
-            if should_stop is not None and should_stop():
-                finish = "cancelled"
-                break
-            if constraint is not None:
-                logits = constraint.mask(logits)
-            token = sampler(logits)
-            if token in stop_ids:
-                finish = "stop"
-                break
-            if constraint is not None:
-                constraint.consume(token)
-            if on_token is not None:
-                on_token(token, logits)
-            on_text(stream.push(token))
-            if constraint is not None and constraint.done:
-                finish = "stop"
-                break
-            if i + 1 < max_new_tokens:
-                logits = session.step(token)
+        while (token := answer.next(logits)) is not None:
+            logits = session.step(token)
+        finish = answer.finish_reason
     except KeyboardInterrupt:
         finish = "interrupted"
     except Cancelled:
@@ -80,5 +64,5 @@ def generate(session: Session, prompt_ids: list[int], max_new_tokens: int, sampl
     end = time.perf_counter()
     if prefill_done == start:
         prefill_done = end
-    return Generation(stream.ids, stream.text(), len(prompt_ids), prefill_done - start,
+    return Generation(answer.token_ids, answer.stream.text(), len(prompt_ids), prefill_done - start,
                       end - prefill_done, finish)
