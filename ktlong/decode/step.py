@@ -56,7 +56,8 @@ class DecodeStep:
         DRAM reads attend each global layer's selected blocks where they lie in DRAM
         (`_dram_part`, a part of its own between segment j and j + 1)."""
         first = sequences[0]
-        assert all(s.layout == first.layout for s in sequences), "one batch, one KV layout"
+        parts = lambda s: (s.layout, s.device_anchors is None, s.dram_blocks is None, s.selection is None)  # noqa: E731
+        assert all(parts(s) == parts(first) for s in sequences), "one batch: one KV layout, one selection plan"
         self.model, self.capturing = model, capture
         self.windows: list[DeviceWindow] = [s.window for s in sequences]
         self.anchors: list[DeviceAnchors | None] = [s.device_anchors for s in sequences]
