@@ -297,9 +297,10 @@ def main(argv=None) -> int:
                     raise KtlongError("--selection_drift replaces the host's selection, and graphs-gpu-context "
                                       "selects on the device; add --set block_scoring=cpu to keep the selection "
                                       "on the host.")
-                if args.selection_drift is not None:
-                    for i, decoder in enumerate(decoders):
-                        decoder.selector.select = DriftingSelection(decoder.selector.select, args.selection_drift, i)
+                if args.selection_drift is not None:  # (no loop variable left holding a decoder after the row)
+                    for i in range(size):
+                        selector = decoders[i].selector
+                        selector.select = DriftingSelection(selector.select, args.selection_drift, i)
                 batch = DecodeBatch(model, decoders, graphs and cuda)
                 for t in range(4):
                     batch.step(decoders, [t] * size)
