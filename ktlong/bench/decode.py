@@ -48,7 +48,7 @@ from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import kv_layout
 from cpu_ops.anchors import anchors_per_block
 from ktlong.decode.device_anchors import scores_on_device
-from ktlong.kv.memory_plan import GIB, plan_memory
+from ktlong.kv.memory_plan import GIB, available_dram_bytes, plan_memory
 from ktlong.kv.resident import ResidentHistory
 from ktlong.session.long_context import RESIDENT_MARGIN
 from ktlong.models.random_model import SHAPES, num_weight_elements, random_config, random_model
@@ -244,6 +244,19 @@ def main(argv=None) -> int:
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap_gb * GIB / total), device)
     model = random_model(shape, device, dtype, tp=tp)
     c = model.config
+    layouts = {context: kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size,
+                                  context + 4 + args.tokens + 1, resolve_kv_type(config.kv_type, dtype),
+                                  anchor_type=config.anchor_type, anchor_num=config.anchor_num) for context in contexts}
+    free = available_dram_bytes()
+    for context, layout in layouts.items():  # every row's caches fit, before any row runs
+        per_conversation = layout.dram_kv_bytes(False) + layout.dram_kv_bytes(True) + layout.dram_side_table_bytes()
+        fit = free // per_conversation
+        print(f"{context // 1024}K: {per_conversation / GIB:.1f} GiB of DRAM a conversation; {fit} fit in the "
+              f"{free / GIB:.0f} GiB free", flush=True)
+        if max(batches) > fit:
+            raise KtlongError(f"--batch {max(batches)} needs {max(batches)} caches of {per_conversation / GIB:.1f} GiB "
+                              f"at {context // 1024}K, and {fit} fit in free DRAM; give --batch sizes up to {fit} "
+                              f"or shorter --contexts.")
     from cpu_ops.threads import set_decode_threads
 
     ranks = f"tensor parallel {tp.world}, per rank: " if tp is not None else ""
@@ -271,10 +284,7 @@ def main(argv=None) -> int:
                 "graphs-gpu-context": (dataclasses.replace(sparse, context_attention="gpu"), local, True),
                 "graphs-cpu-scoring": (dataclasses.replace(sparse, block_scoring="cpu"), local, True)}
     modes = [(MODES[m], *settings[m]) for m in modes]
-    for context in contexts:
-        layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size,
-                           context + 4 + args.tokens + 1, resolve_kv_type(config.kv_type, dtype),
-                           anchor_type=config.anchor_type, anchor_num=config.anchor_num)
+    for context, layout in layouts.items():
         hosts = []  # one DRAM cache per conversation, for the largest batch
         for i in range(max(batches)):
             hosts.append(HostKVCache(layout, pin=cuda))
