@@ -150,16 +150,24 @@ def flashprefill_group_keep(q: torch.Tensor, pooled_keys: torch.Tensor, block_si
 def topk_group_blocks(q: torch.Tensor, pooled_keys: torch.Tensor, block_size: int, scale: float, num_keep: int,
                       sink_blocks: int, window_blocks: int, group_size: int) -> torch.Tensor:
     """The num_keep history blocks each execution group (group_size consecutive heads) reads:
-    the sinks, the window, then the blocks whose pooled-key score comes closest to the best
-    score of some pooled query block of one of the group's heads (FlashPrefill's margin, ranked
-    instead of cut at alpha). q: [T, H, D]; pooled_keys: [KV, num_hist, D] -> [H / group_size,
+    the sinks, the window, then the blocks that score best by group_margin -> [H / group_size,
     num_keep] int64 block ids, in no particular order."""
+    num_hist = pooled_keys.shape[1]
+    assert sink_blocks + window_blocks <= num_keep <= num_hist or num_keep == num_hist, (num_keep, num_hist)
+    margin = group_margin(q, pooled_keys, block_size, scale, sink_blocks, window_blocks, group_size)
+    return margin.topk(num_keep, dim=1, sorted=False).indices
+
+
+def group_margin(q: torch.Tensor, pooled_keys: torch.Tensor, block_size: int, scale: float, sink_blocks: int,
+                 window_blocks: int, group_size: int) -> torch.Tensor:
+    """What topk ranks history blocks by, per execution group: how close each block's pooled-key
+    score comes to the best score of some pooled query block of one of the group's heads
+    (FlashPrefill's margin, ranked instead of cut at alpha); +inf for the sinks and the window.
+    q: [T, H, D]; pooled_keys: [KV, num_hist, D] -> [H / group_size, num_hist] float32."""
     num_heads = q.shape[1]
     num_kv, num_hist, dim = pooled_keys.shape
-    assert sink_blocks + window_blocks <= num_keep <= num_hist or num_keep == num_hist, (num_keep, num_hist)
     rows = pool_query_blocks(q, block_size).reshape(num_kv, -1, dim)  # [KV, group * nqb, D]
     scores = torch.bmm(rows, pooled_keys.float().transpose(1, 2)) * scale  # [KV, group * nqb, num_hist]
     margin = scores - scores.amax(-1, keepdim=True)  # <= 0; 0 at each row's best block
-    group_margin = margin.view(num_heads // group_size, -1, num_hist).amax(1)  # [G, num_hist]
-    set_always_kept(group_margin, sink_blocks, window_blocks, float("inf"))
-    return group_margin.topk(num_keep, dim=1, sorted=False).indices
+    per_group = margin.view(num_heads // group_size, -1, num_hist).amax(1)  # [G, num_hist]
+    return set_always_kept(per_group, sink_blocks, window_blocks, float("inf"))

@@ -36,6 +36,8 @@ def one_sentence_error(capsys, *needles):
     (["decode", "--batch", "2,x"], ["--batch", "1,2,4,8", "2,x"]),
     (["decode", "--device", "cpu", "--contexts", "1m", "--batch", "256"], ["--batch 256", "fit in free DRAM"]),
     (["decode-op", "--contexts", "big"], ["'big'"]),
+    (["kept-keys", "--depth", "2"], ["--depth", "0..1"]),
+    (["kept-keys", "--set", "api_key=x"], ["api_key", "leave it out"]),
     (["decode", "--device", "cpu", "--modes", "hybrid,graphs"], ["graphs modes", "need a GPU"]),
     (["structured", "--tokens", "1"], ["--tokens"]),
     (["cache-hits", "--model", "smollm2-135m", "--docs", "9"], ["--docs must be 2 to 6"]),
