@@ -33,3 +33,18 @@ def time_cuda(fn, reps: int = 20, warmup: int = 3) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return median(times)
+
+
+def long_context_config(args, reads: frozenset[str], command: str, why: str):
+    """The config of a bench that runs a packaged or GGUF model in long-context mode: its --set
+    options, each one it reads (refused otherwise, in one sentence that says `why`), with its
+    --model and --device."""
+    from ktlong.config import load_config, parse_set, refuse_unread
+
+    overrides = parse_set(args.set)
+    refuse_unread(overrides, reads, f"python -m ktlong.bench {command}", why)
+    overrides["mode"] = ("long_context", command)
+    overrides["model"] = (args.model, "--model")
+    if args.device:
+        overrides["device"] = (args.device, "--device")
+    return load_config(overrides=overrides, write_user_file=False)

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ktlong.cli import parse_lengths, print_table
-from ktlong.config import greedy_session_options, load_config, parse_set, refuse_unread
+from ktlong.bench.common import long_context_config
+from ktlong.config import greedy_session_options
 from ktlong.errors import KtlongError
 from operators.block_selector import group_margin
 
@@ -132,16 +133,10 @@ def main(argv=None) -> int:
     from ktlong.eval.tasks import make_sample, references, score
     from ktlong.session.startup import start
 
-    overrides = parse_set(args.set)
-    refuse_unread(overrides, READS, "python -m ktlong.bench kept-keys",
-                  "records CompactAttention's selection of the answer's blocks in long-context prefill")
     if not 0 <= args.depth <= 1 or not 1 <= args.samples <= 1000:
         raise KtlongError("--depth must lie in 0..1 and --samples in 1..1000.")
-    overrides["mode"] = ("long_context", "kept-keys")
-    overrides["model"] = (args.model, "--model")
-    if args.device:
-        overrides["device"] = (args.device, "--device")
-    config = load_config(overrides=overrides, write_user_file=False)
+    config = long_context_config(args, READS, "kept-keys",
+                                 "records CompactAttention's selection of the answer's blocks in long-context prefill")
     length = parse_lengths(args.length)[0]
     started = start(config)
     lm, session = started.lm, started.session

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from ktlong.cli import parse_lengths, print_table
-from ktlong.config import greedy_session_options, load_config, parse_set, refuse_unread
+from ktlong.bench.common import long_context_config
+from ktlong.config import greedy_session_options
 from ktlong.errors import KtlongError
 
 READS = greedy_session_options()  # the decode selection options above all
@@ -68,14 +69,8 @@ def main(argv=None) -> int:
     from ktlong.eval.tasks import make_sample
     from ktlong.session.startup import start
 
-    overrides = parse_set(args.set)
-    refuse_unread(overrides, READS, "python -m ktlong.bench selection-drift",
-                  "records decode's block selection on a long-context needle prompt, greedily")
-    overrides["mode"] = ("long_context", "selection-drift")
-    overrides["model"] = (args.model, "--model")
-    if args.device:
-        overrides["device"] = (args.device, "--device")
-    config = load_config(overrides=overrides, write_user_file=False)
+    config = long_context_config(args, READS, "selection-drift",
+                                 "records decode's block selection on a long-context needle prompt, greedily")
     length = parse_lengths(args.length)[0]
     if args.tokens < 2 or args.window < 1:
         raise KtlongError("--tokens must be at least 2 and --window at least 1.")
