@@ -121,7 +121,7 @@ class DecodeBatch:
                 continue
             scores = None if self.scores is None else (lambda b=b: self.scores[b, j])
             t0 = time.perf_counter()
-            selections.append(s.selector.select(layer, s.step_index, self.q[b, j], first, last, scores))
+            selections.append(s.selector.select(layer, s.step_index, self.q[j, b], first, last, scores))
             s.times.selection += time.perf_counter() - t0
         t0 = time.perf_counter()
         read = self.context.attend(j, layer, sequences, selections, [last * self.body.layout.block_size for _, last in ranges])

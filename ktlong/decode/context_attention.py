@@ -46,10 +46,10 @@ class ContextAttention:
         for b, (sequence, selection, end) in enumerate(zip(sequences, selections, ends)):
             count = 0 if selection is None or on_device[b] else int(selection[1].sum())
             if count:
-                self.out[b, j], self.lse[b, j] = sparse_attention(
-                    self.q[b, j], sequence.k_stored[layer], sequence.v_stored[layer], *selection, end,
+                self.out[j, b], self.lse[j, b] = sparse_attention(
+                    self.q[j, b], sequence.k_stored[layer], sequence.v_stored[layer], *selection, end,
                     self.block_size, self.scale)
             else:
-                self.lse[b, j] = -np.inf  # an empty state: the merge keeps the device's
+                self.lse[j, b] = -np.inf  # an empty state: the merge keeps the device's
             read.append(count)
         return read

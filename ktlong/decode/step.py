@@ -94,9 +94,11 @@ class DecodeStep:
         n = len(global_layers)
         # the exchange with the CPU part of each global layer, in host memory that the captured
         # copies read and write at replay (pinned), so a layer costs one sync and no copy calls;
-        # [sequence, global layer, ...], so that a sequence's rows are one block
+        # [global layer, sequence, ...]: a layer's copy of every sequence's rows is one contiguous
+        # block (a captured copy to or from pinned memory must be: a strided one goes through a
+        # host-side step that replay would skip)
         self._pinned = PinnedTensors(dev.type == "cuda")
-        self.q_host = self._host((B, n, c.num_heads, c.head_dim), torch.float32)
+        self.q_host = self._host((n, B, c.num_heads, c.head_dim), torch.float32)
         # k, v of the new token as DRAM stores them (q8_0 / q4_0: quantised here, on the device):
         # where the device reads the DRAM cache, the append kernel writes them there itself
         # (`writes_dram`); otherwise into these rows, which the host writes through
@@ -106,22 +108,22 @@ class DecodeStep:
         self.kv_scales_host = None if self.writes_dram else self._host((B, n, 2, c.num_kv_heads, groups), torch.int16)
         self.stored_rows = ([[self._stored_rows(b, j) for j in range(n)] for b in range(B)]
                             if self.append_kernel is not None else [])
-        self.o_host = self._host((B, n, c.num_heads, c.head_dim), torch.float32)
-        self.lse_host = self._host((B, n, c.num_heads), torch.float32)
+        self.o_host = self._host((n, B, c.num_heads, c.head_dim), torch.float32)
+        self.lse_host = self._host((n, B, c.num_heads), torch.float32)
         if self.scores_blocks:
             self.scores_host = self._host((B, n, first.device_anchors.num_rows, first.device_anchors.num_blocks),
                                           torch.float32)
         # device state between segments
-        self.o_cpu = torch.zeros((B, n, c.num_heads, c.head_dim), device=dev)
-        self.lse_cpu = torch.full((B, n, c.num_heads), float("-inf"), device=dev)
+        self.o_cpu = torch.zeros((n, B, c.num_heads, c.head_dim), device=dev)
+        self.lse_cpu = torch.full((n, B, c.num_heads), float("-inf"), device=dev)
         self.x = torch.zeros((B, c.hidden_size), dtype=model.dtype, device=dev)
-        self.o_dev = torch.zeros((B, n, c.num_heads, c.head_dim), device=dev)
-        self.lse_dev = torch.zeros((B, n, c.num_heads), device=dev)
+        self.o_dev = torch.zeros((n, B, c.num_heads, c.head_dim), device=dev)
+        self.lse_dev = torch.zeros((n, B, c.num_heads), device=dev)
         # q of each global layer, for its window part (and its selected blocks)
-        self.q_dev = torch.zeros((B, n, c.num_heads, c.head_dim), dtype=model.dtype, device=dev)
+        self.q_dev = torch.zeros((n, B, c.num_heads, c.head_dim), dtype=model.dtype, device=dev)
         if self.reads_dram:  # the state of each global layer's selected blocks
-            self.o_hit = torch.zeros((B, n, c.num_heads, c.head_dim), device=dev)
-            self.lse_hit = torch.full((B, n, c.num_heads), float("-inf"), device=dev)
+            self.o_hit = torch.zeros((n, B, c.num_heads, c.head_dim), device=dev)
+            self.lse_hit = torch.full((n, B, c.num_heads), float("-inf"), device=dev)
         self.dram_graphs: list[torch.cuda.CUDAGraph] = []
         self.window_graphs: list[torch.cuda.CUDAGraph] = []
         # recorded after each segment's copies to host memory: what the host waits for
@@ -159,14 +161,13 @@ class DecodeStep:
         else:
             layer = g[j - 1]
             if self.device_selects:  # the device attended to the window and every selected block: one state
-                o = self.o_hit[:, j - 1]
+                o = self.o_hit[j - 1]
             else:
-                self.o_cpu[:, j - 1].copy_(self.o_host[:, j - 1], non_blocking=True)  # written by the host before replay
-                self.lse_cpu[:, j - 1].copy_(self.lse_host[:, j - 1], non_blocking=True)
-                o, lse = merge_states(self.o_dev[:, j - 1], self.lse_dev[:, j - 1], self.o_cpu[:, j - 1],
-                                      self.lse_cpu[:, j - 1])
+                self.o_cpu[j - 1].copy_(self.o_host[j - 1], non_blocking=True)  # written by the host before replay
+                self.lse_cpu[j - 1].copy_(self.lse_host[j - 1], non_blocking=True)
+                o, lse = merge_states(self.o_dev[j - 1], self.lse_dev[j - 1], self.o_cpu[j - 1], self.lse_cpu[j - 1])
                 if self.reads_dram:
-                    o, _ = merge_states(o, lse, self.o_hit[:, j - 1], self.lse_hit[:, j - 1])
+                    o, _ = merge_states(o, lse, self.o_hit[j - 1], self.lse_hit[j - 1])
             self._finish(layer, o)
             start = layer + 1
         stop = g[j] if j < len(g) else self.num_layers
@@ -183,16 +184,16 @@ class DecodeStep:
             if self.device_selects:  # the token's own body reads it next (_token)
                 self.q_now = q
             else:  # the window's and the DRAM blocks' parts read it, captured apart
-                self.q_dev[:, j].copy_(q)
+                self.q_dev[j].copy_(q)
         else:
             self.logits.copy_(model.logits(self.x))
 
     def _window(self, j: int):
         """Global layer j's window part: each sequence's q over its sinks and window -> o_dev, lse_dev."""
         for b in range(self.batch):
-            o, lse = self._window_attention(b, self.global_layers[j], self.q_dev[b, j])
-            self.o_dev[b, j].copy_(o)
-            self.lse_dev[b, j].copy_(lse)
+            o, lse = self._window_attention(b, self.global_layers[j], self.q_dev[j, b])
+            self.o_dev[j, b].copy_(o)
+            self.lse_dev[j, b].copy_(lse)
 
     def _token(self):
         """A whole token when the device selects: every segment with its layer's window and
@@ -202,7 +203,7 @@ class DecodeStep:
             if j < len(self.global_layers):  # each window's state merged into its selected blocks'
                 for b, dram in enumerate(self.dram):
                     window = self._window_beside(b, self.global_layers[j], self.q_now[b])
-                    dram.attend(j, self.q_now[b], base=window, out=self.o_hit[b, j])
+                    dram.attend(j, self.q_now[b], base=window, out=self.o_hit[j, b])
         for dram in self.dram:
             dram.selection.report()
 
@@ -228,8 +229,8 @@ class DecodeStep:
     def _dram_part(self, j: int):
         """Global layer j's selected blocks, read from DRAM, for every sequence."""
         for b, dram in enumerate(self.dram):
-            _, lse = dram.attend(j, self.q_dev[b, j], out=self.o_hit[b, j])
-            self.lse_hit[b, j].copy_(lse)
+            _, lse = dram.attend(j, self.q_dev[j, b], out=self.o_hit[j, b])
+            self.lse_hit[j, b].copy_(lse)
 
     def _append(self, layer: int, j: int | None = None) -> torch.Tensor:
         """The layer's q, k, v of every sequence -> q [B, H, D]; each sequence's k/v into its
@@ -237,7 +238,7 @@ class DecodeStep:
         q, k, v = self.model.qkv(layer, self.x, self.position, self.rope)
         dtype = self.layout.dtype
         if j is not None and not self.device_selects:  # a global layer's q goes to the host, unless the device selects
-            self.q_host[:, j].copy_(q.float(), non_blocking=True)
+            self.q_host[j].copy_(q.float(), non_blocking=True)
         for b, window in enumerate(self.windows):
             keys, values = window.layer_buffers(layer)
             if self.append_kernel is not None:  # one kernel: the window's rows and, for a global layer, the stored ones
