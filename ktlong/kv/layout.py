@@ -102,6 +102,10 @@ class KVLayout:
     def dram_side_table_bytes(self) -> int:
         return len(self.global_layers) * self.side_table_bytes()
 
+    def dram_cache_bytes(self) -> int:
+        """One conversation's cache in DRAM: every layer's K/V and the global layers' side tables."""
+        return self.dram_kv_bytes(sliding=False) + self.dram_kv_bytes(sliding=True) + self.dram_side_table_bytes()
+
 
 def kv_layout(num_layers, num_kv_heads, head_dim, block_size, max_seq_len, kv_type,
               sliding: tuple[bool, ...] = (), local_windows_len: int = 0, page_type: str | None = None,

@@ -141,8 +141,7 @@ def plan_memory(c: ModelConfig, num_weight_elements: int, act_bytes: int, layout
 
 
 def dram_total_with(layout: KVLayout, dram_hidden: int, conversations: int = 1) -> int:
-    cache = layout.dram_kv_bytes(False) + layout.dram_kv_bytes(True) + layout.dram_side_table_bytes()
-    return conversations * cache + dram_hidden
+    return conversations * layout.dram_cache_bytes() + dram_hidden
 
 
 def available_dram_bytes() -> int:

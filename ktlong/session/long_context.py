@@ -122,8 +122,7 @@ class LongContextSession:
 
     @property
     def cache_bytes(self) -> int:
-        layout = self.layout
-        return layout.dram_kv_bytes(sliding=False) + layout.dram_kv_bytes(sliding=True) + layout.dram_side_table_bytes()
+        return self.layout.dram_cache_bytes()
 
     @property
     def prefill_density(self) -> float | None:
