@@ -43,7 +43,7 @@ from ktlong.config import load_config, options_in, parse_set, refuse_unread
 from ktlong.device import resolve_device
 from ktlong.errors import KtlongError
 from ktlong.decode.batch import DecodeBatch
-from ktlong.decode.decoder import Decoder
+from ktlong.decode.decoder import Decoder, DecodeTimes
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import kv_layout
 from cpu_ops.anchors import anchors_per_block
@@ -249,7 +249,7 @@ def main(argv=None) -> int:
                                   anchor_type=config.anchor_type, anchor_num=config.anchor_num) for context in contexts}
     free = available_dram_bytes()
     for context, layout in layouts.items():  # every row's caches fit, before any row runs
-        per_conversation = layout.dram_kv_bytes(False) + layout.dram_kv_bytes(True) + layout.dram_side_table_bytes()
+        per_conversation = layout.dram_cache_bytes()
         fit = free // per_conversation
         print(f"{context // 1024}K: {per_conversation / GIB:.1f} GiB of DRAM a conversation; {fit} fit in the "
               f"{free / GIB:.0f} GiB free", flush=True)
@@ -307,15 +307,16 @@ def main(argv=None) -> int:
                     raise KtlongError("--selection_drift replaces the host's selection, and graphs-gpu-context "
                                       "selects on the device; add --set block_scoring=cpu to keep the selection "
                                       "on the host.")
-                if args.selection_drift is not None:  # (no loop variable left holding a decoder after the row)
+                # (indices, not loop variables: none is left holding a decoder into the next row)
+                if args.selection_drift is not None:
                     for i in range(size):
-                        selector = decoders[i].selector
-                        selector.select = DriftingSelection(selector.select, args.selection_drift, i)
+                        decoders[i].selector.select = DriftingSelection(decoders[i].selector.select,
+                                                                        args.selection_drift, i)
                 batch = DecodeBatch(model, decoders, graphs and cuda)
                 for t in range(4):
                     batch.step(decoders, [t] * size)
-                for decoder in decoders:
-                    decoder.times = type(decoder.times)()
+                for i in range(size):
+                    decoders[i].times = DecodeTimes()
                 synchronize(device)
                 per_step = []
                 for t in range(args.tokens):

@@ -33,7 +33,6 @@ class DecodeBatch:
         self.body = body = DecodeStep(model, sequences, use_cuda_graph)
         self.global_layers = body.global_layers
         self.context = ContextAttention(body, body.layout.block_size, model.scale)
-        self.q = body.q_host.numpy()
         if not body.writes_dram:  # [B, global layers, 2, KV, R] as DRAM stores them, for write_through
             self.new_kv, self.new_kv_scales = host_words(body.kv_host), host_words(body.kv_scales_host)
         self.scores = body.scores_host.numpy() if body.scores_blocks and not body.device_selects else None
@@ -121,7 +120,7 @@ class DecodeBatch:
                 continue
             scores = None if self.scores is None else (lambda b=b: self.scores[b, j])
             t0 = time.perf_counter()
-            selections.append(s.selector.select(layer, s.step_index, self.q[j, b], first, last, scores))
+            selections.append(s.selector.select(layer, s.step_index, self.context.q[j, b], first, last, scores))
             s.times.selection += time.perf_counter() - t0
         t0 = time.perf_counter()
         read = self.context.attend(j, layer, sequences, selections, [last * self.body.layout.block_size for _, last in ranges])

@@ -76,7 +76,6 @@ class DramBlocks:
         self._pinned = PinnedTensors(device.type == "cuda")
         self.hits = HitIndex(len(global_layers), KV, max_selected, self._pinned, device)
         self.head_rows = (np.arange(KV, dtype=np.int64) * NB)[:, None]
-        self.none_left = (np.zeros((KV, 1), np.int32), np.zeros(KV, np.int32))
         self.selection = selection
         # the device's copies (None: none kept): per global layer, the blocks per kv head read
         # from the copy; the copies themselves are looked up when a part is run or captured
@@ -130,11 +129,10 @@ class DramBlocks:
         return self.hits.fits(blocks)
 
     def split(self, j: int, blocks: np.ndarray, counts: np.ndarray):
-        """Layer j's selection -> the rows the GPU reads; nothing left for the CPU."""
+        """Layer j's selection -> the rows the GPU reads (all of it: nothing is left for the CPU)."""
         S = blocks.shape[1]
         self.hits.index_np[j, :, :S] = self.head_rows + blocks
         self.hits.valid_np[j] = counts.astype(np.int64) * self.block_size
-        return self.none_left
 
     def no_hits(self, j: int):
         """Layer j reads no blocks on the device this step (nothing selected, or a dense layer's
