@@ -66,6 +66,14 @@ def _insert(units: list[str], needle: str, depth: float) -> list[str]:
     return units[:at] + [needle] + units[at:]
 
 
+def _insert_all(units: list[str], placed: list[tuple[str, float]]) -> list[str]:
+    """Each (needle, depth) at its depth of the units, the deepest first (so that each depth is
+    taken among the units, not among needles inserted before it)."""
+    for needle, depth in sorted(placed, key=lambda x: -x[1]):
+        units = _insert(units, needle, depth)
+    return units
+
+
 def passkey(rng: random.Random, num_units: int, depth: float):
     key = str(rng.randint(10000, 99999))
     needle = f"The pass key is {key}. Remember it. {key} is the pass key."
@@ -106,8 +114,8 @@ def multikey(rng: random.Random, num_units: int, depth: float):
     units = sentences(num_units, rng.randint(0, 1 << 30))
     # the asked-for needle at the depth, the distractors spread evenly
     others = [(i + 1) / 6 for i in range(5)]
-    for person, d in sorted(zip(people[1:], others), key=lambda x: -x[1]):
-        units = _insert(units, f"The special magic number for {person} is {numbers[person]}.", d)
+    units = _insert_all(units, [(f"The special magic number for {p} is {numbers[p]}.", d)
+                                for p, d in zip(people[1:], others)])
     units = _insert(units, f"The special magic number for {target} is {numbers[target]}.", depth)
     prompt = (f"Read the following text.\n\n{' '.join(units)}\n\nWhat is the special magic number for "
               f"{target}? Answer with the number only.")
@@ -116,10 +124,7 @@ def multikey(rng: random.Random, num_units: int, depth: float):
 
 def _spread(units: list[str], needles: list[str], depth: float) -> list[str]:
     """The needles in order, the first at depth and the others evenly after it to the end."""
-    places = [depth + (1 - depth) * i / len(needles) for i in range(len(needles))]
-    for text, at in sorted(zip(needles, places), key=lambda x: -x[1]):
-        units = _insert(units, text, at)
-    return units
+    return _insert_all(units, [(text, depth + (1 - depth) * i / len(needles)) for i, text in enumerate(needles)])
 
 
 def multivalue(rng: random.Random, num_units: int, depth: float):
