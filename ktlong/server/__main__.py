@@ -46,7 +46,8 @@ def make_app(started, log=None):
                           Defaults(config.max_new_tokens, config.temperature, config.top_p, config.top_k, config.seed))
     api_key = config.api_key or os.environ.get(API_KEY_VARIABLE, "")
     worker = Worker(session, lm.tokenizer, config.queue_size, log, config.finish_prefill_on_disconnect,
-                    cache_store(config, started, session, log))
+                    cache_store(config, started, session, log), config.max_num_seqs,
+                    config.prefill_slice_ms / 1000)
     return build_app(worker, prompting, model_id(config.model, lm.path), api_key, config.keepalive_seconds,
                      config.body_timeout_seconds), api_key
 

@@ -21,7 +21,8 @@ from ktlong.session.cache_records import CacheFileError
 from ktlong.chat.logprobs import TokenLogprob
 from ktlong.server.protocol import ApiError, Prompting, check_model, chunk, logprobs_body, new_id, response, usage
 from ktlong.server.request_body import BODY_BYTES_BESIDES, BODY_BYTES_PER_TOKEN, BodyLimits, read_json
-from ktlong.server.worker import Outcome, Progress, QueueFull, Ticket, ToolCalls, Worker
+from ktlong.server.reply import Outcome, Progress, Ticket, ToolCalls
+from ktlong.server.worker import QueueFull, Worker
 
 def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)

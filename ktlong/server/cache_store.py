@@ -43,6 +43,7 @@ class Entry:
     held: HeldConversation | None = None  # held in DRAM
     disk_bytes: int = 0  # its file's size; 0: not on disk
     disk_tokens: int = 0  # tokens its file holds
+    busy: bool = False  # held, and decoding an answer beside others (`detach` .. `release`)
 
 
 class CacheStore:
@@ -72,7 +73,7 @@ class CacheStore:
                                  or (live >= self.min_tokens and 2 * live >= len(session.ids)))
             best, best_n = None, 0
             for entry in self.entries.values():
-                n = cached_prefix(entry.ids, prompt_ids) if entry is not self.live else 0
+                n = cached_prefix(entry.ids, prompt_ids) if entry is not self.live and not entry.busy else 0
                 if n > best_n:
                     best, best_n = entry, n
             if best is not None and best_n >= self.min_tokens and best_n > (live if keep else 0):
@@ -92,6 +93,46 @@ class CacheStore:
         with self.lock:
             if self.live is not None:
                 self.live.ids, self.live.last_used = list(self.session.ids), time.time()
+
+    def detach(self) -> tuple[Entry | None, HeldConversation]:
+        """After a prefill, with several conversations decoding together: the live conversation
+        leaves the session, held in DRAM and busy until `release`; the session goes on with an
+        empty cache (a spare, or a new one: the plan counts max_num_seqs caches besides the
+        kept ones)."""
+        with self.lock:
+            host = self.spare.pop() if self.spare else HostKVCache(self.session.layout,
+                                                                    pin=not self.session.host.maps_files)
+            conversation = self.session.detach(host)
+            entry, self.live = self.live, None
+            if entry is not None:
+                entry.ids, entry.held, entry.busy = list(conversation.ids), conversation, True
+            return entry, conversation
+
+    def release(self, entry: Entry | None, conversation: HeldConversation, keep: bool = True):
+        """A detached conversation's answer is done: it stays held in DRAM like any kept one
+        (its decoder too, while the device has room), within cache_dram_gb, the least recently
+        used idle ones spilled to disk past it; forgotten when short or when not `keep` (its
+        decode failed)."""
+        with self.lock:
+            if entry is None or self.entries.get(entry.id) is not entry:
+                self.spare.append(conversation.host)
+                return
+            entry.busy, entry.last_used = False, time.time()
+            entry.ids = list(conversation.ids)
+            if not keep or len(entry.ids) < self.min_tokens:
+                entry.held = None
+                self.spare.append(conversation.host)
+                if not keep:
+                    self._remove_file(entry)
+                self._fall_back(entry)
+                return
+            self.session.park(conversation)
+            while len(idle := [e for e in self.entries.values() if e.held is not None and not e.busy]) > self.slots:
+                victim = min(idle, key=lambda e: e.last_used)
+                if not self._spill(victim, victim.held):
+                    self.entries.pop(victim.id, None)
+                self.spare.append(victim.held.host)
+                victim.held = None
 
     # ---- the operator's endpoints ----
 
@@ -117,7 +158,7 @@ class CacheStore:
         """Make one conversation the session's (a request that extends it prefills only its new
         tokens)."""
         with self.lock:
-            entry = self._entry(entry_id)
+            entry = self._entry(entry_id, idle=True)
             if entry is not self.live and not self._bring(entry):
                 raise CacheFileError(f"Conversation {entry_id}'s file could not be loaded; the server's log says "
                                      "why.")
@@ -126,7 +167,7 @@ class CacheStore:
     def erase(self, entry_id: str):
         """Forget one conversation: out of DRAM, its file removed."""
         with self.lock:
-            entry = self._entry(entry_id)
+            entry = self._entry(entry_id, idle=True)
             if entry is self.live:
                 self.session.reset()
                 self.live = None
@@ -239,7 +280,7 @@ class CacheStore:
         recently used held conversation's after spilling it; None without slots."""
         if self.spare:
             return self.spare.pop()
-        held = [e for e in self.entries.values() if e.held is not None]
+        held = [e for e in self.entries.values() if e.held is not None and not e.busy]
         if len(held) < self.slots:
             return HostKVCache(self.session.layout, pin=not self.session.host.maps_files)
         if not held:
@@ -329,10 +370,13 @@ class CacheStore:
             pass
         return new
 
-    def _entry(self, entry_id: str) -> Entry:
+    def _entry(self, entry_id: str, idle: bool = False) -> Entry:
+        """idle: the entry must not be answering a request now (restore, erase)."""
         entry = self.entries.get(entry_id) if ENTRY_ID.fullmatch(entry_id) else None
         if entry is None or (entry is self.live and not self.session.ids):
             raise KeyError(entry_id)
+        if idle and entry.busy:
+            raise CacheFileError(f"Conversation {entry_id} is answering a request now; retry when it is done.")
         return entry
 
     def _describe(self, entry: Entry) -> dict:

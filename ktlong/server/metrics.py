@@ -14,8 +14,9 @@ TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200
 
 
 class ServerMetrics:
-    def __init__(self, queue_depth: Callable[[], int], dram_bytes: Callable[[], int], disk_bytes: Callable[[], int]):
-        """queue_depth: requests waiting; dram_bytes, disk_bytes: bytes of KV cache the server
+    def __init__(self, queue_depth: Callable[[], int], running: Callable[[], int], dram_bytes: Callable[[], int],
+                 disk_bytes: Callable[[], int]):
+        """queue_depth: requests waiting; running: requests prefilling or decoding; dram_bytes, disk_bytes: bytes of KV cache the server
         holds in DRAM (the session's and the conversations kept) and in its cache folder."""
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram("ktlong_time_to_first_token_seconds", "Time from a request's start of prefill "
@@ -31,7 +32,9 @@ class ServerMetrics:
         self.requests = Counter("ktlong_requests", "Requests, by how they ended", ["result"], registry=r)
         self.density = Gauge("ktlong_compact_density", "Fraction of history blocks CompactAttention kept in "
                              "the last long-context prefill (1 when it ran dense)", registry=r)
-        Gauge("ktlong_queue_depth", "Requests waiting while one generates", registry=r).set_function(queue_depth)
+        Gauge("ktlong_queue_depth", "Requests waiting to start", registry=r).set_function(queue_depth)
+        Gauge("ktlong_running", "Requests prefilling or decoding (up to max_num_seqs decode together)",
+              registry=r).set_function(running)
         held = Gauge("ktlong_kv_cache_bytes", "Bytes of KV cache the server holds, by tier", ["tier"], registry=r)
         held.labels("dram").set_function(dram_bytes)
         held.labels("disk").set_function(disk_bytes)

@@ -1,216 +1,313 @@
-"""One model, one session, one generation at a time: requests wait in a bounded queue and run
-in order on a single thread that owns the model. The session keeps its KV cache between
-requests, so a conversation that extends the previous one prefills only its new tokens.
+"""The thread that owns the model and schedules the requests on it.
 
-The event loop talks to a request through its `Ticket`: the worker puts the answer's text
-pieces and then an `Outcome` (or an `ApiError`) on it; the loop cancels it when the client goes away, which
-stops the prefill after its current chunk or the decode before its next token.
+Requests wait in a bounded queue. Up to `max_num_seqs` of them run at once: each step decodes
+one token of every running answer together (LongContextSession.step_batch: one pass over the
+weights for all of them, each conversation reading its own blocks; ktlong/decode/batch.py),
+and answers join and leave between steps. One request at a time prefills, a slice between two
+steps (ktlong/session/sliced_prefill.py: `prefill_slice_ms` of work, then its next chunk
+boundary), so the streams that decode keep going while a long prompt prefills; when nothing
+decodes, the prefill runs on without pausing. A prefilled conversation leaves the session to
+decode (CacheStore.detach) and, once its answer is done, is held like any kept conversation
+(CacheStore.release), so a follow-up finds it. With `max_num_seqs: 1`, or a session that
+decodes one conversation at a time (dense, or a model whose sliding-window layers the cache
+store cannot keep), the answer decodes in the session itself and the next prefill waits for it.
+
+The event loop talks to a request through its Ticket (ktlong/server/reply.py): the worker puts
+the answer's text pieces and then an Outcome (or an ApiError) on it; the loop cancels it when
+the client goes away, which stops the prefill after its current chunk (or lets it finish into
+the cache, `finish_prefill_on_disconnect`) or the answer before its next token.
 """
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import threading
 import time
 import traceback
-from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter, deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 
-from ktlong.chat.constrained import JsonConstraint, SchemaError
-from ktlong.chat.generate import generate
-from ktlong.chat.logprobs import token_logprob
-from ktlong.chat.sampling import Sampler
-from ktlong.errors import KtlongError
-from ktlong.session.protocol import Session
-from ktlong.server.cache_store import CacheStore
+from ktlong.chat.constrained import SchemaError
+from ktlong.errors import Cancelled, KtlongError
+from ktlong.server.cache_store import CacheStore, Entry
 from ktlong.server.metrics import ServerMetrics
 from ktlong.server.protocol import ApiError, Job
-from ktlong.server.stop_strings import StopStrings
-from ktlong.server.tool_calls import ToolCallStream
-
-
-@dataclass(frozen=True)
-class Outcome:
-    finish_reason: str  # stop | length (a cancelled request has nobody to tell)
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int  # prompt tokens whose K/V the session already held
-    cached_from: str | None  # where those came from: session, dram or disk (ktlong/server/cache_store.py)
-
-
-@dataclass
-class Progress:
-    """A long prefill's progress: prompt tokens computed so far of those it computes."""
-    done: int
-    total: int
-    elapsed: float
-
-
-PROGRESS_EVERY = 0.5  # seconds between progress events (a prefill reports after every chunk of every layer)
-
-
-@dataclass(frozen=True)
-class ToolCalls:
-    """The answer's tool calls, read out of its text once it is done (before its Outcome)."""
-    calls: list
+from ktlong.server.reply import Reply, Ticket
+from ktlong.session.protocol import Session
+from ktlong.session.sliced_prefill import SlicedPrefill
 
 
 class QueueFull(Exception):
     pass
 
 
-class Ticket:
-    """A request's mailbox between the worker thread and the event loop."""
+@dataclass
+class Prefilling:
+    reply: Reply
+    prefill: SlicedPrefill
+    cached_from: str | None  # where the reused prompt tokens come from (CacheStore.prepare)
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.cancelled = threading.Event()
 
-    def put(self, event):
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-
-    def cancel(self):
-        self.cancelled.set()
+@dataclass
+class Row:
+    """A running answer: the next token to decode, and where its conversation is."""
+    reply: Reply
+    token: int
+    conversation: object  # a HeldConversation decoding outside the session; None: the session's own
+    entry: Entry | None  # its cache store entry, while detached
+    prefilled: int  # prompt tokens the prefill computed
+    cached: int  # prompt tokens that came from the cache
+    cached_from: str | None
+    density: float | None
 
 
 class Worker:
     def __init__(self, session: Session, tokenizer, queue_size: int, log=None, finish_prefill: bool = True,
-                 store: CacheStore | None = None):
+                 store: CacheStore | None = None, max_num_seqs: int = 1, prefill_slice_seconds: float = 0.05):
         """finish_prefill: a request whose client went away during prefill finishes the prefill
         into the cache (its retry reuses it) and stops before the first token. store: the
-        conversations kept besides the session's (None: only the session's)."""
+        conversations kept besides the session's (None: only the session's); answers decode
+        together only with one. prefill_slice_seconds: a prefill's work between two decode steps."""
         self.session, self.tokenizer, self.queue_size = session, tokenizer, queue_size
-        self.finish_prefill, self.store = finish_prefill, store
+        self.finish_prefill, self.store, self.slice_seconds = finish_prefill, store, prefill_slice_seconds
+        self.max_rows = max_num_seqs if store is not None else 1
         dram = store.dram_bytes if store is not None else lambda: session.cache_bytes
         disk = store.disk_bytes if store is not None else lambda: 0
-        self.metrics = ServerMetrics(queue_depth=lambda: self.status()["waiting"], dram_bytes=dram, disk_bytes=disk)
+        self.metrics = ServerMetrics(queue_depth=lambda: self.status()["waiting"],
+                                     running=lambda: self.status()["running"], dram_bytes=dram, disk_bytes=disk)
         self.log = log or sys.stderr
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ktlong-generate")
         self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
         self.counts: Counter = Counter()  # completed, cancelled, rejected, failed
         self.prefilled_tokens = 0  # over all requests: tokens computed by prefill
         self.cached_tokens = 0  # over all requests: prompt tokens served from the cache
-        self.tickets: set[Ticket] = set()  # admitted and not finished: the one generating and those waiting
+        self.tickets: set[Ticket] = set()  # admitted and not finished: running and waiting
+        self.waiting: deque[tuple[Job, Ticket]] = deque()
+        self.calls: deque[tuple[Future, object, tuple]] = deque()  # to run on this thread between steps
+        self.running = 0  # prefilling or decoding
         self.closing = threading.Event()
+        self.stopped = False
+        # the worker thread's own (read under the lock by the wait in _loop)
+        self.prefilling: Prefilling | None = None
+        self.rows: list[Row] = []
+        self.thread = threading.Thread(target=self._loop, name="ktlong-generate", daemon=True)
+        self.thread.start()
 
-    def submit(self, job: Job, loop: asyncio.AbstractEventLoop) -> Ticket:
-        """Admit a job, or raise QueueFull when queue_size requests already wait."""
+    # ---- what the event loop calls ----
+
+    def submit(self, job: Job, loop) -> Ticket:
+        """Queue a job, or raise QueueFull when queue_size requests already wait beyond those
+        that can start now."""
         ticket = Ticket(loop)
         with self.lock:
             if self.closing.is_set():
                 raise ApiError(503, "The server is shutting down; retry when it is back.", kind="server_error",
                                code="server_shutting_down")
-            if len(self.tickets) > self.queue_size:
+            if len(self.waiting) >= self.queue_size + max(self.max_rows - self.running, 0):
                 self.counts["rejected"] += 1
                 raise QueueFull
             self.tickets.add(ticket)
-        self.executor.submit(self._run, job, ticket)
+            self.waiting.append((job, ticket))
+            self.wake.notify()
         return ticket
 
     def shutdown(self):
-        """Stop what runs and what waits (the generation after its current chunk or token): each
-        gets an error saying the server is shutting down, so that a stream ends with it."""
+        """Stop what runs and what waits (a prefill after its current chunk, an answer before its
+        next token): each gets an error saying the server is shutting down."""
         with self.lock:
             self.closing.set()
             for ticket in self.tickets:
                 ticket.cancel()
+            self.wake.notify()
 
     def status(self) -> dict:
         with self.lock:
-            busy = min(len(self.tickets), 1)
-            return {"generating": bool(busy), "waiting": len(self.tickets) - busy, "queue_size": self.queue_size,
+            return {"generating": self.running > 0, "running": self.running, "waiting": len(self.waiting),
+                    "max_num_seqs": self.max_rows, "queue_size": self.queue_size,
                     "requests": {k: self.counts[k] for k in ("completed", "cancelled", "rejected", "failed")},
                     "prefilled_tokens": self.prefilled_tokens, "cached_tokens": self.cached_tokens}
 
-    def call(self, fn, *args):
-        """Run fn on the thread that owns the session, after what is running; a future."""
-        return self.executor.submit(fn, *args)
+    def call(self, fn, *args) -> Future:
+        """Run fn on the thread that owns the session, between steps and outside any prefill."""
+        future = Future()
+        with self.lock:
+            self.calls.append((future, fn, args))
+            self.wake.notify()
+        return future
 
     def close(self):
         """Stop, then write the conversations kept in DRAM to disk (with a cache_dir)."""
         self.shutdown()
         if self.store is not None:
-            self.executor.submit(self.store.close)
-        self.executor.shutdown(wait=True, cancel_futures=False)
-
-    def _run(self, job: Job, ticket: Ticket):
-        result = "failed"
-        try:
-            outcome = None if ticket.cancelled.is_set() else self._generate(job, ticket)  # set: the client left
-            result = "cancelled" if outcome is None else "completed"
-            if outcome is None and self.closing.is_set():
-                ticket.put(ApiError(503, "The server is shutting down; this answer was cut short.",
-                                    kind="server_error", code="server_shutting_down"))
-            elif outcome is not None:
-                ticket.put(outcome)
-        except SchemaError as e:  # the schema grew past llguidance's limits part way through
-            ticket.put(ApiError(400, str(e), "response_format"))
-        except KtlongError as e:
-            ticket.put(ApiError(500, str(e), kind="server_error"))
-        except Exception:  # never a traceback to the client; the operator gets it
-            traceback.print_exc(file=self.log)
-            ticket.put(ApiError(500, "The server failed while generating; its log has the details.",
-                                kind="server_error"))
-        finally:
-            with self.lock:
-                self.counts[result] += 1
-                self.tickets.discard(ticket)
-            self.metrics.requests.labels(result).inc()
-
-    def _generate(self, job: Job, ticket: Ticket) -> Outcome | None:
-        stops = StopStrings(job.stop)
-        held = ToolCallStream(job.tools, job.tool_names, job.forced) if job.tools is not None else None
-
-        def on_text(piece: str):
-            text = stops.push(piece)
-            if held is not None:
-                text = held.push(text)
-            if text:
-                ticket.put(text)
-
-        sampler = Sampler(job.temperature, job.top_p, job.top_k, job.seed)
-        start, last = time.perf_counter(), [0.0]
-
-        def on_progress(done: int, total: int):
-            now = time.perf_counter() - start
-            if done == total or now - last[0] >= PROGRESS_EVERY:
-                last[0] = now
-                ticket.put(Progress(done, total, now))
-
-        def on_token(token: int, logits):  # a TokenLogprob precedes its token's text
-            ticket.put(token_logprob(logits, token, job.logprobs))
-
-        where = self.store.prepare(job.prompt_ids) if self.store is not None else "session"
-        constraint = JsonConstraint(self.tokenizer, job.grammar) if job.grammar is not None else None
-        gen = generate(self.session, job.prompt_ids, job.max_tokens, sampler, self.tokenizer.stop_ids,
-                       self.tokenizer, on_text=on_text, on_token=on_token if job.logprobs is not None else None,
-                       should_stop=lambda: ticket.cancelled.is_set() or stops.hit,
-                       on_progress=on_progress if job.progress else None,
-                       should_stop_prefill=lambda: self.closing.is_set() or (ticket.cancelled.is_set()
-                                                                             and not self.finish_prefill),
-                       constraint=constraint)
-        cached = len(job.prompt_ids) - self.session.last_prefill_tokens
-        if self.store is not None:
-            self.store.finished()
+            self.call(self.store.close).exception()
         with self.lock:
-            self.prefilled_tokens += self.session.last_prefill_tokens
-            self.cached_tokens += cached
-        self.metrics.finished(self.session.last_prefill_tokens, cached, where, len(gen.token_ids), gen.prefill_seconds,
-                              gen.decode_seconds, self.session.prefill_density)
-        if ticket.cancelled.is_set():
-            return None
-        tail, calls = stops.flush(), []
-        if held is not None:
-            tail = held.push(tail)
-            rest, calls = held.finish()
-            tail += rest
-            calls = calls if job.parallel_calls else calls[:1]
-        if tail:
-            ticket.put(tail)
-        if calls:
-            ticket.put(ToolCalls(calls))
-        finish = "tool_calls" if calls else "stop" if stops.hit or gen.finish_reason == "stop" else "length"
-        return Outcome(finish, len(job.prompt_ids), len(gen.token_ids), cached, where if cached else None)
+            self.stopped = True
+            self.wake.notify()
+        self.thread.join()
+
+    # ---- the worker's thread ----
+
+    def _loop(self):
+        while True:
+            with self.lock:
+                while not (self.calls and self.prefilling is None) and not self.rows and self.prefilling is None \
+                        and not (self.waiting and len(self.rows) < self.max_rows):
+                    if self.stopped:
+                        return
+                    self.wake.wait()
+                calls = [] if self.prefilling is not None else list(self.calls)
+                if calls:
+                    self.calls.clear()
+            for future, fn, args in calls:
+                self._call(future, fn, args)
+            try:
+                if self.prefilling is None and len(self.rows) < self.max_rows:
+                    self._admit()
+                if self.prefilling is not None:
+                    self._prefill_slice()
+                if self.rows:
+                    self._decode_step()
+            except Exception as e:  # the worker's own failure: its answers are told, the thread goes on
+                self._fail_all(e)
+
+    def _call(self, future: Future, fn, args):
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:
+            future.set_exception(e)
+
+    def _admit(self):
+        """The first waiting request starts its prefill."""
+        with self.lock:
+            if not self.waiting:
+                return
+            job, ticket = self.waiting.popleft()
+            self.running += 1
+        if ticket.cancelled.is_set():  # the client left while it waited
+            self._cancelled(ticket)
+            return
+        try:
+            reply = Reply(job, ticket, self.tokenizer,
+                          min(job.max_tokens, self.session.max_seq_len - len(job.prompt_ids)))
+        except Exception as e:  # a grammar llguidance refuses
+            ticket.put(self._error(e))
+            self._done(ticket, "failed")
+            return
+        cached_from = self.store.prepare(job.prompt_ids) if self.store is not None else "session"
+        stop = lambda: self.closing.is_set() or (ticket.cancelled.is_set() and not self.finish_prefill)
+
+        def run(pause):
+            def should_stop():
+                pause()
+                return stop()
+            return self.session.prefill(job.prompt_ids, False, should_stop,
+                                        reply.progress if job.progress else None)
+
+        self.prefilling = Prefilling(reply, SlicedPrefill(run, self.slice_seconds, lambda: bool(self.rows)),
+                                     cached_from)
+
+    def _prefill_slice(self):
+        p = self.prefilling
+        if not p.prefill.advance():
+            return
+        self.prefilling = None
+        reply, session = p.reply, self.session
+        prefilled = session.last_prefill_tokens
+        row = Row(reply, 0, None, None, prefilled, len(reply.job.prompt_ids) - prefilled, p.cached_from,
+                  session.prefill_density)
+        if p.prefill.error is not None:
+            self._finish(row, p.prefill.error)
+            return
+        token = reply.first(p.prefill.result)
+        if token is None:
+            self._finish(row)
+            return
+        row.token = token
+        if self.max_rows > 1:
+            row.entry, row.conversation = self.store.detach()
+        self.rows.append(row)
+
+    def _decode_step(self):
+        rows = self.rows
+        tokens = [r.token for r in rows]
+        try:
+            if rows[0].conversation is None:
+                logits = self.session.step(tokens[0])[None]
+            else:
+                logits = self.session.step_batch([r.conversation for r in rows], tokens)
+        except Exception as e:  # the whole step failed: every answer in it ends
+            self.rows = []
+            for row in rows:
+                self._finish(row, e)
+            return
+        going = []
+        for b, row in enumerate(rows):
+            try:
+                token = row.reply.answer.next(logits[b])
+            except Exception as e:
+                self._finish(row, e)
+                continue
+            if token is None:
+                self._finish(row)
+            else:
+                row.token = token
+                going.append(row)
+        self.rows = going
+
+    def _finish(self, row: Row, error: BaseException | None = None):
+        """An answer ended (done, cancelled or failed): its conversation kept, its figures
+        counted, its client told."""
+        reply, ticket = row.reply, row.reply.ticket
+        if self.store is not None:
+            if row.conversation is not None:
+                self.store.release(row.entry, row.conversation, keep=error is None)
+            else:
+                self.store.finished()
+        answered = len(reply.answer.token_ids)
+        first = reply.first_token_at or time.perf_counter()
+        self.metrics.finished(row.prefilled, row.cached, row.cached_from, answered, first - reply.start,
+                              time.perf_counter() - first, row.density)
+        with self.lock:
+            self.prefilled_tokens += row.prefilled
+            self.cached_tokens += row.cached
+        if isinstance(error, Cancelled) or (error is None and reply.cancelled):
+            self._cancelled(ticket)
+        elif error is not None:
+            ticket.put(self._error(error))
+            self._done(ticket, "failed")
+        else:
+            ticket.put(reply.outcome(row.cached, row.cached_from))
+            self._done(ticket, "completed")
+
+    def _cancelled(self, ticket: Ticket):
+        """The client left (nobody to tell), or the server is shutting down (the stream ends with that)."""
+        if self.closing.is_set():
+            ticket.put(ApiError(503, "The server is shutting down; this answer was cut short.",
+                                kind="server_error", code="server_shutting_down"))
+        self._done(ticket, "cancelled")
+
+    def _error(self, error: BaseException) -> ApiError:
+        if isinstance(error, SchemaError):  # the schema grew past llguidance's limits part way through
+            return ApiError(400, str(error), "response_format")
+        if isinstance(error, KtlongError):
+            return ApiError(500, str(error), kind="server_error")
+        # never a traceback to the client; the operator gets it
+        traceback.print_exception(type(error), error, error.__traceback__, file=self.log)
+        return ApiError(500, "The server failed while generating; its log has the details.", kind="server_error")
+
+    def _fail_all(self, error: Exception):
+        """After a failure of the worker itself: the answers decoding end with an error (a
+        prefill goes on: what it raises ends its own request)."""
+        rows, self.rows = self.rows, []
+        for row in rows:
+            self._finish(row, error)
+
+    def _done(self, ticket: Ticket, result: str):
+        with self.lock:
+            self.counts[result] += 1
+            self.tickets.discard(ticket)
+            self.running -= 1
+        self.metrics.requests.labels(result).inc()

@@ -24,6 +24,7 @@ from ktlong.kv.resident import ResidentHistory
 from ktlong.models.llama import LlamaModel
 from ktlong.prefill import LayerMajorPrefill
 from ktlong.decode.selection import SelectionSettings
+from ktlong.decode.batch import DecodeBatch
 from ktlong.decode.decoder import Decoder
 from ktlong.decode.warm_up import compile_decode_kernels
 from ktlong.session.parked_decoders import ParkedDecoders
@@ -72,6 +73,7 @@ class LongContextSession:
         self.last_prefill_tokens = 0  # tokens the last prefill computed (the rest came from the cache)
         self.last_decode_setup_seconds = 0.0  # after the last prefill: the decoder built, its graphs captured
         self.last_follow_up = (False, False)  # the last prefill's (decoder kept, history prefetched)
+        self._batch = None  # (decoders, DecodeBatch) of the last step_batch of several conversations
 
     @classmethod
     def from_plan(cls, model: LlamaModel, plan: SessionPlan) -> "LongContextSession":
@@ -178,6 +180,42 @@ class LongContextSession:
         self.parked.take(incoming)
         self._give_resident(incoming)
         return outgoing
+
+    def detach(self, host: HostKVCache) -> "HeldConversation":
+        """The conversation just prefilled leaves the session to decode beside others
+        (step_batch), with its decoder; the session goes on with an empty one on `host`. The
+        device room its resident history held is the next prefill's: a running decoder reads
+        its blocks from DRAM."""
+        assert self.decoder is not None and host is not self.host
+        outgoing = self.conversation
+        if outgoing.resident is not None:  # its decoder follows at its next step
+            outgoing.resident.fit(0)
+        self.conversation = HeldConversation.empty(self.layout, host)
+        self._give_resident(self.conversation)
+        return outgoing
+
+    def park(self, conversation: "HeldConversation"):
+        """A conversation that decoded outside the session is held elsewhere now (the server's
+        cache store): its decoder stays on the device while the plan leaves room (ParkedDecoders)."""
+        self.parked.park(conversation)
+
+    @torch.inference_mode()
+    def step_batch(self, conversations: list["HeldConversation"], tokens: list[int]) -> torch.Tensor:
+        """One token of each conversation (the session's own, or detached ones), decoded together
+        (ktlong/decode/batch.py) -> logits [B, vocab]. A batch of other members is built anew:
+        conversations join and leave between steps. A conversation alone steps through its own
+        decoder's batch of one, whose graphs its prefill captured."""
+        decoders = [c.decoder for c in conversations]
+        if len(decoders) == 1:
+            logits = decoders[0].step(tokens[0])[None]
+        else:
+            if self._batch is None or len(self._batch[0]) != len(decoders) or any(
+                    a is not b for a, b in zip(self._batch[0], decoders)):
+                self._batch = (decoders, DecodeBatch(self.model, decoders, self.use_cuda_graph))
+            logits = self._batch[1].step(decoders, tokens)
+        for conversation, token in zip(conversations, tokens):
+            conversation.ids.append(token)
+        return logits
 
     def reusable(self, prompt_ids: list[int]) -> int:
         """How many leading tokens of prompt_ids the cache already holds: the common prefix
