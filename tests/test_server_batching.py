@@ -1,0 +1,136 @@
+"""Several answers at once (ktlong/server/worker.py), through the official `openai` client:
+concurrent clients, some of which go away mid-answer, each get the answer the same request gets
+alone; the decode steps really ran several conversations together; and a stream keeps
+producing tokens while another request's long prompt prefills."""
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from ktlong.server.__main__ import make_app
+from tests.http_server import RunningServer, started
+from tests.test_server import MODEL, chat_ids
+
+pytestmark = pytest.mark.slow  # loads a real model
+
+ANSWER_TOKENS = 12
+PLACES = ("Vlatna", "Kessa", "Odrin", "Pellow", "Marsk", "Tiberon", "Quell", "Asterby")
+
+
+def messages(i: int, lines: int = 10) -> list[dict]:
+    place = PLACES[i % len(PLACES)]
+    notes = "\n".join(f"Day {n} in {place}: {n * 7 + i} visitors crossed bridge {n % 5}." for n in range(lines))
+    return [{"role": "user", "content": f"{notes}\n\nHow many visitors came to {place} on day 3?"}]
+
+
+@pytest.fixture(scope="module")
+def lm(real_model):
+    return real_model(MODEL)
+
+
+@pytest.fixture(scope="module")
+def server(lm):
+    app, _ = make_app(started(lm, MODEL, mode="long_context", max_new_tokens=ANSWER_TOKENS, block_size=16,
+                              chunk_size=64, local_windows_len=64, max_seq_len=4096, cache_min_tokens=64,
+                              max_num_seqs=4, queue_size=8, prefill_slice_ms=20))
+    rows = []  # how many conversations each decode step ran
+    session = app.state.worker.session
+    step_batch = session.step_batch
+    session.step_batch = lambda conversations, tokens: (rows.append(len(conversations)),
+                                                        step_batch(conversations, tokens))[1]
+    s = RunningServer(app)
+    s.rows = rows
+    yield s
+    s.stop()
+
+
+def settle(server) -> dict:
+    """/health once nothing runs or waits (a cancel reaches the worker at its next step)."""
+    deadline = time.time() + 60
+    while (h := server.health())["running"] or h["waiting"]:
+        assert time.time() < deadline, h
+        time.sleep(0.05)
+    return h
+
+
+def test_concurrent_clients_with_cancels_get_the_answers_they_get_alone(server, lm):
+    client = server.client()
+    alone = [client.chat.completions.create(model=MODEL, messages=messages(i)).choices[0].message.content
+             for i in range(len(PLACES))]
+    assert len(set(alone)) > 1  # the documents lead to different answers
+    before = settle(server)["requests"]
+    server.rows.clear()
+
+    # ten clients: the eight documents (each held by the cache store from its run alone) and two
+    # of them again at once (a conversation that decodes is not lent to another request)
+    rng = random.Random(5)
+    plan = [(i % len(PLACES), rng.choice([None, None, 1, 3])) for i in range(10)]
+
+    def run(doc, cancel_after):
+        c = server.client()
+        if cancel_after is None:
+            return c.chat.completions.create(model=MODEL, messages=messages(doc)).choices[0].message.content
+        pieces = []
+        stream = c.chat.completions.create(model=MODEL, messages=messages(doc), stream=True)
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces.append(chunk.choices[0].delta.content)
+                if len(pieces) == cancel_after:
+                    stream.close()  # the client goes away mid-answer
+                    return None
+        return "".join(pieces)  # the answer ended before the client meant to leave
+
+    with ThreadPoolExecutor(len(plan)) as pool:
+        results = list(pool.map(lambda p: run(*p), plan))
+
+    for (doc, _), got in zip(plan, results):
+        assert got is None or got == alone[doc], doc
+    assert max(server.rows) > 1  # steps decoded several conversations together
+    after = settle(server)["requests"]
+    cancelled = after["cancelled"] - before["cancelled"]
+    completed = after["completed"] - before["completed"]
+    assert completed + cancelled == len(plan) and after["failed"] == before["failed"]
+    assert completed >= sum(r is not None for r in results)
+    # nothing lost: every document still gives its answer (its conversation kept by the cache)
+    for i in (0, 5):
+        assert client.chat.completions.create(model=MODEL, messages=messages(i)).choices[0].message.content == alone[i]
+
+
+def test_a_stream_keeps_going_while_a_long_prompt_prefills(server, lm):
+    client = server.client()
+    long_messages = messages(1, lines=120)
+    assert len(chat_ids(lm, long_messages)) > 2000
+    story = "The ferry log of Pellow, one line a day:\nDay 1: 14 crossings.\nDay 2: 17 crossings.\n"
+    alone = client.completions.create(model=MODEL, prompt=story, max_tokens=64).choices[0].text
+    settle(server)
+    times, texts, progress = [], [], []
+
+    def short():
+        for chunk in client.completions.create(model=MODEL, prompt=story, max_tokens=64, stream=True):
+            if chunk.choices and chunk.choices[0].text:
+                times.append(time.perf_counter())
+                texts.append(chunk.choices[0].text)
+
+    t = threading.Thread(target=short)
+    t.start()
+    deadline = time.time() + 60
+    while len(times) < 2:  # the short answer is decoding
+        assert time.time() < deadline and t.is_alive()
+        time.sleep(0.01)
+    for chunk in client.chat.completions.create(model=MODEL, messages=long_messages, max_tokens=4, stream=True,
+                                                extra_body={"return_progress": True}):
+        if not chunk.choices and chunk.model_extra.get("prompt_progress"):
+            progress.append((time.perf_counter(), chunk.model_extra["prompt_progress"]))
+    t.join()
+    assert "".join(texts) == alone and len(texts) > 40
+    started_at = progress[0][0]
+    ended_at = next(at for at, p in progress if p["done"] == p["total"])
+    during = [at for at in times if started_at < at < ended_at]
+    assert ended_at - started_at > 0.5  # a prefill long enough to see
+    assert len(during) >= 3, (len(during), len(times), ended_at - started_at)
+    settle(server)
