@@ -95,10 +95,10 @@ class CacheStore:
                 self.live.ids, self.live.last_used = list(self.session.ids), time.time()
 
     def detach(self) -> tuple[Entry | None, HeldConversation]:
-        """After a prefill, with several conversations decoding together: the live conversation
-        leaves the session, held in DRAM and busy until `release`; the session goes on with an
-        empty cache (a spare, or a new one: the plan counts max_num_seqs caches besides the
-        kept ones)."""
+        """The live conversation, decoding, leaves the session for the next prefill: held in
+        DRAM and busy until `release`; the session goes on with an empty cache (a spare, or a new
+        one: the worker keeps at most max_num_seqs conversations decoding or prefilling, the
+        caches the plan counts, besides the kept ones)."""
         with self.lock:
             host = self.spare.pop() if self.spare else HostKVCache(self.session.layout,
                                                                     pin=not self.session.host.maps_files)

@@ -6,11 +6,13 @@ weights for all of them, each conversation reading its own blocks; ktlong/decode
 and answers join and leave between steps. One request at a time prefills, a slice between two
 steps (ktlong/session/sliced_prefill.py: `prefill_slice_ms` of work, then its next chunk
 boundary), so the streams that decode keep going while a long prompt prefills; when nothing
-decodes, the prefill runs on without pausing. A prefilled conversation leaves the session to
-decode (CacheStore.detach) and, once its answer is done, is held like any kept conversation
-(CacheStore.release), so a follow-up finds it. With `max_num_seqs: 1`, or a session that
-decodes one conversation at a time (dense, or a model whose sliding-window layers the cache
-store cannot keep), the answer decodes in the session itself and the next prefill waits for it.
+decodes, the prefill runs on without pausing. A prefilled conversation decodes where it is,
+in the session, until the next prefill needs the session: then it leaves (CacheStore.detach,
+into a cache of its own) and, once its answer is done, is held like any kept conversation
+(CacheStore.release), so a follow-up finds it. So at most max_num_seqs caches are in use,
+and with `max_num_seqs: 1`, or a session that decodes one conversation at a time (dense, or a
+model whose sliding-window layers the cache store cannot keep), the next prefill waits for the
+answer in the session to end.
 
 The event loop talks to a request through its Ticket (ktlong/server/reply.py): the worker puts
 the answer's text pieces and then an Outcome (or an ApiError) on it; the loop cancels it when
@@ -54,8 +56,8 @@ class Row:
     """A running answer: the next token to decode, and where its conversation is."""
     reply: Reply
     token: int
-    conversation: object  # a HeldConversation decoding outside the session; None: the session's own
-    entry: Entry | None  # its cache store entry, while detached
+    conversation: object  # its HeldConversation (the session's own, or detached); None: a dense session's
+    entry: Entry | None  # its cache store entry, once detached
     prefilled: int  # prompt tokens the prefill computed
     cached: int  # prompt tokens that came from the cache
     cached_from: str | None
@@ -189,6 +191,9 @@ class Worker:
         if ticket.cancelled.is_set():  # the client left while it waited
             self._cancelled(ticket)
             return
+        for row in self.rows:  # the session's own conversation decodes on, in a cache of its own
+            if row.conversation is getattr(self.session, "conversation", None):
+                row.entry, _ = self.store.detach()
         try:
             reply = Reply(job, ticket, self.tokenizer,
                           min(job.max_tokens, self.session.max_seq_len - len(job.prompt_ids)))
@@ -225,9 +230,7 @@ class Worker:
         if token is None:
             self._finish(row)
             return
-        row.token = token
-        if self.max_rows > 1:
-            row.entry, row.conversation = self.store.detach()
+        row.token, row.conversation = token, getattr(session, "conversation", None)
         self.rows.append(row)
 
     def _decode_step(self):
@@ -262,7 +265,7 @@ class Worker:
         counted, its client told."""
         reply, ticket = row.reply, row.reply.ticket
         if self.store is not None:
-            if row.conversation is not None:
+            if row.entry is not None:
                 self.store.release(row.entry, row.conversation, keep=error is None)
             else:
                 self.store.finished()
