@@ -45,3 +45,42 @@ def test_long_context_server_on_the_gpu_answers_as_a_session_does(tmp_path, monk
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 1
     finally:
         server.stop()
+
+
+def test_concurrent_requests_on_the_gpu_decode_together_and_answer_as_alone(tmp_path, monkeypatch):
+    """Four clients at once with max_num_seqs 4: steps decode several conversations through one
+    captured batch, prefills run between them, and each answer equals that prompt's answer from
+    the same kind of session alone (greedy, bf16: the batch's rows are the rows alone)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, TinySpec(num_layers=2, hidden=256, intermediate=512, head_dim=64, context=4096), seed=3)
+    lm = load_model(str(path), "cuda", torch.bfloat16)
+    options = dict(mode="long_context", block_size=64, chunk_size=256, local_windows_len=256, max_new_tokens=16,
+                   kv_type="q8_0", cache_min_tokens=64)
+    g = torch.Generator().manual_seed(2)
+    prompts = [[int(t) for t in torch.randint(0, 300, (n,), generator=g)] for n in (900, 1300, 700, 1600)]
+    reference = started(lm, path, **options).session
+    expected = [generate(reference, p, 16, Sampler(), lm.tokenizer.stop_ids, lm.tokenizer).text for p in prompts]
+    del reference
+    app, _ = make_app(started(lm, path, max_num_seqs=4, prefill_slice_ms=5, **options))
+    session = app.state.worker.session
+    rows, step_batch = [], session.step_batch
+    session.step_batch = lambda conversations, tokens: (rows.append(len(conversations)),
+                                                        step_batch(conversations, tokens))[1]
+    server = RunningServer(app)
+
+    def ask(prompt):
+        status, data = server.raw("POST", "/v1/completions", json.dumps(
+            {"model": "tiny", "prompt": prompt, "max_tokens": 16}), {"Content-Type": "application/json"})
+        assert status == 200, data
+        return json.loads(data)["choices"][0]["text"]
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(ask, prompts))
+        assert got == expected
+        assert max(rows) > 1
+    finally:
+        server.stop()

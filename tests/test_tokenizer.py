@@ -92,8 +92,11 @@ def test_a_text_stream_pieces_join_to_the_whole_decode_without_decoding_the_answ
         assert decoded == [len(ids)]
         decoded.clear()
         joined = "".join(pieces)
-        # the end may hold a character that never completes: the whole decode shows it as U+FFFD
+        # the end may hold a character that never completes: the whole decode shows it as U+FFFD,
+        # and so does the rest the stream gives once the answer ends
         assert joined == whole or (whole.startswith(joined) and set(whole[len(joined):]) == {"\ufffd"}), ids
+        assert joined + stream.rest() == whole
+        decoded.clear()
     emoji = tok.encode("👨‍👩‍👧‍👦", add_bos=False)
     stream = TextStream(tok)
     assert "".join(stream.push(i) for i in emoji) == "👨‍👩‍👧‍👦"

@@ -58,4 +58,6 @@ class Answer:
 
     def _end(self, reason: str) -> None:
         self.finish_reason = reason
+        if rest := self.stream.rest():  # the pieces streamed so far and this are the whole answer's text
+            self.on_text(rest)
         return None

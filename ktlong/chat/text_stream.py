@@ -18,11 +18,19 @@ class TextStream:
         self.tokenizer = tokenizer
         self.step = tokenizer.decode_stream()
         self.ids: list[int] = []
+        self.shown = 0  # characters the pieces pushed so far hold
 
     def push(self, token_id: int) -> str:
         """The text token_id completes ("" while a character is incomplete)."""
         self.ids.append(token_id)
-        return self.step(token_id) or ""
+        piece = self.step(token_id) or ""
+        self.shown += len(piece)
+        return piece
+
+    def rest(self) -> str:
+        """Once the answer ends: what its pieces did not show, a last character its tokens never
+        completed, as the whole decode writes it (U+FFFD)."""
+        return self.text()[self.shown:]
 
     def text(self) -> str:
         """The whole answer's text, decoded once."""
