@@ -145,9 +145,13 @@ def test_max_num_seqs_conversations_each_get_a_window_anchors_and_a_cache_and_th
     # DRAM for three conversations' caches: three fit
     with pytest.raises(ConfigError, match=r"max_num_seqs 8 conversations .* lower max_num_seqs to 3, or lower"):
         check_plan(eight, 24 * GIB, True, free_dram=3 * eight.dram_cache + (1 << 30), max_seq_len=128 << 10)
-    # a GPU budget that leaves room for five conversations' windows and anchors beside the weights
+    # the server prefills one conversation while the other seven decode: its hidden states and
+    # workspace beside seven windows and anchors
     per = window + one.decode_anchors
-    budget = one.weights + one.kv_pages + 5 * per + per // 2
+    assert eight.device_total == max(one.prefill_device + 7 * per, eight.decode_device)
+    # a GPU budget that leaves room for five conversations: five windows and anchors while they
+    # decode, four of them beside a prefill
+    budget = one.weights + one.kv_pages + max(5 * per, one.hidden + one.workspace + 4 * per) + per // 2
     assert budget >= one.prefill_device
     with pytest.raises(ConfigError, match=r"lower max_num_seqs to 5, or max_seq_len"):
         check_plan(eight, budget, True, free_dram=1 << 50, max_seq_len=128 << 10)

@@ -44,9 +44,16 @@ class MemoryPlan:
         return self.weights + self.kv_pages + self.conversations * (self.decode_window + self.decode_anchors)
 
     @property
+    def prefill_beside_decoders(self) -> int:
+        """A prefill while the other conversations decode (the server runs it in slices between
+        their steps): its hidden states and workspace beside their windows and anchors."""
+        return self.prefill_device + (self.conversations - 1) * (self.decode_window + self.decode_anchors)
+
+    @property
     def device_total(self) -> int:
-        """The peak: prefill (hidden states, one chunk's workspace) or decode (window, anchors)."""
-        return max(self.prefill_device, self.decode_device)
+        """The peak: a prefill (hidden states, one chunk's workspace) beside the other
+        conversations' decoders, or decode (every conversation's window and anchors)."""
+        return max(self.prefill_beside_decoders, self.decode_device)
 
     @property
     def dram_cache(self) -> int:
@@ -61,7 +68,9 @@ class MemoryPlan:
         """The most conversations whose decode windows, anchors and caches fit beside the rest."""
         per_device = self.decode_window + self.decode_anchors
         room = budget_bytes - self.weights - self.kv_pages if self.device_is_gpu else 1 << 62
-        fit_device = room // per_device if per_device else 1 << 62
+        # every window and anchors while decoding; all but one beside a prefill's hidden states and workspace
+        fit_device = (min(room // per_device, (room - self.hidden - self.workspace) // per_device + 1)
+                      if per_device else 1 << 62)
         fit_dram = (free_dram - self.dram_hidden) // self.dram_cache if self.dram_cache else 1 << 62
         return max(0, min(fit_device, fit_dram))
 

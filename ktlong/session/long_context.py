@@ -84,7 +84,8 @@ class LongContextSession:
                       selection=plan.selection, local_windows_len=plan.local_windows_len,
                       use_cuda_graph=plan.use_cuda_graph,
                       follow_up_headroom=plan.budget_bytes - plan.memory.decode_device if plan.is_gpu else None,
-                      prefill_headroom=plan.budget_bytes - plan.memory.prefill_device if plan.is_gpu else None,
+                      prefill_headroom=(plan.budget_bytes - plan.memory.prefill_beside_decoders
+                                        if plan.is_gpu else None),
                       resident_history=plan.resident_history,
                       decoder_bytes=plan.memory.decode_window + plan.memory.decode_anchors)
         session.warm_up()
