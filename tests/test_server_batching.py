@@ -19,7 +19,7 @@ from tests.test_server import MODEL, chat_ids
 pytestmark = pytest.mark.slow  # loads a real model
 
 ANSWER_TOKENS = 12
-PLACES = ("Vlatna", "Kessa", "Odrin", "Pellow", "Marsk", "Tiberon", "Quell", "Asterby")
+PLACES = ("Vlatna", "Kessa", "Odrin", "Pellow", "Marsk", "Tiberon")
 
 
 def messages(i: int, lines: int = 10) -> list[dict]:
@@ -66,10 +66,11 @@ def test_concurrent_clients_with_cancels_get_the_answers_they_get_alone(server, 
     before = settle(server)["requests"]
     server.rows.clear()
 
-    # ten clients: the eight documents (each held by the cache store from its run alone) and two
+    # eight clients: the six documents (each held by the cache store from its run alone) and two
     # of them again at once (a conversation that decodes is not lent to another request)
     rng = random.Random(5)
-    plan = [(i % len(PLACES), rng.choice([None, None, 1, 3])) for i in range(10)]
+    plan = [(i % len(PLACES), rng.choice([None, None, 1, 3])) for i in range(8)]
+    assert {c is None for _, c in plan} == {True, False}  # some stay, some leave
 
     def run(doc, cancel_after):
         c = server.client()
@@ -103,8 +104,8 @@ def test_concurrent_clients_with_cancels_get_the_answers_they_get_alone(server, 
 
 def test_a_stream_keeps_going_while_a_long_prompt_prefills(server, lm):
     client = server.client()
-    long_messages = messages(1, lines=120)
-    assert len(chat_ids(lm, long_messages)) > 2000
+    long_messages = messages(1, lines=70)
+    assert len(chat_ids(lm, long_messages)) > 1200
     story = "The ferry log of Pellow, one line a day:\nDay 1: 14 crossings.\nDay 2: 17 crossings.\n"
     alone = client.completions.create(model=MODEL, prompt=story, max_tokens=64).choices[0].text
     settle(server)

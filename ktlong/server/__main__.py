@@ -100,7 +100,8 @@ def main(argv=None) -> int:
         print(f"[warning: listening on {config.host} without an API key; anyone who reaches this port can "
               f"use the model (set --api_key or ${API_KEY_VARIABLE})]", file=sys.stderr)
     print(f"[serving {model_id(config.model, started.lm.path)} at http://{config.host}:{config.port}/v1 "
-          f"({config.mode} mode, max_seq_len {started.max_seq_len:,}, queue {config.queue_size})]",
+          f"({config.mode} mode, max_seq_len {started.max_seq_len:,}, {app.state.worker.max_rows} at once, "
+          f"queue {config.queue_size})]",
           file=sys.stderr, flush=True)
     server = StoppingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                                            timeout_graceful_shutdown=5), app.state.worker.shutdown)

@@ -10,6 +10,10 @@ cache_min_tokens leading tokens with a held or spilled conversation, more than w
 one, gets that conversation back: from DRAM by a swap, from disk by a load. A restart finds the
 files again (their headers checked against this session's fingerprint).
 
+With several answers decoding at once (ktlong/server/worker.py), a conversation whose answer is
+decoding leaves the session when the next prefill needs it (`detach`): it is held, and busy, so
+that no other request takes it and no eviction spills it, until its answer ends (`release`).
+
 Every method that touches the session runs on the worker's thread; `lock` guards the index
 for readers on the event loop (listing, metrics).
 """
