@@ -1,0 +1,170 @@
+"""Several clients at once against the server, as they see it: total decode speed, time to the
+first token and time between tokens, for each number of concurrent clients.
+
+python -m ktlong.bench serve --model GGUF [--clients 1,2,4,8] [--chars 20000] [--tokens 64]
+                             [--long_chars 0] [--set key=value]
+
+A server (`python -m ktlong.server`, long-context mode, max_num_seqs the largest --clients,
+cache_dram_gb 64, cache_min_tokens 64) runs in a process of its own and is asked through the official `openai`
+client, streamed, greedy, on `/v1/completions`. Each client has a document of its own (Python
+standard-library sources, --chars characters; a continuation of source code rarely ends
+early). Every document is first sent alone with max_tokens 1 (cold: its prefill; the column
+"cold TTFT"), so that the measured requests find their conversations in the cache and decode
+together from their first steps. Then, for each count N, N clients ask at once for --tokens
+tokens each: the total decode speed is every client's tokens after its first, over the time
+from the first client's first token to the last client's last; the time between tokens pools
+every client's gaps between streamed chunks. With --long_chars, one more row: N clients
+decoding while another client sends a new document of that many characters (its prefill runs
+in slices between their steps): its time to the first token beside the same request alone,
+and the others' time between tokens while it prefills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import threading
+import time
+
+from ktlong.bench.cache_hits import Server, documents
+from ktlong.bench.common import median
+from ktlong.cli import print_table
+from ktlong.config import parse_set
+from ktlong.errors import KtlongError
+
+MAX_CLIENTS = 64
+
+
+def percentile(values: list[float], share: float) -> float:
+    """Nearest-rank percentile (share 0.5: the median's upper neighbour, 0.99: the 99th)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(share * len(ordered) + 0.999999) - 1))] if ordered else float("nan")
+
+
+def stream(client, model_id: str, prompt: str, tokens: int, on_first=lambda: None) -> dict:
+    """One streamed completion -> its start, the time of each content chunk and its token count;
+    on_first() once its first chunk came."""
+    start, times, usage = time.perf_counter(), [], None
+    for chunk in client.completions.create(model=model_id, prompt=prompt, max_tokens=tokens, stream=True,
+                                           temperature=0, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        if chunk.choices and chunk.choices[0].text:
+            times.append(time.perf_counter())
+            if len(times) == 1:
+                on_first()
+    return {"start": start, "times": times, "tokens": usage.completion_tokens if usage else len(times)}
+
+
+def together(client, model_id: str, prompts: list[str], tokens: int, beside=None) -> tuple[list[dict], dict | None]:
+    """Every prompt at once, a thread each; beside: (prompt, tokens) sent once all of them stream."""
+    results: list[dict | None] = [None] * len(prompts)
+    errors: list[BaseException] = []
+    streaming = threading.Semaphore(0)
+
+    def run(i):
+        try:
+            results[i] = stream(client, model_id, prompts[i], tokens, streaming.release)
+        except BaseException as e:  # reported once the others are done
+            errors.append(e)
+            streaming.release()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    extra = None
+    if beside is not None:
+        for _ in threads:
+            streaming.acquire()
+        if not errors:
+            extra = stream(client, model_id, *beside)
+    for t in threads:
+        t.join()
+    if errors:
+        raise KtlongError(f"A client failed: {errors[0]}")
+    return results, extra
+
+
+def row(n: int, results: list[dict], first_rate: float | None, cold: float) -> list:
+    first = min(r["times"][0] for r in results if r["times"])
+    last = max(r["times"][-1] for r in results if r["times"])
+    decoded = sum(max(r["tokens"] - 1, 0) for r in results)
+    rate = decoded / (last - first) if last > first else float("nan")
+    gaps = [(b - a) * 1000 for r in results for a, b in zip(r["times"], r["times"][1:])]
+    ttft = median([r["times"][0] - r["start"] for r in results if r["times"]])
+    return [n, f"{rate:.1f}", f"{rate / n:.1f}", f"{rate / first_rate:.2f}x" if first_rate else "1.00x", f"{ttft:.3f}",
+            f"{cold:.2f}", f"{percentile(gaps, 0.5):.1f}", f"{percentile(gaps, 0.99):.1f}"]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m ktlong.bench serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="GGUF file or packaged model name")
+    p.add_argument("--clients", default="1,2,4,8", help="concurrent clients per row, comma-separated (default 1,2,4,8)")
+    p.add_argument("--chars", type=int, default=20_000, help="characters of each client's document (default 20000)")
+    p.add_argument("--tokens", type=int, default=64, help="tokens each client asks for (default 64)")
+    p.add_argument("--long_chars", type=int, default=0,
+                   help="characters of a new document sent while the largest count of clients decodes (default 0: "
+                        "no such row)")
+    p.add_argument("--port", type=int, default=8102, help="the server's port (default 8102)")
+    p.add_argument("--set", action="append", default=[], metavar="key=value", help="an option for the server")
+    args = p.parse_args(argv)
+    try:
+        counts = sorted({int(c) for c in args.clients.split(",")})
+    except ValueError:
+        raise KtlongError("--clients takes counts separated by commas, such as 1,2,4,8.") from None
+    if not counts or counts[0] < 1 or counts[-1] > MAX_CLIENTS:
+        raise KtlongError(f"--clients counts must be 1 to {MAX_CLIENTS}.")
+    if args.chars < 1000 or args.tokens < 2 or args.long_chars < 0:
+        raise KtlongError("--chars must be at least 1000, --tokens at least 2 and --long_chars at least 0.")
+    given = parse_set(args.set)  # refused here in one sentence, before the server starts
+    if "max_num_seqs" in given or "mode" in given:
+        raise KtlongError("The serve bench sets mode and max_num_seqs itself (the largest --clients); drop them "
+                          "from --set.")
+    try:
+        import openai
+    except ImportError:
+        raise KtlongError("The serve bench asks through the official openai client; pip install openai.") from None
+    from ktlong.gguf.registry import resolve_model_path
+
+    model = str(resolve_model_path(args.model))
+    model_id = os.path.basename(model).removesuffix(".gguf")
+    docs = [text for _, _, text in documents(counts[-1] + 1, args.chars)]
+    options = ["--max_num_seqs", str(counts[-1]), "--cache_dram_gb", "64", "--set", "cache_min_tokens=64",
+               *[item for s in args.set for item in ("--set", s)]]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ktlong-serve-") as folder:
+        server = Server(model, args.port, os.path.join(folder, "server.log"), options)
+        try:
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="none", timeout=3600,
+                                   max_retries=0)
+            prompts = docs[:counts[-1]]
+            cold = []
+            for prompt in prompts:  # each conversation prefilled alone, then kept
+                r = stream(client, model_id, prompt, 1)
+                cold.append(r["times"][0] - r["start"] if r["times"] else float("nan"))
+            one = None
+            for n in counts:
+                results, _ = together(client, model_id, prompts[:n], args.tokens)
+                rows.append(row(n, results, one, median(cold[:n])))
+                one = one or float(rows[-1][1])
+                print(f"[{n} clients: {rows[-1][1]} tok/s]", file=sys.stderr, flush=True)
+            if args.long_chars:
+                long_doc = documents(counts[-1] + 2, args.long_chars)[-1][2]
+                results, extra = together(client, model_id, prompts, args.tokens, (long_doc, 1))
+                rows.append(row(counts[-1], results, one, float("nan")))
+                rows[-1][0] = f"{counts[-1]} + a new {args.long_chars:,}-char document"
+                beside = extra["times"][0] - extra["start"]
+                alone = stream(client, model_id, "Again.\n" + long_doc, 1)
+                alone_ttft = alone["times"][0] - alone["start"]
+        finally:
+            server.stop()
+    print(f"{model_id}, {' '.join(args.set) or 'defaults'}; each client's document {args.chars:,} characters, "
+          f"{args.tokens} tokens asked; max_num_seqs {counts[-1]}")
+    print_table(["clients", "total decode tok/s", "per client", f"vs {counts[0]}", "TTFT s (cache hit)",
+                 "cold TTFT s", "between tokens p50 ms", "p99 ms"], rows)
+    if args.long_chars:
+        print(f"the new document's time to the first token: {beside:.2f} s beside {counts[-1]} decoding clients, "
+              f"{alone_ttft:.2f} s alone ({beside / alone_ttft:.2f}x)")
+    return 0
