@@ -3,6 +3,7 @@ concurrent clients, some of which go away mid-answer, each get the answer the sa
 alone; the decode steps really ran several conversations together; and a stream keeps
 producing tokens while another request's long prompt prefills."""
 
+import json
 import random
 import threading
 import time
@@ -135,3 +136,44 @@ def test_a_stream_keeps_going_while_a_long_prompt_prefills(server, lm):
     assert ended_at - started_at > 0.5  # a prefill long enough to see
     assert len(during) >= 3, (len(during), len(times), ended_at - started_at)
     settle(server)
+
+
+def test_each_answer_keeps_its_own_options_inside_a_batch(server, lm):
+    """Stop strings, logprobs, a seeded sample and a JSON schema, requests decoding at once: each
+    gives what it gives alone (the same text and finish reason, the same log-probabilities)."""
+    schema = {"type": "object", "properties": {"day": {"type": "integer"}, "visitors": {"type": "integer"}},
+              "required": ["day", "visitors"], "additionalProperties": False}
+    requests = [
+        ("chat", dict(messages=messages(0), stop=[" visitors"])),
+        ("chat", dict(messages=messages(1), logprobs=True, top_logprobs=3)),
+        ("chat", dict(messages=messages(2), temperature=0.9, seed=11)),
+        ("chat", dict(messages=messages(3), max_tokens=30, response_format={
+            "type": "json_schema", "json_schema": {"name": "visit", "schema": schema, "strict": True}})),
+        ("completion", dict(prompt="Day 1: 14 crossings.\nDay 2:", logprobs=2, max_tokens=10)),
+    ]
+
+    def ask(kind, kw):
+        """-> text, finish reason, every log-probability the answer carries (in order)."""
+        c = server.client()
+        if kind == "completion":
+            out = c.completions.create(model=MODEL, **kw).choices[0]
+            return out.text, out.finish_reason, out.logprobs.token_logprobs
+        out = c.chat.completions.create(model=MODEL, **kw).choices[0]
+        numbers = [x for t in out.logprobs.content for x in [t.logprob] + [a.logprob for a in t.top_logprobs]] \
+            if out.logprobs else []
+        return out.message.content, out.finish_reason, numbers
+
+    alone = [ask(*r) for r in requests]
+    settle(server)
+    server.rows.clear()
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(lambda r: ask(*r), requests))
+    assert max(server.rows) > 1
+    for (text, finish, numbers), (text2, finish2, numbers2) in zip(alone, together):
+        assert (text2, finish2) == (text, finish)
+        assert len(numbers) == len(numbers2)
+        # float32 on the CPU: a batch's rows sum their products in another order
+        assert all(abs(a - b) < 1e-3 for a, b in zip(numbers, numbers2))
+    assert alone[0] == ("Day 3 in Vlatna: 7", "stop", [])
+    assert len(alone[1][2]) == 4 * 12 and len(alone[4][2]) == 10
+    assert json.loads(alone[3][0]).keys() == {"day", "visitors"} and alone[3][1] == "stop"
