@@ -177,3 +177,27 @@ def test_each_answer_keeps_its_own_options_inside_a_batch(server, lm):
     assert alone[0] == ("Day 3 in Vlatna: 7", "stop", [])
     assert len(alone[1][2]) == 4 * 12 and len(alone[4][2]) == 10
     assert json.loads(alone[3][0]).keys() == {"day", "visitors"} and alone[3][1] == "stop"
+
+
+def test_a_conversation_that_is_answering_cannot_be_erased_or_displaced(server, lm):
+    """While an answer decodes, DELETE /cache/ID of its conversation and restoring another into
+    the session are refused with a 409 (the answer goes on, and ends as it would alone)."""
+    client = server.client()
+    story = "The ferry log of Quell, one line a day:\nDay 1: 9 crossings.\nDay 2: 11 crossings.\n" * 8
+    alone = client.completions.create(model=MODEL, prompt=story, max_tokens=40).choices[0].text
+    other = client.completions.create(model=MODEL, prompt="Another log. " * 40, max_tokens=2)
+    settle(server)
+    pieces = []
+    stream = client.completions.create(model=MODEL, prompt=story, max_tokens=40, stream=True)
+    for chunk in stream:
+        pieces.append(chunk.choices[0].text if chunk.choices else "")
+        if len(pieces) == 3:
+            entries = json.loads(server.raw("GET", "/cache")[1])["data"]
+            live = next(e for e in entries if "session" in e["where"])
+            idle = next(e for e in entries if e["id"] != live["id"])
+            status, body = server.raw("DELETE", f"/cache/{live['id']}")
+            assert status == 409 and b"answering" in body
+            status, body = server.raw("POST", f"/cache/{idle['id']}/restore")
+            assert status == 409 and b"answering" in body
+    assert "".join(pieces) == alone
+    assert other.choices[0].text is not None

@@ -71,7 +71,8 @@ def cache_store(config, started, session, log=None):
         return None
     write = (lambda line: print(line, file=log or sys.stderr, flush=True))
     return CacheStore(session, fingerprint(started.lm.path, session, config), int(config.cache_dram_gb * GIB),
-                      config.cache_dir, int(config.cache_disk_gb * GIB), config.cache_min_tokens, write)
+                      config.cache_dir, int(config.cache_disk_gb * GIB), config.cache_min_tokens, write,
+                      config.max_num_seqs)
 
 
 def main(argv=None) -> int:

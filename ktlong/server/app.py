@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ktlong.server.metrics import CONTENT_TYPE
+from ktlong.server.cache_store import Busy
 from ktlong.session.cache_records import CacheFileError
 from ktlong.chat.logprobs import TokenLogprob
 from ktlong.server.protocol import ApiError, Prompting, check_model, chunk, logprobs_body, new_id, response, usage
@@ -201,6 +202,8 @@ def build_app(worker: Worker, prompting: Prompting, model_id: str, api_key: str 
         except KeyError:
             raise ApiError(404, f"There is no cached conversation '{entry_id[:40]}'; GET /cache lists them.",
                            code="cache_entry_not_found") from None
+        except Busy as e:
+            raise ApiError(409, str(e), code="cache_entry_busy") from None
         except CacheFileError as e:
             raise ApiError(400, str(e), code="cache_error") from None
         return JSONResponse(result if result is not None else {"id": entry_id, "deleted": True})

@@ -39,6 +39,10 @@ SUFFIX = ".ktkv"
 ENTRY_ID = re.compile(r"[0-9a-f]{12}")
 
 
+class Busy(CacheFileError):
+    """The conversation (or the session) is answering a request now."""
+
+
 @dataclass
 class Entry:
     id: str
@@ -52,17 +56,29 @@ class Entry:
 
 class CacheStore:
     def __init__(self, session: LongContextSession, fingerprint: dict, dram_bytes: int, folder: str,
-                 disk_bytes: int, min_tokens: int, log):
+                 disk_bytes: int, min_tokens: int, log, decoding: int = 1):
+        """decoding: conversations that decode at once (max_num_seqs): the caches the others than
+        the session's take are made now, since making one commits its memory (seconds at 128K),
+        which would stall every answer decoding while a request joins."""
         self.session, self.fp, self.min_tokens, self.log = session, fingerprint, min_tokens, log
         self.slots = dram_bytes // session.cache_bytes  # host caches held besides the session's
         self.folder = Path(folder).expanduser() if folder else None
         self.disk_budget = disk_bytes
         self.entries: dict[str, Entry] = {}
         self.live: Entry | None = None  # the conversation the session holds
-        self.spare: list[HostKVCache] = []  # free host caches, within the slots
+        self.spare: list[HostKVCache] = []  # free host caches
+        # caches for the conversations that leave the session to decode beside its own (`detach`)
+        self.decoding = decoding
+        self.reserve: list[HostKVCache] = [self._new_host() for _ in range(decoding - 1)]
+        if decoding > 1:
+            log(f"[cache: {decoding - 1} more KV caches for the conversations decoding beside the session's, "
+                f"{(decoding - 1) * session.cache_bytes / 2**30:.2f} GiB of DRAM]")
         self.lock = threading.Lock()
         if self.folder is not None:
             self._scan()
+
+    def _new_host(self) -> HostKVCache:
+        return HostKVCache(self.session.layout, pin=not self.session.host.maps_files)
 
     # ---- what the worker asks before and after a generation ----
 
@@ -92,11 +108,19 @@ class CacheStore:
             self.entries[self.live.id] = self.live
             return None
 
+    def answering(self):
+        """An answer decodes in the session's conversation: until it is done (`finished`) or it
+        leaves (`detach`), no endpoint may restore another into the session or erase it."""
+        with self.lock:
+            if self.live is not None:
+                self.live.busy = True
+
     def finished(self):
-        """After a generation: the live entry's tokens and time."""
+        """After a generation in the session: the live entry's tokens and time."""
         with self.lock:
             if self.live is not None:
                 self.live.ids, self.live.last_used = list(self.session.ids), time.time()
+                self.live.busy = False
 
     def detach(self) -> tuple[Entry | None, HeldConversation]:
         """The live conversation, decoding, leaves the session for the next prefill: held in
@@ -104,39 +128,43 @@ class CacheStore:
         one: the worker keeps at most max_num_seqs conversations decoding or prefilling, the
         caches the plan counts, besides the kept ones)."""
         with self.lock:
-            host = self.spare.pop() if self.spare else HostKVCache(self.session.layout,
-                                                                    pin=not self.session.host.maps_files)
+            host = self.reserve.pop() if self.reserve else self.spare.pop() if self.spare else self._new_host()
             conversation = self.session.detach(host)
             entry, self.live = self.live, None
             if entry is not None:
-                entry.ids, entry.held, entry.busy = list(conversation.ids), conversation, True
+                entry.ids, entry.held = list(conversation.ids), conversation
             return entry, conversation
 
     def release(self, entry: Entry | None, conversation: HeldConversation, keep: bool = True):
         """A detached conversation's answer is done: it stays held in DRAM like any kept one
         (its decoder too, while the device has room), within cache_dram_gb, the least recently
         used idle ones spilled to disk past it; forgotten when short or when not `keep` (its
-        decode failed)."""
+        decode failed). Then the reserve for the next detach is made whole again: from what was
+        freed, or a new cache while the kept ones are still fewer than cache_dram_gb allows."""
         with self.lock:
             if entry is None or self.entries.get(entry.id) is not entry:
                 self.spare.append(conversation.host)
-                return
-            entry.busy, entry.last_used = False, time.time()
-            entry.ids = list(conversation.ids)
-            if not keep or len(entry.ids) < self.min_tokens:
-                entry.held = None
-                self.spare.append(conversation.host)
-                if not keep:
-                    self._remove_file(entry)
-                self._fall_back(entry)
-                return
-            self.session.park(conversation)
-            while len(idle := [e for e in self.entries.values() if e.held is not None and not e.busy]) > self.slots:
-                victim = min(idle, key=lambda e: e.last_used)
-                if not self._spill(victim, victim.held):
-                    self.entries.pop(victim.id, None)
-                self.spare.append(victim.held.host)
-                victim.held = None
+            else:
+                entry.busy, entry.last_used = False, time.time()
+                entry.ids = list(conversation.ids)
+                if not keep or len(entry.ids) < self.min_tokens:
+                    entry.held = None
+                    self.spare.append(conversation.host)
+                    if not keep:
+                        self._remove_file(entry)
+                    self._fall_back(entry)
+                else:
+                    self.session.park(conversation)
+                    while len(idle := [e for e in self.entries.values()
+                                       if e.held is not None and not e.busy]) > self.slots:
+                        victim = min(idle, key=lambda e: e.last_used)
+                        if not self._spill(victim, victim.held):
+                            self.entries.pop(victim.id, None)
+                        self.spare.append(victim.held.host)
+                        victim.held = None
+            busy = sum(e.busy for e in self.entries.values())
+            while len(self.reserve) + busy < self.decoding - 1:
+                self.reserve.append(self.spare.pop() if self.spare else self._new_host())
 
     # ---- the operator's endpoints ----
 
@@ -163,6 +191,9 @@ class CacheStore:
         tokens)."""
         with self.lock:
             entry = self._entry(entry_id, idle=True)
+            if entry is not self.live and self.live is not None and self.live.busy:
+                raise Busy(f"The session is answering a request now; retry restoring {entry_id} when it "
+                                     "is done.")
             if entry is not self.live and not self._bring(entry):
                 raise CacheFileError(f"Conversation {entry_id}'s file could not be loaded; the server's log says "
                                      "why.")
@@ -195,7 +226,7 @@ class CacheStore:
     def dram_bytes(self) -> int:
         """For /metrics, from the event loop: a copy of the index, which the worker may be changing."""
         held = sum(e.held is not None for e in list(self.entries.values()))
-        return (1 + held + len(self.spare)) * self.session.cache_bytes
+        return (1 + held + len(self.spare) + len(self.reserve)) * self.session.cache_bytes
 
     def disk_bytes(self) -> int:
         return sum(e.disk_bytes for e in list(self.entries.values()))
@@ -286,7 +317,7 @@ class CacheStore:
             return self.spare.pop()
         held = [e for e in self.entries.values() if e.held is not None and not e.busy]
         if len(held) < self.slots:
-            return HostKVCache(self.session.layout, pin=not self.session.host.maps_files)
+            return self._new_host()
         if not held:
             return None
         victim = min(held, key=lambda e: e.last_used)
@@ -380,7 +411,7 @@ class CacheStore:
         if entry is None or (entry is self.live and not self.session.ids):
             raise KeyError(entry_id)
         if idle and entry.busy:
-            raise CacheFileError(f"Conversation {entry_id} is answering a request now; retry when it is done.")
+            raise Busy(f"Conversation {entry_id} is answering a request now; retry when it is done.")
         return entry
 
     def _describe(self, entry: Entry) -> dict:

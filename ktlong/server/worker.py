@@ -231,6 +231,8 @@ class Worker:
             self._finish(row)
             return
         row.token, row.conversation = token, getattr(session, "conversation", None)
+        if self.store is not None:
+            self.store.answering()
         self.rows.append(row)
 
     def _decode_step(self):
