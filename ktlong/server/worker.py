@@ -191,17 +191,17 @@ class Worker:
         if ticket.cancelled.is_set():  # the client left while it waited
             self._cancelled(ticket)
             return
-        for row in self.rows:  # the session's own conversation decodes on, in a cache of its own
-            if row.conversation is getattr(self.session, "conversation", None):
-                row.entry, _ = self.store.detach()
         try:
-            reply = Reply(job, ticket, self.tokenizer,
+            for row in self.rows:  # the session's own conversation decodes on, in a cache of its own
+                if row.conversation is getattr(self.session, "conversation", None):
+                    row.entry, _ = self.store.detach()
+            reply = Reply(job, ticket, self.tokenizer,  # SchemaError: a grammar llguidance refuses
                           min(job.max_tokens, self.session.max_seq_len - len(job.prompt_ids)))
-        except Exception as e:  # a grammar llguidance refuses
+            cached_from = self.store.prepare(job.prompt_ids) if self.store is not None else "session"
+        except Exception as e:
             ticket.put(self._error(e))
             self._done(ticket, "failed")
             return
-        cached_from = self.store.prepare(job.prompt_ids) if self.store is not None else "session"
         stop = lambda: self.closing.is_set() or (ticket.cancelled.is_set() and not self.finish_prefill)
 
         def run(pause):
@@ -226,7 +226,11 @@ class Worker:
         if p.prefill.error is not None:
             self._finish(row, p.prefill.error)
             return
-        token = reply.first(p.prefill.result)
+        try:
+            token = reply.first(p.prefill.result)
+        except Exception as e:
+            self._finish(row, e)
+            return
         if token is None:
             self._finish(row)
             return

@@ -183,8 +183,9 @@ class LongContextSession:
         return outgoing
 
     def detach(self, host: HostKVCache) -> "HeldConversation":
-        """The conversation just prefilled leaves the session to decode beside others
-        (step_batch), with its decoder; the session goes on with an empty one on `host`. The
+        """The conversation decoding in the session leaves it, with its decoder, to decode on
+        beside others (step_batch) while the next prefill takes the session, which goes on with
+        an empty conversation on `host`. The
         device room its resident history held is the next prefill's: a running decoder reads
         its blocks from DRAM."""
         assert self.decoder is not None and host is not self.host
@@ -208,6 +209,7 @@ class LongContextSession:
         decoder's batch of one, whose graphs its prefill captured."""
         decoders = [c.decoder for c in conversations]
         if len(decoders) == 1:
+            self._batch = None  # a batch's device buffers and graphs go with its members
             logits = decoders[0].step(tokens[0])[None]
         else:
             if self._batch is None or len(self._batch[0]) != len(decoders) or any(
