@@ -91,10 +91,32 @@ def _one_parse_per_file():
 
 @cache
 def _hf_tokenizer(path):
+    """transformers' tokenizer made from the GGUF file, as its converter makes it (half a minute
+    for a large vocabulary), then saved, so that the test files of one run that each ask for it
+    (in other worker processes too) load it from its tokenizer.json instead."""
+    import os
+    import shutil
+    import tempfile
+
+    import transformers
     from transformers import AutoTokenizer
 
+    st = path.stat()  # the file and the converter that made it
+    saved = os.path.join(tempfile.gettempdir(), "ktlong-tests-hf-tokenizers",
+                         f"{path.name}-{st.st_size}-{st.st_mtime_ns}-{transformers.__version__}")
+    if os.path.isfile(os.path.join(saved, "complete")):
+        return AutoTokenizer.from_pretrained(saved)
     with _one_parse_per_file():
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    os.makedirs(os.path.dirname(saved), exist_ok=True)
+    partial = tempfile.mkdtemp(prefix=".partial-", dir=os.path.dirname(saved))
+    tokenizer.save_pretrained(partial)
+    open(os.path.join(partial, "complete"), "w").close()
+    try:
+        os.rename(partial, saved)  # whole or not at all
+    except OSError:  # another worker saved it first
+        shutil.rmtree(partial, ignore_errors=True)
+    return tokenizer
 
 
 @cache
