@@ -51,7 +51,8 @@ class Entry:
     held: HeldConversation | None = None  # held in DRAM
     disk_bytes: int = 0  # its file's size; 0: not on disk
     disk_tokens: int = 0  # tokens its file holds
-    busy: bool = False  # held, and decoding an answer beside others (`detach` .. `release`)
+    # answering a request: in the session (`answering` .. `finished`) or out of it (`detach` .. `release`)
+    busy: bool = False
 
 
 class CacheStore:
@@ -124,9 +125,9 @@ class CacheStore:
 
     def detach(self) -> tuple[Entry | None, HeldConversation]:
         """The live conversation, decoding, leaves the session for the next prefill: held in
-        DRAM and busy until `release`; the session goes on with an empty cache (a spare, or a new
-        one: the worker keeps at most max_num_seqs conversations decoding or prefilling, the
-        caches the plan counts, besides the kept ones)."""
+        DRAM and busy until `release`; the session goes on with an empty cache from the reserve
+        (the worker keeps at most max_num_seqs conversations decoding or prefilling, the caches
+        the plan counts, besides the kept ones)."""
         with self.lock:
             host = self.reserve.pop() if self.reserve else self.spare.pop() if self.spare else self._new_host()
             conversation = self.session.detach(host)
@@ -192,8 +193,8 @@ class CacheStore:
         with self.lock:
             entry = self._entry(entry_id, idle=True)
             if entry is not self.live and self.live is not None and self.live.busy:
-                raise Busy(f"The session is answering a request now; retry restoring {entry_id} when it "
-                                     "is done.")
+                raise Busy(f"The session is answering a request now; retry restoring {entry_id} when it is "
+                           "done.")
             if entry is not self.live and not self._bring(entry):
                 raise CacheFileError(f"Conversation {entry_id}'s file could not be loaded; the server's log says "
                                      "why.")
