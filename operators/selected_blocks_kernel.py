@@ -1,16 +1,31 @@
-"""Decode attention over selected KV blocks in one Triton kernel, for GPUs
-(`context_attention: gpu`): the blocks where they lie in pinned DRAM, read over PCIe.
+"""Decode attention over selected KV blocks in one Triton kernel for a batch of conversations, for
+GPUs (`context_attention: gpu`): the blocks where they lie in pinned DRAM, read over PCIe.
 
 Gathering the selected pages, widening them to float32 and attending with torch ops
 (operators/window_attention.attention_over_prefix, the tests' reference) writes the widened pages
-to memory and passes over them about twenty times a layer. Here one program takes one kv head's
-query group and a share of its selected blocks, reads each block where it lies (bf16, fp16, fp32,
-or q8_0 with its scales, widened in registers), and keeps an online softmax; a few torch ops merge the shares by log-sum-exp. The
-arithmetic is float32 throughout, as the CPU's operator attends to the rest of the selection:
-the two parts must agree to float32 rounding, or a later selection can flip. Its products run
-on tensor cores as three TF32 products (tl.dot's tf32x3: float32's accuracy, within the tests'
-1e-5 of the float32 reference), 0.8 ms a token faster at 1M than IEEE float32 on the H200
-(`precision`).
+to memory and passes over them about twenty times a layer. Here one program takes one
+conversation's kv head's query group and a share of its selected blocks, reads each block where
+it lies (bf16, fp16, fp32, or q8_0 with its scales, widened in registers), and keeps an online
+softmax; a second kernel merges the shares by log-sum-exp. The arithmetic is float32 throughout,
+as the CPU's operator attends to the rest of the selection: the two parts must agree to float32
+rounding, or a later selection can flip. Its products run on tensor cores as three TF32 products
+(tl.dot's tf32x3: float32's accuracy, within the tests' 1e-5 of the float32 reference), 0.8 ms a
+token faster at 1M than IEEE float32 on the H200 (`precision`).
+
+Every conversation of a batch is one launch: each has its own tables (its DRAM cache, its
+selection), so the kernel takes the first conversation's tensors as bases and, per conversation,
+how far each of its tensors lies from them (`_offsets`; one address space: pinned host memory is
+mapped into the device's). Eight 128K conversations at 8B shapes are 1,024 programs a layer
+reading over PCIe together, where one launch each left the bus idle between them.
+
+Where a block lies, first match first:
+- `near`: a device copy of each kv head's leading blocks (ktlong/kv/resident.py), same layout;
+- `kept`: the blocks this layer read from DRAM for the conversation's last tokens, in slots on
+  the device (`KeptBlocks`). Real text keeps most of a token's blocks for the next token (Qwen2.5
+  at 128K: 72-83%), and a block still selected is not read over PCIe again. `_plan_kept` runs
+  first: each selected block's slot, and a free slot for each block read from DRAM, which the
+  attention kernel writes as it reads it;
+- DRAM otherwise.
 
 This module needs triton; ktlong/decode/dram_blocks.py imports it when it is asked for.
 The CPU's tests run the kernel in Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py).
@@ -29,6 +44,52 @@ from operators.checks import expect
 SHARES = 16  # programs per kv head: a share of its hit blocks each
 KEYS = 32  # tokens per tile: a [32, head_dim] float32 tile of K and of V fit in registers (a whole
            # 128-token block spilled: 770 us a call on the H100 at 8B shapes)
+ALIGN = 16  # the tables' offsets are whole multiples of 16 elements, so the loads keep their vector width
+
+# where a conversation's tensors lie from the first one's, per conversation: the tables (k, v, their
+# scales; near: the same four; kept: the same four) in units of ALIGN elements, then count, index,
+# valid, kept rows and kept plan in elements
+TABLES = ("k", "v", "ks", "vs", "near_k", "near_v", "near_ks", "near_vs", "kept_k", "kept_v", "kept_ks", "kept_vs")
+SCALARS = ("count", "index", "valid", "kept_rows", "kept_plan")
+WIDTH = len(TABLES) + len(SCALARS)
+
+
+class NearPages(NamedTuple):
+    """A device copy of a layer's pages (ktlong/kv/resident.py), laid out as the DRAM ones: each
+    kv head's first `count` blocks (a 0-dim int64 device tensor, read at launch) are read here."""
+    count: torch.Tensor
+    num_blocks: int  # blocks per kv head in both tables: row h * num_blocks + b is block b of head h
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scales: torch.Tensor | None
+    v_scales: torch.Tensor | None
+
+
+class KeptBlocks(NamedTuple):
+    """The device's copy of the blocks a layer read from DRAM for recent tokens: S slots per kv
+    head, laid out as the DRAM pages (slot s of head h is row h * S + s)."""
+    k: torch.Tensor  # [KV * S, B, R]
+    v: torch.Tensor
+    k_scales: torch.Tensor | None
+    v_scales: torch.Tensor | None
+    rows: torch.Tensor  # [KV, S] int64: the DRAM row each slot holds, -1 for none
+    plan: torch.Tensor  # [2, KV, S] int32, scratch of a step: each selected block's slot (-1: read from
+                        # DRAM or near), and the slot a block read from DRAM is written to
+
+
+class LayerPages(NamedTuple):
+    """One conversation's global layer as the kernel reads it: its DRAM pages [rows, B, R] (q8_0:
+    int8, with scales [rows, B, D/32] int16 words of float16), the rows of each kv head's selected
+    blocks (index [KV, S] int64) and the tokens of them that count (valid [KV] int64, whole
+    blocks, first ones first), and where copies of some of them lie on the device."""
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scales: torch.Tensor | None
+    v_scales: torch.Tensor | None
+    index: torch.Tensor
+    valid: torch.Tensor
+    near: NearPages | None = None
+    kept: KeptBlocks | None = None
 
 
 @triton.jit
@@ -39,52 +100,130 @@ def _per_value(words, KEYS: tl.constexpr, DIM: tl.constexpr):
 
 
 @triton.jit
+def _table(ptr, offsets, i: tl.constexpr):
+    """Table i of this program's conversation (its offset is in units of ALIGN elements)."""
+    return ptr + tl.load(offsets + i) * 16
+
+
+@triton.jit
+def _tile(near_ptr, kept_ptr, far_ptr, at, at_kept, at_dest, near, kept, fill, KEPT: tl.constexpr):
+    """One tile as stored, from the device copy (near), the kept slots or DRAM; a tile read from
+    DRAM goes to its slot too (fill). The masks are uniform: one load reads, and each keeps its
+    pointer's alignment (a pointer chosen at run time would lose it, and the loads' vector width)."""
+    tile = tl.where(near, tl.load(near_ptr + at, mask=near, other=0), tl.load(far_ptr + at, mask=~near & ~kept, other=0))
+    if KEPT:
+        tile = tl.where(kept, tl.load(kept_ptr + at_kept, mask=kept, other=0), tile)
+        tl.store(kept_ptr + at_dest, tile, mask=fill)
+    return tile
+
+
+@triton.jit
+def _plan_kept(index_ptr, valid_ptr, count_ptr, rows_ptr, plan_ptr, offsets_ptr, max_selected, num_blocks,
+               BLOCK: tl.constexpr, SLOTS: tl.constexpr, NEAR: tl.constexpr, WIDTH: tl.constexpr):
+    """Conversation b's kv head h: each selected block that a slot holds -> that slot; each other
+    block read from DRAM -> a slot no selected block holds (the k-th such block the k-th such
+    slot), which then holds it. Blocks read from the device's copy take no slot."""
+    h, b = tl.program_id(0), tl.program_id(1)
+    num_kv = tl.num_programs(0)
+    offsets = offsets_ptr + b * WIDTH
+    index_ptr += tl.load(offsets + 13)
+    valid_ptr += tl.load(offsets + 14)
+    rows_ptr += tl.load(offsets + 15)
+    plan_ptr += tl.load(offsets + 16)
+    i = tl.arange(0, SLOTS)
+    real = i < max_selected
+    rows = tl.load(index_ptr + h * max_selected + i, mask=real, other=-1)
+    live = i < tl.load(valid_ptr + h) // BLOCK
+    if NEAR:
+        live = live & (rows % num_blocks >= tl.load(count_ptr + tl.load(offsets + 12)))
+    held = tl.load(rows_ptr + h * max_selected + i, mask=real, other=-2)
+    same = (rows[:, None] == held[None, :]) & live[:, None]  # [entry, slot]
+    src = tl.max(tl.where(same, i[None, :], -1), 1)
+    used = tl.max(same.to(tl.int32), 0) > 0
+    missing = live & (src < 0)
+    free = real & ~used
+    rank_missing = tl.cumsum(missing.to(tl.int32), 0)
+    rank_free = tl.cumsum(free.to(tl.int32), 0)
+    match = missing[:, None] & free[None, :] & (rank_missing[:, None] == rank_free[None, :])
+    dest = tl.where(src >= 0, src, tl.max(tl.where(match, i[None, :], -1), 1))
+    filled = tl.max(tl.where(match, rows[:, None], -1), 0)  # per slot: the block it now holds, or -1
+    tl.store(plan_ptr + h * max_selected + i, src.to(tl.int32), mask=real)
+    tl.store(plan_ptr + (num_kv + h) * max_selected + i, dest.to(tl.int32), mask=real)
+    tl.store(rows_ptr + h * max_selected + i, tl.where(filled >= 0, filled, held), mask=real)
+
+
+@triton.jit
 def _selected_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, near_k_ptr, near_v_ptr, near_ks_ptr, near_vs_ptr,
-                             near_ptr, index_ptr, valid_ptr, out_ptr, lse_ptr,
-                             group, max_selected, num_blocks, scale,
-                             stride_row, stride_token, stride_srow, stride_stoken,
-                             BLOCK: tl.constexpr, DIM: tl.constexpr, ROWS: tl.constexpr, KEYS: tl.constexpr, PER_SHARE: tl.constexpr,
-                             QUANT: tl.constexpr, PRECISION: tl.constexpr):
-    """Kv head h's query rows (group of them, padded to ROWS) over its hit blocks
+                               kept_k_ptr, kept_v_ptr, kept_ks_ptr, kept_vs_ptr, count_ptr, index_ptr, valid_ptr,
+                               plan_ptr, offsets_ptr, out_ptr, lse_ptr,
+                               num_heads, group, max_selected, num_blocks, scale,
+                               stride_row, stride_token, stride_srow, stride_stoken,
+                               BLOCK: tl.constexpr, DIM: tl.constexpr, ROWS: tl.constexpr, KEYS: tl.constexpr,
+                               PER_SHARE: tl.constexpr, QUANT: tl.constexpr, NEAR: tl.constexpr, KEPT: tl.constexpr,
+                               WIDTH: tl.constexpr, PRECISION: tl.constexpr):
+    """Conversation b's kv head h's query rows (group of them, padded to ROWS) over its hit blocks
     PER_SHARE * s .. PER_SHARE * (s + 1) - 1 that count (valid tokens) -> this share's out [ROWS,
-    DIM] (normalised by its own softmax sum) and lse [ROWS]; 0 and -inf where it holds none.
-    A block among each head's first `near` (read from near_ptr) is read from the near_* tables
-    (the device's copy), the others from k_ptr.. (DRAM): the same rows, the same arithmetic."""
-    h, share = tl.program_id(0), tl.program_id(1)
-    num_shares = tl.num_programs(1)
+    DIM] (normalised by its own softmax sum) and lse [ROWS]; 0 and -inf where it holds none."""
+    h, share, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    num_kv, num_shares = tl.num_programs(0), tl.num_programs(1)
+    offsets = offsets_ptr + b * WIDTH
+    k_ptr, v_ptr = _table(k_ptr, offsets, 0), _table(v_ptr, offsets, 1)
+    index_ptr += tl.load(offsets + 13)
+    valid_ptr += tl.load(offsets + 14)
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, DIM)
-    q = tl.load(q_ptr + (h * group + rows[:, None]) * DIM + dims[None, :], mask=(rows < group)[:, None],
-                other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + (b * num_heads + h * group + rows[:, None]) * DIM + dims[None, :],
+                mask=(rows < group)[:, None], other=0.0).to(tl.float32)
     valid_blocks = tl.load(valid_ptr + h) // BLOCK
-    near = tl.load(near_ptr)
+    near = 0
+    if NEAR:
+        near_k_ptr, near_v_ptr = _table(near_k_ptr, offsets, 4), _table(near_v_ptr, offsets, 5)
+        near = tl.load(count_ptr + tl.load(offsets + 12))
+    if KEPT:
+        kept_k_ptr, kept_v_ptr = _table(kept_k_ptr, offsets, 8), _table(kept_v_ptr, offsets, 9)
+        plan_ptr += tl.load(offsets + 16)
+    if QUANT:
+        ks_ptr, vs_ptr = _table(ks_ptr, offsets, 2), _table(vs_ptr, offsets, 3)
+        if NEAR:
+            near_ks_ptr, near_vs_ptr = _table(near_ks_ptr, offsets, 6), _table(near_vs_ptr, offsets, 7)
+        if KEPT:
+            kept_ks_ptr, kept_vs_ptr = _table(kept_ks_ptr, offsets, 10), _table(kept_vs_ptr, offsets, 11)
     run_max = tl.full((ROWS,), float("-inf"), tl.float32)
     run_sum = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, DIM), tl.float32)
     for i in range(0, PER_SHARE):
-        b = share * PER_SHARE + i
-        if b < valid_blocks:
-            row = tl.load(index_ptr + h * max_selected + b)
-            near_block = row % num_blocks < near  # on the device; else in DRAM, over PCIe
+        e = share * PER_SHARE + i
+        if e < valid_blocks:
+            row = tl.load(index_ptr + h * max_selected + e)
+            near_block = row % num_blocks < near  # on the device; else kept, or in DRAM over PCIe
+            kept_block = near_block & ~near_block
+            fill_block = kept_block
+            slot, dest = row, row
+            if KEPT:
+                src = tl.load(plan_ptr + h * max_selected + e)
+                kept_block = ~near_block & (src >= 0)
+                fill_block = ~near_block & (src < 0)
+                slot = h * max_selected + tl.maximum(src, 0)
+                dest = h * max_selected + tl.maximum(tl.load(plan_ptr + (num_kv + h) * max_selected + e), 0)
             for start in range(0, BLOCK, KEYS):  # KEYS tokens at a time: the tiles stay in registers
                 tokens = start + tl.arange(0, KEYS)
-                at = row * stride_row + tokens[:, None] * stride_token + dims[None, :]
-                # both tables masked by one uniform condition: one of the loads reads, and each keeps
-                # its pointer's alignment (a pointer chosen at run time would lose it, and the loads'
-                # vector width with it)
+                at = tokens[:, None] * stride_token + dims[None, :]
                 near_tile = tl.full((KEYS, DIM), 0, tl.int1) | near_block
-                keys = tl.where(near_tile, tl.load(near_k_ptr + at, mask=near_tile, other=0),
-                                tl.load(k_ptr + at, mask=~near_tile, other=0)).to(tl.float32)  # [KEYS, DIM]
-                values = tl.where(near_tile, tl.load(near_v_ptr + at, mask=near_tile, other=0),
-                                  tl.load(v_ptr + at, mask=~near_tile, other=0)).to(tl.float32)
+                kept_tile = tl.full((KEYS, DIM), 0, tl.int1) | kept_block
+                fill_tile = tl.full((KEYS, DIM), 0, tl.int1) | fill_block
+                keys = _tile(near_k_ptr, kept_k_ptr, k_ptr, row * stride_row + at, slot * stride_row + at,
+                             dest * stride_row + at, near_tile, kept_tile, fill_tile, KEPT).to(tl.float32)
+                values = _tile(near_v_ptr, kept_v_ptr, v_ptr, row * stride_row + at, slot * stride_row + at,
+                               dest * stride_row + at, near_tile, kept_tile, fill_tile, KEPT).to(tl.float32)
                 if QUANT:  # each scale word read once ([KEYS, DIM / 32]), then spread over its 32 values
-                    groups = tl.arange(0, DIM // 32)
-                    s_at = row * stride_srow + tokens[:, None] * stride_stoken + groups[None, :]
+                    s_at = tokens[:, None] * stride_stoken + tl.arange(0, DIM // 32)[None, :]
                     near_words = tl.full((KEYS, DIM // 32), 0, tl.int1) | near_block
-                    ks = tl.where(near_words, tl.load(near_ks_ptr + s_at, mask=near_words, other=0),
-                                  tl.load(ks_ptr + s_at, mask=~near_words, other=0))
-                    vs = tl.where(near_words, tl.load(near_vs_ptr + s_at, mask=near_words, other=0),
-                                  tl.load(vs_ptr + s_at, mask=~near_words, other=0))
+                    kept_words = tl.full((KEYS, DIM // 32), 0, tl.int1) | kept_block
+                    fill_words = tl.full((KEYS, DIM // 32), 0, tl.int1) | fill_block
+                    ks = _tile(near_ks_ptr, kept_ks_ptr, ks_ptr, row * stride_srow + s_at, slot * stride_srow + s_at,
+                               dest * stride_srow + s_at, near_words, kept_words, fill_words, KEPT)
+                    vs = _tile(near_vs_ptr, kept_vs_ptr, vs_ptr, row * stride_srow + s_at, slot * stride_srow + s_at,
+                               dest * stride_srow + s_at, near_words, kept_words, fill_words, KEPT)
                     keys = keys * _per_value(ks, KEYS, DIM)
                     values = values * _per_value(vs, KEYS, DIM)
                 logits = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale  # [ROWS, KEYS]
@@ -97,44 +236,48 @@ def _selected_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, near_k_ptr, 
     held = run_sum > 0
     out = tl.where(held[:, None], acc / tl.where(held, run_sum, 1.0)[:, None], 0.0)
     lse = tl.where(held, run_max + tl.log(tl.where(held, run_sum, 1.0)), float("-inf"))
-    at = (h * num_shares + share) * ROWS + rows
+    at = ((b * num_kv + h) * num_shares + share) * ROWS + rows
     tl.store(out_ptr + at[:, None] * DIM + dims[None, :], out)
     tl.store(lse_ptr + at, lse)
 
 
 @triton.jit
-def _merge_shares(out_ptr, lse_ptr, base_o_ptr, base_lse_ptr, o_ptr, o_lse_ptr, group,
+def _merge_shares(out_ptr, lse_ptr, base_o_ptr, base_lse_ptr, o_ptr, o_lse_ptr, num_heads, group,
                   SHARES: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, BASE: tl.constexpr):
-    """Kv head h's shares (and, with BASE, a state over other keys: the window's) -> its query
-    rows' out [group, DIM] and lse [group], merged by log-sum-exp; 0 and -inf where all are empty."""
-    h = tl.program_id(0)
+    """Conversation b's kv head h's shares (and, with BASE, a state over other keys: the
+    window's) -> its query rows' out [group, DIM] and lse [group], merged by log-sum-exp; 0 and
+    -inf where all are empty."""
+    h, b = tl.program_id(0), tl.program_id(1)
+    num_kv = tl.num_programs(0)
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, DIM)
     real = rows < group
+    first = (b * num_kv + h) * SHARES  # this head's first share
+    heads = b * num_heads + h * group  # its first query row
     top = tl.full((ROWS,), float("-inf"), tl.float32)
     for share in range(SHARES):
-        top = tl.maximum(top, tl.load(lse_ptr + (h * SHARES + share) * ROWS + rows))
+        top = tl.maximum(top, tl.load(lse_ptr + (first + share) * ROWS + rows))
     if BASE:
-        base_lse = tl.load(base_lse_ptr + h * group + rows, mask=real, other=float("-inf"))
+        base_lse = tl.load(base_lse_ptr + heads + rows, mask=real, other=float("-inf"))
         top = tl.maximum(top, base_lse)
     top = tl.where(top == float("-inf"), 0.0, top)
     total = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, DIM), tl.float32)
     for share in range(SHARES):
-        w = tl.exp(tl.load(lse_ptr + (h * SHARES + share) * ROWS + rows) - top)
-        part = tl.load(out_ptr + ((h * SHARES + share) * ROWS + rows[:, None]) * DIM + dims[None, :])
+        w = tl.exp(tl.load(lse_ptr + (first + share) * ROWS + rows) - top)
+        part = tl.load(out_ptr + ((first + share) * ROWS + rows[:, None]) * DIM + dims[None, :])
         total += w
         acc += w[:, None] * part
     if BASE:
         w = tl.exp(base_lse - top)
-        part = tl.load(base_o_ptr + (h * group + rows[:, None]) * DIM + dims[None, :], mask=real[:, None], other=0.0)
+        part = tl.load(base_o_ptr + (heads + rows[:, None]) * DIM + dims[None, :], mask=real[:, None], other=0.0)
         total += w
         acc += w[:, None] * part
     held = total > 0
     o = tl.where(held[:, None], acc / tl.where(held, total, 1.0)[:, None], 0.0)
     merged = tl.where(held, top + tl.log(tl.where(held, total, 1.0)), float("-inf"))
-    tl.store(o_ptr + (h * group + rows[:, None]) * DIM + dims[None, :], o, mask=real[:, None])
-    tl.store(o_lse_ptr + h * group + rows, merged, mask=real)
+    tl.store(o_ptr + (heads + rows[:, None]) * DIM + dims[None, :], o, mask=real[:, None])
+    tl.store(o_lse_ptr + heads + rows, merged, mask=real)
 
 
 def precision(head_dim: int) -> str:
@@ -152,72 +295,126 @@ def kernel_applies(kv_type: str, block_size: int, head_dim: int) -> bool:
     return kv_type in ("bf16", "fp16", "fp32", "q8_0") and power_of_two(block_size) and power_of_two(head_dim)
 
 
-class NearPages(NamedTuple):
-    """A device copy of a layer's pages (ktlong/kv/resident.py), laid out as the DRAM ones: each
-    kv head's first `count` blocks (a 0-dim int64 device tensor, read at launch) are read here."""
-    count: torch.Tensor
-    num_blocks: int  # blocks per kv head in both tables: row h * num_blocks + b is block b of head h
-    k: torch.Tensor
-    v: torch.Tensor
-    k_scales: torch.Tensor | None
-    v_scales: torch.Tensor | None
+def _offsets(tensors: list[tuple], device: torch.device, known: dict | None) -> torch.Tensor:
+    """Each conversation's tensors (TABLES then SCALARS; None: not read) -> [B, WIDTH] int64 on the
+    device: how far each lies from the first conversation's, in ALIGN elements for the tables.
+    known: the tables made before, by their tensors' addresses, where this one is kept too (a CUDA
+    graph's capture cannot copy to the device: its warm-up run makes them; and a graph reads the
+    table it was captured with, so their owner keeps them while its graphs live)."""
+    key = tuple(tuple(None if t is None else t.data_ptr() for t in row) for row in tensors)
+    if known is not None and key in known:
+        return known[key]
+    table = []
+    for row in tensors:
+        line = []
+        for i, (t, t0) in enumerate(zip(row, tensors[0])):
+            if t is None:
+                line.append(0)
+                continue
+            gap, size = t.data_ptr() - t0.data_ptr(), t.element_size()
+            unit = size * (ALIGN if i < len(TABLES) else 1)
+            if gap % unit:
+                raise ValueError(f"{(TABLES + SCALARS)[i]} of each conversation must lie a whole multiple of "
+                                 f"{unit} bytes from the first conversation's")
+            line.append(gap // unit)
+        table.append(line)
+    found = torch.tensor(table, dtype=torch.int64).to(device)
+    if known is not None:
+        known[key] = found
+    return found
 
 
-def selected_blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scales: torch.Tensor | None,
-                            v_scales: torch.Tensor | None, hit_index: torch.Tensor, hit_valid: torch.Tensor,
-                            scale: float, base=None,
-                            near: NearPages | None = None, out: torch.Tensor | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [H, D] (float32, or a narrower float widened here); k, v: one layer's pages [rows, B, R]
-    (q8_0: int8 with k_scales, v_scales [rows, B, D/32] int16 words of float16); hit_index [KV, S]
-    rows of each kv head's hit blocks, hit_valid [KV] tokens that count (whole blocks, first ones
-    first) -> out [H, D], lse [H] float32 (natural log; -inf and 0 for a head that holds nothing).
-    base: a state (out [H, D], lse [H] float32) over other keys to merge in, e.g. the window's, or
-    a function that returns one, called after the shares' kernel is queued (another stream's work
-    to join: it then runs beside the reads).
-    near: a device copy of the leading blocks, read instead of k, v where it holds them. out: an
-    [H, D] float32 tensor to write the result into. Fixed shapes, no sync."""
-    expect("q", q, ndim=2, dtype=(torch.float32, torch.bfloat16, torch.float16))
-    expect("k", k, ndim=3)
-    expect("v", v, shape=tuple(k.shape), dtype=k.dtype)
-    expect("hit_index", hit_index, ndim=2, dtype=torch.int64, device=q.device)
-    expect("hit_valid", hit_valid, shape=(hit_index.shape[0],), dtype=torch.int64, device=q.device)
-    if k_scales is not None:
-        expect("k_scales", k_scales, shape=(k.shape[0], k.shape[1], None), dtype=torch.int16)
-        expect("v_scales", v_scales, shape=tuple(k_scales.shape), dtype=torch.int16)
-    # k, v and their scales may lie on q's device or in host memory registered with CUDA (the DRAM
-    # cache, read in place over PCIe); torch cannot tell registered memory, so their device is not checked
-    num_heads, dim = q.shape
-    num_kv, max_selected = hit_index.shape
-    if num_heads % num_kv:
-        raise ValueError(f"q's {num_heads} heads must be whole groups of hit_index's {num_kv} kv heads")
-    quant = k_scales is not None
-    ks, vs = (k_scales, v_scales) if quant else (hit_index, hit_index)  # placeholders, never read
-    if near is None:  # no device copy: the DRAM tables stand in for one (either branch reads them)
-        near = NearPages(hit_valid[0], 1, k, v, ks, vs)
-    elif (near.k.shape != k.shape or near.k.stride() != k.stride() or near.k.dtype != k.dtype
-          or near.v.stride() != k.stride() or quant and near.k_scales.stride() != k_scales.stride()):
-        raise ValueError("the device copy of the pages must be laid out as the DRAM pages")
-    merged = torch.empty((num_heads, dim), dtype=torch.float32, device=q.device) if out is None else out
-    expect("out", merged, shape=(num_heads, dim), dtype=torch.float32, device=q.device)
+def _check(layer: LayerPages, first: LayerPages, device: torch.device, heads: int):
+    expect("k", layer.k, ndim=3)
+    expect("v", layer.v, shape=tuple(layer.k.shape), dtype=layer.k.dtype)
+    if layer.k.stride() != first.k.stride() or layer.v.stride() != first.k.stride() or layer.k.dtype != first.k.dtype:
+        raise ValueError("every conversation's pages must be laid out as the first one's")
+    expect("hit_index", layer.index, shape=tuple(first.index.shape), dtype=torch.int64, device=device)
+    expect("hit_valid", layer.valid, shape=(first.index.shape[0],), dtype=torch.int64, device=device)
+    if heads % layer.index.shape[0]:
+        raise ValueError(f"q's {heads} heads must be whole groups of hit_index's {layer.index.shape[0]} kv heads")
+    if (layer.k_scales is None) != (first.k_scales is None):
+        raise ValueError("every conversation's pages must be stored in one format")
+    if layer.k_scales is not None:
+        expect("k_scales", layer.k_scales, shape=(layer.k.shape[0], layer.k.shape[1], None), dtype=torch.int16)
+        expect("v_scales", layer.v_scales, shape=tuple(layer.k_scales.shape), dtype=torch.int16)
+        if layer.k_scales.stride() != first.k_scales.stride() or layer.v_scales.stride() != first.k_scales.stride():
+            raise ValueError("every conversation's scales must be laid out as the first one's")
+    for name, copy in (("near", layer.near), ("kept", layer.kept)):
+        if (copy is None) != (getattr(first, name) is None):
+            raise ValueError(f"every conversation of a batch has a {name} copy of its blocks, or none does")
+        if copy is not None and (copy.k.stride() != layer.k.stride() or copy.v.stride() != layer.k.stride()
+                                 or copy.k.dtype != layer.k.dtype or layer.k_scales is not None and (
+                                     copy.k_scales.stride() != layer.k_scales.stride()
+                                     or copy.v_scales.stride() != layer.k_scales.stride())):
+            raise ValueError(f"the {name} copy of the pages must be laid out as the DRAM pages")
+    if layer.near is not None and layer.near.num_blocks != first.near.num_blocks:
+        raise ValueError("every conversation's device copy must count the same blocks per kv head")
+    if layer.kept is not None:
+        expect("kept rows", layer.kept.rows, shape=tuple(layer.index.shape), dtype=torch.int64, device=device)
+        expect("kept plan", layer.kept.plan, shape=(2, *layer.index.shape), dtype=torch.int32, device=device)
+
+
+def selected_blocks_attention(q: torch.Tensor, layers: list[LayerPages], scale: float, base=None,
+                              out: torch.Tensor | None = None, known: dict | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, H, D] (float32, or a narrower float widened here): conversation b's queries over its
+    selected blocks, layers[b] -> out [B, H, D], lse [B, H] float32 (natural log; -inf and 0 for a
+    head that holds nothing). base: a state (out [B, H, D], lse [B, H] float32) over other keys to
+    merge in, e.g. the windows', or a function that returns one, called after the shares' kernel
+    is queued (another stream's work to join: it then runs beside the reads). out: a [B, H, D]
+    float32 tensor to write the result into. known: the caller's store of the batch's offsets
+    tables (`_offsets`), needed to capture a CUDA graph. Fixed shapes, no sync; a layer's kept
+    slots are updated (the blocks read from DRAM join them)."""
+    expect("q", q, ndim=3, dtype=(torch.float32, torch.bfloat16, torch.float16))
+    batch, num_heads, dim = q.shape
+    if len(layers) != batch:
+        raise ValueError(f"q holds {batch} conversations' queries, and {len(layers)} conversations' pages were given")
+    first = layers[0]
+    for layer in layers:
+        # the pages may lie on q's device or in host memory registered with CUDA (the DRAM cache,
+        # read in place over PCIe); torch cannot tell registered memory, so their device is not checked
+        _check(layer, first, q.device, num_heads)
+    num_kv, max_selected = first.index.shape
+    quant, near, kept = first.k_scales is not None, first.near is not None, first.kept is not None
+    num_blocks = first.near.num_blocks if near else 1
+
+    def tensors(layer: LayerPages) -> tuple:
+        n, c = layer.near, layer.kept
+        return (layer.k, layer.v, layer.k_scales, layer.v_scales,
+                *((n.k, n.v, n.k_scales, n.v_scales) if near else (None,) * 4),
+                *((c.k, c.v, c.k_scales, c.v_scales) if kept else (None,) * 4),
+                n.count if near else None, layer.index, layer.valid,
+                c.rows if kept else None, c.plan if kept else None)
+    offsets = _offsets([tensors(layer) for layer in layers], q.device, known)
+    # tensors that are not read stand in for their pointers (a placeholder keeps its own alignment)
+    ks, vs = (first.k_scales, first.v_scales) if quant else (first.index, first.index)
+    n = first.near or NearPages(first.valid, 1, first.k, first.v, ks, vs)
+    c = first.kept or KeptBlocks(first.k, first.v, ks, vs, first.index, first.valid)
+    merged = torch.empty((batch, num_heads, dim), dtype=torch.float32, device=q.device) if out is None else out
+    expect("out", merged, shape=(batch, num_heads, dim), dtype=torch.float32, device=q.device)
     if not merged.is_contiguous():
         raise ValueError("out must be contiguous")
+    if kept:
+        _plan_kept[(num_kv, batch)](first.index, first.valid, n.count, c.rows, c.plan, offsets, max_selected,
+                                    num_blocks, BLOCK=first.k.shape[1], SLOTS=triton.next_power_of_2(max_selected),
+                                    NEAR=near, WIDTH=WIDTH)
     group = num_heads // num_kv
     rows = max(16, triton.next_power_of_2(group))
     shares = min(SHARES, max(max_selected, 1))
     per_share = -(-max_selected // shares)
-    part = torch.empty((num_kv, shares, rows, dim), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((num_kv, shares, rows), dtype=torch.float32, device=q.device)
-    near_ks, near_vs = (near.k_scales, near.v_scales) if quant else (ks, vs)
-    _selected_blocks_attention[(num_kv, shares)](
-        q.contiguous(), k, v, ks, vs, near.k, near.v, near_ks, near_vs, near.count, hit_index, hit_valid,
-        part, part_lse, group, max_selected, near.num_blocks, scale, k.stride(0), k.stride(1),
+    part = torch.empty((batch, num_kv, shares, rows, dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((batch, num_kv, shares, rows), dtype=torch.float32, device=q.device)
+    _selected_blocks_attention[(num_kv, shares, batch)](
+        q.contiguous(), first.k, first.v, ks, vs, n.k, n.v, n.k_scales, n.v_scales, c.k, c.v, c.k_scales,
+        c.v_scales, n.count, first.index, first.valid, c.plan, offsets, part, part_lse,
+        num_heads, group, max_selected, num_blocks, scale, first.k.stride(0), first.k.stride(1),
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
-        BLOCK=k.shape[1], DIM=dim, ROWS=rows, KEYS=min(KEYS, k.shape[1]), PER_SHARE=per_share, QUANT=quant,
-        PRECISION=precision(dim))
-    merged_lse = torch.empty(num_heads, dtype=torch.float32, device=q.device)
+        BLOCK=first.k.shape[1], DIM=dim, ROWS=rows, KEYS=min(KEYS, first.k.shape[1]), PER_SHARE=per_share,
+        QUANT=quant, NEAR=near, KEPT=kept, WIDTH=WIDTH, PRECISION=precision(dim))
+    merged_lse = torch.empty((batch, num_heads), dtype=torch.float32, device=q.device)
     base = base() if callable(base) else base
     base_o, base_lse = (base[0].float().contiguous(), base[1].float().contiguous()) if base is not None else (part, part_lse)
-    _merge_shares[(num_kv,)](part, part_lse, base_o, base_lse, merged, merged_lse, group,
-                             SHARES=shares, ROWS=rows, DIM=dim, BASE=base is not None)
+    _merge_shares[(num_kv, batch)](part, part_lse, base_o, base_lse, merged, merged_lse, num_heads, group,
+                                   SHARES=shares, ROWS=rows, DIM=dim, BASE=base is not None)
     return merged, merged_lse

@@ -56,6 +56,9 @@ CASES = {
     "fp32, CPU scoring": ("fp32", dict(block_scoring="cpu")),
     "q8_0, device scoring, token_step 2, layer_step 2": ("q8_0", dict(block_scoring="device", token_step=2,
                                                                       layer_step=2, dense_layer_num=1)),
+    # the selected blocks' kernel (in Triton's interpreter here): one launch a layer for the batch
+    "q8_0, the device reads the host's selection": ("q8_0", dict(block_scoring="cpu", context_attention="gpu")),
+    "q8_0, the device selects and reads": ("q8_0", dict(block_scoring="device", context_attention="gpu")),
 }
 
 
@@ -65,14 +68,16 @@ def test_a_batch_with_joins_and_leaves_equals_each_conversation_alone(tiny, case
     settings = dataclasses.replace(selection(second_select_num=3, preselect_block=False, dense_layer_num=0),
                                    **options)
     # alone: each conversation decodes its tokens by itself
-    alone_logits, alone_calls = [], []
+    alone_logits, alone_calls, alone_read = [], [], []
     for i, length in enumerate(PROMPTS):
         session = conversation(tiny, settings, kv_type, length)
         calls = record_selections(session.decoder)
         first, stop = ACTIVE[i]
         alone_logits.append([session.step(t).clone() for t in tokens_of(i)[:stop - first]])
         alone_calls.append(calls)
-    assert all(any(len(heads[0]) == 3 for _, _, heads in calls) for calls in alone_calls)  # blocks were selected
+        alone_read.append(session.decoder.times.device_read)
+    if session.decoder.selection is None:  # the host selects: its calls show that blocks were selected
+        assert all(any(len(heads[0]) == 3 for _, _, heads in calls) for calls in alone_calls)
 
     # together: one batch per set of members, rebuilt as conversations join and leave
     sessions = [conversation(tiny, settings, kv_type, length) for length in PROMPTS]
@@ -100,6 +105,8 @@ def test_a_batch_with_joins_and_leaves_equals_each_conversation_alone(tiny, case
 
     for i in range(len(PROMPTS)):
         assert batch_calls[i] == alone_calls[i], f"conversation {i} selected other blocks in the batch"
+        assert decoders[i].times.device_read == alone_read[i]  # the device read as many blocks
+        assert decoders[i].times.device_read > 0 or options.get("context_attention") != "gpu"
         assert len(logits[i]) == len(alone_logits[i])
         for step, (a, b) in enumerate(zip(logits[i], alone_logits[i])):
             # float32 through 4 layers: each product's rows summed in another order differ by at

@@ -37,6 +37,11 @@ def test_decode_with_the_gpu_reading_dram_equals_the_cpu_operator(tmp_path, kv_t
     times = gpu.decoder.times
     assert times.selected == cpu.decoder.times.selected > 0
     assert times.device_read == times.selected and times.kv_bytes == 0  # the CPU read nothing
+    # the memory plan counts the kept blocks' slots as the decoder makes them
+    from ktlong.kv.memory_plan import decode_kept_bytes
+
+    slots = [t for kept in gpu.decoder.dram_blocks.kept for t in kept[:4] if t is not None]
+    assert sum(t.nbytes for t in slots) == decode_kept_bytes(gpu.layout, 4) > 0
 
 
 def test_formats_the_gpu_cannot_read_are_refused(tmp_path):

@@ -2,6 +2,7 @@
 fills the rest from the real selection."""
 
 import numpy as np
+import torch
 
 from ktlong.bench.drifting_selection import DriftingSelection
 
@@ -39,3 +40,54 @@ def test_the_kept_share_matches_the_rate_and_rows_stay_valid():
         for blocks in history:
             assert all(len(set(row)) == 8 for row in blocks)  # 8 distinct blocks per head
             assert ((blocks == blocks[:1]).all()) == shared  # SHARED stays one list
+
+
+class FakeDeviceSelection:
+    """What DeviceDrift reads of a DeviceSelection: one scoring layer whose select writes a new
+    random selection of 8 blocks of 200 per kv head into its index (rows h * 200 + block)."""
+
+    def __init__(self, full: bool = True):
+        self.rng = np.random.default_rng(4)
+        self.index = [torch.zeros((4, 8), dtype=torch.int64)]
+        self.valid = torch.full((4,), (8 if full else 5) * 16, dtype=torch.int64)
+        self.role, self.block_size = ["score"], 16
+        self.real = []
+
+    def select(self, j, q):
+        blocks = np.stack([self.rng.choice(200, 8, replace=False) for _ in range(4)]) + np.arange(4)[:, None] * 200
+        self.real.append(blocks)
+        self.index[j].copy_(torch.from_numpy(blocks))
+        return self.index[j], self.valid
+
+
+def device_run(share, steps=150, full=True):
+    from ktlong.bench.device_drift import DeviceDrift
+
+    selection = FakeDeviceSelection(full)
+    selection.select = DeviceDrift(selection, share, seed=3)
+    return [selection.select(0, None)[0].numpy().copy() for _ in range(steps)], selection.real
+
+
+def test_the_device_drift_keeps_the_share_and_fills_in_the_real_order():
+    history, real = device_run(0.72)
+    np.testing.assert_array_equal(history[0], real[0])  # no previous token: the real selection
+    overlaps = []
+    for before, now, chosen in zip(history, history[1:], real[1:]):
+        for h in range(4):
+            kept = [x for x in now[h] if x in before[h]]
+            assert len(set(now[h])) == 8  # 8 distinct blocks
+            # what is not kept comes from the real selection, in its order
+            rest = [x for x in now[h] if x not in kept]
+            assert rest == [x for x in chosen[h] if x in rest] and set(rest) <= set(chosen[h])
+            overlaps.append(len(kept) / 8)
+    # kept at 0.72, plus the real selection's own overlap (8 of 200: about 0.04 of the rest)
+    assert abs(np.mean(overlaps) - 0.72) < 0.04
+
+
+def test_the_device_drift_at_the_ends_of_its_range():
+    history, _ = device_run(1.0, steps=20)
+    assert all((h == history[0]).all() for h in history)
+    history, real = device_run(0.0, steps=20)
+    assert all((h == r).all() for h, r in zip(history, real))
+    history, real = device_run(1.0, steps=10, full=False)  # a selection that is not full is left alone
+    assert all((h == r).all() for h, r in zip(history, real))

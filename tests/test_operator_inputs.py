@@ -50,10 +50,12 @@ def test_kernel_entry_points_name_the_argument():
                             False)
     with pytest.raises(ValueError, match="cos must be torch.float32"):
         rope_kernel(torch.zeros(3, 2, 16), torch.zeros(3, 8, dtype=torch.float64), torch.zeros(3, 8))
+    from operators.selected_blocks_kernel import LayerPages
+
     pages = torch.zeros(6, 16, 32)
     with pytest.raises(ValueError, match="hit_index must be torch.int64, got torch.int32"):
-        selected_blocks_attention(torch.zeros(4, 32), pages, pages, None, None, torch.zeros(2, 3, dtype=torch.int32),
-                                  torch.zeros(2, dtype=torch.int64), 1.0)
+        selected_blocks_attention(torch.zeros(1, 4, 32), [LayerPages(pages, pages, None, None, torch.zeros(
+            2, 3, dtype=torch.int32), torch.zeros(2, dtype=torch.int64))], 1.0)
     with pytest.raises(ValueError, match="pooled_keys must be torch.float32"):
         group_margins(torch.zeros(32, 4, 32), torch.zeros(2, 8, 32, dtype=torch.bfloat16), 8, 16, 1.0, 2, 1, 1)
 

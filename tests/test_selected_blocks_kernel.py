@@ -5,7 +5,7 @@ runs in Triton's interpreter (tests/conftest.py); on a GPU compiled, on the devi
 import pytest
 import torch
 
-from operators.selected_blocks_kernel import selected_blocks_attention, kernel_applies
+from operators.selected_blocks_kernel import KeptBlocks, LayerPages, NearPages, selected_blocks_attention, kernel_applies
 from operators.kv_quant import dequantize_kv, quantize_kv
 from operators.window_attention import attention_over_prefix
 
@@ -32,10 +32,9 @@ def test_kernel_equals_attention_over_the_gathered_pages(kv_type, group):
     hit_index = torch.randint(0, rows, (num_kv, selected), generator=g)
     hit_valid = torch.tensor([10 * block, 0, 3 * block])  # all, none, some
     to = dict(device=DEVICE)
-    out, lse = selected_blocks_attention(q.to(**to), data[0].to(**to), data[1].to(**to),
-                                       None if scales is None else scales[0].to(**to),
-                                       None if scales is None else scales[1].to(**to),
-                                       hit_index.to(**to), hit_valid.to(**to), 0.125)
+    layer = LayerPages(data[0].to(**to), data[1].to(**to), None if scales is None else scales[0].to(**to),
+                       None if scales is None else scales[1].to(**to), hit_index.to(**to), hit_valid.to(**to))
+    out, lse = (t[0] for t in selected_blocks_attention(q[None].to(**to), [layer], 0.125))
     k, v = (values[p][hit_index].view(num_kv, -1, dim) for p in range(2))
     ref_out, ref_lse = attention_over_prefix(q, k, v, hit_valid, 0.125)
     torch.testing.assert_close(out.cpu(), ref_out, rtol=1e-5, atol=1e-5)
@@ -68,14 +67,14 @@ def test_a_base_state_merges_as_merge_states_would(deferred):
     base_lse[0] = float("-inf")  # query head 0: nothing in the window
     base_out[0] = 0
     to = dict(device=DEVICE)
-    state, calls = (base_out.to(**to), base_lse.to(**to)), []
+    state, calls = (base_out[None].to(**to), base_lse[None].to(**to)), []
 
     def joined():
         calls.append(1)
         return state
-    out, lse = selected_blocks_attention(q.to(**to), data[0].to(**to), data[1].to(**to), None, None,
-                                       hit_index.to(**to), hit_valid.to(**to), 0.125,
-                                       base=joined if deferred else state)
+    layer = LayerPages(data[0].to(**to), data[1].to(**to), None, None, hit_index.to(**to), hit_valid.to(**to))
+    out, lse = (t[0] for t in selected_blocks_attention(q[None].to(**to), [layer], 0.125,
+                                                        base=joined if deferred else state))
     assert len(calls) == int(deferred)
     k, v = (values[p][hit_index].view(num_kv, -1, dim) for p in range(2))
     blocks_out, blocks_lse = attention_over_prefix(q, k, v, hit_valid, 0.125)
@@ -89,8 +88,6 @@ def test_the_leading_blocks_come_from_the_device_copy(kv_type):
     """Blocks below the copy's count are read from the copy, the rest from the DRAM tables. The
     copy here holds other values than the DRAM tables, so the reference can tell which was read:
     attention over the blocks taken from each where the kernel should take them."""
-    from operators.selected_blocks_kernel import NearPages
-
     g = torch.Generator().manual_seed(11)
     num_kv, group, dim, block, per_head, selected = 2, 4, 32, 32, 6, 5
     rows = num_kv * per_head  # row h * per_head + b: block b of kv head h
@@ -105,14 +102,158 @@ def test_the_leading_blocks_come_from_the_device_copy(kv_type):
     scales = lambda s, p: None if s is None else s[p].to(**to)
     copy = NearPages(torch.tensor(count, **to), per_head, near[0].to(**to), near[1].to(**to),
                      scales(near_scales, 0), scales(near_scales, 1))
-    out = torch.empty(num_kv * group, dim, **to)
-    got, lse = selected_blocks_attention(q.to(**to), far[0].to(**to), far[1].to(**to), scales(far_scales, 0),
-                                         scales(far_scales, 1), hit_index.to(**to), hit_valid.to(**to), 0.125,
-                                         near=copy, out=out)
+    out = torch.empty(1, num_kv * group, dim, **to)
+    layer = LayerPages(far[0].to(**to), far[1].to(**to), scales(far_scales, 0), scales(far_scales, 1),
+                       hit_index.to(**to), hit_valid.to(**to), near=copy)
+    got, lse = selected_blocks_attention(q[None].to(**to), [layer], 0.125, out=out)
     assert got is out
+    out, lse = out[0], lse[0]
     from_copy = (blocks < count)[..., None, None]
     k, v = (torch.where(from_copy, near_values[p][hit_index], far_values[p][hit_index]).view(num_kv, -1, dim)
             for p in range(2))
     ref_out, ref_lse = attention_over_prefix(q.float(), k, v, hit_valid, 0.125)
     torch.testing.assert_close(out.cpu(), ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.cpu(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def conversation(g, kv_type, num_kv, per_head, block, dim, selected, count):
+    """One conversation's DRAM pages, a device copy of its first `count` blocks per head (other
+    values than DRAM's), a selection of distinct blocks per head -> (LayerPages, the values each
+    selected entry should read [2, KV, S * block, D])."""
+    rows = num_kv * per_head
+    far, far_scales, far_values = pages(rows, block, dim, kv_type, g)
+    near, near_scales, near_values = pages(rows, block, dim, kv_type, g)
+    blocks = torch.stack([torch.randperm(per_head, generator=g)[:selected] for _ in range(num_kv)])
+    index = blocks + torch.arange(num_kv)[:, None] * per_head
+    scales = lambda s, p: None if s is None else s[p].to(DEVICE)
+    copy = NearPages(torch.tensor(count, device=DEVICE), per_head, near[0].to(DEVICE), near[1].to(DEVICE),
+                     scales(near_scales, 0), scales(near_scales, 1))
+    layer = LayerPages(far[0].to(DEVICE), far[1].to(DEVICE), scales(far_scales, 0), scales(far_scales, 1),
+                       index.to(DEVICE), torch.zeros(num_kv, dtype=torch.int64, device=DEVICE), near=copy)
+    from_copy = (blocks < count)[..., None, None]
+    values = torch.stack([torch.where(from_copy, near_values[p][index], far_values[p][index]).view(num_kv, -1, dim)
+                          for p in range(2)])
+    return layer, values
+
+
+@pytest.mark.parametrize("kv_type", ["bf16", "q8_0"])
+def test_one_launch_attends_each_conversation_to_its_own_blocks(kv_type):
+    """Three conversations, each with its own DRAM tables, device copy (of a different count),
+    selection and valid tokens, in one launch: each equals its own attention over its blocks, and
+    the windows' states of all three merge in each to its own."""
+    from operators.merge_state import merge_states
+
+    g = torch.Generator().manual_seed(5)
+    num_kv, group, dim, block, per_head, selected = 2, 4, 32, 32, 7, 4
+    batch = [conversation(g, kv_type, num_kv, per_head, block, dim, selected, count) for count in (0, 3, 7)]
+    valid = [torch.tensor([4 * block, 2 * block]), torch.tensor([0, 4 * block]), torch.tensor([3 * block, 1 * block])]
+    layers = []
+    for (layer, _), tokens in zip(batch, valid):
+        layer.valid.copy_(tokens)
+        layers.append(layer)
+    q = torch.randn(3, num_kv * group, dim, generator=g)
+    base_out, base_lse = torch.randn(3, num_kv * group, dim, generator=g), torch.randn(3, num_kv * group, generator=g)
+    out, lse = selected_blocks_attention(q.to(DEVICE), layers, 0.125, base=(base_out.to(DEVICE), base_lse.to(DEVICE)))
+    for b, ((_, values), tokens) in enumerate(zip(batch, valid)):
+        ref_out, ref_lse = attention_over_prefix(q[b], values[0], values[1], tokens, 0.125)
+        ref_out, ref_lse = merge_states(ref_out, ref_lse, base_out[b], base_lse[b])
+        torch.testing.assert_close(out[b].cpu(), ref_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[b].cpu(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def kept_slots(layer: LayerPages, slots: int) -> KeptBlocks:
+    num_kv = layer.index.shape[0]
+    like = lambda t: None if t is None else torch.zeros((num_kv * slots, *t.shape[1:]), dtype=t.dtype, device=DEVICE)
+    return KeptBlocks(like(layer.k), like(layer.v), like(layer.k_scales), like(layer.v_scales),
+                      torch.full((num_kv, slots), -1, dtype=torch.int64, device=DEVICE),
+                      torch.zeros((2, num_kv, slots), dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.parametrize("kv_type", ["bf16", "q8_0"])
+def test_kept_blocks_are_read_from_their_slots_and_the_rest_from_dram(kv_type):
+    """Two conversations over three steps. Step 1 reads its blocks from DRAM (those below the
+    device copy's count from the copy) and keeps them; then DRAM is overwritten with other
+    values, so the reference can tell where each block was read: step 2 must read its blocks
+    that step 1 read from DRAM from their slots (the old values) and its new ones from DRAM (the
+    new values), and keep those in slots no selected block holds; step 3 goes back to step 1's
+    blocks and reads old values exactly where the slots still hold them."""
+    g = torch.Generator().manual_seed(9)
+    num_kv, group, dim, block, per_head, slots, count = 2, 4, 32, 32, 9, 4, 2
+    layers, old_values = [], []
+    for b in range(2):
+        layer, _ = conversation(g, kv_type, num_kv, per_head, block, dim, slots, count)
+        layers.append(layer._replace(kept=kept_slots(layer, slots)))
+        old_values.append(dram_values(layer))
+    steps = [[torch.stack([torch.randperm(per_head, generator=g)[:slots] for _ in range(num_kv)]) for _ in range(2)]]
+    # step 2 keeps two of step 1's blocks per head and takes two others; step 3 is step 1 again
+    second = []
+    for first in steps[0]:
+        rest = [torch.tensor([x for x in torch.randperm(per_head, generator=g).tolist() if x not in f.tolist()][:2])
+                for f in first]
+        second.append(torch.stack([torch.cat([f[:2], r]) for f, r in zip(first, rest)]))
+    steps += [second, steps[0]]
+    valid = torch.tensor([slots * block, 3 * block])  # kv head 1 reads only its first three
+    held = [[{} for _ in range(num_kv)] for _ in range(2)]  # per conversation and head: row -> values it was kept with
+    for step, chosen in enumerate(steps):
+        if step == 1:  # DRAM changes under the slots
+            for layer in layers:
+                overwrite_dram(layer, g, kv_type)
+        q = torch.randn(2, num_kv * group, dim, generator=g)
+        for layer, blocks in zip(layers, chosen):
+            layer.index.copy_(blocks + torch.arange(num_kv)[:, None] * per_head)
+            layer.valid.copy_(valid)
+        out, lse = selected_blocks_attention(q.to(DEVICE), layers, 0.125)
+        for b, (layer, blocks) in enumerate(zip(layers, chosen)):
+            now = dram_values(layer)
+            near = near_values(layer)
+            k, v = [], []
+            for h in range(num_kv):
+                read = []
+                for e, block_id in enumerate(blocks[h].tolist()):
+                    row = h * per_head + block_id
+                    if block_id < count:
+                        read.append(near[:, row])
+                    elif row in held[b][h]:
+                        read.append(held[b][h][row])
+                    else:
+                        read.append(now[:, row])
+                k.append(torch.cat([r[0] for r in read]))
+                v.append(torch.cat([r[1] for r in read]))
+            ref_out, ref_lse = attention_over_prefix(q[b], torch.stack(k), torch.stack(v), valid, 0.125)
+            torch.testing.assert_close(out[b].cpu(), ref_out, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(lse[b].cpu(), ref_lse, rtol=1e-5, atol=1e-5)
+            rows = layer.kept.rows.cpu()
+            for h in range(num_kv):
+                live = [h * per_head + x for x in blocks[h, :int(valid[h]) // block].tolist() if x >= count]
+                kept = [r for r in rows[h].tolist() if r >= 0]
+                assert len(set(kept)) == len(kept) and set(live) <= set(kept)  # every block read from DRAM is held
+                for row in live:
+                    held[b][h].setdefault(row, now[:, row])
+                held[b][h] = {row: held[b][h][row] for row in kept}  # what the slots hold after the step
+
+
+def dram_values(layer: LayerPages) -> torch.Tensor:
+    """[2, rows, B, D] float32 values of the DRAM pages."""
+    return _values(layer.k, layer.v, layer.k_scales, layer.v_scales)
+
+
+def near_values(layer: LayerPages) -> torch.Tensor:
+    n = layer.near
+    return _values(n.k, n.v, n.k_scales, n.v_scales)
+
+
+def _values(k, v, ks, vs) -> torch.Tensor:
+    data = torch.stack([k, v]).cpu()
+    if ks is None:
+        return data.float()
+    return dequantize_kv(data, torch.stack([ks, vs]).cpu(), "q8_0", torch.float32)
+
+
+def overwrite_dram(layer: LayerPages, g, kv_type):
+    rows, block, dim = layer.k.shape  # q8_0: a byte a value
+    data, scales, _ = pages(rows, block, dim, kv_type, g)
+    layer.k.copy_(data[0])
+    layer.v.copy_(data[1])
+    if scales is not None:
+        layer.k_scales.copy_(scales[0])
+        layer.v_scales.copy_(scales[1])

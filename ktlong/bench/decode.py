@@ -54,7 +54,7 @@ from ktlong.session.long_context import RESIDENT_MARGIN
 from ktlong.models.random_model import SHAPES, num_weight_elements, random_config, random_model
 from ktlong.parallel.group import join_ranks
 from ktlong.parallel.launch import quiet_unless_main
-from ktlong.session.plan import resolve_block_scoring, resolve_chunk_size, resolve_kv_type, resolve_selection
+from ktlong.session.plan import kept_blocks, resolve_block_scoring, resolve_chunk_size, resolve_kv_type, resolve_selection
 from ktlong.session.settings import selection_settings
 from operators.kv_quant import quantize_kv
 
@@ -97,7 +97,7 @@ def resident_copies(model, host: HostKVCache, config, settings, budget: int, loc
     anchors = anchors_per_block(config.anchor_type, config.anchor_num) if scores_on_device(settings) else 0
     chunk = resolve_chunk_size(config.chunk_size, config.block_size, model.device)
     memory = plan_memory(c, num_weight_elements(c), model.dtype.itemsize, layout, chunk, budget, True,
-                         local, anchors)
+                         local, anchors, kept_blocks=kept_blocks(settings))
     resident = ResidentHistory(layout, model.device)
     resident.fit(budget - memory.prefill_device - RESIDENT_MARGIN)
     n = host.num_tokens
@@ -139,14 +139,15 @@ def figures(decoders: list, per_step: list[float], stream_gbps: float, pcie_gbps
     """A row's figures for a batch: tok/s over every conversation; a step's time, CPU attention,
     selection, waiting and the rest (ms, medians and means per step); the K/V the step read
     (every conversation's) and the floors: K/V the CPU read at its stream rate and the GPU over
-    PCIe (less what it read from its own copies of layers' rows), the weights once per step."""
+    PCIe (less what it read from its own copies of layers' rows and from the blocks it kept from
+    the last tokens), the weights once per step."""
     per_step = sorted(per_step)
     med = per_step[len(per_step) // 2]
     n = decoders[0].times.steps
     total = lambda field: sum(getattr(d.times, field) for d in decoders)  # noqa: E731
     cpu, sel = total("cpu_attention") / n, total("selection") / n
     wait, step = decoders[0].times.device_wait / n, decoders[0].times.total / n  # each member waits the same
-    gpu_read = (sum((d.times.device_read - d.times.near_read) * d.block_bytes for d in decoders)
+    gpu_read = (sum((d.times.device_read - d.times.near_read - d.times.kept_read) * d.block_bytes for d in decoders)
                 if decoders[0].dram_blocks is not None else 0)
     cpu_read = total("kv_bytes")
     kv_floor = cpu_read / n / (stream_gbps * 1e9) + (gpu_read / n / (pcie_gbps * 1e9) if gpu_read else 0)
@@ -303,15 +304,16 @@ def main(argv=None) -> int:
                             if settings.context_attention == "gpu" and size == 1 else None)
                 decoders = [Decoder(model, host, settings, local, use_cuda_graph=graphs, resident=resident)
                             for host in hosts[:size]]
-                if args.selection_drift is not None and decoders[0].selection is not None:
-                    raise KtlongError("--selection_drift replaces the host's selection, and graphs-gpu-context "
-                                      "selects on the device; add --set block_scoring=cpu to keep the selection "
-                                      "on the host.")
                 # (indices, not loop variables: none is left holding a decoder into the next row)
                 if args.selection_drift is not None:
                     for i in range(size):
-                        decoders[i].selector.select = DriftingSelection(decoders[i].selector.select,
-                                                                        args.selection_drift, i)
+                        if decoders[i].selection is not None:  # the device selects: the drift runs there too
+                            from ktlong.bench.device_drift import DeviceDrift
+
+                            decoders[i].selection.select = DeviceDrift(decoders[i].selection, args.selection_drift, i)
+                        else:
+                            decoders[i].selector.select = DriftingSelection(decoders[i].selector.select,
+                                                                            args.selection_drift, i)
                 batch = DecodeBatch(model, decoders, graphs and cuda)
                 for t in range(4):
                     batch.step(decoders, [t] * size)

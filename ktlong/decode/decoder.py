@@ -48,6 +48,7 @@ class DecodeTimes:
     selected: int = 0  # (kv head, block) pairs selected, beyond the window
     device_read: int = 0  # of them, read by the device (`context_attention: gpu`)
     near_read: int = 0  # of those, read from the device's copy of a layer's rows, not over PCIe
+    kept_read: int = 0  # of those, read from the blocks kept from the last tokens (where the device selects)
 
 
 class Decoder:
@@ -127,6 +128,8 @@ class Decoder:
         self._preselect(block_mass)
         if self.selection is not None:
             self.selection.load_candidates()
+        if self.dram_blocks is not None:
+            self.dram_blocks.forget_kept()
         self.follow_resident()
         self.step_index = 0
 

@@ -56,14 +56,14 @@ class DramBlocks:
         if not triton_installed():
             raise KtlongError("context_attention: gpu needs triton; install the GPU extra (pip install -e "
                               "\".[gpu]\") or set context_attention=cpu.")
-        from operators.selected_blocks_kernel import NearPages, selected_blocks_attention, kernel_applies
+        from operators.selected_blocks_kernel import KeptBlocks, LayerPages, NearPages, kernel_applies
 
         if not kernel_applies(layout.kv_type, layout.block_size, layout.head_dim):
             raise KtlongError(f"context_attention: gpu reads bf16, fp16, fp32 or q8_0 blocks with a power-of-two "
                               f"block_size and head_dim of at least 16 (here {layout.kv_type}, block "
                               f"{layout.block_size}, head_dim {layout.head_dim}); set context_attention=cpu.")
-        self.kernel, self.scale, self.block_size = selected_blocks_attention, scale, layout.block_size
-        self.near_pages, self.layers = NearPages, global_layers
+        self.scale, self.block_size = scale, layout.block_size
+        self.near_pages, self.layer_pages, self.layers = NearPages, LayerPages, global_layers
         KV, NB = layout.num_kv_heads, layout.num_blocks
         self.num_blocks, self.num_rows = NB, KV * NB
         rows = self.num_rows
@@ -83,6 +83,24 @@ class DramBlocks:
         self.near_blocks = torch.zeros(len(global_layers), dtype=torch.int64, device=device)
         self.near_counts = [0] * len(global_layers)
         self.near_addresses: tuple = ()  # the copies' memory as use_resident last saw it
+        # the blocks each global layer read from DRAM for the last tokens, in second_select_num
+        # slots per kv head (a layer that reads every block keeps none): a block still selected
+        # is read from its slot, not over PCIe again
+        slots = selection.places if selection is not None else max_selected  # the index's width
+        sparse = [j for j in range(len(global_layers)) if selection is None or selection.role[j] != "dense"]
+        self.kept: list = [None] * len(global_layers)
+        if sparse:
+            def slot_tables(t):
+                return None if t is None else torch.zeros((len(sparse), KV * slots, *t.shape[1:]), dtype=t.dtype,
+                                                          device=device)
+            (k, v), (ks, vs) = self.pages[0], self.scales[0]
+            tables = [slot_tables(t) for t in (k, v, ks, vs)]
+            self.kept_rows = torch.full((len(sparse), KV, slots), -1, dtype=torch.int64, device=device)
+            self.plans = torch.zeros((len(sparse), 2, KV, slots), dtype=torch.int32, device=device)
+            for i, j in enumerate(sparse):
+                self.kept[j] = KeptBlocks(*(None if t is None else t[i] for t in tables), self.kept_rows[i],
+                                          self.plans[i])
+        self.kept_host = self._pinned.pin(torch.zeros(1, dtype=torch.int64))  # blocks the last step read from slots
 
     def use_resident(self, resident: ResidentHistory | None):
         """Read each global layer's leading blocks from the device's copy of its rows, as far as
@@ -101,11 +119,28 @@ class DramBlocks:
             tuple(t.data_ptr() for t in resident.rows[layer].values()) if layer in resident.rows else ()
             for layer in self.layers)
 
+    def report(self):
+        """Queue the copy of how many (kv head, block) pairs the step read from the kept slots to
+        the host (read after the step: `kept_read`)."""
+        if any(kept is not None for kept in self.kept):
+            self.kept_host.copy_((self.plans[:, 0] >= 0).sum().view(1), non_blocking=True)
+
+    def kept_read(self) -> int:
+        return int(self.kept_host[0])
+
+    def forget_kept(self):
+        """The DRAM blocks changed under the kept slots (a follow-up's prefill rewrote them): none
+        is held any more."""
+        if any(kept is not None for kept in self.kept):
+            self.kept_rows.fill_(-1)
+
     def _near(self, j: int):
-        """Layer j's device copy as the kernel reads it ([KV * NB, B, R] as the DRAM pages), or None.
-        Its count is read at launch: a copy that grows keeps the captured parts valid."""
+        """Layer j's device copy as the kernel reads it ([KV * NB, B, R] as the DRAM pages); where
+        the device holds none, the DRAM pages with a count of 0 (every conversation of a batch
+        names one). Its count is read at launch: a copy that grows keeps the captured parts valid."""
         if self.resident is None or self.layers[j] not in self.resident.rows:
-            return None
+            (k, v), (ks, vs) = self.pages[j], self.scales[j]
+            return self.near_pages(self.near_blocks[j], self.num_blocks, k, v, ks, vs)
         rows, (_, block, _) = self.resident.rows[self.layers[j]], self.pages[j][0].shape
 
         def view(name):
@@ -139,14 +174,26 @@ class DramBlocks:
         every block, which the CPU operator reads)."""
         self.hits.valid_np[j] = 0
 
-    def attend(self, j: int, q: torch.Tensor, base=None, out: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [H, D] over layer j's selected blocks in DRAM (or the device's copy) -> (out [H, D],
-        lse [H]) float32, into `out` when given; base: a state (out, lse) over other keys merged
-        in by the same kernel, or a function that returns one once the reads are queued."""
+    def pages_of(self, j: int, q: torch.Tensor):
+        """Layer j as the kernel reads it this step (LayerPages): its pages, the rows of the
+        blocks selected for q [H, D] (by the device's selection, or as the host wrote them), its
+        device copy and kept slots."""
         (k, v), (ks, vs) = self.pages[j], self.scales[j]
         rows = self.selection.select(j, q) if self.selection is not None else self.hits.load(j)
-        return self.kernel(q, k, v, ks, vs, *rows, self.scale, base, self._near(j), out)
+        return self.layer_pages(k, v, ks, vs, *rows, near=self._near(j), kept=self.kept[j])
+
+
+def attend(drams: list[DramBlocks], j: int, q: torch.Tensor, known: dict, base=None,
+           out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's global layer j: q [B, H, D], conversation b's over its selected blocks in DRAM
+    (or the device's copies), one kernel for all -> (out [B, H, D], lse [B, H]) float32, into
+    `out` when given; base: a state (out, lse) over other keys merged in by the same kernel, or a
+    function that returns one once the reads are queued; known: the batch's store of the
+    kernel's offsets tables (selected_blocks_attention), kept while its graphs live."""
+    from operators.selected_blocks_kernel import selected_blocks_attention
+
+    layers = [dram.pages_of(j, q[b]) for b, dram in enumerate(drams)]
+    return selected_blocks_attention(q, layers, drams[0].scale, base, out, known)
 
 
 class HitIndex:

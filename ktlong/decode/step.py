@@ -36,7 +36,7 @@ import sys
 
 import torch
 
-from ktlong.decode.dram_blocks import DramBlocks
+from ktlong.decode.dram_blocks import DramBlocks, attend
 from ktlong.decode.device_anchors import DeviceAnchors
 from ktlong.decode.window import DeviceWindow
 from ktlong.kv.pinned import PinnedTensors
@@ -130,9 +130,9 @@ class DecodeStep:
         self.copied = torch.cuda.Event() if dev.type == "cuda" else None
         self.logits = torch.zeros((B, c.vocab_size), device=dev)
         self.rope = None  # the step's cos and sin (segment 0 computes them; later segments read them)
-        self.q_now = None  # with the device selecting: the q of the global layer the last segment ended at
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self._captured_near: list = []  # the DRAM reads' device copies the graphs hold addresses of
+        self.offsets: dict = {}  # the DRAM reads' kernel's tables of where each sequence's tensors lie
         self.replays = 0
 
     def _host(self, shape, dtype) -> torch.Tensor:
@@ -181,10 +181,7 @@ class DecodeStep:
             if self.scores_blocks and not self.device_selects:
                 for b, anchors in enumerate(self.anchors):
                     self.scores_host[b, j].copy_(anchors.scores(g[j], q[b]), non_blocking=True)
-            if self.device_selects:  # the token's own body reads it next (_token)
-                self.q_now = q
-            else:  # the window's and the DRAM blocks' parts read it, captured apart
-                self.q_dev[j].copy_(q)
+            self.q_dev[j].copy_(q)  # the window's and the DRAM blocks' parts read it (captured apart, or next in _token)
         else:
             self.logits.copy_(model.logits(self.x))
 
@@ -200,37 +197,34 @@ class DecodeStep:
         context parts, no host work in between; then the selections' counts to the host."""
         for j in range(len(self.global_layers) + 1):
             self._segment(j)
-            if j < len(self.global_layers):  # each window's state merged into its selected blocks'
-                for b, dram in enumerate(self.dram):
-                    window = self._window_beside(b, self.global_layers[j], self.q_now[b])
-                    dram.attend(j, self.q_now[b], base=window, out=self.o_hit[j, b])
+            if j < len(self.global_layers):  # the windows' states merged into the selected blocks'
+                attend(self.dram, j, self.q_dev[j], self.offsets, base=self._windows_beside(j), out=self.o_hit[j])
         for dram in self.dram:
             dram.selection.report()
+            dram.report()
 
-    def _window_beside(self, b: int, layer: int, q: torch.Tensor):
-        """Sequence b's window part of the layer, queued on the second stream when there is one
-        (it then overlaps the selection's kernels and the DRAM reads, which wait on PCIe more
-        than they use the SMs) -> its state, or a function that joins the streams and returns
-        it, for the merge to call when it needs it. The state's memory comes from the second
-        stream's pool and is read by the main one before the next layer's window is queued
-        there: the next q depends on this merge."""
+    def _windows_beside(self, j: int):
+        """Global layer j's window parts (`_window`), queued on the second stream when
+        there is one (they then overlap the selections' kernels and the DRAM reads, which wait on
+        PCIe more than they use the SMs) -> their state (o_dev[j], lse_dev[j]), or a function that
+        joins the streams and returns it, for the merge to call when it needs it."""
         if self.beside is None:
-            return self._window_attention(b, layer, q)
-        main = torch.cuda.current_stream(q.device)
+            self._window(j)
+            return self.o_dev[j], self.lse_dev[j]
+        main = torch.cuda.current_stream(self.q_dev.device)
         self.beside.wait_stream(main)
         with torch.cuda.stream(self.beside):
-            state = self._window_attention(b, layer, q)
+            self._window(j)
 
         def joined():
             main.wait_stream(self.beside)
-            return state
+            return self.o_dev[j], self.lse_dev[j]
         return joined
 
     def _dram_part(self, j: int):
         """Global layer j's selected blocks, read from DRAM, for every sequence."""
-        for b, dram in enumerate(self.dram):
-            _, lse = dram.attend(j, self.q_dev[j, b], out=self.o_hit[j, b])
-            self.lse_hit[j, b].copy_(lse)
+        _, lse = attend(self.dram, j, self.q_dev[j], self.offsets, out=self.o_hit[j])
+        self.lse_hit[j].copy_(lse)
 
     def _append(self, layer: int, j: int | None = None) -> torch.Tensor:
         """The layer's q, k, v of every sequence -> q [B, H, D]; each sequence's k/v into its
@@ -350,7 +344,7 @@ class DecodeStep:
         where they were: captured parts hold the copies' addresses (ktlong/kv/resident.py), and
         a copy that moved between turns drops them, to be captured again."""
         if self.graphs and self._near_addresses() != self._captured_near:
-            self.graphs, self.window_graphs, self.dram_graphs = [], [], []
+            self.graphs, self.window_graphs, self.dram_graphs, self.offsets = [], [], [], {}
         return bool(self.graphs) or not self.capturing
 
     def wait(self):

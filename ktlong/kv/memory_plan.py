@@ -34,6 +34,12 @@ class MemoryPlan:
     # conversations decoded together (max_num_seqs): each has its own decode window and anchors
     # on the device and its own KV cache in DRAM (the fields above are one conversation's)
     conversations: int = 1
+    decode_kept: int = 0  # decode: the blocks the device read for the last tokens, kept on it (context_attention: gpu)
+
+    @property
+    def decoder(self) -> int:
+        """One conversation's decode state on the device: its window, anchors and kept blocks."""
+        return self.decode_window + self.decode_anchors + self.decode_kept
 
     @property
     def prefill_device(self) -> int:
@@ -41,18 +47,18 @@ class MemoryPlan:
 
     @property
     def decode_device(self) -> int:
-        return self.weights + self.kv_pages + self.conversations * (self.decode_window + self.decode_anchors)
+        return self.weights + self.kv_pages + self.conversations * self.decoder
 
     @property
     def prefill_beside_decoders(self) -> int:
         """A prefill while the other conversations decode (the server runs it in slices between
-        their steps): its hidden states and workspace beside their windows and anchors."""
-        return self.prefill_device + (self.conversations - 1) * (self.decode_window + self.decode_anchors)
+        their steps): its hidden states and workspace beside their decode states."""
+        return self.prefill_device + (self.conversations - 1) * self.decoder
 
     @property
     def device_total(self) -> int:
         """The peak: a prefill (hidden states, one chunk's workspace) beside the other
-        conversations' decoders, or decode (every conversation's window and anchors)."""
+        conversations' decoders, or decode (every conversation's decode state)."""
         return max(self.prefill_beside_decoders, self.decode_device)
 
     @property
@@ -65,8 +71,8 @@ class MemoryPlan:
         return self.conversations * self.dram_cache + self.dram_hidden
 
     def conversations_that_fit(self, budget_bytes: int, free_dram: int) -> int:
-        """The most conversations whose decode windows, anchors and caches fit beside the rest."""
-        per_device = self.decode_window + self.decode_anchors
+        """The most conversations whose decode states and caches fit beside the rest."""
+        per_device = self.decoder
         room = budget_bytes - self.weights - self.kv_pages if self.device_is_gpu else 1 << 62
         # every window and anchors while decoding; all but one beside a prefill's hidden states and workspace
         fit_device = (min(room // per_device, (room - self.hidden - self.workspace) // per_device + 1)
@@ -85,6 +91,8 @@ class MemoryPlan:
                 (f"{dev} decode window{each}", n * self.decode_window)]
         if self.decode_anchors:
             rows.append((f"{dev} decode anchors{each}", n * self.decode_anchors))
+        if self.decode_kept:
+            rows.append((f"{dev} decode kept blocks{each}", n * self.decode_kept))
         rows += [(f"{dev} peak" if self.device_is_gpu else "RAM peak for compute", self.device_total),
                  (f"{host} KV ({self.global_layers} global layers){each}", n * self.dram_kv)]
         if self.sliding_layers:
@@ -121,11 +129,19 @@ def decode_anchor_bytes(layout: KVLayout, anchors_per_block: int) -> int:
     return per_layer * (len(layout.global_layers) + 2) + scores if anchors_per_block else 0
 
 
+def decode_kept_bytes(layout: KVLayout, kept_blocks: int) -> int:
+    """ktlong/decode/dram_blocks.py: K and V of kept_blocks blocks per kv head of every global
+    layer, stored as DRAM stores them."""
+    return len(layout.global_layers) * layout.layer_bytes(min(kept_blocks, layout.num_blocks))
+
+
 def plan_memory(c: ModelConfig, num_weight_elements: int, act_bytes: int, layout: KVLayout,
                 chunk_size: int, budget_bytes: int, device_is_gpu: bool, local_windows_len: int = 4096,
-                device_anchors_per_block: int = 0, conversations: int = 1) -> MemoryPlan:
+                device_anchors_per_block: int = 0, conversations: int = 1, kept_blocks: int = 0) -> MemoryPlan:
     """device_anchors_per_block: anchors per block when decode scores blocks on the GPU, else 0.
-    conversations: decoded together (max_num_seqs), each of up to layout.capacity tokens."""
+    conversations: decoded together (max_num_seqs), each of up to layout.capacity tokens.
+    kept_blocks: blocks per kv head and layer the device keeps from the last tokens
+    (second_select_num when it reads the selected blocks, else 0)."""
     weights = num_weight_elements * act_bytes
     kv_pages = layout.page_bytes()
     chunk = min(chunk_size, layout.capacity)
@@ -146,7 +162,8 @@ def plan_memory(c: ModelConfig, num_weight_elements: int, act_bytes: int, layout
                                         conversations)
         if layout.head_dim % 32 == 0 else 0,
         global_layers=len(layout.global_layers), sliding_layers=layout.num_layers - len(layout.global_layers),
-        device_is_gpu=device_is_gpu, conversations=conversations)
+        device_is_gpu=device_is_gpu, conversations=conversations,
+        decode_kept=decode_kept_bytes(layout, kept_blocks) if device_is_gpu else 0)
 
 
 def dram_total_with(layout: KVLayout, dram_hidden: int, conversations: int = 1) -> int:

@@ -87,7 +87,7 @@ class LongContextSession:
                       prefill_headroom=(plan.budget_bytes - plan.memory.prefill_beside_decoders
                                         if plan.is_gpu else None),
                       resident_history=plan.resident_history,
-                      decoder_bytes=plan.memory.decode_window + plan.memory.decode_anchors)
+                      decoder_bytes=plan.memory.decoder)
         session.warm_up()
         return session
 
