@@ -42,14 +42,17 @@ def test_the_kept_share_matches_the_rate_and_rows_stay_valid():
             assert ((blocks == blocks[:1]).all()) == shared  # SHARED stays one list
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU the kernel runs in Triton's interpreter
+
+
 class FakeDeviceSelection:
     """What DeviceDrift reads of a DeviceSelection: one scoring layer whose select writes a new
     random selection of 8 blocks of 200 per kv head into its index (rows h * 200 + block)."""
 
     def __init__(self, full: bool = True):
         self.rng = np.random.default_rng(4)
-        self.index = [torch.zeros((4, 8), dtype=torch.int64)]
-        self.valid = torch.full((4,), (8 if full else 5) * 16, dtype=torch.int64)
+        self.index = [torch.zeros((4, 8), dtype=torch.int64, device=DEVICE)]
+        self.valid = torch.full((4,), (8 if full else 5) * 16, dtype=torch.int64, device=DEVICE)
         self.role, self.block_size = ["score"], 16
         self.real = []
 
@@ -65,7 +68,7 @@ def device_run(share, steps=150, full=True):
 
     selection = FakeDeviceSelection(full)
     selection.select = DeviceDrift(selection, share, seed=3)
-    return [selection.select(0, None)[0].numpy().copy() for _ in range(steps)], selection.real
+    return [selection.select(0, None)[0].cpu().numpy() for _ in range(steps)], selection.real
 
 
 def test_the_device_drift_keeps_the_share_and_fills_in_the_real_order():
