@@ -68,7 +68,7 @@ def device_run(share, steps=150, full=True):
 
     selection = FakeDeviceSelection(full)
     selection.select = DeviceDrift(selection, share, seed=3)
-    return [selection.select(0, None)[0].cpu().numpy() for _ in range(steps)], selection.real
+    return [selection.select(0, None)[0].cpu().numpy().copy() for _ in range(steps)], selection.real
 
 
 def test_the_device_drift_keeps_the_share_and_fills_in_the_real_order():
