@@ -114,10 +114,12 @@ def kernel_applies(dtype: torch.dtype, head_dim: int) -> bool:
 
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                     scale: float, last: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale: float, last: int = 0, out: torch.Tensor | None = None, lse: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [H, D] over k, v [KV, N, D] (a whole window buffer, bfloat16) of which keys lo..hi-1
     count (0-dim int64 device tensors; with last > 0 only the last `last` of them) -> out [H, D],
-    lse [H] float32, as masked_window_attention gives them. Fixed shapes, no sync."""
+    lse [H] float32, as masked_window_attention gives them, into `out` and `lse` when given
+    (contiguous float32). Fixed shapes, no sync."""
     expect("k", k, ndim=3, dtype=torch.bfloat16)
     num_kv, n, dim = k.shape
     expect("v", v, shape=tuple(k.shape), dtype=k.dtype, device=k.device)
@@ -137,8 +139,12 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torc
     tops = torch.empty((num_kv, parts, rows), dtype=torch.float32, device=device)
     sums = torch.empty((num_kv, parts, rows), dtype=torch.float32, device=device)
     share = torch.empty((num_kv, parts, rows, dim), dtype=torch.float32, device=device)
-    out = torch.empty((num_heads, dim), dtype=torch.float32, device=device)
-    lse = torch.empty(num_heads, dtype=torch.float32, device=device)
+    out = torch.empty((num_heads, dim), dtype=torch.float32, device=device) if out is None else out
+    lse = torch.empty(num_heads, dtype=torch.float32, device=device) if lse is None else lse
+    expect("out", out, shape=(num_heads, dim), dtype=torch.float32, device=device)
+    expect("lse", lse, shape=(num_heads,), dtype=torch.float32, device=device)
+    if not (out.is_contiguous() and lse.is_contiguous()):
+        raise ValueError("out and lse must be contiguous")
     q = q.to(k.dtype).contiguous()
     _logits[(num_heads, parts)](q, k, lo, hi, logits, tops, sums, n, group, last, scale, k.stride(0), k.stride(1),
                                 ROWS=rows, DIM=dim, KEYS=KEYS, TILES=TILES)

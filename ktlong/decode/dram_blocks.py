@@ -184,15 +184,28 @@ class DramBlocks:
 
 
 def attend(drams: list[DramBlocks], j: int, q: torch.Tensor, known: dict, base=None,
-           out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           out: torch.Tensor | None = None, lanes: list = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch's global layer j: q [B, H, D], conversation b's over its selected blocks in DRAM
     (or the device's copies), one kernel for all -> (out [B, H, D], lse [B, H]) float32, into
     `out` when given; base: a state (out, lse) over other keys merged in by the same kernel, or a
     function that returns one once the reads are queued; known: the batch's store of the
-    kernel's offsets tables (selected_blocks_attention), kept while its graphs live."""
+    kernel's offsets tables (selected_blocks_attention), kept while its graphs live. lanes: CUDA
+    streams over which the conversations' selections spread: each is a few small kernels that
+    leave most of the device idle, so they run side by side, and the reads wait for all of them."""
     from operators.selected_blocks_kernel import selected_blocks_attention
 
-    layers = [dram.pages_of(j, q[b]) for b, dram in enumerate(drams)]
+    if not lanes:
+        layers = [dram.pages_of(j, q[b]) for b, dram in enumerate(drams)]
+        return selected_blocks_attention(q, layers, drams[0].scale, base, out, known)
+    main = torch.cuda.current_stream(q.device)
+    for lane in lanes:
+        lane.wait_stream(main)
+    layers = []
+    for b, dram in enumerate(drams):
+        with torch.cuda.stream(lanes[b % len(lanes)]):  # a conversation keeps its lane: its steps stay in order
+            layers.append(dram.pages_of(j, q[b]))
+    for lane in lanes:
+        main.wait_stream(lane)
     return selected_blocks_attention(q, layers, drams[0].scale, base, out, known)
 
 

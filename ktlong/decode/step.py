@@ -83,6 +83,9 @@ class DecodeStep:
         # with the device selecting on a GPU, a global layer's window part runs on this second
         # stream, beside its selection and its DRAM reads, which need only the same q (`_token`)
         self.beside = torch.cuda.Stream(dev) if self.device_selects and dev.type == "cuda" else None
+        # and the sequences' selections side by side, one stream each (ktlong/decode/dram_blocks.attend)
+        self.lanes = ([torch.cuda.Stream(dev) for _ in range(B)] if self.device_selects and dev.type == "cuda" and B > 1
+                      else [])
         # inputs, one row per sequence, written before each replay
         self.token = torch.zeros(B, dtype=torch.long, device=dev)
         self.position = torch.zeros(B, dtype=torch.long, device=dev)
@@ -188,9 +191,7 @@ class DecodeStep:
     def _window(self, j: int):
         """Global layer j's window part: each sequence's q over its sinks and window -> o_dev, lse_dev."""
         for b in range(self.batch):
-            o, lse = self._window_attention(b, self.global_layers[j], self.q_dev[j, b])
-            self.o_dev[j, b].copy_(o)
-            self.lse_dev[j, b].copy_(lse)
+            self._window_attention(b, self.global_layers[j], self.q_dev[j, b], out=(self.o_dev[j, b], self.lse_dev[j, b]))
 
     def _token(self):
         """A whole token when the device selects: every segment with its layer's window and
@@ -198,7 +199,8 @@ class DecodeStep:
         for j in range(len(self.global_layers) + 1):
             self._segment(j)
             if j < len(self.global_layers):  # the windows' states merged into the selected blocks'
-                attend(self.dram, j, self.q_dev[j], self.offsets, base=self._windows_beside(j), out=self.o_hit[j])
+                attend(self.dram, j, self.q_dev[j], self.offsets, base=self._windows_beside(j), out=self.o_hit[j],
+                       lanes=self.lanes)
         for dram in self.dram:
             dram.selection.report()
             dram.report()
@@ -251,19 +253,26 @@ class DecodeStep:
                     self.kv_host[b, j].copy_(kv, non_blocking=True)
         return q
 
-    def _window_attention(self, b: int, layer: int, q: torch.Tensor, last: int = 0):
+    def _window_attention(self, b: int, layer: int, q: torch.Tensor, last: int = 0, out: tuple | None = None):
         """Sequence b's q [H, D] over the layer's sinks and window (its `last` keys only, when
-        given) -> out [H, D], lse [H] float32. Captured: the whole buffer with the invalid keys
-        masked, fixed shapes read from device memory; eager: the valid keys only."""
+        given) -> out [H, D], lse [H] float32, written into `out` (out, lse) when given. Captured:
+        the whole buffer with the invalid keys masked, fixed shapes read from device memory;
+        eager: the valid keys only."""
         keys, values = self.windows[b].layer_buffers(layer)
         if self.capturing and self.window_kernel is not None:
-            return self.window_kernel(q, keys, values, self.lo[b], self.hi[b], self.model.scale, last)
+            return self.window_kernel(q, keys, values, self.lo[b], self.hi[b], self.model.scale, last,
+                                      *(out or (None, None)))
         if self.capturing:
             lo = torch.maximum(self.lo[b], self.hi[b] - last) if last else self.lo[b]
-            return masked_window_attention(q, keys, values, lo, self.hi[b], self.model.scale)
-        lo, hi = self.valid[b]
-        lo = max(lo, hi - last) if last else lo
-        return attention_with_lse(q, keys[:, lo:hi], values[:, lo:hi], self.model.scale)
+            state = masked_window_attention(q, keys, values, lo, self.hi[b], self.model.scale)
+        else:
+            lo, hi = self.valid[b]
+            lo = max(lo, hi - last) if last else lo
+            state = attention_with_lse(q, keys[:, lo:hi], values[:, lo:hi], self.model.scale)
+        if out is not None:
+            out[0].copy_(state[0])
+            out[1].copy_(state[1])
+        return state
 
     def _finish(self, layer: int, o: torch.Tensor):
         self.model.residual_block(layer, self.x, o, out=self.x)
