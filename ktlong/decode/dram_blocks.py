@@ -12,6 +12,11 @@ selecting, a dense layer's every block does not fit the index, and the CPU opera
 token reads its selected K/V over PCIe once (285 MB at 8B shapes, 128K, q8_0); the CPU operator
 reads the same bytes from DRAM at the host's stream rate.
 
+A batch's conversations are one launch per layer (`attend`), and the blocks each layer read from
+DRAM for the last tokens stay on the device in slots of their own (`kept`,
+operators/selected_blocks_kernel.py): real text keeps most of a token's blocks for the next, and
+a block still selected is read from its slot, not over PCIe again.
+
 Where the device keeps a layer's rows between turns (ktlong/kv/resident.py: as many layers as
 the memory plan leaves room for, stored as DRAM stores them), the kernel reads that layer's
 blocks from the copy instead, up to the rows it holds: the same bytes from HBM, not over PCIe.
@@ -218,9 +223,9 @@ def attend(drams: list[DramBlocks], j: int, q: torch.Tensor, known: dict, base=N
 
 def _keeping(drams: list[DramBlocks], j: int, layers: list) -> list:
     """Layer j's pages as the kernel gets them: without kept slots where every conversation's
-    device copy holds the layer (its blocks are read there; planning slots would only cost time:
-    0.6 ms a token at 128K alone, 18 of 32 layers held). A graph keeps the choice, and is captured
-    again when the copies change (DecodeStep.ready)."""
+    device copy holds the layer (its blocks are read there, and planning slots would only cost
+    a kernel a layer). A graph keeps the choice, and is captured again when the copies change
+    (DecodeStep.ready)."""
     if all(dram.holds(j) for dram in drams):
         return [layer._replace(kept=None) for layer in layers]
     return layers
