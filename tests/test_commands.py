@@ -34,6 +34,7 @@ def one_sentence_error(capsys, *needles):
     (["decode", "--set", "kv_type=int3"], ["kv_type", "bf16, fp16"]),
     (["decode", "--contexts", "0"], ["'0'"]),
     (["decode", "--batch", "2,x"], ["--batch", "1,2,4,8", "2,x"]),
+    (["decode", "--selection_drift", "1.5"], ["--selection_drift", "from 0 to 1", "1.5"]),
     (["decode", "--device", "cpu", "--contexts", "1m", "--batch", "256"], ["--batch 256", "fit in free DRAM"]),
     (["decode-op", "--contexts", "big"], ["'big'"]),
     (["kept-keys", "--depth", "2"], ["--depth", "0..1"]),

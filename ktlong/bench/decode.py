@@ -212,8 +212,8 @@ def main(argv=None) -> int:
     p.add_argument("--selection_drift", type=float, default=None, metavar="SHARE",
                    help="keep each of the previous token's selected blocks with this probability, the rest "
                         "from the real selection (random weights select nearly new blocks every token; real "
-                        "text keeps most: 0.72 at 128K on Qwen2.5, docs/measurements/2026-11-decode.md); default: "
-                        "the real selection")
+                        "text keeps most: 0.72 at 128K on Qwen2.5, docs/measurements/2026-11-decode.md), on the "
+                        "device's selection or the host's; 0 to 1, default: the real selection")
     p.add_argument("--batch", default="1", metavar="SIZES",
                    help="conversations decoded together, comma-separated batch sizes (default: 1), each "
                         "conversation over its own cache of the context's length")
@@ -227,6 +227,8 @@ def main(argv=None) -> int:
     unknown = set(modes) - set(MODES)
     if unknown:
         p.error(f"unknown mode {', '.join(sorted(unknown))}; choose from {', '.join(MODES)}")
+    if args.selection_drift is not None and not 0.0 <= args.selection_drift <= 1.0:
+        raise KtlongError(f"--selection_drift is the share of blocks kept, from 0 to 1 (got {args.selection_drift}).")
     if not cuda and any(m.startswith("graphs") for m in modes):
         raise KtlongError("The graphs modes replay CUDA graphs, which need a GPU; leave them out of --modes "
                           "or run on a GPU.")
