@@ -63,7 +63,7 @@ class FakeDeviceSelection:
         return self.index[j], self.valid
 
 
-def device_run(share, steps=150, full=True):
+def device_run(share, steps=80, full=True):
     from ktlong.bench.device_drift import DeviceDrift
 
     selection = FakeDeviceSelection(full)
@@ -83,7 +83,8 @@ def test_the_device_drift_keeps_the_share_and_fills_in_the_real_order():
             rest = [x for x in now[h] if x not in kept]
             assert rest == [x for x in chosen[h] if x in rest] and set(rest) <= set(chosen[h])
             overlaps.append(len(kept) / 8)
-    # kept at 0.72, plus the real selection's own overlap (8 of 200: about 0.04 of the rest)
+    # kept at 0.72, plus the real selection's own overlap (8 of 200: about 0.04 of the rest); 316
+    # head-steps: the mean's standard deviation is about 0.009
     assert abs(np.mean(overlaps) - 0.72) < 0.04
 
 
