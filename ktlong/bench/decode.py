@@ -310,7 +310,7 @@ def main(argv=None) -> int:
                 if args.selection_drift is not None:
                     for i in range(size):
                         if decoders[i].selection is not None:  # the device selects: the drift runs there too
-                            from ktlong.bench.device_drift import DeviceDrift
+                            from ktlong.bench.device_drift import DeviceDrift  # needs triton
 
                             decoders[i].selection.select = DeviceDrift(decoders[i].selection, args.selection_drift, i)
                         else:

@@ -94,6 +94,7 @@ class DramBlocks:
         slots = selection.places if selection is not None else max_selected  # the index's width
         sparse = [j for j in range(len(global_layers)) if selection is None or selection.role[j] != "dense"]
         self.kept: list = [None] * len(global_layers)
+        self.kept_rows = self.plans = None  # every sparse layer's slots' rows and plans, when there are any
         if sparse:
             def slot_tables(t):
                 return None if t is None else torch.zeros((len(sparse), KV * slots, *t.shape[1:]), dtype=t.dtype,
@@ -114,7 +115,7 @@ class DramBlocks:
         resident.version). near_addresses: the copies' memory, which captured parts hold, so
         that a body captures them again when it moved (DecodeStep.ready)."""
         self.resident = resident
-        if any(kept is not None for kept in self.kept):
+        if self.plans is not None:
             self.plans.fill_(-1)
         counts = [0] * len(self.layers)
         if resident is not None:
@@ -130,7 +131,7 @@ class DramBlocks:
     def report(self):
         """Queue the copy of how many (kv head, block) pairs the step read from the kept slots to
         the host (read after the step: `kept_read`)."""
-        if any(kept is not None for kept in self.kept):
+        if self.plans is not None:
             self.kept_host.copy_((self.plans[:, 0] >= 0).sum().view(1), non_blocking=True)
 
     def kept_read(self) -> int:
@@ -139,7 +140,7 @@ class DramBlocks:
     def forget_kept(self):
         """The DRAM blocks changed under the kept slots (a follow-up's prefill rewrote them): none
         is held any more."""
-        if any(kept is not None for kept in self.kept):
+        if self.plans is not None:
             self.kept_rows.fill_(-1)
 
     def _near(self, j: int):
@@ -208,16 +209,16 @@ def attend(drams: list[DramBlocks], j: int, q: torch.Tensor, known: dict, base=N
 
     if not lanes:
         layers = [dram.pages_of(j, q[b]) for b, dram in enumerate(drams)]
-        return selected_blocks_attention(q, _keeping(drams, j, layers), drams[0].scale, base, out, known)
-    main = torch.cuda.current_stream(q.device)
-    for lane in lanes:
-        lane.wait_stream(main)
-    layers = []
-    for b, dram in enumerate(drams):
-        with torch.cuda.stream(lanes[b % len(lanes)]):  # a conversation keeps its lane: its steps stay in order
-            layers.append(dram.pages_of(j, q[b]))
-    for lane in lanes:
-        main.wait_stream(lane)
+    else:
+        main = torch.cuda.current_stream(q.device)
+        for lane in lanes:
+            lane.wait_stream(main)
+        layers = []
+        for b, dram in enumerate(drams):
+            with torch.cuda.stream(lanes[b % len(lanes)]):  # a conversation keeps its lane: its steps stay in order
+                layers.append(dram.pages_of(j, q[b]))
+        for lane in lanes:
+            main.wait_stream(lane)
     return selected_blocks_attention(q, _keeping(drams, j, layers), drams[0].scale, base, out, known)
 
 

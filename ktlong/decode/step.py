@@ -32,6 +32,7 @@ segment that ends at a global layer also scores that layer's blocks (ktlong/deco
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -190,10 +191,13 @@ class DecodeStep:
         else:
             self.logits.copy_(model.logits(self.x))
 
-    def _window(self, j: int):
-        """Global layer j's window part: each sequence's q over its sinks and window -> o_dev, lse_dev."""
+    def _window(self, j: int, streams: list = ()):
+        """Global layer j's window part: each sequence's q over its sinks and window -> o_dev, lse_dev;
+        sequence b's on streams[b] when given."""
         for b in range(self.batch):
-            self._window_attention(b, self.global_layers[j], self.q_dev[j, b], out=(self.o_dev[j, b], self.lse_dev[j, b]))
+            with torch.cuda.stream(streams[b]) if streams else contextlib.nullcontext():
+                self._window_attention(b, self.global_layers[j], self.q_dev[j, b],
+                                       out=(self.o_dev[j, b], self.lse_dev[j, b]))
 
     def _token(self):
         """A whole token when the device selects: every segment with its layer's window and
@@ -216,11 +220,9 @@ class DecodeStep:
             self._window(j)
             return self.o_dev[j], self.lse_dev[j]
         main = torch.cuda.current_stream(self.q_dev.device)
-        for b, stream in enumerate(self.beside):
+        for stream in self.beside:
             stream.wait_stream(main)
-            with torch.cuda.stream(stream):
-                self._window_attention(b, self.global_layers[j], self.q_dev[j, b],
-                                       out=(self.o_dev[j, b], self.lse_dev[j, b]))
+        self._window(j, self.beside)
 
         def joined():
             for stream in self.beside:

@@ -185,9 +185,8 @@ class LongContextSession:
     def detach(self, host: HostKVCache) -> "HeldConversation":
         """The conversation decoding in the session leaves it, with its decoder, to decode on
         beside others (step_batch) while the next prefill takes the session, which goes on with
-        an empty conversation on `host`. The
-        device room its resident history held is the next prefill's: a running decoder reads
-        its blocks from DRAM."""
+        an empty conversation on `host`. The device room its resident history held is the next
+        prefill's: a running decoder reads its blocks from DRAM."""
         assert self.decoder is not None and host is not self.host
         outgoing = self.conversation
         if outgoing.resident is not None:  # its decoder follows at its next step
