@@ -15,7 +15,7 @@ openai = pytest.importorskip("openai")
 
 from ktlong.server.__main__ import make_app
 from tests.http_server import RunningServer, started
-from tests.test_server import MODEL, chat_ids
+from tests.test_server import MODEL, chat_ids, reference
 
 pytestmark = pytest.mark.slow  # loads a real model
 
@@ -201,3 +201,41 @@ def test_a_conversation_that_is_answering_cannot_be_erased_or_displaced(server, 
             assert status == 409 and b"answering" in body
     assert "".join(pieces) == alone
     assert other.choices[0].text is not None
+
+
+def test_a_question_over_a_document_being_answered_shares_its_blocks(server, lm):
+    """A second question over a document whose first question is being answered starts a
+    conversation of its own that shares the document's leading blocks (one copy in DRAM, counted
+    once in /cache and /metrics), prefills only the rest, and both answers are what they are alone
+    (the second: a fresh dense run's)."""
+    client = server.client()
+    notes = "\n".join(f"Entry {n} of the lock-keeper's book at Sarn: {n * 13 % 97} barges passed the weir."
+                      for n in range(24))
+    first = [{"role": "user", "content": f"{notes}\n\nHow many barges passed on entry 4?"}]
+    second = [{"role": "user", "content": f"{notes}\n\nWhat does entry 9 say?"}]
+    assert len(chat_ids(lm, second)) > 512
+    alone = client.chat.completions.create(model=MODEL, messages=first, max_tokens=40).choices[0].message.content
+    expected = reference(lm, chat_ids(lm, second), 8).text
+    settle(server)
+    pieces, during = [], {}
+    for chunk in client.chat.completions.create(model=MODEL, messages=first, max_tokens=40, stream=True):
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+            if len(pieces) == 2:  # the first answer decodes: the second question arrives
+                out = client.chat.completions.create(model=MODEL, messages=second, max_tokens=8)
+                during["answer"], during["usage"] = out.choices[0].message.content, out.usage
+                entries = json.loads(server.raw("GET", "/cache")[1])["data"]
+                during["metrics"] = server.raw("GET", "/metrics")[1].decode()
+                during["entries"] = entries
+    assert "".join(pieces) == alone
+    assert during["answer"] == expected
+    details = during["usage"].prompt_tokens_details
+    assert details.cached_from == "shared" and details.cached_tokens >= 512 and details.cached_tokens % 256 == 0
+    sharing = [e for e in during["entries"] if e["shared_bytes"]]
+    assert len(sharing) == 2 and sharing[0]["shared_bytes"] == sharing[1]["shared_bytes"]
+    dram = next(float(line.split()[-1]) for line in during["metrics"].splitlines()
+                if line.startswith('ktlong_kv_cache_bytes{tier="dram"}'))
+    whole = sharing[0]["dram_bytes"] + sharing[0]["shared_bytes"]  # one cache's size
+    # every cache whole, less the second copy of the shared part that DRAM does not hold
+    assert (dram + sharing[0]["shared_bytes"]) % whole == 0
+    settle(server)

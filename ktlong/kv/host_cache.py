@@ -2,7 +2,8 @@
 mean, max and min keys (Quest) and, for DYNAMIC and FIX anchors, the keys each block is
 represented by.
 With kv_type q8_0 or q4_0 each of K and V is two planes: GGML's values and their float16 scales
-(operators/kv_quant.py); the side tables always come from the unquantised keys."""
+(operators/kv_quant.py); the side tables always come from the unquantised keys. A cache may hold
+its leading blocks in one copy with other caches (`share`, ktlong/kv/shared_prefix.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from ktlong.kv.host_memory import mapped_empty
 from ktlong.kv.layout import KVLayout
 from ktlong.kv.pinned import PinnedTensors, advise_huge_pages
+from ktlong.kv.shared_prefix import SharedPrefix, map_private, table_block_bytes
 from operators.kv_quant import dequantize_kv
 
 
@@ -51,7 +53,50 @@ into when the tables are not pinned (maps_files).
         self.key_min = [alloc((H, n, D), torch.float32) for n in tables]
         self.anchor_keys = [alloc((H, n, layout.anchor_keys, D), torch.float32) for n in tables]
         self.first_block = [0] * layout.num_layers
-        self.num_tokens = 0  # tokens held; changed only by advance(), truncate() and reset()
+        self.num_tokens = 0  # tokens held; changed only by advance(), truncate(), reset() and share()
+        self.shared: SharedPrefix | None = None  # the leading blocks held in one copy with other caches
+        self.shared_blocks = 0  # how many of them (at most shared.blocks)
+
+    def shared_tables(self) -> list[torch.Tensor]:
+        """The tables a shared prefix covers: every non-empty one of every global layer, in the
+        order of shared_prefix.table_block_bytes."""
+        per_layer = (self.k, self.v, self.k_scales, self.v_scales, self.key_mean, self.key_max, self.key_min,
+                     self.anchor_keys)
+        return [t[i] for i in self.layout.global_layers for t in per_layer if t[i].numel()]
+
+    def share(self, source: "HostKVCache", blocks: int):
+        """Hold source's first `blocks` blocks (a multiple of shared_prefix.granularity), one copy
+        in DRAM for both: this cache is empty, and holds them as its tokens now. Where source does
+        not hold that many shared already, its own bytes become the shared copy first (its private
+        pages there freed). No device work may read either cache meanwhile."""
+        assert self.num_tokens == 0 and source is not self and source.layout == self.layout
+        assert 0 < blocks * self.layout.block_size <= source.num_tokens
+        prefix = source.shared if source.shared_blocks >= blocks else None
+        if prefix is None:
+            prefix = SharedPrefix(source.shared_tables(), blocks)
+            source._hold(prefix, blocks)
+        self._hold(prefix, blocks)
+        self.num_tokens = blocks * self.layout.block_size
+
+    def _hold(self, prefix: SharedPrefix, blocks: int):
+        with self._pinned.released():
+            prefix.map_over(self.shared_tables(), blocks)
+        self.shared, self.shared_blocks = prefix, blocks
+
+    def unshare(self, keep: bool):
+        """Private pages again under the shared prefix, holding its bytes (keep) or zeros."""
+        if self.shared is None:
+            return
+        per_head = [self.shared_blocks * size for size in table_block_bytes(self.layout)] * len(self.layout.global_layers)
+        with self._pinned.released():
+            map_private(self.shared_tables(), per_head, keep)
+        self.shared, self.shared_blocks = None, 0
+
+    @property
+    def shared_bytes(self) -> int:
+        """DRAM this cache holds in one copy with others (counted once, with the shared prefix)."""
+        per_block = sum(table_block_bytes(self.layout)) * self.layout.num_kv_heads
+        return self.shared_blocks * per_block * len(self.layout.global_layers)
 
     def advance(self, num_new: int):
         """num_new more tokens are in the cache (their K/V and side tables written)."""
@@ -59,12 +104,15 @@ into when the tables are not pinned (maps_files).
         self.num_tokens += num_new
 
     def reset(self):
+        self.unshare(keep=False)
         self.num_tokens = 0
 
     def truncate(self, num_tokens: int):
         """Keep the first num_tokens tokens (a follow-up diverges there); what lies after is
         written over. Not for sliding layers, whose DRAM holds only the tail."""
         assert num_tokens <= self.num_tokens and not self.layout.sliding
+        if num_tokens < self.shared_blocks * self.layout.block_size:
+            self.unshare(keep=True)  # no block that others hold is written
         self.num_tokens = num_tokens
 
     def place_tails(self, num_tokens: int):

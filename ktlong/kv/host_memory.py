@@ -26,7 +26,7 @@ _PROT_READ, _PROT_WRITE = 0x1, 0x2
 _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_POPULATE = 0x02, 0x10, 0x20, 0x8000
 
 
-def _libc():
+def mapping_libc():
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -58,7 +58,7 @@ def map_file_pages(dst: torch.Tensor, fd: int, offset: int, nbytes: int) -> int:
     if not sys.platform.startswith("linux") or addr % PAGE or offset % PAGE or length == 0:
         return 0
     assert dst.is_contiguous() and dst.numel() * dst.element_size() >= nbytes
-    libc = _libc()
+    libc = mapping_libc()
     # Mapped read-only and populated: the kernel reads and maps every page now, in one call, not
     # on a fault each (populating a writable private mapping would copy every page); then made
     # writable, which copies a page only when it is written.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
 
@@ -70,9 +71,26 @@ class PinnedTensors:
             self._tensors.append(t)
         return t
 
-    def __del__(self):
+    @contextlib.contextmanager
+    def released(self):
+        """Unlocked while the block runs, locked again after it: pages mapped anew under a
+        tensor (ktlong/kv/shared_prefix.py) are not the ones the GPU's mapping locked. No device
+        work may read them meanwhile."""
+        if self._tensors:
+            torch.cuda.synchronize()
+        self._unlock()
+        try:
+            yield
+        finally:
+            for t in self._tensors:
+                pin_in_place(t)
+
+    def _unlock(self):
         for t in self._tensors:
             torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+    def __del__(self):
+        self._unlock()
 
 
 def host_words(t: torch.Tensor) -> np.ndarray:

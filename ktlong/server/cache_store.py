@@ -86,17 +86,30 @@ class CacheStore:
     def prepare(self, prompt_ids: list[int]) -> str | None:
         """Make the session hold the conversation that shares the longest prefix with
         prompt_ids (its own, or one held or spilled); returns where the reused tokens come from
-        (session, dram or disk), None for a new conversation."""
+        (session, dram or disk), None for a new conversation. A conversation that is answering
+        is not taken over, but a new one may share its leading blocks (LongContextSession.share:
+        one copy in DRAM): "shared"."""
         with self.lock:
             session = self.session
             live = session.reusable(prompt_ids)
             keep = live > 0 and (not self._worth_keeping() or live >= len(session.ids) - 1
                                  or (live >= self.min_tokens and 2 * live >= len(session.ids)))
-            best, best_n = None, 0
+            best, best_n = None, 0  # the idle conversation to take over
+            source, shared = None, 0  # the answering one to share blocks with
             for entry in self.entries.values():
-                n = cached_prefix(entry.ids, prompt_ids) if entry is not self.live and not entry.busy else 0
-                if n > best_n:
+                if entry is self.live:
+                    continue
+                if not entry.busy and (n := cached_prefix(entry.ids, prompt_ids)) > best_n:
                     best, best_n = entry, n
+                if entry.busy and entry.held is not None and (n := session.shareable(entry.held, prompt_ids)) > shared:
+                    source, shared = entry, n
+            if shared >= self.min_tokens and shared > (live if keep else 0) and (
+                    best_n < self.min_tokens or shared > best_n):
+                self._park_live()
+                self.live = Entry(self._new_id(), [], time.time())
+                self.entries[self.live.id] = self.live
+                session.share(source.held, prompt_ids)
+                return "shared"
             if best is not None and best_n >= self.min_tokens and best_n > (live if keep else 0):
                 where = "dram" if best.held is not None else "disk"
                 if self._bring(best):
@@ -225,9 +238,12 @@ class CacheStore:
                     self._spill(entry, entry.held)
 
     def dram_bytes(self) -> int:
-        """For /metrics, from the event loop: a copy of the index, which the worker may be changing."""
-        held = sum(e.held is not None for e in list(self.entries.values()))
-        return (1 + held + len(self.spare) + len(self.reserve)) * self.session.cache_bytes
+        """For /metrics, from the event loop: a copy of the index, which the worker may be
+        changing. Blocks that several caches share count once."""
+        hosts = [self.session.host, *(e.held.host for e in list(self.entries.values()) if e.held is not None),
+                 *self.spare, *self.reserve]
+        prefixes = {id(h.shared): h.shared.nbytes for h in hosts if h.shared is not None}
+        return sum(self.session.cache_bytes - h.shared_bytes for h in hosts) + sum(prefixes.values())
 
     def disk_bytes(self) -> int:
         return sum(e.disk_bytes for e in list(self.entries.values()))
@@ -419,7 +435,9 @@ class CacheStore:
         live = entry is self.live
         where = (["session"] if live else []) + (["dram"] if entry.held is not None else []) + \
             (["disk"] if entry.disk_bytes else [])
+        host = self.session.host if live else entry.held.host if entry.held is not None else None
         return {"id": entry.id, "tokens": len(self.session.ids) if live else len(entry.ids), "where": where,
-                "dram_bytes": self.session.cache_bytes if live or entry.held is not None else 0,
+                "dram_bytes": self.session.cache_bytes - host.shared_bytes if host is not None else 0,
+                "shared_bytes": host.shared_bytes if host is not None else 0,
                 "disk_bytes": entry.disk_bytes, "disk_tokens": entry.disk_tokens,
                 "last_used": round(entry.last_used, 3)}

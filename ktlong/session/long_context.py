@@ -21,6 +21,7 @@ from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import KVLayout
 from ktlong.kv.memory_plan import workspace_bytes
 from ktlong.kv.resident import ResidentHistory
+from ktlong.kv.shared_prefix import shareable_blocks
 from ktlong.models.llama import LlamaModel
 from ktlong.prefill import LayerMajorPrefill
 from ktlong.decode.selection import SelectionSettings
@@ -194,6 +195,26 @@ class LongContextSession:
         self.conversation = HeldConversation.empty(self.layout, host)
         self._give_resident(self.conversation)
         return outgoing
+
+    def share(self, source: "HeldConversation", prompt_ids: list[int]) -> int:
+        """Begin a new conversation whose cache holds source's leading blocks that prompt_ids
+        begins with too, one copy in DRAM for both (ktlong/kv/shared_prefix.py: whole multiples
+        of its granularity, within what source holds): the next prefill(prompt_ids) computes the
+        rest as a follow-up does. Returns the tokens shared; 0 (nothing changed) where too few
+        match, or the cache cannot share (sliding-window layers; ranks that each hold a part)."""
+        assert source is not self.conversation and source.layout == self.layout
+        tokens = self.shareable(source, prompt_ids)
+        if tokens:
+            self.reset()
+            self.host.share(source.host, tokens // self.layout.block_size)
+            self.ids = list(prompt_ids[:tokens])
+        return tokens
+
+    def shareable(self, source: "HeldConversation", prompt_ids: list[int]) -> int:
+        """The tokens `share` would share: 0 where it would not."""
+        common = min(cached_prefix(source.ids, prompt_ids), source.host.num_tokens)
+        blocks = shareable_blocks(self.layout, common) if self.model.tp is None else 0
+        return blocks * self.layout.block_size
 
     def park(self, conversation: "HeldConversation"):
         """A conversation that decoded outside the session is held elsewhere now (the server's

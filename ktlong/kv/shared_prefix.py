@@ -1,0 +1,135 @@
+"""One copy in DRAM of the leading blocks that several conversations' caches hold: agents over
+one repository, one user's questions about one document.
+
+Every table of a host cache (ktlong/kv/host_cache.py) is head-major, [KV, blocks, ...], on a
+mapping of its own, so a kv head's leading blocks are one contiguous range. A shared prefix keeps
+those ranges of every table of every global layer in memory files (memfd), one per table, and
+each cache that holds the prefix maps the files' pages over its own ranges (shared, fixed): the
+bytes exist once however many caches hold them, and every reader (prefill's history loads, the
+GPU's reads of pinned DRAM, the CPU operator, saved caches) sees a cache as before. The kernel
+counts the references: the pages go with the last mapping and the files.
+
+Nobody writes a shared block. A conversation's own tokens begin at the first block past the
+prefix; a cache cut back into its prefix (a follow-up that diverges there) takes private copies
+first, and an emptied one fresh pages (HostKVCache.unshare).
+
+Mappings are whole pages: the prefix's blocks of every table must fill whole pages, and every
+head's range must start on one (`granularity`). A layout where that never holds does not share.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+import os
+import sys
+
+import torch
+
+from ktlong.kv.host_memory import PAGE, mapping_libc
+
+_PROT_RW = 0x1 | 0x2
+_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS = 0x01, 0x02, 0x10, 0x20
+_MADV_HUGEPAGE = 14
+
+
+def table_block_bytes(layout) -> list[int]:
+    """Bytes of one block of one kv head in each table a global layer has in DRAM, in the order
+    of HostKVCache.shared_tables (K, V, their scales, the mean, max and min keys, the anchor
+    keys), empty tables left out."""
+    B, D = layout.block_size, layout.head_dim
+    row, groups = layout.stored_row
+    kv, scales = B * row * layout.stored_dtype.itemsize, B * groups * 2
+    sizes = [kv, kv, scales, scales, D * 4, D * 4, D * 4, layout.anchor_keys * D * 4]
+    return [s for s in sizes if s]
+
+
+def granularity(layout) -> int:
+    """The fewest blocks a shared prefix may be made of (it is a multiple of them): every table's
+    share of them fills whole pages. 0: this layout cannot share (sliding-window layers keep only
+    a tail, a head's range does not start on a page, or the platform maps no memory files)."""
+    if layout.sliding or not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
+        return 0
+    sizes = table_block_bytes(layout)
+    if any(layout.num_blocks * s % PAGE for s in sizes):
+        return 0
+    return math.lcm(*(PAGE // math.gcd(PAGE, s) for s in sizes))
+
+
+def shareable_blocks(layout, tokens: int) -> int:
+    """The whole blocks of a `tokens`-long common prefix a cache can share: a multiple of granularity."""
+    g = granularity(layout)
+    return tokens // layout.block_size // g * g if g else 0
+
+
+def _rows(t: torch.Tensor) -> tuple[int, int]:
+    """A table's (address, bytes per kv head)."""
+    return t.data_ptr(), t[0].numel() * t.element_size()
+
+
+def _map(addr: int, length: int, flags: int, fd: int = -1, offset: int = 0):
+    libc = mapping_libc()
+    if libc.mmap(addr, length, _PROT_RW, flags | _MAP_FIXED, fd, offset) != addr:
+        raise OSError(ctypes.get_errno(), "could not map a KV table's shared prefix")
+    libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), ctypes.c_int(_MADV_HUGEPAGE))  # best effort
+
+
+class SharedPrefix:
+    """The first `blocks` blocks of every kv head of every table, once, in memory files. Made
+    from one cache's tables (a copy of their bytes); `map_over` makes any cache's tables of the
+    same layout hold them (or fewer of them)."""
+
+    def __init__(self, tables: list[torch.Tensor], blocks: int):
+        self.blocks = blocks
+        self.files: list[tuple[int, int]] = []  # per table: (memory file, its bytes per kv head)
+        self.nbytes = 0
+        try:
+            for t in tables:
+                heads, (_, head_bytes) = t.shape[0], _rows(t)
+                length = blocks * (head_bytes // t.shape[1])
+                fd = os.memfd_create("ktlong-kv-prefix", os.MFD_CLOEXEC)
+                self.files.append((fd, length))
+                os.ftruncate(fd, heads * length)
+                with mmap.mmap(fd, heads * length, flags=mmap.MAP_SHARED) as region:
+                    dst = torch.frombuffer(region, dtype=torch.uint8).view(heads, length)
+                    dst.copy_(t.view(torch.uint8).view(heads, -1)[:, :length])
+                    del dst  # the buffer's export ends before the region closes
+                self.nbytes += heads * length
+        except BaseException:
+            self.close()
+            raise
+
+    def map_over(self, tables: list[torch.Tensor], blocks: int) -> int:
+        """The first `blocks` (at most self.blocks) blocks of each table become the files' pages:
+        whatever the cache held there before is dropped. Returns the bytes mapped."""
+        assert blocks <= self.blocks and len(tables) == len(self.files)
+        mapped = 0
+        for t, (fd, length) in zip(tables, self.files):
+            addr, head_bytes = _rows(t)
+            part = length // self.blocks * blocks
+            for h in range(t.shape[0]):
+                _map(addr + h * head_bytes, part, _MAP_SHARED, fd, h * length)
+            mapped += t.shape[0] * part
+        return mapped
+
+    def close(self):
+        for fd, _ in self.files:
+            os.close(fd)
+        self.files = []
+
+    def __del__(self):
+        self.close()
+
+
+def map_private(tables: list[torch.Tensor], per_head: list[int], keep: bool):
+    """Private pages again under each table's first per_head[i] bytes of every kv head (where a
+    shared prefix was mapped); keep: with the bytes they held (a copy), else zeros."""
+    for t, part in zip(tables, per_head):
+        addr, head_bytes = _rows(t)
+        rows = t.view(torch.uint8).view(t.shape[0], -1)[:, :part]
+        held = rows.clone() if keep else None
+        for h in range(t.shape[0]):
+            _map(addr + h * head_bytes, part, _MAP_PRIVATE | _MAP_ANONYMOUS)
+        if held is not None:
+            rows.copy_(held)

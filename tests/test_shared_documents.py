@@ -1,0 +1,99 @@
+"""Conversations over one document share its DRAM KV (LongContextSession.share): a second
+question over a document another conversation holds, while that one is still decoding, prefills
+only what follows the shared blocks, and gives what the same follow-up gives over a private copy
+of those blocks, token for token; the first conversation decodes on as it would have alone, the
+two decode together as each does alone, and DRAM holds the shared blocks once."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from ktlong.kv.host_cache import HostKVCache
+from ktlong.kv.layout import kv_layout
+from ktlong.kv.shared_prefix import granularity
+from ktlong.session.long_context import LongContextSession
+from tests.settings import selection, with_anchors
+from tests.tiny_gguf import TinySpec, tiny_model
+
+B, CAPACITY = 16, 1024
+DOCUMENT, QUESTION = 560, 24  # tokens; the document's first 512 (32 blocks: the granularity) are shared
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("m"), TinySpec(num_layers=4, hidden=128, head_dim=32), seed=11)
+
+
+def ids(seed, n):
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 298, size=n)]
+
+
+DOC = ids(1, DOCUMENT)
+FIRST, SECOND = DOC + ids(2, QUESTION), DOC + ids(3, QUESTION)
+
+
+def session_for(lm, settings):
+    c = lm.config
+    layout = with_anchors(kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, B, CAPACITY, "fp32"), settings)
+    assert granularity(layout) == 32
+    return LongContextSession(lm.model, layout, chunk_size=64, backend="torch", hidden_on_device=True,
+                              compact=None, selection=settings, local_windows_len=32, use_cuda_graph=False)
+
+
+def decode(step, tokens):
+    return [step(t).clone() for t in tokens]
+
+
+@pytest.mark.parametrize("scoring", ["cpu", "device"])
+def test_a_second_question_over_a_decoding_document_shares_its_blocks(tiny, scoring):
+    settings = dataclasses.replace(selection(second_select_num=3, preselect_block=False, dense_layer_num=0),
+                                   block_scoring=scoring)
+    answer_one, answer_two = ids(4, 2 * STEPS), ids(5, STEPS)
+
+    # references: the first conversation alone; the second as a follow-up over a private copy of
+    # the shared blocks (prefilled on their own, then its question)
+    alone = session_for(tiny, settings)
+    alone.prefill(FIRST)
+    first_alone = decode(alone.step, answer_one)
+    private = session_for(tiny, settings)
+    private.prefill(FIRST[:512])
+    second_logits_alone = private.prefill(SECOND)
+    second_alone = decode(private.step, answer_two)
+    assert private.last_prefill_tokens == len(SECOND) - 512
+
+    # the first conversation decodes, then leaves the session for the second question's prefill
+    session = session_for(tiny, settings)
+    session.prefill(FIRST)
+    first = decode(session.step, answer_one[:STEPS])
+    one = session.detach(HostKVCache(session.layout, pin=False))
+    assert session.share(one, SECOND) == 512
+    assert session.host.shared is one.host.shared and one.host.shared_blocks == 32
+    second_logits = session.prefill(SECOND)
+    assert session.last_prefill_tokens == len(SECOND) - 512
+    assert torch.equal(second_logits, second_logits_alone)
+    two = session.conversation
+    # both decode together, each as it does alone
+    together = [session.step_batch([one, two], [a, b]).clone() for a, b in zip(answer_one[STEPS:], answer_two)]
+    first += [row[0] for row in together]
+    second = [row[1] for row in together]
+    for got, want in ((first, first_alone), (second, second_alone)):
+        for a, b in zip(got, want):
+            # float32 through 4 layers, the batch's rows summed in another order: n·u·Σ|a·b| bounds it
+            # (n ≤ 1,024 terms, u = 2^-24), about 1e-4 of the largest logit after the layers
+            assert float((a - b).abs().max()) <= 1e-4 * float(b.abs().max())
+    assert one.ids == FIRST + answer_one and two.ids == SECOND + answer_two
+    # DRAM: the shared blocks once
+    per_cache = session.layout.dram_cache_bytes()
+    assert one.host.shared_bytes == two.host.shared_bytes == one.host.shared.nbytes > per_cache // 3
+
+
+def test_too_short_a_common_prefix_shares_nothing(tiny):
+    settings = selection(second_select_num=3, preselect_block=False, dense_layer_num=0)
+    session = session_for(tiny, settings)
+    session.prefill(DOC[:400] + ids(6, 20))
+    one = session.detach(HostKVCache(session.layout, pin=False))
+    assert session.share(one, DOC[:400] + ids(7, 20)) == 0  # 400 < 512 common tokens
+    assert session.host.shared is None and one.host.shared is None and session.host.num_tokens == 0
