@@ -116,3 +116,31 @@ def test_a_cache_shares_only_what_its_source_holds_and_only_when_empty():
     source.truncate(g * LAYOUT.block_size - 1)
     with pytest.raises(AssertionError):
         other.share(source, g)  # the source holds less than the prefix
+
+
+def test_a_cache_made_on_a_prefix_holds_it_and_commits_only_its_own_blocks():
+    g = granularity(LAYOUT)
+    source = filled(6)
+    made = HostKVCache(LAYOUT, pin=False, prefix=(source, g))
+    assert made.num_tokens == g * LAYOUT.block_size and made.shared is source.shared
+    for a, b in zip(made.shared_tables(), source.shared_tables()):
+        assert torch.equal(a[:, :g], b[:, :g]) and not a[:, g:].any()
+
+
+def test_the_plan_counts_a_shared_document_once():
+    from ktlong.kv.memory_plan import plan_memory
+    from ktlong.models.random_model import num_weight_elements, random_config
+
+    c = random_config("llama-3.1-8b")
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 128, 1 << 17, "q8_0")
+    args = (c, num_weight_elements(c), 2, layout, 8192, 24 << 30, True)
+    alone = plan_memory(*args, conversations=8)
+    shared = plan_memory(*args, conversations=8, shared_tokens=100_000)
+    # 100,000 tokens: 781 whole blocks, 776 of them in multiples of the granularity (8)
+    once = 776 * sum(table_block_bytes(layout)) * c.num_kv_heads * c.num_layers
+    assert shared.dram_shared == once
+    assert alone.dram_total - shared.dram_total == 7 * once
+    free = alone.dram_cache * 3 + 10
+    assert alone.conversations_that_fit(1 << 50, free) == 3
+    assert shared.conversations_that_fit(1 << 50, free) == 1 + (free - alone.dram_cache) // (alone.dram_cache - once)
+    assert "shared document, less its 7 copies" in shared.table()

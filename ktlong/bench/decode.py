@@ -50,6 +50,7 @@ from cpu_ops.anchors import anchors_per_block
 from ktlong.decode.device_anchors import scores_on_device
 from ktlong.kv.memory_plan import GIB, available_dram_bytes, plan_memory
 from ktlong.kv.resident import ResidentHistory
+from ktlong.kv.shared_prefix import dram_held, granularity, shareable_blocks
 from ktlong.session.long_context import RESIDENT_MARGIN
 from ktlong.models.random_model import SHAPES, num_weight_elements, random_config, random_model
 from ktlong.parallel.group import join_ranks
@@ -217,6 +218,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", default="1", metavar="SIZES",
                    help="conversations decoded together, comma-separated batch sizes (default: 1), each "
                         "conversation over its own cache of the context's length")
+    p.add_argument("--shared_document", action="store_true",
+                   help="the batch's conversations share one document of the context's length: DRAM holds its "
+                        "blocks once (ktlong/kv/shared_prefix.py), each conversation's own tokens after it")
     p.add_argument("--tensor_parallel", type=int, default=1, metavar="N",
                    help="split heads and MLP columns over N ranks; start with torchrun --nproc_per_node N")
     args = p.parse_args(argv)
@@ -247,19 +251,29 @@ def main(argv=None) -> int:
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap_gb * GIB / total), device)
     model = random_model(shape, device, dtype, tp=tp)
     c = model.config
+    # room for the timed tokens, in whole multiples of 16 blocks: every kv head's tables start on a
+    # page, so that the caches can share (ktlong/kv/shared_prefix.py)
+    round_up = 16 * config.block_size
     layouts = {context: kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size,
-                                  context + 4 + args.tokens + 1, resolve_kv_type(config.kv_type, dtype),
-                                  anchor_type=config.anchor_type, anchor_num=config.anchor_num) for context in contexts}
+                                  -(-(context + 4 + args.tokens + 1) // round_up) * round_up,
+                                  resolve_kv_type(config.kv_type, dtype), anchor_type=config.anchor_type,
+                                  anchor_num=config.anchor_num) for context in contexts}
     free = available_dram_bytes()
     for context, layout in layouts.items():  # every row's caches fit, before any row runs
-        per_conversation = layout.dram_cache_bytes()
-        fit = free // per_conversation
-        print(f"{context // 1024}K: {per_conversation / GIB:.1f} GiB of DRAM a conversation; {fit} fit in the "
-              f"{free / GIB:.0f} GiB free", flush=True)
+        if args.shared_document and shareable_blocks(layout, context) * layout.block_size < context:
+            raise KtlongError(f"A {context:,}-token document does not fill whole shared pages of this KV layout; "
+                              f"give --contexts in multiples of {granularity(layout) * layout.block_size} tokens, "
+                              f"or leave out --shared_document.")
+        plan = plan_memory(c, num_weight_elements(c), dtype.itemsize, layout, 1, 0, False,
+                           conversations=max(batches), shared_tokens=context if args.shared_document else 0)
+        fit = plan.conversations_that_fit(1 << 62, free)
+        each = f" ({plan.dram_shared / GIB:.1f} GiB of it shared)" if args.shared_document else ""
+        print(f"{context // 1024}K: {plan.dram_cache / GIB:.1f} GiB of DRAM a conversation{each}; {fit} fit in "
+              f"the {free / GIB:.0f} GiB free", flush=True)
         if max(batches) > fit:
-            raise KtlongError(f"--batch {max(batches)} needs {max(batches)} caches of {per_conversation / GIB:.1f} GiB "
-                              f"at {context // 1024}K, and {fit} fit in free DRAM; give --batch sizes up to {fit} "
-                              f"or shorter --contexts.")
+            raise KtlongError(f"--batch {max(batches)} needs {plan.dram_total / GIB:.1f} GiB of DRAM at "
+                              f"{context // 1024}K, and {fit} conversations fit in free DRAM; give --batch sizes "
+                              f"up to {fit} or shorter --contexts.")
     from cpu_ops.threads import set_decode_threads
 
     ranks = f"tensor parallel {tp.world}, per rank: " if tp is not None else ""
@@ -290,6 +304,9 @@ def main(argv=None) -> int:
     for context, layout in layouts.items():
         hosts = []  # one DRAM cache per conversation, for the largest batch
         for i in range(max(batches)):
+            if args.shared_document and hosts:  # the first one's document, one copy
+                hosts.append(HostKVCache(layout, pin=cuda, prefix=(hosts[0], context // layout.block_size)))
+                continue
             hosts.append(HostKVCache(layout, pin=cuda))
             fill_random(hosts[-1], context, seed=i)
         for name, settings, local, graphs in modes:
@@ -298,8 +315,7 @@ def main(argv=None) -> int:
                     rows.append([f"{context // 1024}K", size, name, *["-"] * 12, "skipped (minutes per token)"])
                     continue
                 for host in hosts[:size]:  # the previous row's tokens go
-                    host.reset()
-                    host.advance(context)
+                    host.truncate(context)
                 # a conversation alone keeps the layers' rows its session would keep on the GPU; a
                 # batch's conversations read every block from DRAM
                 resident = (resident_copies(model, hosts[0], config, settings, int(args.gpu_cap_gb * GIB), local)
@@ -325,13 +341,13 @@ def main(argv=None) -> int:
                 per_step = []
                 for t in range(args.tokens):
                     t0 = time.perf_counter()
-                    batch.step(decoders, [100 + t] * size)
+                    batch.step(decoders, [100 + t + 7 * i for i in range(size)])  # each its own token
                     synchronize(device)
                     per_step.append(time.perf_counter() - t0)
                 rows.append(row := [f"{context // 1024}K", size, name, *figures(decoders, per_step, stream_gbps,
                                                                              pcie_gbps, weight_floor)])
                 row.append((f"peak GPU {torch.cuda.max_memory_allocated(device) / GIB:.1f} GiB, " if cuda else "")
-                           + f"KV in DRAM {size * layout.num_layers * layout.layer_bytes() / GIB:.1f} GiB"
+                           + f"KV in DRAM {dram_held(hosts[:size]) / GIB:.1f} GiB"
                            + (f", {len(resident.layers)}/{len(layout.global_layers)} layers' rows on the GPU"
                               if resident is not None else ""))
                 print("partial:", " | ".join(map(str, row)), flush=True)

@@ -13,7 +13,7 @@ import torch
 from ktlong.kv.host_memory import mapped_empty
 from ktlong.kv.layout import KVLayout
 from ktlong.kv.pinned import PinnedTensors, advise_huge_pages
-from ktlong.kv.shared_prefix import SharedPrefix, map_private, table_block_bytes
+from ktlong.kv.shared_prefix import SharedPrefix, map_private, shared_prefix_bytes, table_block_bytes
 from operators.kv_quant import dequantize_kv
 
 
@@ -29,15 +29,16 @@ into when the tables are not pinned (maps_files).
     [KV, NB, D], and anchor_keys [KV, NB, A, D] (A = layout.anchor_keys); empty for sliding layers.
     """
 
-    def __init__(self, layout: KVLayout, pin: bool):
+    def __init__(self, layout: KVLayout, pin: bool, prefix: tuple["HostKVCache", int] | None = None):
+        """prefix: (source, blocks): made holding source's first blocks as its tokens, as share()
+        would, without ever committing memory of its own under them."""
         H, B, D = layout.num_kv_heads, layout.block_size, layout.head_dim
         self._pinned = PinnedTensors(pin)
 
         def alloc(shape, dtype):
             t = mapped_empty(shape, dtype)
             advise_huge_pages(t)  # before the first touch, which zero_ is
-            t.zero_()  # commits the memory now rather than during prefill
-            return self._pinned.pin(t)
+            return t
 
         self.layout = layout
         self.maps_files = not pin
@@ -56,6 +57,12 @@ into when the tables are not pinned (maps_files).
         self.num_tokens = 0  # tokens held; changed only by advance(), truncate(), reset() and share()
         self.shared: SharedPrefix | None = None  # the leading blocks held in one copy with other caches
         self.shared_blocks = 0  # how many of them (at most shared.blocks)
+        if prefix is not None:
+            self.share(*prefix)
+        for t in self.k + self.v + self.k_scales + self.v_scales + self.key_mean + self.key_max + self.key_min \
+                + self.anchor_keys:
+            t[:, self.shared_blocks:].zero_()  # commits the memory now rather than during prefill
+            self._pinned.pin(t)
 
     def shared_tables(self) -> list[torch.Tensor]:
         """The tables a shared prefix covers: every non-empty one of every global layer, in the
@@ -95,8 +102,7 @@ into when the tables are not pinned (maps_files).
     @property
     def shared_bytes(self) -> int:
         """DRAM this cache holds in one copy with others (counted once, with the shared prefix)."""
-        per_block = sum(table_block_bytes(self.layout)) * self.layout.num_kv_heads
-        return self.shared_blocks * per_block * len(self.layout.global_layers)
+        return shared_prefix_bytes(self.layout, self.shared_blocks)
 
     def advance(self, num_new: int):
         """num_new more tokens are in the cache (their K/V and side tables written)."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ktlong.errors import ConfigError
 from ktlong.kv.layout import SINK_BLOCKS, KVLayout
+from ktlong.kv.shared_prefix import shareable_blocks, shared_prefix_bytes
 from ktlong.gguf.model_config import ModelConfig
 
 GIB = 1 << 30
@@ -35,6 +36,9 @@ class MemoryPlan:
     # on the device and its own KV cache in DRAM (the fields above are one conversation's)
     conversations: int = 1
     decode_kept: int = 0  # decode: the blocks the device read for the last tokens, kept on it (context_attention: gpu)
+    # the leading blocks every conversation holds in one copy with the others (a shared document:
+    # ktlong/kv/shared_prefix.py), counted once
+    dram_shared: int = 0
 
     @property
     def decoder(self) -> int:
@@ -68,7 +72,7 @@ class MemoryPlan:
 
     @property
     def dram_total(self) -> int:
-        return self.conversations * self.dram_cache + self.dram_hidden
+        return self.conversations * self.dram_cache - (self.conversations - 1) * self.dram_shared + self.dram_hidden
 
     def conversations_that_fit(self, budget_bytes: int, free_dram: int) -> int:
         """The most conversations whose decode states and caches fit beside the rest."""
@@ -77,7 +81,9 @@ class MemoryPlan:
         # every window and anchors while decoding; all but one beside a prefill's hidden states and workspace
         fit_device = (min(room // per_device, (room - self.hidden - self.workspace) // per_device + 1)
                       if per_device else 1 << 62)
-        fit_dram = (free_dram - self.dram_hidden) // self.dram_cache if self.dram_cache else 1 << 62
+        own = self.dram_cache - self.dram_shared  # what each conversation past the first adds
+        fit_dram = ((free_dram - self.dram_hidden - self.dram_shared) // own if own else 1 << 62) if self.dram_cache \
+            else 1 << 62
         return max(0, min(fit_device, fit_dram))
 
     def table(self) -> str:
@@ -98,6 +104,8 @@ class MemoryPlan:
         if self.sliding_layers:
             rows.append((f"{host} KV ({self.sliding_layers} sliding, tail){each}", n * self.dram_kv_sliding))
         rows.append((f"{host} side tables{each}", n * self.dram_side_tables))
+        if self.dram_shared and n > 1:
+            rows.append((f"{host} shared document, less its {n - 1} copies", -(n - 1) * self.dram_shared))
         if self.device_is_gpu:  # on the CPU the hidden states are the compute rows' own
             rows.append(("DRAM hidden states", self.dram_hidden))
         rows.append(("DRAM total" if self.device_is_gpu else "RAM for the KV cache", self.dram_total))
@@ -137,9 +145,11 @@ def decode_kept_bytes(layout: KVLayout, kept_blocks: int) -> int:
 
 def plan_memory(c: ModelConfig, num_weight_elements: int, act_bytes: int, layout: KVLayout,
                 chunk_size: int, budget_bytes: int, device_is_gpu: bool, local_windows_len: int = 4096,
-                device_anchors_per_block: int = 0, conversations: int = 1, kept_blocks: int = 0) -> MemoryPlan:
+                device_anchors_per_block: int = 0, conversations: int = 1, kept_blocks: int = 0,
+                shared_tokens: int = 0) -> MemoryPlan:
     """device_anchors_per_block: anchors per block when decode scores blocks on the GPU, else 0.
-    conversations: decoded together (max_num_seqs), each of up to layout.capacity tokens.
+    conversations: decoded together (max_num_seqs), each of up to layout.capacity tokens;
+    shared_tokens: the leading tokens they all hold in one copy (as much as can be shared of them).
     kept_blocks: blocks per kv head and layer the device keeps from the last tokens
     (second_select_num when it reads the selected blocks, else 0)."""
     weights = num_weight_elements * act_bytes
@@ -163,7 +173,8 @@ def plan_memory(c: ModelConfig, num_weight_elements: int, act_bytes: int, layout
         if layout.head_dim % 32 == 0 else 0,
         global_layers=len(layout.global_layers), sliding_layers=layout.num_layers - len(layout.global_layers),
         device_is_gpu=device_is_gpu, conversations=conversations,
-        decode_kept=decode_kept_bytes(layout, kept_blocks) if device_is_gpu else 0)
+        decode_kept=decode_kept_bytes(layout, kept_blocks) if device_is_gpu else 0,
+        dram_shared=shared_prefix_bytes(layout, shareable_blocks(layout, shared_tokens)))
 
 
 def dram_total_with(layout: KVLayout, dram_hidden: int, conversations: int = 1) -> int:

@@ -63,6 +63,17 @@ def shareable_blocks(layout, tokens: int) -> int:
     return tokens // layout.block_size // g * g if g else 0
 
 
+def shared_prefix_bytes(layout, blocks: int) -> int:
+    """DRAM that `blocks` shared blocks of every table of every global layer take, once."""
+    return blocks * sum(table_block_bytes(layout)) * layout.num_kv_heads * len(layout.global_layers)
+
+
+def dram_held(hosts) -> int:
+    """DRAM that host caches (ktlong/kv/host_cache.py) take, the blocks they share counted once."""
+    prefixes = {id(h.shared): h.shared.nbytes for h in hosts if h.shared is not None}
+    return sum(h.layout.dram_cache_bytes() - h.shared_bytes for h in hosts) + sum(prefixes.values())
+
+
 def _rows(t: torch.Tensor) -> tuple[int, int]:
     """A table's (address, bytes per kv head)."""
     return t.data_ptr(), t[0].numel() * t.element_size()

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ktlong.errors import ConfigError
 from ktlong.kv.host_cache import HostKVCache
+from ktlong.kv.shared_prefix import dram_held
 from ktlong.session.cache_records import CacheFileError, OtherSettings
 from ktlong.session.long_context import HeldConversation, LongContextSession
 from ktlong.session.prefix import cached_prefix
@@ -242,8 +243,7 @@ class CacheStore:
         changing. Blocks that several caches share count once."""
         hosts = [self.session.host, *(e.held.host for e in list(self.entries.values()) if e.held is not None),
                  *self.spare, *self.reserve]
-        prefixes = {id(h.shared): h.shared.nbytes for h in hosts if h.shared is not None}
-        return sum(self.session.cache_bytes - h.shared_bytes for h in hosts) + sum(prefixes.values())
+        return dram_held(hosts)
 
     def disk_bytes(self) -> int:
         return sum(e.disk_bytes for e in list(self.entries.values()))
