@@ -43,7 +43,8 @@ from operators.checks import expect
 
 SHARES = 16  # programs per kv head: a share of its hit blocks each
 KEYS = 32  # tokens per tile: a [32, head_dim] float32 tile of K and of V fit in registers (a whole
-           # 128-token block spilled: 770 us a call on the H100 at 8B shapes)
+           # 128-token block spilled: 770 us a call on the H100 at 8B shapes); 4096 // head_dim at
+           # most (head_dim 256, gemma3: 16; 32 asked for 272 KiB of shared memory, past the H200's 227)
 ALIGN = 16  # the tables' offsets are whole multiples of 16 elements, so the loads keep their vector width
 
 # where a conversation's tensors lie from the first one's, per conversation: the tables (k, v, their
@@ -410,7 +411,7 @@ def selected_blocks_attention(q: torch.Tensor, layers: list[LayerPages], scale: 
         c.v_scales, n.count, first.index, first.valid, c.plan, offsets, part, part_lse,
         num_heads, group, max_selected, num_blocks, scale, first.k.stride(0), first.k.stride(1),
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
-        BLOCK=first.k.shape[1], DIM=dim, ROWS=rows, KEYS=min(KEYS, first.k.shape[1]), PER_SHARE=per_share,
+        BLOCK=first.k.shape[1], DIM=dim, ROWS=rows, KEYS=min(KEYS, first.k.shape[1], 4096 // dim), PER_SHARE=per_share,
         QUANT=quant, NEAR=near, KEPT=kept, WIDTH=WIDTH, PRECISION=precision(dim))
     merged_lse = torch.empty((batch, num_heads), dtype=torch.float32, device=q.device)
     base = base() if callable(base) else base

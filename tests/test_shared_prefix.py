@@ -144,3 +144,6 @@ def test_the_plan_counts_a_shared_document_once():
     assert alone.conversations_that_fit(1 << 50, free) == 3
     assert shared.conversations_that_fit(1 << 50, free) == 1 + (free - alone.dram_cache) // (alone.dram_cache - once)
     assert "shared document, less its 7 copies" in shared.table()
+    # with a GPU, each cache is page-locked whole: a shared document lets no more of them fit than RAM spans
+    ram = 5 * alone.dram_cache
+    assert shared.conversations_that_fit(1 << 50, 1 << 50, ram) == int(0.9 * ram) // alone.dram_cache == 4

@@ -264,16 +264,17 @@ def main(argv=None) -> int:
             raise KtlongError(f"A {context:,}-token document does not fill whole shared pages of this KV layout; "
                               f"give --contexts in multiples of {granularity(layout) * layout.block_size} tokens, "
                               f"or leave out --shared_document.")
-        plan = plan_memory(c, num_weight_elements(c), dtype.itemsize, layout, 1, 0, False,
+        plan = plan_memory(c, num_weight_elements(c), dtype.itemsize, layout, 1, 1 << 62, cuda,
                            conversations=max(batches), shared_tokens=context if args.shared_document else 0)
-        fit = plan.conversations_that_fit(1 << 62, free)
+        fit = plan.conversations_that_fit(1 << 62, free, available_dram_bytes("MemTotal"))
         each = f" ({plan.dram_shared / GIB:.1f} GiB of it shared)" if args.shared_document else ""
         print(f"{context // 1024}K: {plan.dram_cache / GIB:.1f} GiB of DRAM a conversation{each}; {fit} fit in "
               f"the {free / GIB:.0f} GiB free", flush=True)
         if max(batches) > fit:
+            pinned = " (CUDA page-locks each cache whole, shared blocks too)" if cuda and args.shared_document else ""
             raise KtlongError(f"--batch {max(batches)} needs {plan.dram_total / GIB:.1f} GiB of DRAM at "
-                              f"{context // 1024}K, and {fit} conversations fit in free DRAM; give --batch sizes "
-                              f"up to {fit} or shorter --contexts.")
+                              f"{context // 1024}K, and {fit} conversations fit in this machine's DRAM{pinned}; "
+                              f"give --batch sizes up to {fit} or shorter --contexts.")
     from cpu_ops.threads import set_decode_threads
 
     ranks = f"tensor parallel {tp.world}, per rank: " if tp is not None else ""

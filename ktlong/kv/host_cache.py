@@ -78,11 +78,10 @@ into when the tables are not pinned (maps_files).
         pages there freed). No device work may read either cache meanwhile."""
         assert self.num_tokens == 0 and source is not self and source.layout == self.layout
         assert 0 < blocks * self.layout.block_size <= source.num_tokens
-        prefix = source.shared if source.shared_blocks >= blocks else None
-        if prefix is None:
-            prefix = SharedPrefix(source.shared_tables(), blocks)
-            source._hold(prefix, blocks)
-        self._hold(prefix, blocks)
+        if source.shared_blocks < blocks:  # its bytes become the shared copy, mapped back in place
+            with source._pinned.released():
+                source.shared, source.shared_blocks = SharedPrefix(source.shared_tables(), blocks), blocks
+        self._hold(source.shared, blocks)
         self.num_tokens = blocks * self.layout.block_size
 
     def _hold(self, prefix: SharedPrefix, blocks: int):

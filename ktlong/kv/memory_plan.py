@@ -74,8 +74,10 @@ class MemoryPlan:
     def dram_total(self) -> int:
         return self.conversations * self.dram_cache - (self.conversations - 1) * self.dram_shared + self.dram_hidden
 
-    def conversations_that_fit(self, budget_bytes: int, free_dram: int) -> int:
-        """The most conversations whose decode states and caches fit beside the rest."""
+    def conversations_that_fit(self, budget_bytes: int, free_dram: int, ram_bytes: int = 1 << 62) -> int:
+        """The most conversations whose decode states and caches fit beside the rest. With a GPU,
+        CUDA page-locks each cache's whole range, shared blocks included, and refuses past the
+        machine's RAM (ram_bytes): at most PINNABLE of it."""
         per_device = self.decoder
         room = budget_bytes - self.weights - self.kv_pages if self.device_is_gpu else 1 << 62
         # every window and anchors while decoding; all but one beside a prefill's hidden states and workspace
@@ -84,7 +86,8 @@ class MemoryPlan:
         own = self.dram_cache - self.dram_shared  # what each conversation past the first adds
         fit_dram = ((free_dram - self.dram_hidden - self.dram_shared) // own if own else 1 << 62) if self.dram_cache \
             else 1 << 62
-        return max(0, min(fit_device, fit_dram))
+        fit_pinned = int(PINNABLE * ram_bytes) // self.dram_cache if self.device_is_gpu and self.dram_cache else 1 << 62
+        return max(0, min(fit_device, fit_dram, fit_pinned))
 
     def table(self) -> str:
         """GPU and DRAM rows on a GPU run; on a CPU run both live in the machine's RAM."""
@@ -143,6 +146,12 @@ def decode_kept_bytes(layout: KVLayout, kept_blocks: int) -> int:
     return len(layout.global_layers) * layout.layer_bytes(min(kept_blocks, layout.num_blocks))
 
 
+# the share of the machine's RAM that page-locked host memory may span: CUDA counts each
+# registered range, and refused past 120 of 125 GiB on an H200 machine, two ranges of one memory
+# file each counted in full (2026-11-28)
+PINNABLE = 0.9
+
+
 def plan_memory(c: ModelConfig, num_weight_elements: int, act_bytes: int, layout: KVLayout,
                 chunk_size: int, budget_bytes: int, device_is_gpu: bool, local_windows_len: int = 4096,
                 device_anchors_per_block: int = 0, conversations: int = 1, kept_blocks: int = 0,
@@ -181,11 +190,12 @@ def dram_total_with(layout: KVLayout, dram_hidden: int, conversations: int = 1) 
     return conversations * layout.dram_cache_bytes() + dram_hidden
 
 
-def available_dram_bytes() -> int:
+def available_dram_bytes(field: str = "MemAvailable") -> int:
+    """Free DRAM (or, with field MemTotal, all of it) as /proc/meminfo says."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass

@@ -88,8 +88,9 @@ def _map(addr: int, length: int, flags: int, fd: int = -1, offset: int = 0):
 
 class SharedPrefix:
     """The first `blocks` blocks of every kv head of every table, once, in memory files. Made
-    from one cache's tables (a copy of their bytes); `map_over` makes any cache's tables of the
-    same layout hold them (or fewer of them)."""
+    from one cache's tables: their bytes move into the files, which are mapped back in their
+    place, a table at a time (DRAM holds one table twice at most, never the whole prefix);
+    `map_over` makes any other cache's tables of the same layout hold them (or fewer of them)."""
 
     def __init__(self, tables: list[torch.Tensor], blocks: int):
         self.blocks = blocks
@@ -106,6 +107,7 @@ class SharedPrefix:
                     dst = torch.frombuffer(region, dtype=torch.uint8).view(heads, length)
                     dst.copy_(t.view(torch.uint8).view(heads, -1)[:, :length])
                     del dst  # the buffer's export ends before the region closes
+                self._map_table(t, fd, length, blocks)  # the table's own pages there go
                 self.nbytes += heads * length
         except BaseException:
             self.close()
@@ -113,16 +115,16 @@ class SharedPrefix:
 
     def map_over(self, tables: list[torch.Tensor], blocks: int) -> int:
         """The first `blocks` (at most self.blocks) blocks of each table become the files' pages:
-        whatever the cache held there before is dropped. Returns the bytes mapped."""
+        whatever the cache held there before is dropped."""
         assert blocks <= self.blocks and len(tables) == len(self.files)
-        mapped = 0
         for t, (fd, length) in zip(tables, self.files):
-            addr, head_bytes = _rows(t)
-            part = length // self.blocks * blocks
-            for h in range(t.shape[0]):
-                _map(addr + h * head_bytes, part, _MAP_SHARED, fd, h * length)
-            mapped += t.shape[0] * part
-        return mapped
+            self._map_table(t, fd, length, blocks)
+
+    def _map_table(self, t: torch.Tensor, fd: int, length: int, blocks: int):
+        addr, head_bytes = _rows(t)
+        part = length // self.blocks * blocks
+        for h in range(t.shape[0]):
+            _map(addr + h * head_bytes, part, _MAP_SHARED, fd, h * length)
 
     def close(self):
         for fd, _ in self.files:
