@@ -411,8 +411,8 @@ def selected_blocks_attention(q: torch.Tensor, layers: list[LayerPages], scale: 
         c.v_scales, n.count, first.index, first.valid, c.plan, offsets, part, part_lse,
         num_heads, group, max_selected, num_blocks, scale, first.k.stride(0), first.k.stride(1),
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
-        BLOCK=first.k.shape[1], DIM=dim, ROWS=rows, KEYS=min(KEYS, first.k.shape[1], 4096 // dim), PER_SHARE=per_share,
-        QUANT=quant, NEAR=near, KEPT=kept, WIDTH=WIDTH, PRECISION=precision(dim))
+        BLOCK=first.k.shape[1], DIM=dim, ROWS=rows, KEYS=min(KEYS, first.k.shape[1], 4096 // dim),
+        PER_SHARE=per_share, QUANT=quant, NEAR=near, KEPT=kept, WIDTH=WIDTH, PRECISION=precision(dim))
     merged_lse = torch.empty((batch, num_heads), dtype=torch.float32, device=q.device)
     base = base() if callable(base) else base
     base_o, base_lse = (base[0].float().contiguous(), base[1].float().contiguous()) if base is not None else (part, part_lse)

@@ -5,14 +5,15 @@ import sys
 from ktlong.errors import KtlongError
 from ktlong.cli import print_error
 from ktlong.bench import (attention, cache_hits, capture, context_limit, cpu_weights, decode, decode_op,
-                          follow_up, kept_keys, kv_fidelity, prefill, selection_drift, serve, structured)
+                          follow_up, kept_keys, kv_fidelity, prefill, random_gguf, selection_drift, serve,
+                          structured)
 
 BENCHES = {"prefill": prefill.main, "attention": attention.main, "capture": capture.main,
            "decode-op": decode_op.main, "decode": decode.main, "kv-fidelity": kv_fidelity.main,
            "follow-up": follow_up.main, "context-limit": context_limit.main,
            "selection-drift": selection_drift.main, "structured": structured.main,
            "cpu-weights": cpu_weights.main, "cache-hits": cache_hits.main, "kept-keys": kept_keys.main,
-           "serve": serve.main}
+           "serve": serve.main, "random-gguf": random_gguf.main}
 
 
 def main(argv=None) -> int:

@@ -348,7 +348,7 @@ def main(argv=None) -> int:
                 rows.append(row := [f"{context // 1024}K", size, name, *figures(decoders, per_step, stream_gbps,
                                                                              pcie_gbps, weight_floor)])
                 row.append((f"peak GPU {torch.cuda.max_memory_allocated(device) / GIB:.1f} GiB, " if cuda else "")
-                           + f"KV in DRAM {dram_held(hosts[:size]) / GIB:.1f} GiB"
+                           + f"caches in DRAM {dram_held(hosts[:size]) / GIB:.1f} GiB"
                            + (f", {len(resident.layers)}/{len(layout.global_layers)} layers' rows on the GPU"
                               if resident is not None else ""))
                 print("partial:", " | ".join(map(str, row)), flush=True)

@@ -4,6 +4,9 @@ first token and time between tokens, for each number of concurrent clients.
 python -m ktlong.bench serve --model GGUF [--clients 1,2,4,8] [--chars 20000] [--tokens 64]
                              [--long_chars 0] [--set key=value]
 
+For 8B shapes without an 8B model: `python -m ktlong.bench random-gguf --out r8b.gguf` writes
+random weights with a byte-level tokenizer (a character a token), then `--model r8b.gguf`.
+
 A server (`python -m ktlong.server`, long-context mode, max_num_seqs the largest --clients,
 cache_dram_gb 64, cache_min_tokens 64) runs in a process of its own and is asked through the official `openai`
 client, streamed, greedy, on `/v1/completions`. Each client has a document of its own (Python

@@ -93,7 +93,8 @@ into when the tables are not pinned (maps_files).
         """Private pages again under the shared prefix, holding its bytes (keep) or zeros."""
         if self.shared is None:
             return
-        per_head = [self.shared_blocks * size for size in table_block_bytes(self.layout)] * len(self.layout.global_layers)
+        per_layer = [self.shared_blocks * size for size in table_block_bytes(self.layout)]
+        per_head = per_layer * len(self.layout.global_layers)  # in shared_tables' order
         with self._pinned.released():
             map_private(self.shared_tables(), per_head, keep)
         self.shared, self.shared_blocks = None, 0

@@ -84,8 +84,7 @@ class MemoryPlan:
         fit_device = (min(room // per_device, (room - self.hidden - self.workspace) // per_device + 1)
                       if per_device else 1 << 62)
         own = self.dram_cache - self.dram_shared  # what each conversation past the first adds
-        fit_dram = ((free_dram - self.dram_hidden - self.dram_shared) // own if own else 1 << 62) if self.dram_cache \
-            else 1 << 62
+        fit_dram = (free_dram - self.dram_hidden - self.dram_shared) // own if own > 0 else 1 << 62
         fit_pinned = int(PINNABLE * ram_bytes) // self.dram_cache if self.device_is_gpu and self.dram_cache else 1 << 62
         return max(0, min(fit_device, fit_dram, fit_pinned))
 
