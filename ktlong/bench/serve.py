@@ -2,7 +2,7 @@
 first token and time between tokens, for each number of concurrent clients.
 
 python -m ktlong.bench serve --model GGUF [--clients 1,2,4,8] [--chars 20000] [--tokens 64]
-                             [--long_chars 0] [--set key=value]
+                             [--long_chars 0] [--shared_document] [--set key=value]
 
 For 8B shapes without an 8B model: `python -m ktlong.bench random-gguf --out r8b.gguf` writes
 random weights with a byte-level tokenizer (a character a token), then `--model r8b.gguf`.
@@ -19,17 +19,23 @@ from the first client's first token to the last client's last; the time between 
 every client's gaps between streamed chunks. With --long_chars, one more row: N clients
 decoding while another client sends a new document of that many characters (its prefill runs
 in slices between their steps): its time to the first token beside the same request alone,
-and the others' time between tokens while it prefills.
+and the others' time between tokens while it prefills. With --shared_document, every client asks
+about one document (a line of its own after it): the document alone is the cold request, and
+the clients that join one that is answering share its blocks in DRAM ("prompts cached from":
+each request's usage.prompt_tokens_details.cached_from). The column "DRAM GiB" is
+the KV caches the server holds after the row, as its /metrics counts them (shared blocks once).
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import os
 import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 
 from ktlong.bench.cache_hits import Server, documents
 from ktlong.bench.common import median
@@ -57,7 +63,9 @@ def stream(client, model_id: str, prompt: str, tokens: int, on_first=lambda: Non
             times.append(time.perf_counter())
             if len(times) == 1:
                 on_first()
-    return {"start": start, "times": times, "tokens": usage.completion_tokens if usage else len(times)}
+    details = getattr(usage, "prompt_tokens_details", None) if usage else None
+    return {"start": start, "times": times, "tokens": usage.completion_tokens if usage else len(times),
+            "from": (details.model_extra or {}).get("cached_from") if details is not None else None}
 
 
 def together(client, model_id: str, prompts: list[str], tokens: int, beside=None) -> tuple[list[dict], dict | None]:
@@ -89,6 +97,16 @@ def together(client, model_id: str, prompts: list[str], tokens: int, beside=None
     return results, extra
 
 
+def dram_gib(port: int) -> str:
+    """The server's KV caches in DRAM, from /metrics (GiB)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("GET", "/metrics")
+    for line in c.getresponse().read().decode().splitlines():
+        if line.startswith('ktlong_kv_cache_bytes{tier="dram"}'):
+            return f"{float(line.split()[-1]) / 2**30:.2f}"
+    return "-"
+
+
 def row(n: int, results: list[dict], first_rate: float | None, cold: float) -> list:
     first = min(r["times"][0] for r in results if r["times"])
     last = max(r["times"][-1] for r in results if r["times"])
@@ -96,8 +114,10 @@ def row(n: int, results: list[dict], first_rate: float | None, cold: float) -> l
     rate = decoded / (last - first) if last > first else float("nan")
     gaps = [(b - a) * 1000 for r in results for a, b in zip(r["times"], r["times"][1:])]
     ttft = median([r["times"][0] - r["start"] for r in results if r["times"]])
+    sources = Counter(r["from"] or "none" for r in results)
     return [n, f"{rate:.1f}", f"{rate / n:.1f}", f"{rate / first_rate:.2f}x" if first_rate else "1.00x", f"{ttft:.3f}",
-            f"{cold:.2f}", f"{percentile(gaps, 0.5):.1f}", f"{percentile(gaps, 0.99):.1f}"]
+            f"{cold:.2f}", f"{percentile(gaps, 0.5):.1f}", f"{percentile(gaps, 0.99):.1f}",
+            " ".join(f"{k} {v}" for k, v in sorted(sources.items()))]
 
 
 def main(argv=None) -> int:
@@ -110,6 +130,8 @@ def main(argv=None) -> int:
     p.add_argument("--long_chars", type=int, default=0,
                    help="characters of a new document sent while the largest count of clients decodes (default 0: "
                         "no such row)")
+    p.add_argument("--shared_document", action="store_true",
+                   help="every client asks about one document of --chars characters, each with a line of its own")
     p.add_argument("--port", type=int, default=8102, help="the server's port (default 8102)")
     p.add_argument("--set", action="append", default=[], metavar="key=value", help="an option for the server")
     args = p.parse_args(argv)
@@ -134,6 +156,8 @@ def main(argv=None) -> int:
     model = str(resolve_model_path(args.model))
     model_id = os.path.basename(model).removesuffix(".gguf")
     docs = [text for _, _, text in documents(counts[-1] + 1, args.chars)]
+    if args.shared_document:  # the first document, a line of each client's own after it
+        docs = [docs[0]] + [f"{docs[0]}\n# Client {i} reads on from here.\n" for i in range(counts[-1])]
     options = ["--max_num_seqs", str(counts[-1]), "--cache_dram_gb", "64", "--set", "cache_min_tokens=64",
                *[item for s in args.set for item in ("--set", s)]]
     rows = []
@@ -142,31 +166,32 @@ def main(argv=None) -> int:
         try:
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="none", timeout=3600,
                                    max_retries=0)
-            prompts = docs[:counts[-1]]
+            prompts = docs[1:] if args.shared_document else docs[:counts[-1]]
             cold = []
-            for prompt in prompts:  # each conversation prefilled alone, then kept
+            for prompt in docs[:1] if args.shared_document else prompts:  # prefilled alone, then kept
                 r = stream(client, model_id, prompt, 1)
                 cold.append(r["times"][0] - r["start"] if r["times"] else float("nan"))
             one = None
             for n in counts:
                 results, _ = together(client, model_id, prompts[:n], args.tokens)
-                rows.append(row(n, results, one, median(cold[:n])))
+                rows.append(row(n, results, one, median(cold[:n])) + [dram_gib(args.port)])
                 one = one or float(rows[-1][1])
                 print(f"[{n} clients: {rows[-1][1]} tok/s]", file=sys.stderr, flush=True)
             if args.long_chars:
                 long_doc = documents(counts[-1] + 2, args.long_chars)[-1][2]
                 results, extra = together(client, model_id, prompts, args.tokens, (long_doc, 1))
-                rows.append(row(counts[-1], results, one, float("nan")))
+                rows.append(row(counts[-1], results, one, float("nan")) + [dram_gib(args.port)])
                 rows[-1][0] = f"{counts[-1]} + a new {args.long_chars:,}-char document"
                 beside = extra["times"][0] - extra["start"]
                 alone = stream(client, model_id, "Again.\n" + long_doc, 1)
                 alone_ttft = alone["times"][0] - alone["start"]
         finally:
             server.stop()
-    print(f"{model_id}, {' '.join(args.set) or 'defaults'}; each client's document {args.chars:,} characters, "
+    which = "one shared document" if args.shared_document else "each client's document"
+    print(f"{model_id}, {' '.join(args.set) or 'defaults'}; {which} {args.chars:,} characters, "
           f"{args.tokens} tokens asked; max_num_seqs {counts[-1]}")
     print_table(["clients", "total decode tok/s", "per client", f"vs {counts[0]}", "TTFT s (cache hit)",
-                 "cold TTFT s", "between tokens p50 ms", "p99 ms"], rows)
+                 "cold TTFT s", "between tokens p50 ms", "p99 ms", "prompts cached from", "DRAM GiB"], rows)
     if args.long_chars:
         print(f"the new document's time to the first token: {beside:.2f} s beside {counts[-1]} decoding clients, "
               f"{alone_ttft:.2f} s alone ({beside / alone_ttft:.2f}x)")
