@@ -1,8 +1,9 @@
 """On the GPU, a real model: Qwen2.5-Coder-0.5B with YaRN x4 (131,072 tokens), three documents of
-about 120K tokens, eight conversations over them (questions of their own). Prefilled as the
-server does (a conversation over a document another holds shares its blocks, one copy in DRAM)
-and decoded together in one batch, each conversation's answer is the one it gets prefilled and
-decoded alone."""
+about 120K tokens, eight conversations over them (questions of their own), each prefilled as the
+server does (a conversation over a document another holds shares its blocks, one copy in DRAM).
+Decoded together in one batch, each conversation's answer is the one it gets decoded alone after
+the same prefill. (A full prefill of each prompt instead may split a near tie otherwise: the
+shared tokens are where the follow-up's chunks begin.)"""
 
 import pytest
 import torch

@@ -97,3 +97,35 @@ def test_too_short_a_common_prefix_shares_nothing(tiny):
     one = session.detach(HostKVCache(session.layout, pin=False))
     assert session.share(one, DOC[:400] + ids(7, 20)) == 0  # 400 < 512 common tokens
     assert session.host.shared is None and one.host.shared is None and session.host.num_tokens == 0
+
+
+def test_a_sharing_conversation_saves_and_loads_as_any_other(tiny, tmp_path):
+    """A saved cache of a conversation that shares its document holds the shared blocks too (read
+    through the mapping); loaded into a cache that itself shared a prefix (its sharing dropped
+    first), it decodes as the saved one; the source is untouched throughout."""
+    from ktlong.session.saved_cache import load_cache, save_cache
+
+    settings = selection(second_select_num=3, preselect_block=False, dense_layer_num=0)
+    fp = {"model": "tiny", "kv_type": "fp32"}
+    session = session_for(tiny, settings)
+    session.prefill(FIRST)
+    one = session.detach(HostKVCache(session.layout, pin=False))
+    source_k = one.host.k[0].clone()
+    session.share(one, SECOND)
+    session.prefill(SECOND)
+    path = tmp_path / "second.kv"
+    save_cache(path, session, fp, [])
+    follow, answer = SECOND + ids(9, 16), ids(8, STEPS)  # a follow-up after the saved turn, then its answer
+    saved = [session.prefill(follow)] + decode(session.step, answer)
+
+    other = session_for(tiny, settings)
+    other.prefill(FIRST)
+    holder = other.detach(HostKVCache(other.layout, pin=False))
+    other.share(holder, SECOND)  # the cache the file is loaded into shares a prefix now
+    load_cache(path, other, fp)
+    assert other.host.shared is None and other.ids == SECOND
+    loaded = [other.prefill(follow)] + decode(other.step, answer)
+    assert other.last_prefill_tokens == 16
+    for a, b in zip(loaded, saved):
+        assert torch.equal(a, b)
+    assert torch.equal(one.host.k[0], source_k) and torch.equal(holder.host.k[0][:, :32], source_k[:, :32])
