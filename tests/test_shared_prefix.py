@@ -147,3 +147,34 @@ def test_the_plan_counts_a_shared_document_once():
     # with a GPU, each cache is page-locked whole: a shared document lets no more of them fit than RAM spans
     ram = 5 * alone.dram_cache
     assert shared.conversations_that_fit(1 << 50, 1 << 50, ram) == int(0.9 * ram) // alone.dram_cache == 4
+
+
+def test_a_remap_that_fails_half_way_leaves_nothing_of_the_prefix_to_write_into(monkeypatch):
+    """A cache whose mapping of a shared prefix failed part of the way through is still marked as
+    sharing, so that emptying it maps private pages over every range again: a conversation later
+    prefilled into it cannot write into the other cache's blocks."""
+    import ktlong.kv.shared_prefix as shared_prefix
+
+    g = granularity(LAYOUT)
+    source, other = filled(7), HostKVCache(LAYOUT, pin=False)
+    source_values = snapshot(source)
+    real, calls = shared_prefix._map, []
+
+    def failing(addr, length, flags, fd=-1, offset=0):
+        calls.append(addr)
+        if len(calls) == 5 and fd != -1:
+            raise OSError(12, "could not map a KV table's shared prefix")
+        real(addr, length, flags, fd, offset)
+
+    HostKVCache(LAYOUT, pin=False, prefix=(source, g))  # the source's bytes are the shared copy now
+    monkeypatch.setattr(shared_prefix, "_map", failing)
+    calls.clear()
+    with pytest.raises(OSError):
+        other.share(source, g)
+    monkeypatch.setattr(shared_prefix, "_map", real)
+    assert other.shared is source.shared
+    other.reset()  # a new conversation on this cache
+    for t in other.shared_tables():
+        t.fill_(9)  # its prefill writes everywhere
+    for a, b in zip(snapshot(source), source_values):
+        assert torch.equal(a, b)

@@ -85,9 +85,11 @@ into when the tables are not pinned (maps_files).
         self.num_tokens = blocks * self.layout.block_size
 
     def _hold(self, prefix: SharedPrefix, blocks: int):
+        # marked first: a remap that fails half-way leaves ranges of the files under this cache,
+        # which reset() then maps private again before anything is written there
+        self.shared, self.shared_blocks = prefix, blocks
         with self._pinned.released():
             prefix.map_over(self.shared_tables(), blocks)
-        self.shared, self.shared_blocks = prefix, blocks
 
     def unshare(self, keep: bool):
         """Private pages again under the shared prefix, holding its bytes (keep) or zeros."""
