@@ -13,7 +13,7 @@ import torch
 from ktlong.kv.host_memory import mapped_empty
 from ktlong.kv.layout import KVLayout
 from ktlong.kv.pinned import PinnedTensors, advise_huge_pages
-from ktlong.kv.shared_prefix import SharedPrefix, map_private, shared_prefix_bytes, table_block_bytes
+from ktlong.kv.shared_prefix import SharedPrefix, map_private, shared_prefix_bytes
 from operators.kv_quant import dequantize_kv
 
 
@@ -59,17 +59,19 @@ into when the tables are not pinned (maps_files).
         self.shared_blocks = 0  # how many of them (at most shared.blocks)
         if prefix is not None:
             self.share(*prefix)
-        for t in self.k + self.v + self.k_scales + self.v_scales + self.key_mean + self.key_max + self.key_min \
-                + self.anchor_keys:
-            t[:, self.shared_blocks:].zero_()  # commits the memory now rather than during prefill
-            self._pinned.pin(t)
+        for kind in self._kinds():
+            for t in kind:
+                t[:, self.shared_blocks:].zero_()  # commits the memory now rather than during prefill
+                self._pinned.pin(t)
+
+    def _kinds(self) -> tuple[list[torch.Tensor], ...]:
+        """Each kind of table, per layer, in the order of shared_prefix.table_block_bytes."""
+        return (self.k, self.v, self.k_scales, self.v_scales, self.key_mean, self.key_max, self.key_min,
+                self.anchor_keys)
 
     def shared_tables(self) -> list[torch.Tensor]:
-        """The tables a shared prefix covers: every non-empty one of every global layer, in the
-        order of shared_prefix.table_block_bytes."""
-        per_layer = (self.k, self.v, self.k_scales, self.v_scales, self.key_mean, self.key_max, self.key_min,
-                     self.anchor_keys)
-        return [t[i] for i in self.layout.global_layers for t in per_layer if t[i].numel()]
+        """The tables a shared prefix covers: every non-empty one of every global layer."""
+        return [kind[i] for i in self.layout.global_layers for kind in self._kinds() if kind[i].numel()]
 
     def share(self, source: "HostKVCache", blocks: int):
         """Hold source's first `blocks` blocks (a multiple of shared_prefix.granularity), one copy
@@ -95,10 +97,8 @@ into when the tables are not pinned (maps_files).
         """Private pages again under the shared prefix, holding its bytes (keep) or zeros."""
         if self.shared is None:
             return
-        per_layer = [self.shared_blocks * size for size in table_block_bytes(self.layout)]
-        per_head = per_layer * len(self.layout.global_layers)  # in shared_tables' order
         with self._pinned.released():
-            map_private(self.shared_tables(), per_head, keep)
+            map_private(self.shared_tables(), self.shared_blocks, keep)
         self.shared, self.shared_blocks = None, 0
 
     @property

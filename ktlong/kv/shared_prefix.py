@@ -74,9 +74,10 @@ def dram_held(hosts) -> int:
     return sum(h.layout.dram_cache_bytes() - h.shared_bytes for h in hosts) + sum(prefixes.values())
 
 
-def _rows(t: torch.Tensor) -> tuple[int, int]:
-    """A table's (address, bytes per kv head)."""
-    return t.data_ptr(), t[0].numel() * t.element_size()
+def _ranges(t: torch.Tensor, blocks: int) -> tuple[int, int, int]:
+    """A table's (address, bytes per kv head, bytes of a kv head's first `blocks` blocks)."""
+    head_bytes = t[0].numel() * t.element_size()
+    return t.data_ptr(), head_bytes, blocks * (head_bytes // t.shape[1])
 
 
 def _map(addr: int, length: int, flags: int, fd: int = -1, offset: int = 0):
@@ -98,8 +99,7 @@ class SharedPrefix:
         self.nbytes = 0
         try:
             for t in tables:
-                heads, (_, head_bytes) = t.shape[0], _rows(t)
-                length = blocks * (head_bytes // t.shape[1])
+                heads, (_, _, length) = t.shape[0], _ranges(t, blocks)
                 fd = os.memfd_create("ktlong-kv-prefix", os.MFD_CLOEXEC)
                 self.files.append((fd, length))
                 os.ftruncate(fd, heads * length)
@@ -113,7 +113,7 @@ class SharedPrefix:
             self.close()
             raise
 
-    def map_over(self, tables: list[torch.Tensor], blocks: int) -> int:
+    def map_over(self, tables: list[torch.Tensor], blocks: int):
         """The first `blocks` (at most self.blocks) blocks of each table become the files' pages:
         whatever the cache held there before is dropped."""
         assert blocks <= self.blocks and len(tables) == len(self.files)
@@ -121,8 +121,7 @@ class SharedPrefix:
             self._map_table(t, fd, length, blocks)
 
     def _map_table(self, t: torch.Tensor, fd: int, length: int, blocks: int):
-        addr, head_bytes = _rows(t)
-        part = length // self.blocks * blocks
+        addr, head_bytes, part = _ranges(t, blocks)
         for h in range(t.shape[0]):
             _map(addr + h * head_bytes, part, _MAP_SHARED, fd, h * length)
 
@@ -135,11 +134,11 @@ class SharedPrefix:
         self.close()
 
 
-def map_private(tables: list[torch.Tensor], per_head: list[int], keep: bool):
-    """Private pages again under each table's first per_head[i] bytes of every kv head (where a
+def map_private(tables: list[torch.Tensor], blocks: int, keep: bool):
+    """Private pages again under each table's first `blocks` blocks of every kv head (where a
     shared prefix was mapped); keep: with the bytes they held (a copy), else zeros."""
-    for t, part in zip(tables, per_head):
-        addr, head_bytes = _rows(t)
+    for t in tables:
+        addr, head_bytes, part = _ranges(t, blocks)
         rows = t.view(torch.uint8).view(t.shape[0], -1)[:, :part]
         held = rows.clone() if keep else None
         for h in range(t.shape[0]):
