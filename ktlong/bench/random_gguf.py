@@ -109,6 +109,10 @@ def main(argv=None) -> int:
     c = random_config(args.shape)
     size = 2 * (2 * c.vocab_size * c.hidden_size + c.num_layers * c.layer_matrix_elements)
     print(f"writing {args.shape} random float16 weights, {size / 2**30:.1f} GiB, to {out}", flush=True)
-    write_random_gguf(out, args.shape, args.context)
+    try:
+        write_random_gguf(out, args.shape, args.context)
+    except OSError as e:
+        raise KtlongError(f"Could not write {out} ({e.strerror or e}); free {size / 2**30:.0f} GiB there or name "
+                          f"another folder for --out.") from None
     print(f"written: {out.stat().st_size / 2**30:.1f} GiB")
     return 0
