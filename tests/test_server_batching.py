@@ -3,6 +3,7 @@ concurrent clients, some of which go away mid-answer, each get the answer the sa
 alone; the decode steps really ran several conversations together; and a stream keeps
 producing tokens while another request's long prompt prefills."""
 
+import dataclasses
 import json
 import random
 import threading
@@ -239,3 +240,34 @@ def test_a_question_over_a_document_being_answered_shares_its_blocks(server, lm)
     # every cache whole, less the second copy of the shared part that DRAM does not hold
     assert (dram + sharing[0]["shared_bytes"]) % whole == 0
     settle(server)
+
+
+def test_clients_back_at_their_documents_decode_together_within_one_spare_cache(lm):
+    """max_num_seqs 4 and room in DRAM for one cache besides: four documents asked about one after
+    another stay held (each new one takes a cache of the reserve made for the conversations that
+    decode beside the session's), then four clients at once each get theirs back from DRAM and
+    decode together, with answers as alone; DRAM never holds more than 4 + 1 caches."""
+    from ktlong.kv.memory_plan import GIB
+
+    st = started(lm, MODEL, mode="long_context", max_new_tokens=ANSWER_TOKENS, block_size=16, chunk_size=64,
+                 local_windows_len=64, max_seq_len=1024, cache_min_tokens=64, max_num_seqs=4, queue_size=8)
+    cache = st.session.cache_bytes
+    st = dataclasses.replace(st, config=st.config.with_overrides({"cache_dram_gb": (1.5 * cache / GIB, "test")}))
+    app, _ = make_app(st)
+    server = RunningServer(app)
+    try:
+        client = server.client()
+        alone = [client.chat.completions.create(model=MODEL, messages=messages(i)).choices[0].message.content
+                 for i in range(4)]
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(lambda i: server.client().chat.completions.create(model=MODEL, messages=messages(i)),
+                                 range(4)))
+        assert [o.choices[0].message.content for o in outs] == alone
+        sources = [getattr(o.usage.prompt_tokens_details, "cached_from", None) for o in outs]  # none prefilled again
+        assert set(sources) <= {"dram", "session"} and sources.count("session") <= 1, sources
+        settle(server)
+        dram = next(float(line.split()[-1]) for line in server.raw("GET", "/metrics")[1].decode().splitlines()
+                    if line.startswith('ktlong_kv_cache_bytes{tier="dram"}'))
+        assert dram <= 5 * cache
+    finally:
+        server.stop()

@@ -8,7 +8,7 @@ For 8B shapes without an 8B model: `python -m ktlong.bench random-gguf --out r8b
 random weights with a byte-level tokenizer (a character a token), then `--model r8b.gguf`.
 
 A server (`python -m ktlong.server`, long-context mode, max_num_seqs the largest --clients,
-cache_dram_gb 64, cache_min_tokens 64) runs in a process of its own and is asked through the official `openai`
+cache_dram_gb 64 and cache_min_tokens 64 unless --set gives them) runs in a process of its own and is asked through the official `openai`
 client, streamed, greedy, on `/v1/completions`. Each client has a document of its own (Python
 standard-library sources, --chars characters; a continuation of source code rarely ends
 early). Every document is first sent alone with max_tokens 1 (cold: its prefill; the column
@@ -158,7 +158,8 @@ def main(argv=None) -> int:
     docs = [text for _, _, text in documents(counts[-1] + 1, args.chars)]
     if args.shared_document:  # the first document, a line of each client's own after it
         docs = [docs[0]] + [f"{docs[0]}\n# Client {i} reads on from here.\n" for i in range(counts[-1])]
-    options = ["--max_num_seqs", str(counts[-1]), "--cache_dram_gb", "64", "--set", "cache_min_tokens=64",
+    options = ["--max_num_seqs", str(counts[-1]), *([] if "cache_dram_gb" in given else ["--cache_dram_gb", "64"]),
+               *([] if "cache_min_tokens" in given else ["--set", "cache_min_tokens=64"]),
                *[item for s in args.set for item in ("--set", s)]]
     rows = []
     with tempfile.TemporaryDirectory(prefix="ktlong-serve-") as folder:

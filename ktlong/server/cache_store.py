@@ -14,6 +14,12 @@ With several answers decoding at once (ktlong/server/worker.py), a conversation 
 decoding leaves the session when the next prefill needs it (`detach`): it is held, and busy, so
 that no other request takes it and no eviction spills it, until its answer ends (`release`).
 
+DRAM holds at most max_num_seqs + cache_dram_gb's count of host caches, whatever they hold: the
+session's, busy and held conversations, empty spares, and the reserve (empty caches made ahead
+for the next detach, since making one commits its memory). A held conversation may stand in for
+the reserve: bringing it back frees an empty cache for the next detach, so a server whose
+clients come back to their documents needs no cache of its own per client beside them.
+
 Every method that touches the session runs on the worker's thread; `lock` guards the index
 for readers on the event loop (listing, metrics).
 """
@@ -63,7 +69,7 @@ class CacheStore:
         the session's take are made now, since making one commits its memory (seconds at 128K),
         which would stall every answer decoding while a request joins."""
         self.session, self.fp, self.min_tokens, self.log = session, fingerprint, min_tokens, log
-        self.slots = dram_bytes // session.cache_bytes  # host caches held besides the session's
+        self.slots = dram_bytes // session.cache_bytes  # host caches held besides the decoding ones
         self.folder = Path(folder).expanduser() if folder else None
         self.disk_budget = disk_bytes
         self.entries: dict[str, Entry] = {}
@@ -71,6 +77,7 @@ class CacheStore:
         self.spare: list[HostKVCache] = []  # free host caches
         # caches for the conversations that leave the session to decode beside its own (`detach`)
         self.decoding = decoding
+        self.limit = decoding + self.slots  # host caches in all (`_caches`)
         self.reserve: list[HostKVCache] = [self._new_host() for _ in range(decoding - 1)]
         if decoding > 1:
             log(f"[cache: {decoding - 1} more KV caches for the conversations decoding beside the session's, "
@@ -143,7 +150,7 @@ class CacheStore:
         (the worker keeps at most max_num_seqs conversations decoding or prefilling, the caches
         the plan counts, besides the kept ones)."""
         with self.lock:
-            host = self.reserve.pop() if self.reserve else self.spare.pop() if self.spare else self._new_host()
+            host = self.reserve.pop() if self.reserve else self._free_host() or self._new_host()
             conversation = self.session.detach(host)
             entry, self.live = self.live, None
             if entry is not None:
@@ -170,15 +177,16 @@ class CacheStore:
                     self._fall_back(entry)
                 else:
                     self.session.park(conversation)
-                    while len(idle := [e for e in self.entries.values()
-                                       if e.held is not None and not e.busy]) > self.slots:
-                        victim = min(idle, key=lambda e: e.last_used)
-                        if not self._spill(victim, victim.held):
-                            self.entries.pop(victim.id, None)
-                        self.spare.append(victim.held.host)
-                        victim.held = None
+            while self._caches() > self.limit and (self.spare or self._idle()):
+                if self.spare:
+                    self.spare.pop()  # its memory freed
+                    continue
+                victim = min(self._idle(), key=lambda e: e.last_used)
+                if not self._spill(victim, victim.held):
+                    self.entries.pop(victim.id, None)
+                victim.held = None
             busy = sum(e.busy for e in self.entries.values())
-            while len(self.reserve) + busy < self.decoding - 1:
+            while len(self.reserve) + busy < self.decoding - 1 and (self.spare or self._caches() < self.limit):
                 self.reserve.append(self.spare.pop() if self.spare else self._new_host())
 
     # ---- the operator's endpoints ----
@@ -328,13 +336,15 @@ class CacheStore:
             self.entries.pop(entry.id, None)
 
     def _free_host(self, keep: Entry | None = None) -> HostKVCache | None:
-        """A host cache for the session: a spare, a new one within the slots, or the least
-        recently used held conversation's after spilling it; None without slots."""
+        """A host cache for the session: a spare, a new one within the limit, one of the reserve,
+        or the least recently used held conversation's after spilling it; None without any."""
         if self.spare:
             return self.spare.pop()
-        held = [e for e in self.entries.values() if e.held is not None and not e.busy]
-        if len(held) < self.slots:
+        if self._caches() < self.limit:
             return self._new_host()
+        if self.reserve:
+            return self.reserve.pop()
+        held = self._idle()
         if not held:
             return None
         victim = min(held, key=lambda e: e.last_used)
@@ -343,6 +353,15 @@ class CacheStore:
             self.entries.pop(victim.id, None)
         victim.held = None
         return host
+
+    def _idle(self) -> list[Entry]:
+        return [e for e in self.entries.values() if e.held is not None and not e.busy]
+
+    def _caches(self) -> int:
+        """Host caches made and not freed: the session's, the held ones (busy or not), spares and
+        the reserve."""
+        return (1 + sum(e.held is not None for e in self.entries.values()) + len(self.spare)
+                + len(self.reserve))
 
     # ---- the disk tier ----
 
