@@ -53,14 +53,16 @@ STARTUP_SECONDS = 900  # a fresh machine compiles FlashInfer's kernels at the fi
 
 def documents(count: int, chars: int) -> list[tuple[str, int, str]]:
     """(name, code, text) of each document: every count-th standard-library source, from the
-    k-th, cut to chars characters, with its sentence planted in the middle."""
+    k-th, cut to chars characters, with its sentence planted in the middle. Past the six names,
+    they repeat with a number (ALPHA-2, ...)."""
     files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))
     docs = []
     for k in range(count):
         text = "\n".join(open(f, encoding="utf-8", errors="replace").read() for f in files[k::count])[:chars]
         code = 4000 + 1111 * (k + 1)
         mid = len(text) // 2
-        docs.append((NAMES[k], code, f"{text[:mid]}\n# The secret code of archive {NAMES[k]} is {code}.\n{text[mid:]}"))
+        name = NAMES[k % len(NAMES)] + (f"-{k // len(NAMES) + 1}" if k >= len(NAMES) else "")
+        docs.append((name, code, f"{text[:mid]}\n# The secret code of archive {name} is {code}.\n{text[mid:]}"))
     return docs
 
 
