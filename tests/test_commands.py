@@ -350,6 +350,8 @@ def test_cache_hits_bench_summarises_phases_answers_and_loads(tmp_path):
     assert [(name, code) for name, code, _ in docs] == [("ALPHA", 5111), ("BRAVO", 6222), ("CHARLIE", 7333)]
     assert all(f"archive {name} is {code}." in text and len(text) > 5000 for name, code, text in docs)
     assert docs[0][2] != docs[1][2]
+    names = [name for name, _, _ in documents(14, 1000)]  # past the six names (bench serve's 8 clients and more)
+    assert len(set(names)) == 14 and names[6] == "ALPHA-2" and names[13] == "BRAVO-3"
     r = lambda tag, doc, q, ttft, answer, where=None: dict(tag=tag, doc=doc, q=q, ttft=ttft, answer=answer, **{"from": where})
     results = [r("cached", "A", 0, 2.0, "x"), r("cached", "B", 0, 1.0, "y"), r("cached", "C", 0, 3.0, "z"),
                r("cached", "A", 1, 0.1, "a", "dram"), r("cached", "B", 1, 0.05, "b", "dram"),

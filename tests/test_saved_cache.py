@@ -26,7 +26,7 @@ def session_for(lm, kv_type="fp32", max_seq_len=400, block_size=16):
                        page_type="fp32" if kv_type in ("q8_0", "q4_0") else None)
     return LongContextSession(lm.model, with_anchors(layout, chosen), chunk_size=32, backend="torch",
                               hidden_on_device=True, compact=None, selection=chosen, local_windows_len=24,
-                              use_cuda_graph=False)
+                              use_cuda_graph=False, max_seq_len=max_seq_len)
 
 
 FP = {"model": "abc", "kv_type": "fp32"}

@@ -4,6 +4,7 @@ one cache's table shows in the other's, which a second copy could not do); its o
 own; cutting a cache back into its prefix gives it private copies, emptying it fresh pages, and
 neither touches the other cache; the granularity makes whole pages of every table."""
 
+import dataclasses
 import math
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.host_memory import PAGE
 from ktlong.kv.layout import kv_layout
-from ktlong.kv.shared_prefix import granularity, shareable_blocks, table_block_bytes
+from ktlong.kv.shared_prefix import granularity, shareable_blocks
 
 # fp32: 2 KiB of K a block and kv head, 128 B of each side table; 64 blocks, so heads start on pages
 LAYOUT = kv_layout(2, 2, 32, 16, 1024, "fp32", anchor_type="DYNAMIC", anchor_num=2)
@@ -39,12 +40,16 @@ def test_the_granularity_is_the_fewest_blocks_that_fill_whole_pages_of_every_tab
     for kv_type, head_dim, block, anchors in (("fp32", 32, 16, 2), ("q8_0", 128, 128, 1), ("q8_0", 64, 32, 0),
                                              ("bf16", 128, 64, 3), ("q4_0", 128, 128, 1)):
         layout = kv_layout(2, 8, head_dim, block, 1 << 17, kv_type, anchor_type="FIX", anchor_num=anchors)
-        sizes = table_block_bytes(layout)
+        sizes = layout.table_block_bytes()
         fewest = next(n for n in range(1, 4097) if all(n * s % PAGE == 0 for s in sizes))
         assert granularity(layout) == fewest, (kv_type, head_dim, block)
         assert shareable_blocks(layout, 5 * fewest * block + block - 1) == 5 * fewest
+    # the layouts made for a max_seq_len round it up to whole pages of every table's head range
+    small = kv_layout(2, 2, 32, 16, 512, "q8_0")
+    g = granularity(small)
+    assert g and small.num_blocks % g == 0 and 512 <= small.capacity < 512 + g * 16
     # a head's range not starting on a page, or a model whose sliding layers keep only a tail
-    assert granularity(kv_layout(2, 2, 32, 16, 512, "q8_0")) == 0
+    assert granularity(dataclasses.replace(small, num_blocks=32)) == 0
     assert granularity(kv_layout(2, 2, 32, 16, 1 << 15, "bf16", sliding=(True, False), local_windows_len=64)) == 0
 
 
@@ -65,9 +70,9 @@ def test_a_shared_prefix_is_one_copy_that_each_cache_reads_as_its_own():
     k_source[1, 3, 5, 7] = 123.0
     assert k_other[1, 3, 5, 7].item() == 123.0
     k_other[0, g, 0, 0] = -5.0  # past the prefix each writes its own
-    k1 = len(table_block_bytes(LAYOUT))  # layer 1's K among the tables
+    k1 = len(LAYOUT.table_block_bytes())  # layer 1's K among the tables
     assert k_source[0, g, 0, 0].item() == before[k1][0, g, 0, 0].item()
-    per_table = sum(table_block_bytes(LAYOUT)) * LAYOUT.num_kv_heads * len(LAYOUT.global_layers)
+    per_table = sum(LAYOUT.table_block_bytes()) * LAYOUT.num_kv_heads * len(LAYOUT.global_layers)
     assert source.shared_bytes == other.shared_bytes == g * per_table == source.shared.nbytes
 
 
@@ -137,7 +142,7 @@ def test_the_plan_counts_a_shared_document_once():
     alone = plan_memory(*args, conversations=8)
     shared = plan_memory(*args, conversations=8, shared_tokens=100_000)
     # 100,000 tokens: 781 whole blocks, 776 of them in multiples of the granularity (8)
-    once = 776 * sum(table_block_bytes(layout)) * c.num_kv_heads * c.num_layers
+    once = 776 * sum(layout.table_block_bytes()) * c.num_kv_heads * c.num_layers
     assert shared.dram_shared == once
     assert alone.dram_total - shared.dram_total == 7 * once
     free = alone.dram_cache * 3 + 10

@@ -73,7 +73,10 @@ class Server:
         self.port, self.log_path = port, log_path
         cmd = [sys.executable, "-m", "ktlong.server", "--gguf_path", model, "--mode", "long_context",
                "--port", str(port), "--max_new_tokens", "16", *extra]
-        self.log = open(log_path, "a")
+        try:
+            self.log = open(log_path, "a")
+        except OSError as e:
+            raise KtlongError(f"Cannot write the server's log {log_path} ({e.strerror or e}); name another file.") from None
         self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + STARTUP_SECONDS
         while time.time() < deadline:

@@ -251,13 +251,11 @@ def main(argv=None) -> int:
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap_gb * GIB / total), device)
     model = random_model(shape, device, dtype, tp=tp)
     c = model.config
-    # room for the timed tokens, in whole multiples of 16 blocks: every kv head's tables start on a
-    # page, so that the caches can share (ktlong/kv/shared_prefix.py)
-    round_up = 16 * config.block_size
+    # room for the timed tokens (kv_layout rounds the capacity to whole pages of each head's tables,
+    # so that the caches can share: ktlong/kv/shared_prefix.py)
     layouts = {context: kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size,
-                                  -(-(context + 4 + args.tokens + 1) // round_up) * round_up,
-                                  resolve_kv_type(config.kv_type, dtype), anchor_type=config.anchor_type,
-                                  anchor_num=config.anchor_num) for context in contexts}
+                                  context + 4 + args.tokens + 1, resolve_kv_type(config.kv_type, dtype),
+                                  anchor_type=config.anchor_type, anchor_num=config.anchor_num) for context in contexts}
     free = available_dram_bytes()
     for context, layout in layouts.items():  # every row's caches fit, before any row runs
         if args.shared_document and shareable_blocks(layout, context) * layout.block_size < context:

@@ -133,6 +133,8 @@ def main(argv=None) -> int:
     p.add_argument("--shared_document", action="store_true",
                    help="every client asks about one document of --chars characters, each with a line of its own")
     p.add_argument("--port", type=int, default=8102, help="the server's port (default 8102)")
+    p.add_argument("--server_log", default="", help="keep the server's log in this file (default: a temporary one); "
+                                                     "it has a line for each answer: its cache, prefill and first token")
     p.add_argument("--set", action="append", default=[], metavar="key=value", help="an option for the server")
     args = p.parse_args(argv)
     try:
@@ -163,7 +165,7 @@ def main(argv=None) -> int:
                *[item for s in args.set for item in ("--set", s)]]
     rows = []
     with tempfile.TemporaryDirectory(prefix="ktlong-serve-") as folder:
-        server = Server(model, args.port, os.path.join(folder, "server.log"), options)
+        server = Server(model, args.port, args.server_log or os.path.join(folder, "server.log"), options)
         try:
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="none", timeout=3600,
                                    max_retries=0)

@@ -65,7 +65,7 @@ into when the tables are not pinned (maps_files).
                 self._pinned.pin(t)
 
     def _kinds(self) -> tuple[list[torch.Tensor], ...]:
-        """Each kind of table, per layer, in the order of shared_prefix.table_block_bytes."""
+        """Each kind of table, per layer, in the order of KVLayout.table_block_bytes."""
         return (self.k, self.v, self.k_scales, self.v_scales, self.key_mean, self.key_max, self.key_min,
                 self.anchor_keys)
 

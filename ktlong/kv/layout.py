@@ -9,6 +9,9 @@ end of the prompt, and no side tables.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +92,21 @@ class KVLayout:
         """One layer's K and V pages on the device, the whole capacity."""
         return 2 * self.num_kv_heads * self.capacity * self.head_dim * self.dtype.itemsize
 
+    def table_block_bytes(self) -> list[int]:
+        """Bytes of one block of one kv head in each table a global layer has in DRAM, in the
+        order of HostKVCache.shared_tables (K, V, their scales, the mean, max and min keys, the
+        anchor keys), empty tables left out."""
+        B, D = self.block_size, self.head_dim
+        row, groups = self.stored_row
+        kv, scales = B * row * self.stored_dtype.itemsize, B * groups * 2
+        sizes = [kv, kv, scales, scales, D * 4, D * 4, D * 4, self.anchor_keys * D * 4]
+        return [s for s in sizes if s]
+
+    def page_blocks(self) -> int:
+        """The fewest blocks whose bytes fill whole memory pages in every table: a kv head's
+        range of a table starts on a page when the capacity is a multiple of them."""
+        return math.lcm(*(mmap.PAGESIZE // math.gcd(mmap.PAGESIZE, s) for s in self.table_block_bytes()))
+
     def side_table_bytes(self) -> int:
         """Side tables of one global layer: mean, max, min keys and the anchor keys (float32)."""
         per_block = (3 + self.anchor_keys) * self.head_dim * 4
@@ -126,8 +144,14 @@ def kv_layout(num_layers, num_kv_heads, head_dim, block_size, max_seq_len, kv_ty
     # the window starts block-aligned at most local_windows_len + block_size back; one more block
     # because the prompt's end need not be block-aligned
     sliding_blocks = min(num_blocks, -(-local_windows_len // block_size) + 2) if any(sliding) else 0
-    return KVLayout(num_layers, num_kv_heads, head_dim, block_size, num_blocks, kv_type, page_type,
-                    tuple(sliding) if any(sliding) else (), sliding_blocks, anchor_type, anchor_num)
+    layout = KVLayout(num_layers, num_kv_heads, head_dim, block_size, num_blocks, kv_type, page_type,
+                      tuple(sliding) if any(sliding) else (), sliding_blocks, anchor_type, anchor_num)
+    if any(sliding):
+        return layout
+    # every kv head's range of every table starts on a page, so that caches can share their
+    # leading blocks (ktlong/kv/shared_prefix.py): a few blocks more at most (8 at 8B shapes, q8_0)
+    step = layout.page_blocks()
+    return dataclasses.replace(layout, num_blocks=-(-num_blocks // step) * step)
 
 
 def model_kv_layout(c, block_size: int, max_seq_len: int, kv_type: str, local_windows_len: int,

@@ -34,27 +34,15 @@ _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS = 0x01, 0x02, 0x10, 0x20
 _MADV_HUGEPAGE = 14
 
 
-def table_block_bytes(layout) -> list[int]:
-    """Bytes of one block of one kv head in each table a global layer has in DRAM, in the order
-    of HostKVCache.shared_tables (K, V, their scales, the mean, max and min keys, the anchor
-    keys), empty tables left out."""
-    B, D = layout.block_size, layout.head_dim
-    row, groups = layout.stored_row
-    kv, scales = B * row * layout.stored_dtype.itemsize, B * groups * 2
-    sizes = [kv, kv, scales, scales, D * 4, D * 4, D * 4, layout.anchor_keys * D * 4]
-    return [s for s in sizes if s]
-
-
 def granularity(layout) -> int:
     """The fewest blocks a shared prefix may be made of (it is a multiple of them): every table's
     share of them fills whole pages. 0: this layout cannot share (sliding-window layers keep only
     a tail, a head's range does not start on a page, or the platform maps no memory files)."""
     if layout.sliding or not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
         return 0
-    sizes = table_block_bytes(layout)
-    if any(layout.num_blocks * s % PAGE for s in sizes):
+    if any(layout.num_blocks * s % PAGE for s in layout.table_block_bytes()):
         return 0
-    return math.lcm(*(PAGE // math.gcd(PAGE, s) for s in sizes))
+    return layout.page_blocks()
 
 
 def shareable_blocks(layout, tokens: int) -> int:
@@ -65,7 +53,7 @@ def shareable_blocks(layout, tokens: int) -> int:
 
 def shared_prefix_bytes(layout, blocks: int) -> int:
     """DRAM that `blocks` shared blocks of every table of every global layer take, once."""
-    return blocks * sum(table_block_bytes(layout)) * layout.num_kv_heads * len(layout.global_layers)
+    return blocks * sum(layout.table_block_bytes()) * layout.num_kv_heads * len(layout.global_layers)
 
 
 def dram_held(hosts) -> int:

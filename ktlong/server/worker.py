@@ -49,6 +49,8 @@ class Prefilling:
     reply: Reply
     prefill: SlicedPrefill
     cached_from: str | None  # where the reused prompt tokens come from (CacheStore.prepare)
+    admitted: float  # when it left the queue (perf_counter)
+    moved: float  # seconds the cache store took to make the session hold its conversation
 
 
 @dataclass
@@ -62,6 +64,7 @@ class Row:
     cached: int  # prompt tokens that came from the cache
     cached_from: str | None
     density: float | None
+    timing: str = ""  # how its start went, for the log line of its end
 
 
 class Worker:
@@ -191,6 +194,7 @@ class Worker:
         if ticket.cancelled.is_set():  # the client left while it waited
             self._cancelled(ticket)
             return
+        admitted = time.perf_counter()
         try:
             for row in self.rows:  # the session's own conversation decodes on, in a cache of its own
                 if row.conversation is getattr(self.session, "conversation", None):
@@ -212,7 +216,7 @@ class Worker:
                                         reply.progress if job.progress else None)
 
         self.prefilling = Prefilling(reply, SlicedPrefill(run, self.slice_seconds, lambda: bool(self.rows)),
-                                     cached_from)
+                                     cached_from, admitted, time.perf_counter() - admitted)
 
     def _prefill_slice(self):
         p = self.prefilling
@@ -223,6 +227,10 @@ class Worker:
         prefilled = session.last_prefill_tokens
         row = Row(reply, 0, None, None, prefilled, len(reply.job.prompt_ids) - prefilled, p.cached_from,
                   session.prefill_density)
+        setup = getattr(session, "last_decode_setup_seconds", None)
+        row.timing = (f"queued {p.admitted - reply.start:.2f} s, cache moved {p.moved:.2f} s, prefill "
+                      f"{time.perf_counter() - p.admitted - p.moved:.2f} s"
+                      + (f" (of it the decoder's setup {setup:.2f} s)" if setup is not None else ""))
         if p.prefill.error is not None:
             self._finish(row, p.prefill.error)
             return
@@ -247,6 +255,10 @@ class Worker:
                 logits = self.session.step(tokens[0])[None]
             else:
                 logits = self.session.step_batch([r.conversation for r in rows], tokens)
+                if (built := self.session.last_batch_build) is not None:
+                    self.session.last_batch_build = None
+                    print(f"[decoding {len(rows)} conversations together: their new batch's first step {built:.2f} s]",
+                          file=self.log, flush=True)
         except Exception as e:  # the whole step failed: every answer in it ends
             self.rows = []
             for row in rows:
@@ -277,6 +289,10 @@ class Worker:
                 self.store.finished()
         answered = len(reply.answer.token_ids)
         first = reply.first_token_at or time.perf_counter()
+        seconds = time.perf_counter() - first
+        print(f"[answer: {answered} tokens after {row.prefilled + row.cached:,} prompt tokens ({row.cached:,} "
+              f"from the {row.cached_from or 'nothing'}): {row.timing}; first token at {first - reply.start:.2f} s, "
+              f"then {max(answered - 1, 0) / seconds if seconds > 0 else 0:.1f} tok/s]", file=self.log, flush=True)
         self.metrics.finished(row.prefilled, row.cached, row.cached_from, answered, first - reply.start,
                               time.perf_counter() - first, row.density)
         with self.lock:

@@ -42,11 +42,14 @@ class LongContextSession:
     def __init__(self, model: LlamaModel, layout: KVLayout, *, chunk_size: int, backend: str,
                  hidden_on_device: bool, compact: CompactParams | None, selection: SelectionSettings,
                  local_windows_len: int, use_cuda_graph: bool, follow_up_headroom: int | None = None,
-                 prefill_headroom: int | None = None, resident_history: bool = True, decoder_bytes: int = 0):
-        """follow_up_headroom: device bytes the plan leaves beside a decoder (its window, anchors
-        and graphs), within which a follow-up's prefill runs while the decoder stays; None: no
-        limit (the CPU). prefill_headroom: what the plan leaves beside a new prompt's prefill.
-        What a prefill leaves of that room keeps the decoders of conversations handed over by
+                 prefill_headroom: int | None = None, resident_history: bool = True, decoder_bytes: int = 0,
+                 max_seq_len: int | None = None):
+        """max_seq_len: the most tokens a conversation holds (default: the layout's capacity, which
+        kv_layout rounds up to whole pages). follow_up_headroom: device bytes the plan leaves
+        beside a decoder (its window, anchors and graphs), within which a follow-up's prefill
+        runs while the decoder stays; None: no limit (the CPU). prefill_headroom: what the plan
+        leaves beside a new prompt's prefill. What a prefill leaves of that room keeps the
+        decoders of conversations handed over by
         exchange() (decoder_bytes each: ktlong/session/parked_decoders.py), then, with
         resident_history, layers' history on the device for the next follow-up
         (ktlong/kv/resident.py): the session's conversation's first, then what is left for the
@@ -61,7 +64,7 @@ class LongContextSession:
         self.use_cuda_graph, self.follow_up_headroom = use_cuda_graph, follow_up_headroom
         self.prefill_headroom = prefill_headroom
         self.model, self.layout = model, layout
-        self.max_seq_len = layout.capacity
+        self.max_seq_len = min(max_seq_len or layout.capacity, layout.capacity)
         self.engine = LayerMajorPrefill(model, layout, chunk_size, backend, hidden_on_device, compact, use_cuda_graph)
         # the conversation the session works on: its DRAM cache, tokens and bookkeeping, in one
         # object that exchange() hands over whole
@@ -75,6 +78,7 @@ class LongContextSession:
         self.last_decode_setup_seconds = 0.0  # after the last prefill: the decoder built, its graphs captured
         self.last_follow_up = (False, False)  # the last prefill's (decoder kept, history prefetched)
         self._batch = None  # (decoders, DecodeBatch) of the last step_batch of several conversations
+        self.last_batch_build: float | None = None  # seconds a new batch's first step took (built, captured)
 
     @classmethod
     def from_plan(cls, model: LlamaModel, plan: SessionPlan) -> "LongContextSession":
@@ -88,7 +92,7 @@ class LongContextSession:
                       prefill_headroom=(plan.budget_bytes - plan.memory.prefill_beside_decoders
                                         if plan.is_gpu else None),
                       resident_history=plan.resident_history,
-                      decoder_bytes=plan.memory.decoder)
+                      decoder_bytes=plan.memory.decoder, max_seq_len=plan.max_seq_len)
         session.warm_up()
         return session
 
@@ -234,8 +238,12 @@ class LongContextSession:
         else:
             if self._batch is None or len(self._batch[0]) != len(decoders) or any(
                     a is not b for a, b in zip(self._batch[0], decoders)):
+                start = time.perf_counter()
                 self._batch = (decoders, DecodeBatch(self.model, decoders, self.use_cuda_graph))
-            logits = self._batch[1].step(decoders, tokens)
+                logits = self._batch[1].step(decoders, tokens)  # its graphs captured first
+                self.last_batch_build = time.perf_counter() - start
+            else:
+                logits = self._batch[1].step(decoders, tokens)
         for conversation, token in zip(conversations, tokens):
             conversation.ids.append(token)
         return logits

@@ -352,7 +352,7 @@ def _fill(path: Path, fd: int, mapped: mmap.mmap, session, records: list[Record]
 def _load(path: Path, fd: int, mapped: mmap.mmap, session, fp: dict) -> list:
     layout, overwritten = session.layout, False
     try:
-        records = _records(path, mapped, fp, layout.capacity)
+        records = _records(path, mapped, fp, session.max_seq_len)
         for r in records:
             if any(not 0 < n <= layout.num_blocks for n in _masses(r).values()):
                 raise CacheFileError(f"{path} holds preselection tables larger than this session's cache; "
