@@ -242,7 +242,7 @@ def test_a_question_over_a_document_being_answered_shares_its_blocks(server, lm)
     settle(server)
 
 
-def test_clients_back_at_their_documents_decode_together_within_one_spare_cache(lm):
+def test_clients_back_at_their_documents_decode_together_within_one_spare_cache(lm, capfd):
     """max_num_seqs 4 and room in DRAM for one cache besides: four documents asked about one after
     another stay held (each new one takes a cache of the reserve made for the conversations that
     decode beside the session's), then four clients at once each get theirs back from DRAM and
@@ -265,6 +265,12 @@ def test_clients_back_at_their_documents_decode_together_within_one_spare_cache(
         assert [o.choices[0].message.content for o in outs] == alone
         sources = [getattr(o.usage.prompt_tokens_details, "cached_from", None) for o in outs]  # none prefilled again
         assert set(sources) <= {"dram", "session"} and sources.count("session") <= 1, sources
+        # the server's log: a line for each answer, with where its prompt came from, and for each new batch
+        log = capfd.readouterr().err
+        lines = [line for line in log.splitlines() if line.startswith("[answer: ")]
+        assert len(lines) == 8 and sum("cached from the dram" in line for line in lines) == sources.count("dram")
+        assert all(" tok/s]" in line and "first token " in line for line in lines)
+        assert "conversations together: their new batch's first step" in log
         settle(server)
         dram = next(float(line.split()[-1]) for line in server.raw("GET", "/metrics")[1].decode().splitlines()
                     if line.startswith('ktlong_kv_cache_bytes{tier="dram"}'))

@@ -52,6 +52,7 @@ class Ticket:
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.queued_at = time.perf_counter()  # made when the request is queued
 
     def put(self, event):
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)

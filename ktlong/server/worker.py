@@ -228,7 +228,7 @@ class Worker:
         row = Row(reply, 0, None, None, prefilled, len(reply.job.prompt_ids) - prefilled, p.cached_from,
                   session.prefill_density)
         setup = getattr(session, "last_decode_setup_seconds", None)
-        row.timing = (f"queued {p.admitted - reply.start:.2f} s, cache moved {p.moved:.2f} s, prefill "
+        row.timing = (f"queued {p.admitted - reply.ticket.queued_at:.2f} s, cache moved {p.moved:.2f} s, prefill "
                       f"{time.perf_counter() - p.admitted - p.moved:.2f} s"
                       + (f" (of it the decoder's setup {setup:.2f} s)" if setup is not None else ""))
         if p.prefill.error is not None:
@@ -290,9 +290,10 @@ class Worker:
         answered = len(reply.answer.token_ids)
         first = reply.first_token_at or time.perf_counter()
         seconds = time.perf_counter() - first
-        print(f"[answer: {answered} tokens after {row.prefilled + row.cached:,} prompt tokens ({row.cached:,} "
-              f"from the {row.cached_from or 'nothing'}): {row.timing}; first token at {first - reply.start:.2f} s, "
-              f"then {max(answered - 1, 0) / seconds if seconds > 0 else 0:.1f} tok/s]", file=self.log, flush=True)
+        cached = f"{row.cached:,} cached from the {row.cached_from}" if row.cached else "none cached"
+        print(f"[answer: {answered} tokens after {row.prefilled + row.cached:,} prompt tokens ({cached}): "
+              f"{row.timing}; first token {first - reply.ticket.queued_at:.2f} s after the request came, then "
+              f"{max(answered - 1, 0) / seconds if seconds > 0 else 0:.1f} tok/s]", file=self.log, flush=True)
         self.metrics.finished(row.prefilled, row.cached, row.cached_from, answered, first - reply.start,
                               time.perf_counter() - first, row.density)
         with self.lock:
