@@ -173,6 +173,7 @@ class LayerMajorPrefill:
         num_tokens = history + len(token_ids)
         assert history < num_tokens <= self.layout.capacity and host.num_tokens == history
         assert not (history and self.layout.sliding), "sliding-window layers keep only a tail: re-prefill"
+        host.reserve(num_tokens)  # the cache's memory for them, before any is written
         stats = PrefillStats(num_tokens=len(token_ids))
         run = _Run(num_tokens, host, stats, resident=resident)
         if not history:

@@ -142,9 +142,12 @@ def test_max_num_seqs_conversations_each_get_a_window_anchors_and_a_cache_and_th
     assert eight.decode_device - one.decode_device == 7 * (window + one.decode_anchors)
     assert "GPU decode window x8" in eight.table() and "DRAM KV (32 global layers) x8" in eight.table()
     check_plan(eight, 24 * GIB, True, free_dram=8 * eight.dram_cache + (1 << 30), max_seq_len=128 << 10)
-    # DRAM for three conversations' caches: three fit
-    with pytest.raises(ConfigError, match=r"max_num_seqs 8 conversations .* lower max_num_seqs to 3, or lower"):
-        check_plan(eight, 24 * GIB, True, free_dram=3 * eight.dram_cache + (1 << 30), max_seq_len=128 << 10)
+    # caches hold what their conversations reserve, and the server admits requests as DRAM
+    # allows: the plan needs DRAM for one conversation of max_seq_len, not for eight
+    check_plan(eight, 24 * GIB, True, free_dram=eight.dram_cache + (1 << 20), max_seq_len=128 << 10)
+    with pytest.raises(ConfigError, match=r"The KV cache for max_seq_len 131,072 needs 9\.0 GiB of DRAM but 8\.5 "
+                                          r"GiB is free; lower max_seq_len to about 1[23]\d,\d\d\d\."):
+        check_plan(eight, 24 * GIB, True, free_dram=eight.dram_cache - (1 << 29), max_seq_len=128 << 10)
     # the server prefills one conversation while the other seven decode: its hidden states and
     # workspace beside seven windows and anchors
     per = window + one.decode_anchors

@@ -21,6 +21,7 @@ LAYOUT = kv_layout(2, 2, 32, 16, 1024, "fp32", anchor_type="DYNAMIC", anchor_num
 
 def filled(seed: int) -> HostKVCache:
     host = HostKVCache(LAYOUT, pin=False)
+    host.reserve(LAYOUT.capacity)
     g = torch.Generator().manual_seed(seed)
     for t in host.shared_tables():
         t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
@@ -82,6 +83,7 @@ def test_a_third_cache_shares_more_of_the_second_and_cuts_and_resets_keep_the_ot
     second, third = HostKVCache(LAYOUT, pin=False), HostKVCache(LAYOUT, pin=False)
     second.share(first, g)
     # the second prefills its own blocks past the prefix (here: written directly)
+    second.reserve(LAYOUT.capacity)
     for t in second.shared_tables():
         t[:, g:] = t[:, g:].clone().normal_(generator=torch.Generator().manual_seed(9)) if t.is_floating_point() else 1
     second.advance(LAYOUT.capacity - second.num_tokens)

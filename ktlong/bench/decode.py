@@ -70,6 +70,7 @@ def fill_random(host: HostKVCache, num_tokens: int, seed: int = 0):
     """Random K/V and side tables for the first num_tokens tokens, by tiling one random slab."""
     g = torch.Generator().manual_seed(seed)
     layout = host.layout
+    host.reserve(num_tokens)
     slab = torch.randn(layout.num_kv_heads, 64, layout.block_size, layout.head_dim, generator=g).to(layout.dtype)
     planes = [(host.k + host.v, slab)]
     if layout.is_quantized:  # stored as DRAM stores them: GGML's blocks and their scales
@@ -83,7 +84,7 @@ def fill_random(host: HostKVCache, num_tokens: int, seed: int = 0):
                 t[:, b0:b0 + n].copy_(values[:, :n])
     for layer in layout.global_layers:
         for table in (host.key_mean, host.key_max, host.key_min, host.anchor_keys):
-            table[layer].normal_(generator=g)
+            table[layer][:, :blocks].normal_(generator=g)
     host.reset()
     host.advance(num_tokens)
 

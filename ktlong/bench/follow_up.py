@@ -88,6 +88,7 @@ def io_rates(contexts, plans, fp, folder, model_config, device, dtype, question:
                     times.append(timed(lambda: load_cache(path, session, fp))[1])
                 rows.append([f"{n // 1024}K", plan.kv_type, how, f"{gb:.2f}", f"{save_s:.2f}", f"{gb / save_s:.2f}",
                              f"{times[0]:.2f}", f"{gb / times[0]:.2f}", f"{times[1]:.2f}", f"{gb / times[1]:.2f}"])
+            host.reserve(host.num_tokens + question)
             host.advance(question)  # the follow-up's K/V (their values do not matter here)
             appended, append_s = timed(lambda: save_cache(path, session, fp, []))
             append_rows.append([f"{n // 1024}K", plan.kv_type, question, f"{save_s:.2f}", f"{appended / 1e6:.1f}",

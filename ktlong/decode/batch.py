@@ -63,6 +63,7 @@ class DecodeBatch:
         positions = [s.position for s in sequences]
         ranges = [s.window.context_blocks for s in sequences]
         for b, (s, token, pos) in enumerate(zip(sequences, tokens, positions)):
+            s.host.reserve(pos + 1)  # the token's K/V go to DRAM at pos: memory there first
             body.set_step(b, token, pos)
             if s.selection is not None:
                 s.selection.set_step(s.step_index, *ranges[b])

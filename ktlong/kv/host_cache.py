@@ -3,18 +3,50 @@ mean, max and min keys (Quest) and, for DYNAMIC and FIX anchors, the keys each b
 represented by.
 With kv_type q8_0 or q4_0 each of K and V is two planes: GGML's values and their float16 scales
 (operators/kv_quant.py); the side tables always come from the unquantised keys. A cache may hold
-its leading blocks in one copy with other caches (`share`, ktlong/kv/shared_prefix.py)."""
+its leading blocks in one copy with other caches (`share`, ktlong/kv/shared_prefix.py).
+
+Tables are laid out for max_seq_len but hold memory only as a conversation needs it: each global
+table's kv-head ranges grow (`reserve`: committed and page-locked, in whole pages) before a
+prefill, a load or a decode step writes past them, so an empty cache costs next to nothing and a
+128K conversation under a max_seq_len of 1M holds its 128K."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
 
 from ktlong.kv.host_memory import mapped_empty
 from ktlong.kv.layout import KVLayout
-from ktlong.kv.pinned import PinnedTensors, advise_huge_pages
+from ktlong.kv.pinned import HUGE_PAGE, PinnedTensors, advise_huge_pages
 from ktlong.kv.shared_prefix import SharedPrefix, map_private, shared_prefix_bytes
 from operators.kv_quant import dequantize_kv
+
+
+def growth_step(layout: KVLayout) -> int:
+    """The blocks a cache grows by a multiple of: whole pages of every table's kv-head range, and
+    whole 2 MiB pages of K's and V's (where Linux gives them huge pages, a range that ended inside
+    one would hold all of it: 2 MiB a range, 512 ranges at 8B shapes)."""
+    kv = layout.table_block_bytes()[0]
+    return math.lcm(layout.page_blocks(), HUGE_PAGE // math.gcd(HUGE_PAGE, kv))
+
+
+# the least a cache grows by (reserve): an answer's first 2,048 tokens after a prompt, at block 128
+GROWTH_BLOCKS = 16
+
+
+def reserved_blocks(layout: KVLayout, tokens: int) -> int:
+    """The blocks a cache holds once it reserves `tokens` (HostKVCache.reserve)."""
+    blocks = -(-tokens // layout.block_size)
+    step = growth_step(layout)
+    target = blocks + max(blocks // 8, GROWTH_BLOCKS)
+    return min(layout.num_blocks, -(-target // step) * step)
+
+
+def cache_bytes_for(layout: KVLayout, tokens: int) -> int:
+    """DRAM a new cache holds for a conversation of `tokens` tokens."""
+    return layout.dram_kv_bytes(sliding=True) + shared_prefix_bytes(layout, reserved_blocks(layout, tokens))
 
 
 class HostKVCache:
@@ -35,9 +67,10 @@ into when the tables are not pinned (maps_files).
         H, B, D = layout.num_kv_heads, layout.block_size, layout.head_dim
         self._pinned = PinnedTensors(pin)
 
-        def alloc(shape, dtype):
+        def alloc(shape, dtype, huge=False):
             t = mapped_empty(shape, dtype)
-            advise_huge_pages(t)  # before the first touch, which zero_ is
+            if huge:  # before the first touch, which zero_ is: K/V, whose blocks decode reads scattered
+                advise_huge_pages(t)
             return t
 
         self.layout = layout
@@ -45,8 +78,8 @@ into when the tables are not pinned (maps_files).
         blocks = [layout.blocks_in_dram(i) for i in range(layout.num_layers)]
         tables = [0 if layout.is_sliding(i) else layout.num_blocks for i in range(layout.num_layers)]
         row, groups = layout.stored_row
-        self.k = [alloc((H, n, B, row), layout.stored_dtype) for n in blocks]
-        self.v = [alloc((H, n, B, row), layout.stored_dtype) for n in blocks]
+        self.k = [alloc((H, n, B, row), layout.stored_dtype, huge=True) for n in blocks]
+        self.v = [alloc((H, n, B, row), layout.stored_dtype, huge=True) for n in blocks]
         self.k_scales = [alloc((H, n, B, groups), torch.int16) for n in blocks]
         self.v_scales = [alloc((H, n, B, groups), torch.int16) for n in blocks]
         self.key_mean = [alloc((H, n, D), torch.float32) for n in tables]
@@ -57,12 +90,16 @@ into when the tables are not pinned (maps_files).
         self.num_tokens = 0  # tokens held; changed only by advance(), truncate(), reset() and share()
         self.shared: SharedPrefix | None = None  # the leading blocks held in one copy with other caches
         self.shared_blocks = 0  # how many of them (at most shared.blocks)
+        # leading blocks of every global layer's tables that hold memory (page-locked where
+        # pinned): `reserve` grows them before anything is written past them
+        self.committed = 0
+        for kind in self._kinds():  # a sliding layer's tail is small: all of it now
+            for i in range(layout.num_layers):
+                if layout.is_sliding(i) and kind[i].numel():
+                    kind[i].zero_()
+                    self._pinned.pin(kind[i])
         if prefix is not None:
             self.share(*prefix)
-        for kind in self._kinds():
-            for t in kind:
-                t[:, self.shared_blocks:].zero_()  # commits the memory now rather than during prefill
-                self._pinned.pin(t)
 
     def _kinds(self) -> tuple[list[torch.Tensor], ...]:
         """Each kind of table, per layer, in the order of KVLayout.table_block_bytes."""
@@ -92,6 +129,37 @@ into when the tables are not pinned (maps_files).
         self.shared, self.shared_blocks = prefix, blocks
         with self._pinned.released():
             prefix.map_over(self.shared_tables(), blocks)
+        self._grow(blocks, zero=False)  # the files' pages, page-locked where the cache is
+
+    def reserve(self, tokens: int):
+        """Memory for the first `tokens` tokens of every global table, held (and page-locked where
+        pinned) now, with room to grow past them (an eighth more, GROWTH_BLOCKS at least), in
+        whole pages (growth_step), within the capacity. Anything written past the reserved tokens would land
+        in memory the GPU cannot read."""
+        assert tokens <= self.layout.capacity, "the KV cache is full; raise max_seq_len"
+        if -(-tokens // self.layout.block_size) > self.committed:
+            self._grow(reserved_blocks(self.layout, tokens), zero=True)
+
+    def _grow(self, blocks: int, zero: bool):
+        """Each global table's kv-head ranges of blocks committed..blocks: zeroed (which commits
+        them) unless the shared files' pages lie there, and page-locked a head at a time (the
+        heads' ranges between stay unheld)."""
+        if blocks <= self.committed:
+            return
+        for t in self.shared_tables():
+            part = t[:, self.committed:blocks]
+            if zero:
+                part.zero_()
+            for h in range(part.shape[0]):
+                self._pinned.pin(part[h])
+        self.committed = blocks
+
+    @property
+    def dram_bytes(self) -> int:
+        """DRAM this cache holds of its own: the sliding layers' tails, and every global table's
+        reserved blocks less those it shares (counted once, with the shared prefix)."""
+        return (self.layout.dram_kv_bytes(sliding=True)
+                + shared_prefix_bytes(self.layout, self.committed - self.shared_blocks))
 
     def unshare(self, keep: bool):
         """Private pages again under the shared prefix, holding its bytes (keep) or zeros."""
@@ -109,6 +177,8 @@ into when the tables are not pinned (maps_files).
     def advance(self, num_new: int):
         """num_new more tokens are in the cache (their K/V and side tables written)."""
         assert self.num_tokens + num_new <= self.layout.capacity, "the KV cache is full; raise max_seq_len"
+        assert self.num_tokens + num_new <= self.committed * self.layout.block_size or not self.layout.global_layers, \
+            "reserve() before writing"
         self.num_tokens += num_new
 
     def reset(self):

@@ -189,6 +189,13 @@ def dram_total_with(layout: KVLayout, dram_hidden: int, conversations: int = 1) 
     return conversations * layout.dram_cache_bytes() + dram_hidden
 
 
+def dram_limit(device_is_gpu: bool) -> int:
+    """The DRAM a server's KV caches may hold together (they grow as their conversations do):
+    what is free now, and with a GPU at most what CUDA page-locks (PINNABLE of all of it)."""
+    free = available_dram_bytes()
+    return min(free, int(PINNABLE * available_dram_bytes("MemTotal"))) if device_is_gpu else free
+
+
 def available_dram_bytes(field: str = "MemAvailable") -> int:
     """Free DRAM (or, with field MemTotal, all of it) as /proc/meminfo says."""
     try:
@@ -204,7 +211,7 @@ def available_dram_bytes(field: str = "MemAvailable") -> int:
 def check_plan(plan: MemoryPlan, budget_bytes: int, device_is_gpu: bool, free_dram: int,
                max_seq_len: int):
     n = plan.conversations
-    fewer = plan.conversations_that_fit(budget_bytes, free_dram)
+    fewer = plan.conversations_that_fit(budget_bytes, 1 << 62)  # the device's count: DRAM admits at run time
     if device_is_gpu and plan.device_total > budget_bytes:
         fixed = plan.weights + plan.workspace
         hint = ("lower max_seq_len" if fixed < budget_bytes else
@@ -216,12 +223,12 @@ def check_plan(plan: MemoryPlan, budget_bytes: int, device_is_gpu: bool, free_dr
         raise ConfigError(f"The plan needs {plan.device_total / GIB:.1f} GiB of GPU memory but "
                           f"gpu_memory_budget_gb allows {budget_bytes / GIB:.1f} GiB; {hint}, lower "
                           "chunk_size, or raise gpu_memory_budget_gb if the GPU has more.")
-    if plan.dram_total > free_dram:
-        tokens = int(max_seq_len * free_dram / plan.dram_total)
-        smaller = (f"set kv_type: q8_0 (needs {plan.dram_total_q8_0 / GIB:.1f} GiB) or "
-                   if 0 < plan.dram_total_q8_0 < plan.dram_total else "")
-        what = (f"The KV caches of max_num_seqs {n} conversations of max_seq_len {max_seq_len:,} need" if n > 1
-                else f"The KV cache for max_seq_len {max_seq_len:,} needs")
-        fewer_text = f"lower max_num_seqs to {fewer}, or " if n > 1 and fewer > 0 else ""
-        raise ConfigError(f"{what} {plan.dram_total / GIB:.1f} GiB of DRAM but {free_dram / GIB:.1f} GiB is "
-                          f"free; {smaller}{fewer_text}lower max_seq_len to about {tokens:,}.")
+    # one conversation of max_seq_len must fit; caches hold only what their conversations reserve
+    # (ktlong/kv/host_cache.py), so more run together as DRAM allows (the server admits them)
+    one = plan.dram_cache + plan.dram_hidden
+    if one > free_dram:
+        tokens = int(max_seq_len * free_dram / one)
+        one_q8_0 = (plan.dram_total_q8_0 - plan.dram_hidden) // n + plan.dram_hidden if plan.dram_total_q8_0 else 0
+        smaller = f"set kv_type: q8_0 (needs {one_q8_0 / GIB:.1f} GiB) or " if 0 < one_q8_0 < one else ""
+        raise ConfigError(f"The KV cache for max_seq_len {max_seq_len:,} needs {one / GIB:.1f} GiB of DRAM but "
+                          f"{free_dram / GIB:.1f} GiB is free; {smaller}lower max_seq_len to about {tokens:,}.")

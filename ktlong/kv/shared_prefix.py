@@ -59,7 +59,7 @@ def shared_prefix_bytes(layout, blocks: int) -> int:
 def dram_held(hosts) -> int:
     """DRAM that host caches (ktlong/kv/host_cache.py) take, the blocks they share counted once."""
     prefixes = {id(h.shared): h.shared.nbytes for h in hosts if h.shared is not None}
-    return sum(h.layout.dram_cache_bytes() - h.shared_bytes for h in hosts) + sum(prefixes.values())
+    return sum(h.dram_bytes for h in hosts) + sum(prefixes.values())
 
 
 def _ranges(t: torch.Tensor, blocks: int) -> tuple[int, int, int]:

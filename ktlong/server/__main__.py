@@ -57,7 +57,7 @@ def cache_store(config, started, session, log=None):
     sessions that save their cache, on models without sliding-window layers (whose DRAM keeps
     only a tail, which no later request can reuse); None otherwise."""
     from ktlong.errors import ConfigError
-    from ktlong.kv.memory_plan import GIB
+    from ktlong.kv.memory_plan import GIB, dram_limit
     from ktlong.server.cache_store import CacheStore
     from ktlong.session.saved_cache import fingerprint
 
@@ -72,7 +72,7 @@ def cache_store(config, started, session, log=None):
     write = (lambda line: print(line, file=log or sys.stderr, flush=True))
     return CacheStore(session, fingerprint(started.lm.path, session, config), int(config.cache_dram_gb * GIB),
                       config.cache_dir, int(config.cache_disk_gb * GIB), config.cache_min_tokens, write,
-                      config.max_num_seqs)
+                      dram_limit(session.model.device.type == "cuda"))
 
 
 def main(argv=None) -> int:

@@ -14,11 +14,11 @@ With several answers decoding at once (ktlong/server/worker.py), a conversation 
 decoding leaves the session when the next prefill needs it (`detach`): it is held, and busy, so
 that no other request takes it and no eviction spills it, until its answer ends (`release`).
 
-DRAM holds at most max_num_seqs + cache_dram_gb's count of host caches, whatever they hold: the
-session's, busy and held conversations, empty spares, and the reserve (empty caches made ahead
-for the next detach, since making one commits its memory). A held conversation may stand in for
-the reserve: bringing it back frees an empty cache for the next detach, so a server whose
-clients come back to their documents needs no cache of its own per client beside them.
+A host cache holds DRAM only for the tokens it reserves (ktlong/kv/host_cache.py), so making one is
+cheap and an empty one costs nothing. The idle caches (held conversations and spares) hold at
+most cache_dram_gb; the ones at work (the session's and the busy ones) whatever their requests
+need: `admit` lets a request start when its cache fits beside them within the DRAM the server may
+use (dram_limit), dropping spares and spilling idle conversations to make room.
 
 Every method that touches the session runs on the worker's thread; `lock` guards the index
 for readers on the event loop (listing, metrics).
@@ -36,6 +36,7 @@ from pathlib import Path
 
 from ktlong.errors import ConfigError
 from ktlong.kv.host_cache import HostKVCache
+from ktlong.kv.host_cache import cache_bytes_for
 from ktlong.kv.shared_prefix import dram_held
 from ktlong.session.cache_records import CacheFileError, OtherSettings
 from ktlong.session.long_context import HeldConversation, LongContextSession
@@ -64,24 +65,16 @@ class Entry:
 
 class CacheStore:
     def __init__(self, session: LongContextSession, fingerprint: dict, dram_bytes: int, folder: str,
-                 disk_bytes: int, min_tokens: int, log, decoding: int = 1):
-        """decoding: conversations that decode at once (max_num_seqs): the caches the others than
-        the session's take are made now, since making one commits its memory (seconds at 128K),
-        which would stall every answer decoding while a request joins."""
+                 disk_bytes: int, min_tokens: int, log, dram_limit: int = 1 << 62):
+        """dram_bytes: cache_dram_gb, for the idle caches; dram_limit: the DRAM every cache
+        together may hold (`admit`)."""
         self.session, self.fp, self.min_tokens, self.log = session, fingerprint, min_tokens, log
-        self.slots = dram_bytes // session.cache_bytes  # host caches held besides the decoding ones
+        self.budget, self.dram_limit = dram_bytes, dram_limit
         self.folder = Path(folder).expanduser() if folder else None
         self.disk_budget = disk_bytes
         self.entries: dict[str, Entry] = {}
         self.live: Entry | None = None  # the conversation the session holds
-        self.spare: list[HostKVCache] = []  # free host caches
-        # caches for the conversations that leave the session to decode beside its own (`detach`)
-        self.decoding = decoding
-        self.limit = decoding + self.slots  # host caches in all (`_caches`)
-        self.reserve: list[HostKVCache] = [self._new_host() for _ in range(decoding - 1)]
-        if decoding > 1:
-            log(f"[cache: {decoding - 1} more KV caches for the conversations decoding beside the session's, "
-                f"{(decoding - 1) * session.cache_bytes / 2**30:.2f} GiB of DRAM]")
+        self.spare: list[HostKVCache] = []  # free host caches (the memory they reserved kept for the next)
         self.lock = threading.Lock()
         if self.folder is not None:
             self._scan()
@@ -146,11 +139,9 @@ class CacheStore:
 
     def detach(self) -> tuple[Entry | None, HeldConversation]:
         """The live conversation, decoding, leaves the session for the next prefill: held in
-        DRAM and busy until `release`; the session goes on with an empty cache from the reserve
-        (the worker keeps at most max_num_seqs conversations decoding or prefilling, the caches
-        the plan counts, besides the kept ones)."""
+        DRAM and busy until `release`; the session goes on with a spare cache or a new one."""
         with self.lock:
-            host = self.reserve.pop() if self.reserve else self._free_host() or self._new_host()
+            host = self._free_host()
             conversation = self.session.detach(host)
             entry, self.live = self.live, None
             if entry is not None:
@@ -161,8 +152,7 @@ class CacheStore:
         """A detached conversation's answer is done: it stays held in DRAM like any kept one
         (its decoder too, while the device has room), within cache_dram_gb, the least recently
         used idle ones spilled to disk past it; forgotten when short or when not `keep` (its
-        decode failed). Then the reserve for the next detach is made whole again: from what was
-        freed, or a new cache while the kept ones are still fewer than cache_dram_gb allows."""
+        decode failed)."""
         with self.lock:
             if entry is None or self.entries.get(entry.id) is not entry:
                 self.spare.append(conversation.host)
@@ -177,17 +167,19 @@ class CacheStore:
                     self._fall_back(entry)
                 else:
                     self.session.park(conversation)
-            while self._caches() > self.limit and (self.spare or self._idle()):
-                if self.spare:
-                    self.spare.pop()  # its memory freed
-                    continue
-                victim = min(self._idle(), key=lambda e: e.last_used)
-                if not self._spill(victim, victim.held):
-                    self.entries.pop(victim.id, None)
-                victim.held = None
-            busy = sum(e.busy for e in self.entries.values())
-            while len(self.reserve) + busy < self.decoding - 1 and (self.spare or self._caches() < self.limit):
-                self.reserve.append(self.spare.pop() if self.spare else self._new_host())
+            self._trim(self.budget)
+
+    def admit(self, prompt_ids: list[int], tokens: int, alone: bool) -> bool:
+        """Whether a request of `tokens` (prompt and answer) may start: its cache fits beside the
+        others within dram_limit, after dropping spares and spilling idle conversations (least
+        recently used first; never one the prompt would reuse) as needed. Alone (nothing else
+        running) it starts whatever: the plan checked that one conversation of max_seq_len fits."""
+        need = cache_bytes_for(self.session.layout, tokens)
+        with self.lock:
+            reused = {e.id for e in self.entries.values() if cached_prefix(e.ids, prompt_ids) >= self.min_tokens}
+            while self._held() + need > self.dram_limit and self._evict_one(reused):
+                pass
+            return alone or self._held() + need <= self.dram_limit
 
     # ---- the operator's endpoints ----
 
@@ -249,8 +241,11 @@ class CacheStore:
     def dram_bytes(self) -> int:
         """For /metrics, from the event loop: a copy of the index, which the worker may be
         changing. Blocks that several caches share count once."""
+        return self._held()
+
+    def _held(self) -> int:
         hosts = [self.session.host, *(e.held.host for e in list(self.entries.values()) if e.held is not None),
-                 *self.spare, *self.reserve]
+                 *self.spare]
         return dram_held(hosts)
 
     def disk_bytes(self) -> int:
@@ -314,13 +309,13 @@ class CacheStore:
             self.live = None
             return
         live.ids = list(session.ids)
-        host = self._free_host(keep)
-        if host is None:  # no DRAM slots: straight to disk
+        protect = {keep.id} if keep is not None else set()
+        if not self._trim(self.budget - session.host.dram_bytes, protect):  # too big to hold: straight to disk
             if not self._spill(live, session, keep):
                 self.entries.pop(live.id, None)
             session.reset()
         else:
-            live.held = session.exchange(HeldConversation.empty(session.layout, host))
+            live.held = session.exchange(HeldConversation.empty(session.layout, self._free_host()))
         self.live = None
 
     def _fall_back(self, entry: Entry):
@@ -335,33 +330,39 @@ class CacheStore:
             self._remove_file(entry)
             self.entries.pop(entry.id, None)
 
-    def _free_host(self, keep: Entry | None = None) -> HostKVCache | None:
-        """A host cache for the session: a spare, a new one within the limit, one of the reserve,
-        or the least recently used held conversation's after spilling it; None without any."""
+    def _free_host(self) -> HostKVCache:
+        """A host cache for the session: a spare (the one holding the most memory), or a new one."""
         if self.spare:
+            self.spare.sort(key=lambda h: h.dram_bytes)
             return self.spare.pop()
-        if self._caches() < self.limit:
-            return self._new_host()
-        if self.reserve:
-            return self.reserve.pop()
-        held = self._idle()
-        if not held:
-            return None
-        victim = min(held, key=lambda e: e.last_used)
-        host = victim.held.host
-        if not self._spill(victim, victim.held, keep):
+        return self._new_host()
+
+    def _trim(self, budget: int, protect: set = frozenset()) -> bool:
+        """Idle caches down to `budget` bytes (`_evict_one` at a time); whether they fit it now."""
+        while self._idle_bytes() > budget and self._evict_one(protect):
+            pass
+        return self._idle_bytes() <= budget
+
+    def _evict_one(self, protect: set = frozenset()) -> bool:
+        """A spare dropped (its memory freed), or else the least recently used idle conversation
+        not in `protect` spilled to disk (forgotten without one); False when there is neither."""
+        if self.spare:
+            self.spare.sort(key=lambda h: h.dram_bytes)
+            self.spare.pop(0)
+            return True
+        if not (idle := self._idle(protect)):
+            return False
+        victim = min(idle, key=lambda e: e.last_used)
+        if not self._spill(victim, victim.held):
             self.entries.pop(victim.id, None)
         victim.held = None
-        return host
+        return True
 
-    def _idle(self) -> list[Entry]:
-        return [e for e in self.entries.values() if e.held is not None and not e.busy]
+    def _idle(self, protect: set = frozenset()) -> list[Entry]:
+        return [e for e in self.entries.values() if e.held is not None and not e.busy and e.id not in protect]
 
-    def _caches(self) -> int:
-        """Host caches made and not freed: the session's, the held ones (busy or not), spares and
-        the reserve."""
-        return (1 + sum(e.held is not None for e in self.entries.values()) + len(self.spare)
-                + len(self.reserve))
+    def _idle_bytes(self) -> int:
+        return sum(e.held.host.dram_bytes for e in self._idle()) + sum(h.dram_bytes for h in self.spare)
 
     # ---- the disk tier ----
 
@@ -456,7 +457,7 @@ class CacheStore:
             (["disk"] if entry.disk_bytes else [])
         host = self.session.host if live else entry.held.host if entry.held is not None else None
         return {"id": entry.id, "tokens": len(self.session.ids) if live else len(entry.ids), "where": where,
-                "dram_bytes": self.session.cache_bytes - host.shared_bytes if host is not None else 0,
+                "dram_bytes": host.dram_bytes if host is not None else 0,
                 "shared_bytes": host.shared_bytes if host is not None else 0,
                 "disk_bytes": entry.disk_bytes, "disk_tokens": entry.disk_tokens,
                 "last_used": round(entry.last_used, 3)}

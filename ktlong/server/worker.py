@@ -189,7 +189,12 @@ class Worker:
         with self.lock:
             if not self.waiting:
                 return
-            job, ticket = self.waiting.popleft()
+            job, ticket = self.waiting[0]
+        tokens = min(len(job.prompt_ids) + job.max_tokens, self.session.max_seq_len)
+        if self.store is not None and not self.store.admit(job.prompt_ids, tokens, alone=not self.rows):
+            return  # it waits for DRAM: the running answers end and free theirs
+        with self.lock:
+            self.waiting.popleft()
             self.running += 1
         if ticket.cancelled.is_set():  # the client left while it waited
             self._cancelled(ticket)

@@ -338,6 +338,7 @@ def _fill(path: Path, fd: int, mapped: mmap.mmap, session, records: list[Record]
             raise CacheFileError(f"{path} has an appended record that leaves a gap; save it again.")
         expected = _tensors(session, first, r.header["num_tokens"], _masses(r))
         check_tables(path, r, expected)
+        session.host.reserve(r.header["num_tokens"])  # memory for them before they are written
         # the whole record's host tables take the file's pages in place when not pinned
         mappable = {n for n in expected if n.split(".")[0] in TABLES} if session.host.maps_files and not i else set()
         try:

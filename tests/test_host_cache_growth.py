@@ -1,0 +1,66 @@
+"""A host KV cache holds memory only for what it reserves (ktlong/kv/host_cache.py): an empty one
+next to nothing, whatever max_seq_len; reserving grows every global table's kv-head ranges in
+whole pages (2 MiB ones of K and V, where Linux gives huge pages), zeroed, and keeps what was written below; the byte counts follow."""
+
+import re
+
+import torch
+
+from ktlong.kv.host_cache import HostKVCache, growth_step
+from ktlong.kv.layout import kv_layout
+from ktlong.kv.shared_prefix import granularity, shared_prefix_bytes
+
+# fp32 K/V, 2 kv heads of 64, blocks of 16: 8 KiB of K a block and head; 4,096 blocks (64 MiB of K)
+LAYOUT = kv_layout(4, 2, 64, 16, 1 << 16, "fp32", anchor_type="DYNAMIC", anchor_num=1)
+PER_BLOCK = shared_prefix_bytes(LAYOUT, 1)  # every global table's bytes of one block, all heads
+
+
+def rss() -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
+def test_an_empty_cache_holds_next_to_nothing_and_reserving_holds_what_it_says():
+    before = rss()
+    host = HostKVCache(LAYOUT, pin=False)
+    whole = LAYOUT.dram_cache_bytes()
+    assert whole > 256 << 20
+    assert host.committed == 0 and host.dram_bytes == 0
+    assert rss() - before < whole // 16  # the mapping is there, its pages are not
+    host.reserve(1000)  # 63 blocks, and room past them
+    step = growth_step(LAYOUT)  # whole 2 MiB pages of a head's K (512 blocks here)
+    assert step % LAYOUT.page_blocks() == 0 and host.committed % step == 0 and 63 + 16 <= host.committed < 63 + 16 + step
+    assert host.dram_bytes == host.committed * PER_BLOCK
+    grown = rss() - before
+    assert host.dram_bytes <= grown < host.dram_bytes + whole // 16
+    host.reserve(500)  # within what it holds: nothing changes
+    assert host.dram_bytes == host.committed * PER_BLOCK
+    host.reserve(LAYOUT.capacity)  # to the end, never past it
+    assert host.committed == LAYOUT.num_blocks and host.dram_bytes == whole
+
+
+def test_growing_keeps_what_was_written_and_zeroes_the_new_blocks():
+    host = HostKVCache(LAYOUT, pin=False)
+    host.reserve(100)
+    first = host.committed
+    g = torch.Generator().manual_seed(0)
+    for t in host.shared_tables():
+        t[:, :first].normal_(generator=g)
+    held = [t[:, :first].clone() for t in host.shared_tables()]
+    host.advance(100)
+    host.reserve(first * LAYOUT.block_size + 1)
+    assert host.committed > first
+    for t, was in zip(host.shared_tables(), held):
+        assert torch.equal(t[:, :first], was)
+        assert not t[:, first:host.committed].any()
+
+
+def test_a_cache_made_on_a_shared_prefix_holds_none_of_its_own_until_it_reserves():
+    g = granularity(LAYOUT)
+    source = HostKVCache(LAYOUT, pin=False)
+    source.reserve(2 * g * LAYOUT.block_size)
+    source.advance(2 * g * LAYOUT.block_size)
+    made = HostKVCache(LAYOUT, pin=False, prefix=(source, g))
+    assert made.committed == g and made.dram_bytes == 0 and made.shared_bytes == g * PER_BLOCK
+    made.reserve(made.num_tokens + 1)  # its own blocks past the prefix
+    assert made.dram_bytes == (made.committed - g) * PER_BLOCK
