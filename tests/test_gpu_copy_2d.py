@@ -59,18 +59,26 @@ def test_views_that_do_not_fit_fall_back_to_head_by_head_copies():
     assert torch.equal(device.cpu(), host)
 
 
-def test_the_kv_caches_registered_tables_cross_as_2d_copies():
-    """The host cache's tables are page-locked by cudaHostRegister on mappings of their own, which
-    torch's is_pinned() did not report as pinned; the driver does, and they take the 2-D path."""
+def test_a_kv_caches_heads_locked_in_the_pieces_they_grew_by_cross_a_piece_each():
+    """A host cache page-locks each kv head's range apart, in the pieces it grows by (cudaHostRegister
+    on its own mappings, which torch's is_pinned() does not report). The driver refuses a 2-D copy
+    over ranges locked apart: copy_rows_2d says so, and copy_heads copies each head's rows a piece
+    at a time, across the two pieces each head grew by here, both ways."""
+    from ktlong.kv.copy_2d import registered_runs
     from ktlong.kv.host_cache import HostKVCache
     from ktlong.kv.layout import kv_layout
 
-    host = HostKVCache(kv_layout(2, 8, 128, 128, 4096, "q8_0"), pin=True)
-    rows = host.tokens(1, "k", 100, 900)  # [KV, 800, 128] int8, one range per head
+    host = HostKVCache(kv_layout(2, 8, 128, 128, 1 << 16, "q8_0"), pin=True)
+    host.reserve(1000)
+    first = host.committed * 128  # tokens of the first piece
+    host.reserve(first + 1)  # a second piece a head
+    rows = host.tokens(1, "k", 100, first + 300)  # [KV, ..., 128] int8 over both pieces
+    assert registered_runs(rows[0]) == [(0, first - 100), (first - 100, first + 200)]
     rows.copy_(random_table(tuple(rows.shape), torch.int8, 3))
     device = torch.zeros(rows.shape, dtype=torch.int8, device="cuda")
-    assert copy_rows_2d(device, rows)
-    back = host.tokens(0, "k", 1000, 1800)
-    assert copy_rows_2d(back, device)
+    assert not copy_rows_2d(device, rows)
+    copy_heads(device, rows)
+    back = host.tokens(0, "k", 100, first + 300)
+    copy_heads(back, device)
     torch.cuda.synchronize()
     assert torch.equal(back, rows) and torch.equal(device.cpu(), rows)

@@ -19,6 +19,7 @@ import torch
 MEMORYTYPE_HOST, MEMORYTYPE_DEVICE = 1, 2
 DEVICE_ATTRIBUTE_MAX_PITCH = 11
 POINTER_ATTRIBUTE_MEMORY_TYPE = 2
+POINTER_ATTRIBUTE_RANGE_START_ADDR, POINTER_ATTRIBUTE_RANGE_SIZE = 11, 12
 
 
 class _Memcpy2D(ctypes.Structure):  # CUDA_MEMCPY2D of cuda.h
@@ -54,6 +55,14 @@ class _Driver:
         err = self.pointer_attribute(ctypes.byref(kind), POINTER_ATTRIBUTE_MEMORY_TYPE, address)
         return err == 0 and kind.value == MEMORYTYPE_HOST
 
+    def registered_end(self, address: int) -> int | None:
+        """Where the page-locked range holding `address` ends (None where the driver does not say)."""
+        start, size = ctypes.c_uint64(0), ctypes.c_uint64(0)
+        if (self.pointer_attribute(ctypes.byref(start), POINTER_ATTRIBUTE_RANGE_START_ADDR, address)
+                or self.pointer_attribute(ctypes.byref(size), POINTER_ATTRIBUTE_RANGE_SIZE, address) or not size.value):
+            return None
+        return start.value + size.value
+
     def pitch_limit(self, device: int) -> int:
         if device not in self.max_pitch:
             value = ctypes.c_int(0)
@@ -78,6 +87,26 @@ def _row_bytes(t: torch.Tensor) -> int | None:
             return None
         expected *= size
     return math.prod(t.shape[1:]) * t.element_size()
+
+
+CUDA_ERROR_INVALID_VALUE = 1
+
+
+def registered_runs(t: torch.Tensor) -> list[tuple[int, int]]:
+    """A contiguous host view [rows, ...] as spans of rows [a, b) that each lie in one page-locked
+    range: a copy over two ranges is refused, and a KV cache's kv-head range is locked in the
+    pieces it grew by (ktlong/kv/host_cache.py). One span where the driver says nothing."""
+    driver, rows = _get_driver(), t.shape[0]
+    row_bytes = t[0].numel() * t.element_size() if rows else 0
+    if driver is None or not row_bytes:
+        return [(0, rows)]
+    spans, a = [], 0
+    while a < rows:
+        end = driver.registered_end(t.data_ptr() + a * row_bytes)
+        b = rows if end is None else min(rows, max(a + 1, (end - t.data_ptr()) // row_bytes))
+        spans.append((a, b))
+        a = b
+    return spans
 
 
 def copy_rows_2d(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -125,6 +154,10 @@ def copy_rows_2d(dst: torch.Tensor, src: torch.Tensor) -> bool:
     else:
         with torch.cuda.device(device):
             err = driver.copy(ctypes.byref(p), stream)
+    if err == CUDA_ERROR_INVALID_VALUE and host is not None:
+        # the host rows lie in page-locked ranges of their own, not in one (a KV cache's kv heads
+        # as it grows: ktlong/kv/host_cache.py): the caller copies them a row each
+        return False
     if err != 0:
         raise RuntimeError(f"cuMemcpy2DAsync failed with CUDA error {err} ({tuple(src.shape)}, pitches "
                            f"{src_pitch} -> {dst_pitch})")

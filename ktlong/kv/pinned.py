@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ktlong.errors import KtlongError
-from ktlong.kv.copy_2d import copy_rows_2d
+from ktlong.kv.copy_2d import copy_rows_2d, registered_runs
 
 
 HUGE_PAGE = 2 << 20
@@ -42,8 +42,9 @@ def copy_heads(dst: torch.Tensor, src: torch.Tensor):
     if not (src.is_cuda or dst.is_cuda):  # within DRAM: one copy, nothing to hold up
         dst.copy_(src)
         return
-    for h in range(src.shape[0]):
-        dst[h].copy_(src[h], non_blocking=True)
+    for h in range(src.shape[0]):  # a head's rows may lie in several page-locked pieces: a copy each
+        for a, b in registered_runs(src[h] if dst.is_cuda else dst[h]):
+            dst[h][a:b].copy_(src[h][a:b], non_blocking=True)
 
 
 def pin_in_place(t: torch.Tensor):
