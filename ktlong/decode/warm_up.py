@@ -57,6 +57,7 @@ def compile_decode_kernels(layout: KVLayout, settings: SelectionSettings, num_he
     num_blocks = 4
     small = dataclasses.replace(layout, num_layers=1, num_blocks=num_blocks, sliding=(), sliding_blocks=0)
     host = HostKVCache(small, pin=False)
+    host.reserve(small.capacity)
     rng = np.random.default_rng(0)
     for t in (host.k[0], host.v[0], host.key_mean[0], host.key_max[0], host.key_min[0], host.anchor_keys[0]):
         t.copy_(t.new_tensor(rng.standard_normal(tuple(t.shape))))  # any values of the right type

@@ -35,8 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ktlong.errors import ConfigError
-from ktlong.kv.host_cache import HostKVCache
-from ktlong.kv.host_cache import cache_bytes_for
+from ktlong.kv.host_cache import HostKVCache, cache_bytes_for
 from ktlong.kv.shared_prefix import dram_held
 from ktlong.session.cache_records import CacheFileError, OtherSettings
 from ktlong.session.long_context import HeldConversation, LongContextSession
@@ -310,7 +309,7 @@ class CacheStore:
             return
         live.ids = list(session.ids)
         protect = {keep.id} if keep is not None else set()
-        if not self._trim(self.budget - session.host.dram_bytes, protect):  # too big to hold: straight to disk
+        if not self._trim(self.budget - session.host.dram_bytes, protect, keep):  # too big to hold: straight to disk
             if not self._spill(live, session, keep):
                 self.entries.pop(live.id, None)
             session.reset()
@@ -337,15 +336,16 @@ class CacheStore:
             return self.spare.pop()
         return self._new_host()
 
-    def _trim(self, budget: int, protect: set = frozenset()) -> bool:
+    def _trim(self, budget: int, protect: set = frozenset(), keep: Entry | None = None) -> bool:
         """Idle caches down to `budget` bytes (`_evict_one` at a time); whether they fit it now."""
-        while self._idle_bytes() > budget and self._evict_one(protect):
+        while self._idle_bytes() > budget and self._evict_one(protect, keep):
             pass
         return self._idle_bytes() <= budget
 
-    def _evict_one(self, protect: set = frozenset()) -> bool:
+    def _evict_one(self, protect: set = frozenset(), keep: Entry | None = None) -> bool:
         """A spare dropped (its memory freed), or else the least recently used idle conversation
-        not in `protect` spilled to disk (forgotten without one); False when there is neither."""
+        not in `protect` spilled to disk (forgotten without one); False when there is neither.
+        keep: the conversation about to be loaded, whose file no spill may remove to make room."""
         if self.spare:
             self.spare.sort(key=lambda h: h.dram_bytes)
             self.spare.pop(0)
@@ -353,7 +353,7 @@ class CacheStore:
         if not (idle := self._idle(protect)):
             return False
         victim = min(idle, key=lambda e: e.last_used)
-        if not self._spill(victim, victim.held):
+        if not self._spill(victim, victim.held, keep):
             self.entries.pop(victim.id, None)
         victim.held = None
         return True
