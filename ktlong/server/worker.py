@@ -218,7 +218,7 @@ class Worker:
                 pause()
                 return stop()
             return self.session.prefill(job.prompt_ids, False, should_stop,
-                                        reply.progress if job.progress else None)
+                                        reply.progress if job.progress else None, alone=not self.rows)
 
         self.prefilling = Prefilling(reply, SlicedPrefill(run, self.slice_seconds, lambda: bool(self.rows)),
                                      cached_from, admitted, time.perf_counter() - admitted)

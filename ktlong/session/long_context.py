@@ -256,11 +256,13 @@ class LongContextSession:
 
     def prefill(self, prompt_ids: list[int], show_progress: bool = False,
                 should_stop: Callable[[], bool] | None = None,
-                on_progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+                on_progress: Callable[[int, int], None] | None = None, alone: bool = True) -> torch.Tensor:
         """Prefill what the cache does not hold yet: all of a new prompt, or the new tokens of a
         follow-up (the conversation so far, extended) over the history in DRAM. should_stop is
         asked after every chunk of every layer; when it says so, the half-written cache is
-        forgotten and Cancelled raised."""
+        forgotten and Cancelled raised. alone: the conversation will decode by itself, so its
+        decoder's graphs are captured now; otherwise (it joins a batch, whose own graphs serve it)
+        on its first step alone, if it ever takes one."""
         history = self.reusable(prompt_ids)
         # a follow-up that fits beside the decoder keeps it (and its graphs); otherwise the
         # device window goes before prefill needs the memory
@@ -303,15 +305,16 @@ class LongContextSession:
             kept.extend(history // self.layout.block_size, self.block_mass)
             self.decoder = kept
         else:
-            self.decoder = self.new_decoder()
+            self.decoder = self.new_decoder(alone)
         self.last_decode_setup_seconds = time.perf_counter() - start
         return logits
 
-    def new_decoder(self) -> Decoder:
-        """A decoder over the cache as it is, its graphs captured."""
+    def new_decoder(self, capture: bool = True) -> Decoder:
+        """A decoder over the cache as it is, its graphs captured now (capture) or on its first step."""
         decoder = Decoder(self.model, self.host, self.selection, self.local_windows_len, self.use_cuda_graph,
                           self.block_mass, self.resident)
-        decoder.capture_graphs()
+        if capture:
+            decoder.capture_graphs()
         return decoder
 
     def _new_prompt_room(self) -> int | None:

@@ -38,10 +38,12 @@ class Session(Protocol):
 
     def prefill(self, prompt_ids: list[int], show_progress: bool = False,
                 should_stop: Callable[[], bool] | None = None,
-                on_progress: Callable[[int, int], None] | None = None) -> "torch.Tensor | np.ndarray":
+                on_progress: Callable[[int, int], None] | None = None,
+                alone: bool = True) -> "torch.Tensor | np.ndarray":
         """Make the cache hold prompt_ids; the last token's logits [vocab]. should_stop is asked
         between chunks; when it says so, Cancelled is raised. on_progress(done, total): the
-        prompt tokens prefilled so far of those this prefill computes, after every chunk."""
+        prompt tokens prefilled so far of those this prefill computes, after every chunk.
+        alone: no other conversation decodes beside this one (its decode may get ready for that)."""
 
     def step(self, token_id: int) -> "torch.Tensor | np.ndarray":
         """Append one token; its logits [vocab]."""
