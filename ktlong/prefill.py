@@ -173,7 +173,6 @@ class LayerMajorPrefill:
         num_tokens = history + len(token_ids)
         assert history < num_tokens <= self.layout.capacity and host.num_tokens == history
         assert not (history and self.layout.sliding), "sliding-window layers keep only a tail: re-prefill"
-        host.reserve(num_tokens)  # the cache's memory for them, before any is written
         stats = PrefillStats(num_tokens=len(token_ids))
         run = _Run(num_tokens, host, stats, resident=resident)
         if not history:
@@ -196,6 +195,8 @@ class LayerMajorPrefill:
                                    (self.compute_stream, self.copy_stream) if self.cuda else None,
                                    lambda: _Timer(stats, self.device, "history_seconds"), resident)
         for layer in range(self.model.config.num_layers):
+            if not self.layout.is_sliding(layer):  # the layer's memory in DRAM, before any is written there
+                host.reserve(num_tokens, [layer])
             if self.cuda:  # the pages are about to be overwritten: last layer's copies must be done
                 self.compute_stream.wait_stream(self.copy_stream)
             if loader is not None:

@@ -39,36 +39,41 @@ def test_an_empty_cache_holds_next_to_nothing_and_reserving_holds_what_it_says()
     host = HostKVCache(LAYOUT, pin=False)
     whole = LAYOUT.dram_cache_bytes()
     assert whole > 256 << 20
-    assert host.committed == 0 and host.dram_bytes == 0
+    assert set(host.committed.values()) == {0} and host.dram_bytes == 0
     assert resident(host) == 0  # the mappings are there, their pages are not
-    host.reserve(1000)  # 63 blocks, and room past them
+    host.reserve(1000, [1])  # one layer first, as a prefill reaches it: 63 blocks, and room past them
     step = growth_step(LAYOUT)  # whole 2 MiB pages of a head's K (512 blocks here)
-    assert step % LAYOUT.page_blocks() == 0 and host.committed % step == 0 and 63 + 16 <= host.committed < 63 + 16 + step
-    assert host.dram_bytes == host.committed * PER_BLOCK
+    held = host.committed[1]
+    assert step % LAYOUT.page_blocks() == 0 and held % step == 0 and 63 + 16 <= held < 63 + 16 + step
+    assert host.committed == {0: 0, 1: held, 2: 0, 3: 0} and host.dram_bytes == held * PER_BLOCK // 4
+    one_layer = len(host.shared_tables()) // 4 * LAYOUT.num_kv_heads  # its kv-head ranges
+    assert host.dram_bytes <= resident(host) <= host.dram_bytes + one_layer * HUGE_PAGE
+    host.reserve(1000)  # every layer
+    assert set(host.committed.values()) == {held} and host.dram_bytes == held * PER_BLOCK
     # whole pages of every kv head's range; where Linux gives huge pages to every mapping (THP
     # "always"), a range of a side table may hold one 2 MiB page more than its blocks fill
     ranges = len(host.shared_tables()) * LAYOUT.num_kv_heads
     assert host.dram_bytes <= resident(host) <= host.dram_bytes + ranges * HUGE_PAGE
     host.reserve(500)  # within what it holds: nothing changes
-    assert host.dram_bytes == host.committed * PER_BLOCK
+    assert host.dram_bytes == held * PER_BLOCK
     host.reserve(LAYOUT.capacity)  # to the end, never past it
-    assert host.committed == LAYOUT.num_blocks and host.dram_bytes == whole
+    assert set(host.committed.values()) == {LAYOUT.num_blocks} and host.dram_bytes == whole
 
 
 def test_growing_keeps_what_was_written_and_zeroes_the_new_blocks():
     host = HostKVCache(LAYOUT, pin=False)
     host.reserve(100)
-    first = host.committed
+    first = host.committed[0]
     g = torch.Generator().manual_seed(0)
     for t in host.shared_tables():
         t[:, :first].normal_(generator=g)
     held = [t[:, :first].clone() for t in host.shared_tables()]
     host.advance(100)
     host.reserve(first * LAYOUT.block_size + 1)
-    assert host.committed > first
+    assert min(host.committed.values()) > first
     for t, was in zip(host.shared_tables(), held):
         assert torch.equal(t[:, :first], was)
-        assert not t[:, first:host.committed].any()
+        assert not t[:, first:host.committed[0]].any()
 
 
 def test_a_cache_made_on_a_shared_prefix_holds_none_of_its_own_until_it_reserves():
@@ -77,6 +82,6 @@ def test_a_cache_made_on_a_shared_prefix_holds_none_of_its_own_until_it_reserves
     source.reserve(2 * g * LAYOUT.block_size)
     source.advance(2 * g * LAYOUT.block_size)
     made = HostKVCache(LAYOUT, pin=False, prefix=(source, g))
-    assert made.committed == g and made.dram_bytes == 0 and made.shared_bytes == g * PER_BLOCK
+    assert set(made.committed.values()) == {g} and made.dram_bytes == 0 and made.shared_bytes == g * PER_BLOCK
     made.reserve(made.num_tokens + 1)  # its own blocks past the prefix
-    assert made.dram_bytes == (made.committed - g) * PER_BLOCK
+    assert made.dram_bytes == (made.committed[0] - g) * PER_BLOCK

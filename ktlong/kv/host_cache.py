@@ -90,9 +90,9 @@ into when the tables are not pinned (maps_files).
         self.num_tokens = 0  # tokens held; changed only by advance(), truncate(), reset() and share()
         self.shared: SharedPrefix | None = None  # the leading blocks held in one copy with other caches
         self.shared_blocks = 0  # how many of them (at most shared.blocks)
-        # leading blocks of every global layer's tables that hold memory (page-locked where
+        # per global layer, the leading blocks of its tables that hold memory (page-locked where
         # pinned): `reserve` grows them before anything is written past them
-        self.committed = 0
+        self.committed = {i: 0 for i in layout.global_layers}
         for kind in self._kinds():  # a sliding layer's tail is small: all of it now
             for i in range(layout.num_layers):
                 if layout.is_sliding(i) and kind[i].numel():
@@ -129,37 +129,45 @@ into when the tables are not pinned (maps_files).
         self.shared, self.shared_blocks = prefix, blocks
         with self._pinned.released():
             prefix.map_over(self.shared_tables(), blocks)
-        self._grow(blocks, zero=False)  # the files' pages, page-locked where the cache is
+        for layer in self.committed:  # the files' pages, page-locked where the cache is
+            self._grow(layer, blocks, zero=False)
 
-    def reserve(self, tokens: int):
-        """Memory for the first `tokens` tokens of every global table, held (and page-locked where
-        pinned) now, with room to grow past them (an eighth more, GROWTH_BLOCKS at least), in
-        whole pages (growth_step), within the capacity. Anything written past the reserved tokens would land
-        in memory the GPU cannot read."""
+    def reserve(self, tokens: int, layers: list[int] | None = None):
+        """Memory for the first `tokens` tokens of the global layers' tables (all, or `layers`:
+        a prefill reserves each layer as it reaches it, so that the work comes in pieces), held
+        (and page-locked where pinned) now, with room to grow past them (an eighth more,
+        GROWTH_BLOCKS at least), in whole pages (growth_step), within the capacity. Anything
+        written past the reserved tokens would land in memory the GPU cannot read."""
         assert tokens <= self.layout.capacity, "the KV cache is full; raise max_seq_len"
-        if -(-tokens // self.layout.block_size) > self.committed:
-            self._grow(reserved_blocks(self.layout, tokens), zero=True)
+        blocks = -(-tokens // self.layout.block_size)
+        for layer in self.committed if layers is None else layers:
+            if blocks > self.committed[layer]:
+                self._grow(layer, reserved_blocks(self.layout, tokens), zero=True)
 
-    def _grow(self, blocks: int, zero: bool):
-        """Each global table's kv-head ranges of blocks committed..blocks: zeroed (which commits
-        them) unless the shared files' pages lie there, and page-locked a head at a time (the
-        heads' ranges between stay unheld)."""
-        if blocks <= self.committed:
+    def _grow(self, layer: int, blocks: int, zero: bool):
+        """Each of a global layer's tables' kv-head ranges of blocks committed..blocks: zeroed
+        (which commits them) unless the shared files' pages lie there, and page-locked a head at a
+        time (the heads' ranges between stay unheld)."""
+        old = self.committed[layer]
+        if blocks <= old:
             return
-        for t in self.shared_tables():
-            part = t[:, self.committed:blocks]
+        for kind in self._kinds():
+            part = kind[layer][:, old:blocks]
+            if not part.numel():
+                continue
             if zero:
                 part.zero_()
             for h in range(part.shape[0]):
                 self._pinned.pin(part[h])
-        self.committed = blocks
+        self.committed[layer] = blocks
 
     @property
     def dram_bytes(self) -> int:
         """DRAM this cache holds of its own: the sliding layers' tails, and every global table's
         reserved blocks less those it shares (counted once, with the shared prefix)."""
-        return (self.layout.dram_kv_bytes(sliding=True)
-                + shared_prefix_bytes(self.layout, self.committed - self.shared_blocks))
+        layers = len(self.committed)
+        held = sum(self.committed.values()) - layers * self.shared_blocks
+        return self.layout.dram_kv_bytes(sliding=True) + shared_prefix_bytes(self.layout, held) // max(layers, 1)
 
     def unshare(self, keep: bool):
         """Private pages again under the shared prefix, holding its bytes (keep) or zeros."""
@@ -177,7 +185,7 @@ into when the tables are not pinned (maps_files).
     def advance(self, num_new: int):
         """num_new more tokens are in the cache (their K/V and side tables written)."""
         assert self.num_tokens + num_new <= self.layout.capacity, "the KV cache is full; raise max_seq_len"
-        assert self.num_tokens + num_new <= self.committed * self.layout.block_size or not self.layout.global_layers, \
+        assert self.num_tokens + num_new <= min(self.committed.values(), default=1 << 62) * self.layout.block_size, \
             "reserve() before writing"
         self.num_tokens += num_new
 
