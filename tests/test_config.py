@@ -205,13 +205,20 @@ def test_config_show_plan_prints_the_resolved_plan(user_file, capsys, smollm2_pa
         assert text in out
     assert "auto" not in out
     assert out.rstrip().endswith("[it fits this machine]")
-    # a plan that cannot fit says so, with the refusal a session would give
+    # caches hold what their conversations reach: 256 of max_seq_len fit where one does (the
+    # server starts each request when its cache fits)
     assert main(["show", "--plan", "--model", "smollm2-135m", "--set", "max_seq_len=8192", "--max_num_seqs", "256",
                  "--set", "kv_type=fp32", "--set", "local_windows_len=8192"]) == 0
     out = capsys.readouterr().out
     assert "RAM decode window x256" in out and "up to 256 conversations a step" in out
-    if 256 * 8192 * 30 * 2 * 3 * 64 * 4 > available_dram_bytes():  # 256 fp32 caches of 8K tokens: 94 GiB
-        assert "[it does not fit: The KV caches of max_num_seqs 256 conversations" in out
+    if 2 * 8192 * 30 * 2 * 3 * 64 * 4 < available_dram_bytes():  # one fp32 cache of 8K tokens: 0.35 GiB
+        assert out.rstrip().endswith("[it fits this machine]")
+    # a plan that cannot fit says so, with the refusal a session would give
+    assert main(["show", "--plan", "--model", "smollm2-135m", "--set", "rope_scaling=yarn", "--set", "rope_scale=128",
+                 "--set", "max_seq_len=1048576", "--set", "kv_type=fp32"]) == 0
+    out = capsys.readouterr().out
+    if 1048576 * 30 * 2 * 3 * 64 * 4 > available_dram_bytes():  # one fp32 cache of 1M tokens: 45 GiB
+        assert "[it does not fit: The KV cache for max_seq_len 1,048,576 needs" in out
     assert main(["show", "--plan", "--model", "no-such-model"]) == 2
 
 

@@ -137,7 +137,7 @@ def test_prefill_anchor_keys_come_from_the_unquantised_keys(tiny32, anchor_type,
             importance[:, :75] = torch.cat(recorded[layer * chunks:(layer + 1) * chunks], 1).numpy()
         keys = keys.view(c.num_kv_heads, 5, 16, -1).numpy()
         expected = build_anchors_reference(keys, 75, anchor_type, 2, importance.reshape(c.num_kv_heads, 5, 16))
-        got = host.anchor_keys[layer].numpy()
+        got = host.anchor_keys[layer][:, :5].numpy()  # the capacity is whole pages: more blocks, unwritten
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
         stored = host.unquantized(layer, "k", 0, 75, torch.float32).numpy()
         stored_blocks = np.zeros((c.num_kv_heads, 80, c.head_dim), np.float32)

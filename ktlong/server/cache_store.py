@@ -171,14 +171,18 @@ class CacheStore:
     def admit(self, prompt_ids: list[int], tokens: int, alone: bool) -> bool:
         """Whether a request of `tokens` (prompt and answer) may start: its cache fits beside the
         others within dram_limit, after dropping spares and spilling idle conversations (least
-        recently used first; never one the prompt would reuse) as needed. Alone (nothing else
-        running) it starts whatever: the plan checked that one conversation of max_seq_len fits."""
+        recently used first; never one the prompt would reuse) as needed, which happens only when
+        it makes room enough. Alone (nothing else running) it starts whatever: the plan checked
+        that one conversation of max_seq_len fits."""
         need = cache_bytes_for(self.session.layout, tokens)
         with self.lock:
             reused = {e.id for e in self.entries.values() if cached_prefix(e.ids, prompt_ids) >= self.min_tokens}
+            freeable = sum(h.dram_bytes for h in self.spare) + sum(e.held.host.dram_bytes for e in self._idle(reused))
+            if not alone and self._held() - freeable + need > self.dram_limit:
+                return False  # it waits; nothing idle is given up for room that would not be enough
             while self._held() + need > self.dram_limit and self._evict_one(reused):
                 pass
-            return alone or self._held() + need <= self.dram_limit
+            return True
 
     # ---- the operator's endpoints ----
 
