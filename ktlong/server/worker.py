@@ -191,7 +191,8 @@ class Worker:
                 return
             job, ticket = self.waiting[0]
         tokens = min(len(job.prompt_ids) + job.max_tokens, self.session.max_seq_len)
-        if self.store is not None and not self.store.admit(job.prompt_ids, tokens, alone=not self.rows):
+        if (self.store is not None and not ticket.cancelled.is_set()
+                and not self.store.admit(job.prompt_ids, tokens, alone=not self.rows)):
             return  # it waits for DRAM: the running answers end and free theirs
         with self.lock:
             self.waiting.popleft()
