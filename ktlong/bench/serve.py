@@ -7,15 +7,16 @@ python -m ktlong.bench serve --model GGUF [--clients 1,2,4,8] [--chars 20000] [-
 For 8B shapes without an 8B model: `python -m ktlong.bench random-gguf --out r8b.gguf` writes
 random weights with a byte-level tokenizer (a character a token), then `--model r8b.gguf`.
 
-A server (`python -m ktlong.server`, long-context mode, max_num_seqs the largest --clients,
-cache_dram_gb 64 and cache_min_tokens 64 unless --set gives them) runs in a process of its own and is asked through the official `openai`
-client, streamed, greedy, on `/v1/completions`. Each client has a document of its own (Python
-standard-library sources, --chars characters; a continuation of source code rarely ends
-early). Every document is first sent alone with max_tokens 1 (cold: its prefill; the column
-"cold TTFT"), so that the measured requests find their conversations in the cache and decode
-together from their first steps. Then, for each count N, N clients ask at once for --tokens
-tokens each: the total decode speed is every client's tokens after its first, over the time
-from the first client's first token to the last client's last; the time between tokens pools
+A server (`python -m ktlong.server`, long-context mode, max_num_seqs the largest --clients, one
+more with --long_chars, cache_dram_gb 64 and cache_min_tokens 64 unless --set gives them) runs in
+a process of its own and is asked through the official `openai` client, streamed, greedy, on
+`/v1/completions`. Each client has a document of its own (Python standard-library sources,
+--chars characters; a continuation of source code rarely ends early). Every document is first
+sent alone with max_tokens 1 (cold: its prefill; the column "cold TTFT"), so that the measured
+requests find their conversations in the cache and decode together from their first steps.
+Then, for each count N, N clients ask at once for --tokens tokens each: the total decode speed
+is every client's tokens after its first, over the time from the first client's first token to
+the last client's last; the time between tokens pools
 every client's gaps between streamed chunks. With --long_chars, one more row: N clients
 decoding while another client sends a new document of that many characters (its prefill runs
 in slices between their steps): its time to the first token beside the same request alone,
@@ -147,7 +148,7 @@ def main(argv=None) -> int:
         raise KtlongError("--chars must be at least 1000, --tokens at least 2 and --long_chars at least 0.")
     given = parse_set(args.set)  # refused here in one sentence, before the server starts
     if "max_num_seqs" in given or "mode" in given:
-        raise KtlongError("The serve bench sets mode and max_num_seqs itself (the largest --clients); drop them "
+        raise KtlongError("The serve bench sets mode and max_num_seqs itself (from --clients); drop them "
                           "from --set.")
     try:
         import openai
@@ -160,7 +161,8 @@ def main(argv=None) -> int:
     docs = [text for _, _, text in documents(counts[-1] + 1, args.chars)]
     if args.shared_document:  # the first document, a line of each client's own after it
         docs = [docs[0]] + [f"{docs[0]}\n# Client {i} reads on from here.\n" for i in range(counts[-1])]
-    options = ["--max_num_seqs", str(counts[-1]), *([] if "cache_dram_gb" in given else ["--cache_dram_gb", "64"]),
+    seqs = counts[-1] + (1 if args.long_chars else 0)  # the new document runs beside the decoding clients
+    options = ["--max_num_seqs", str(seqs), *([] if "cache_dram_gb" in given else ["--cache_dram_gb", "64"]),
                *([] if "cache_min_tokens" in given else ["--set", "cache_min_tokens=64"]),
                *[item for s in args.set for item in ("--set", s)]]
     rows = []
@@ -192,7 +194,7 @@ def main(argv=None) -> int:
             server.stop()
     which = "one shared document" if args.shared_document else "each client's document"
     print(f"{model_id}, {' '.join(args.set) or 'defaults'}; {which} {args.chars:,} characters, "
-          f"{args.tokens} tokens asked; max_num_seqs {counts[-1]}")
+          f"{args.tokens} tokens asked; max_num_seqs {seqs}")
     print_table(["clients", "total decode tok/s", "per client", f"vs {counts[0]}", "TTFT s (cache hit)",
                  "cold TTFT s", "between tokens p50 ms", "p99 ms", "prompts cached from", "DRAM GiB"], rows)
     if args.long_chars:
