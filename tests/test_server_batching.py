@@ -3,7 +3,6 @@ concurrent clients, some of which go away mid-answer, each get the answer the sa
 alone; the decode steps really ran several conversations together; and a stream keeps
 producing tokens while another request's long prompt prefills."""
 
-import dataclasses
 import json
 import random
 import threading

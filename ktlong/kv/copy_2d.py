@@ -156,7 +156,7 @@ def copy_rows_2d(dst: torch.Tensor, src: torch.Tensor) -> bool:
             err = driver.copy(ctypes.byref(p), stream)
     if err == CUDA_ERROR_INVALID_VALUE and host is not None:
         # the host rows lie in page-locked ranges of their own, not in one (a KV cache's kv heads
-        # as it grows: ktlong/kv/host_cache.py): the caller copies them a row each
+        # as it grows: ktlong/kv/host_cache.py): the caller copies them a locked piece at a time
         return False
     if err != 0:
         raise RuntimeError(f"cuMemcpy2DAsync failed with CUDA error {err} ({tuple(src.shape)}, pitches "

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
 from ktlong.kv.host_memory import mapped_empty

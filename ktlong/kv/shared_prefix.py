@@ -20,7 +20,6 @@ head's range must start on one (`granularity`). A layout where that never holds 
 from __future__ import annotations
 
 import ctypes
-import math
 import mmap
 import os
 import sys
