@@ -190,9 +190,9 @@ class Worker:
             if not self.waiting:
                 return
             job, ticket = self.waiting[0]
-        tokens = min(len(job.prompt_ids) + job.max_tokens, self.session.max_seq_len)
+        answer_room = min(job.max_tokens, self.session.max_seq_len - len(job.prompt_ids))
         if (self.store is not None and not ticket.cancelled.is_set()
-                and not self.store.admit(job.prompt_ids, tokens, alone=not self.rows)):
+                and not self.store.admit(job.prompt_ids, len(job.prompt_ids) + answer_room, alone=not self.rows)):
             return  # it waits for DRAM: the running answers end and free theirs
         with self.lock:
             self.waiting.popleft()
@@ -205,8 +205,7 @@ class Worker:
             for row in self.rows:  # the session's own conversation decodes on, in a cache of its own
                 if row.conversation is getattr(self.session, "conversation", None):
                     row.entry, _ = self.store.detach()
-            reply = Reply(job, ticket, self.tokenizer,  # SchemaError: a grammar llguidance refuses
-                          min(job.max_tokens, self.session.max_seq_len - len(job.prompt_ids)))
+            reply = Reply(job, ticket, self.tokenizer, answer_room)  # SchemaError: a grammar llguidance refuses
             cached_from = self.store.prepare(job.prompt_ids) if self.store is not None else "session"
         except Exception as e:
             ticket.put(self._error(e))

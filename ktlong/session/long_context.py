@@ -236,14 +236,14 @@ class LongContextSession:
             self._batch = None  # a batch's device buffers and graphs go with its members
             logits = decoders[0].step(tokens[0])[None]
         else:
-            if self._batch is None or len(self._batch[0]) != len(decoders) or any(
-                    a is not b for a, b in zip(self._batch[0], decoders)):
-                start = time.perf_counter()
+            start = time.perf_counter()
+            new = self._batch is None or len(self._batch[0]) != len(decoders) or any(
+                a is not b for a, b in zip(self._batch[0], decoders))
+            if new:
                 self._batch = (decoders, DecodeBatch(self.model, decoders, self.use_cuda_graph))
-                logits = self._batch[1].step(decoders, tokens)  # its graphs captured first
+            logits = self._batch[1].step(decoders, tokens)  # a new batch's graphs captured first
+            if new:
                 self.last_batch_build = time.perf_counter() - start
-            else:
-                logits = self._batch[1].step(decoders, tokens)
         for conversation, token in zip(conversations, tokens):
             conversation.ids.append(token)
         return logits
