@@ -195,14 +195,15 @@ class LayerMajorPrefill:
                                    (self.compute_stream, self.copy_stream) if self.cuda else None,
                                    lambda: _Timer(stats, self.device, "history_seconds"), resident)
         for layer in range(self.model.config.num_layers):
-            if not self.layout.is_sliding(layer):  # the layer's memory in DRAM, before any is written there
-                host.reserve(num_tokens, [layer])
+            is_global = not self.layout.is_sliding(layer)
             if self.cuda:  # the pages are about to be overwritten: last layer's copies must be done
                 self.compute_stream.wait_stream(self.copy_stream)
             if loader is not None:
                 self.pages, self.pooled_keys = loader.take(layer)
             run.densities = []
             for s, e in chunks:
+                if is_global:  # the chunk's memory in DRAM, before it is written there: a piece at a time
+                    host.reserve(e, [layer], ahead=num_tokens)
                 x = hidden[s - history:e - history].to(self.device, non_blocking=True)
                 if not self.hidden_on_device:
                     stats.bytes_to_device += x.numel() * x.element_size()

@@ -7,7 +7,7 @@ import mmap
 
 import torch
 
-from ktlong.kv.host_cache import HostKVCache, growth_step
+from ktlong.kv.host_cache import GROWTH_BLOCKS, GROWTH_MAX_BLOCKS, HostKVCache, growth_step, reserved_blocks
 from ktlong.kv.layout import kv_layout
 from ktlong.kv.pinned import HUGE_PAGE
 from ktlong.kv.shared_prefix import granularity, shared_prefix_bytes
@@ -85,3 +85,29 @@ def test_a_cache_made_on_a_shared_prefix_holds_none_of_its_own_until_it_reserves
     assert set(made.committed.values()) == {g} and made.dram_bytes == 0 and made.shared_bytes == g * PER_BLOCK
     made.reserve(made.num_tokens + 1)  # its own blocks past the prefix
     assert made.dram_bytes == (made.committed[0] - g) * PER_BLOCK
+
+
+def test_a_prefill_reserving_a_chunk_at_a_time_grows_in_bounded_pieces_and_ends_where_one_reservation_would():
+    """8B shapes at q8_0 under a max_seq_len of 1M: a layer of a 1M prompt reserved a 4,096-token
+    chunk at a time grows by an eighth of what it holds, GROWTH_MAX_BLOCKS at most (in whole
+    pages), so each piece is a short pause, and ends holding what reserving the prompt at once
+    holds: the prompt and GROWTH_BLOCKS, rounded up to a page, not an eighth more."""
+    layout = kv_layout(32, 8, 128, 128, 1_050_624, "q8_0")
+    step = growth_step(layout)  # 128 blocks: 2 MiB of a head's K
+    prompt = 1_000_000
+    blocks = -(-prompt // 128)
+    once = reserved_blocks(layout, prompt)
+    assert once == -(-(blocks + GROWTH_BLOCKS) // step) * step
+    held, pieces = 0, []
+    for end in range(4096, prompt + 4096, 4096):
+        end = min(end, prompt)
+        if -(-end // 128) > held:
+            grown = reserved_blocks(layout, end, held, ahead=prompt)
+            pieces.append(grown - held)
+            held = grown
+    assert held == once
+    assert max(pieces) <= GROWTH_MAX_BLOCKS + step and len(pieces) < 60
+    # a decode step past what a conversation holds grows it by an eighth (at most the cap)
+    assert reserved_blocks(layout, 512 * 128 + 1, held=512) == 512 + step
+    assert reserved_blocks(layout, 4096 * 128 + 1, held=4096) == 4096 + GROWTH_MAX_BLOCKS
+    assert reserved_blocks(layout, layout.capacity, held=8192) == layout.num_blocks

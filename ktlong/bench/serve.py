@@ -20,7 +20,8 @@ the last client's last; the time between tokens pools
 every client's gaps between streamed chunks. With --long_chars, one more row: N clients
 decoding while another client sends a new document of that many characters (its prefill runs
 in slices between their steps): its time to the first token beside the same request alone,
-and the others' time between tokens while it prefills. With --shared_document, every client asks
+and the others' time between tokens while it prefills (they ask for up to 65,536 tokens and
+leave when its first token comes). With --shared_document, every client asks
 about one document (a line of its own after it): the document alone is the cold request, and
 the clients that join one that is answering share its blocks in DRAM ("prompts cached from":
 each request's usage.prompt_tokens_details.cached_from). The column "DRAM GiB" is
@@ -45,6 +46,7 @@ from ktlong.config import parse_set
 from ktlong.errors import KtlongError
 
 MAX_CLIENTS = 64
+BESIDE_TOKENS = 1 << 16  # what each client asks for in the --long_chars row: it leaves when the new document's first token comes
 
 
 def percentile(values: list[float], share: float) -> float:
@@ -53,31 +55,41 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, int(share * len(ordered) + 0.999999) - 1))] if ordered else float("nan")
 
 
-def stream(client, model_id: str, prompt: str, tokens: int, on_first=lambda: None) -> dict:
+def stream(client, model_id: str, prompt: str, tokens: int, on_first=lambda: None,
+           until: threading.Event | None = None) -> dict:
     """One streamed completion -> its start, the time of each content chunk and its token count;
-    on_first() once its first chunk came."""
+    on_first() once its first chunk came; until: the client leaves (closes the stream, which
+    cancels the answer) at the first chunk after it is set."""
     start, times, usage = time.perf_counter(), [], None
-    for chunk in client.completions.create(model=model_id, prompt=prompt, max_tokens=tokens, stream=True,
-                                           temperature=0, stream_options={"include_usage": True}):
+    chunks = client.completions.create(model=model_id, prompt=prompt, max_tokens=tokens, stream=True,
+                                       temperature=0, stream_options={"include_usage": True})
+    for chunk in chunks:
         usage = chunk.usage or usage
         if chunk.choices and chunk.choices[0].text:
             times.append(time.perf_counter())
             if len(times) == 1:
                 on_first()
+        if until is not None and until.is_set():
+            chunks.close()
+            usage = None  # the chunks counted instead, and its cache's source unreported
+            break
     details = getattr(usage, "prompt_tokens_details", None) if usage else None
     return {"start": start, "times": times, "tokens": usage.completion_tokens if usage else len(times),
+            "finished": until is None or not until.is_set(),
             "from": (details.model_extra or {}).get("cached_from") if details is not None else None}
 
 
 def together(client, model_id: str, prompts: list[str], tokens: int, beside=None) -> tuple[list[dict], dict | None]:
-    """Every prompt at once, a thread each; beside: (prompt, tokens) sent once all of them stream."""
+    """Every prompt at once, a thread each; beside: (prompt, tokens) sent once all of them stream,
+    and the others leave when its first token comes (they decode while it prefills)."""
     results: list[dict | None] = [None] * len(prompts)
     errors: list[BaseException] = []
     streaming = threading.Semaphore(0)
+    came = threading.Event() if beside is not None else None
 
     def run(i):
         try:
-            results[i] = stream(client, model_id, prompts[i], tokens, streaming.release)
+            results[i] = stream(client, model_id, prompts[i], tokens, streaming.release, came)
         except BaseException as e:  # reported once the others are done
             errors.append(e)
             streaming.release()
@@ -90,7 +102,8 @@ def together(client, model_id: str, prompts: list[str], tokens: int, beside=None
         for _ in threads:
             streaming.acquire()
         if not errors:
-            extra = stream(client, model_id, *beside)
+            extra = stream(client, model_id, *beside, on_first=came.set)
+        came.set()
     for t in threads:
         t.join()
     if errors:
@@ -115,7 +128,7 @@ def row(n: int, results: list[dict], first_rate: float | None, cold: float) -> l
     rate = decoded / (last - first) if last > first else float("nan")
     gaps = [(b - a) * 1000 for r in results for a, b in zip(r["times"], r["times"][1:])]
     ttft = median([r["times"][0] - r["start"] for r in results if r["times"]])
-    sources = Counter(r["from"] or "none" for r in results)
+    sources = Counter(r["from"] or ("none" if r["finished"] else "unreported") for r in results)
     return [n, f"{rate:.1f}", f"{rate / n:.1f}", f"{rate / first_rate:.2f}x" if first_rate else "1.00x", f"{ttft:.3f}",
             f"{cold:.2f}", f"{percentile(gaps, 0.5):.1f}", f"{percentile(gaps, 0.99):.1f}",
             " ".join(f"{k} {v}" for k, v in sorted(sources.items()))]
@@ -184,10 +197,11 @@ def main(argv=None) -> int:
                 print(f"[{n} clients: {rows[-1][1]} tok/s]", file=sys.stderr, flush=True)
             if args.long_chars:
                 long_doc = documents(counts[-1] + 2, args.long_chars)[-1][2]
-                results, extra = together(client, model_id, prompts, args.tokens, (long_doc, 1))
+                results, extra = together(client, model_id, prompts, BESIDE_TOKENS, (long_doc, 1))
                 rows.append(row(counts[-1], results, one, float("nan")) + [dram_gib(args.port)])
                 rows[-1][0] = f"{counts[-1]} + a new {args.long_chars:,}-char document"
                 beside = extra["times"][0] - extra["start"]
+                through = sum(bool(r["times"]) and r["times"][-1] >= extra["times"][0] for r in results)
                 alone = stream(client, model_id, "Again.\n" + long_doc, 1)
                 alone_ttft = alone["times"][0] - alone["start"]
         finally:
@@ -199,5 +213,6 @@ def main(argv=None) -> int:
                  "cold TTFT s", "between tokens p50 ms", "p99 ms", "prompts cached from", "DRAM GiB"], rows)
     if args.long_chars:
         print(f"the new document's time to the first token: {beside:.2f} s beside {counts[-1]} decoding clients, "
-              f"{alone_ttft:.2f} s alone ({beside / alone_ttft:.2f}x)")
+              f"{alone_ttft:.2f} s alone ({beside / alone_ttft:.2f}x); {through} of the {counts[-1]} clients decoded "
+              f"until it came")
     return 0

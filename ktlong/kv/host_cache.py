@@ -33,13 +33,23 @@ def growth_step(layout: KVLayout) -> int:
 
 # the least a cache grows by (reserve): an answer's first 2,048 tokens after a prompt, at block 128
 GROWTH_BLOCKS = 16
+# the most one growth adds a table (32K tokens at block 128): each piece is zeroed and page-locked
+# between two decode steps of the other conversations, so a piece is a short pause for them (a
+# layer of 8B shapes at q8_0: 70 MB)
+GROWTH_MAX_BLOCKS = 256
 
 
-def reserved_blocks(layout: KVLayout, tokens: int) -> int:
-    """The blocks a cache holds once it reserves `tokens` (HostKVCache.reserve)."""
+def reserved_blocks(layout: KVLayout, tokens: int, held: int = 0, ahead: int | None = None) -> int:
+    """The blocks a cache's table holds once it reserves `tokens` (HostKVCache.reserve) from
+    `held`: the tokens and GROWTH_BLOCKS past them, or an eighth more than it held
+    (GROWTH_MAX_BLOCKS at most), whichever is more, so that a conversation that keeps growing
+    grows in few pieces; no further than `ahead` tokens (what the caller will write in all, a
+    prefill's prompt) and GROWTH_BLOCKS; in whole pages (growth_step), within the capacity."""
     blocks = -(-tokens // layout.block_size)
+    target = max(blocks + GROWTH_BLOCKS, held + min(held // 8, GROWTH_MAX_BLOCKS))
+    if ahead is not None:
+        target = min(target, -(-ahead // layout.block_size) + GROWTH_BLOCKS)
     step = growth_step(layout)
-    target = blocks + max(blocks // 8, GROWTH_BLOCKS)
     return min(layout.num_blocks, -(-target // step) * step)
 
 
@@ -131,17 +141,19 @@ into when the tables are not pinned (maps_files).
         for layer in self.committed:  # the files' pages, page-locked where the cache is
             self._grow(layer, blocks, zero=False)
 
-    def reserve(self, tokens: int, layers: list[int] | None = None):
-        """Memory for the first `tokens` tokens of the global layers' tables (all, or `layers`:
-        a prefill reserves each layer as it reaches it, so that the work comes in pieces), held
-        (and page-locked where pinned) now, with room to grow past them (an eighth more,
-        GROWTH_BLOCKS at least), in whole pages (growth_step), within the capacity. Anything
-        written past the reserved tokens would land in memory the GPU cannot read."""
+    def reserve(self, tokens: int, layers: list[int] | None = None, ahead: int | None = None):
+        """Memory for the first `tokens` tokens of the global layers' tables (all, or `layers`),
+        held (and page-locked where pinned) now, with room to grow past them (reserved_blocks;
+        ahead: the tokens the caller will write in all). A prefill reserves a layer a chunk at a
+        time as it writes it, so that the work comes in pieces between other conversations'
+        steps. Anything written past the reserved tokens would land in memory the GPU cannot
+        read."""
         assert tokens <= self.layout.capacity, "the KV cache is full; raise max_seq_len"
         blocks = -(-tokens // self.layout.block_size)
         for layer in self.committed if layers is None else layers:
-            if blocks > self.committed[layer]:
-                self._grow(layer, reserved_blocks(self.layout, tokens), zero=True)
+            held = self.committed[layer]
+            if blocks > held:
+                self._grow(layer, reserved_blocks(self.layout, tokens, held, ahead), zero=True)
 
     def _grow(self, layer: int, blocks: int, zero: bool):
         """Each of a global layer's tables' kv-head ranges of blocks committed..blocks: zeroed
