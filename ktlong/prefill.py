@@ -261,6 +261,11 @@ class LayerMajorPrefill:
             torch.cuda.synchronize(self.device)
         host.reset()
 
+    def dram_bytes(self, num_new: int) -> int:
+        """DRAM a prefill of num_new tokens holds while it runs besides the cache: its hidden
+        states, where they live in DRAM (8 GiB for 1M tokens at 8B shapes)."""
+        return 0 if self.hidden_on_device else num_new * self.model.config.hidden_size * self.model.dtype.itemsize
+
     def _embed(self, token_ids, stats) -> torch.Tensor:
         ids = torch.tensor(token_ids, device=self.device)
         if self.hidden_on_device:

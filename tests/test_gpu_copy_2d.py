@@ -70,7 +70,7 @@ def test_a_kv_caches_heads_locked_in_the_pieces_they_grew_by_cross_a_piece_each(
 
     host = HostKVCache(kv_layout(2, 8, 128, 128, 1 << 16, "q8_0"), pin=True)
     host.reserve(1000)
-    first = host.committed * 128  # tokens of the first piece
+    first = host.committed[1] * 128  # tokens of layer 1's first piece
     host.reserve(first + 1)  # a second piece a head
     rows = host.tokens(1, "k", 100, first + 300)  # [KV, ..., 128] int8 over both pieces
     assert registered_runs(rows[0]) == [(0, first - 100), (first - 100, first + 200)]

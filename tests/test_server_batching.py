@@ -272,3 +272,26 @@ def test_a_request_waits_for_dram_while_another_answers_and_the_log_says_how_eac
         assert waited[1] > 0.05  # the second sat in the queue while the first answered
     finally:
         server.stop()
+
+
+def test_admission_counts_a_prefills_hidden_states_in_dram_beside_its_cache(lm):
+    """Where a prefill keeps its hidden states in DRAM (a GPU's long prompts: 8 GiB at 1M tokens
+    and 8B shapes), a request is admitted only when they fit beside its cache: a 1M prefill beside
+    four 120K conversations once ran the machine out of memory for want of this count."""
+    from ktlong.kv.host_cache import cache_bytes_for
+
+    st = started(lm, MODEL, mode="long_context", block_size=16, chunk_size=64, local_windows_len=64,
+                 max_seq_len=1024, cache_min_tokens=64, max_num_seqs=4)
+    app, _ = make_app(st)
+    store, session = app.state.worker.store, st.session
+    try:
+        prompt = list(range(500))
+        cache = cache_bytes_for(session.layout, 600)
+        store.dram_limit = store._held() + cache + 1000
+        assert store.admit(prompt, 600, alone=False)  # hidden states on the device (the CPU's case)
+        session.engine.dram_bytes = lambda n: n * 4096 * 2  # bf16 rows of hidden size 4096, in DRAM
+        assert not store.admit(prompt, 600, alone=False)
+        store.dram_limit += 500 * 4096 * 2
+        assert store.admit(prompt, 600, alone=False)
+    finally:
+        app.state.worker.close()

@@ -169,12 +169,13 @@ class CacheStore:
             self._trim(self.budget)
 
     def admit(self, prompt_ids: list[int], tokens: int, alone: bool) -> bool:
-        """Whether a request of `tokens` (prompt and answer) may start: its cache fits beside the
-        others within dram_limit, after dropping spares and spilling idle conversations (least
+        """Whether a request of `tokens` (prompt and answer) may start: its cache and its
+        prefill's hidden states fit beside the others within dram_limit, after dropping spares and spilling idle conversations (least
         recently used first; never one the prompt would reuse) as needed, which happens only when
         it makes room enough. Alone (nothing else running) it starts whatever: the plan checked
         that one conversation of max_seq_len fits."""
-        need = cache_bytes_for(self.session.layout, tokens)
+        # its cache, and while it prefills its hidden states (counted whole, whatever it reuses)
+        need = cache_bytes_for(self.session.layout, tokens) + self.session.engine.dram_bytes(len(prompt_ids))
         with self.lock:
             reused = {e.id for e in self.entries.values() if cached_prefix(e.ids, prompt_ids) >= self.min_tokens}
             freeable = sum(h.dram_bytes for h in self.spare) + sum(e.held.host.dram_bytes for e in self._idle(reused))

@@ -220,8 +220,8 @@ class Worker:
             return self.session.prefill(job.prompt_ids, False, should_stop,
                                         reply.progress if job.progress else None, alone=not self.rows)
 
-        self.prefilling = Prefilling(reply, SlicedPrefill(run, self.slice_seconds, lambda: bool(self.rows)),
-                                     cached_from, admitted, time.perf_counter() - admitted)
+        sliced = SlicedPrefill(run, self.slice_seconds, lambda: bool(self.rows), getattr(self.session, "device", None))
+        self.prefilling = Prefilling(reply, sliced, cached_from, admitted, time.perf_counter() - admitted)
 
     def _prefill_slice(self):
         p = self.prefilling

@@ -133,6 +133,11 @@ class LongContextSession:
         return self.layout.dram_cache_bytes()
 
     @property
+    def device(self) -> torch.device:
+        """Where the prefill and the decode steps queue their work."""
+        return self.model.device
+
+    @property
     def prefill_density(self) -> float | None:
         densities = self.last_stats.density_per_layer if self.last_stats is not None else []
         return sum(densities) / len(densities) if densities else (1.0 if self.last_stats is not None else None)
