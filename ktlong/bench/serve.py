@@ -8,7 +8,8 @@ For 8B shapes without an 8B model: `python -m ktlong.bench random-gguf --out r8b
 random weights with a byte-level tokenizer (a character a token), then `--model r8b.gguf`.
 
 A server (`python -m ktlong.server`, long-context mode, max_num_seqs the largest --clients, one
-more with --long_chars, cache_dram_gb 64 and cache_min_tokens 64 unless --set gives them) runs in
+more with --long_chars, cache_dram_gb 1024 (every idle conversation kept while DRAM allows: eight
+of 128K hold 73 GiB) and cache_min_tokens 64 unless --set gives them) runs in
 a process of its own and is asked through the official `openai` client, streamed, greedy, on
 `/v1/completions`. Each client has a document of its own (Python standard-library sources,
 --chars characters; a continuation of source code rarely ends early). Every document is first
@@ -175,7 +176,7 @@ def main(argv=None) -> int:
     if args.shared_document:  # the first document, a line of each client's own after it
         docs = [docs[0]] + [f"{docs[0]}\n# Client {i} reads on from here.\n" for i in range(counts[-1])]
     seqs = counts[-1] + (1 if args.long_chars else 0)  # the new document runs beside the decoding clients
-    options = ["--max_num_seqs", str(seqs), *([] if "cache_dram_gb" in given else ["--cache_dram_gb", "64"]),
+    options = ["--max_num_seqs", str(seqs), *([] if "cache_dram_gb" in given else ["--cache_dram_gb", "1024"]),
                *([] if "cache_min_tokens" in given else ["--set", "cache_min_tokens=64"]),
                *[item for s in args.set for item in ("--set", s)]]
     rows = []
