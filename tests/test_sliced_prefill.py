@@ -1,23 +1,28 @@
-"""A prefill run a slice at a time (ktlong/session/sliced_prefill.py) on a GPU: while other
-conversations wait, its host loop stays at most one chunk ahead of the device, and a slice hands
-control back only once its device work is done, so that a decode step never queues behind it.
-The device is simulated: an event records the chunks queued so far, and waiting on it marks them
-done."""
+"""A prefill run a slice at a time (ktlong/session/sliced_prefill.py) on a GPU: it queues on a
+stream of its own, first waiting for what its owner queued; while other conversations wait its
+host loop keeps at most AHEAD chunks in flight, which go on running while the owner steps; and
+its results are complete before the owner reads them. The device is simulated: an event records
+the chunks queued so far, and waiting on it marks them done."""
 
+import contextlib
 import types
 
 import ktlong.session.sliced_prefill as sliced_prefill
-from ktlong.session.sliced_prefill import SlicedPrefill
+from ktlong.session.sliced_prefill import AHEAD, SlicedPrefill
 
 
 class Device:
-    """Chunks queued and done, as a stream's events would report them."""
+    """Chunks queued and done, as a stream's events would report them; what the owner queued."""
 
     def __init__(self):
         self.queued = self.done = 0
-        self.device = self
+        self.owner_work_done = False
+        self.on_prefill_stream = False
 
-    def Event(self):  # noqa: N802 (torch.cuda.Event's name)
+    def reset(self):
+        self.queued = self.done = 0
+
+    def Event(self):  # noqa: N802 (torch.cuda's names)
         device = self
 
         class Event:
@@ -28,9 +33,31 @@ class Device:
                 device.done = max(device.done, self.upto)
         return Event()
 
+    def current_stream(self, _device=None):
+        return "owner"
+
+    def Stream(self, _device=None):  # noqa: N802
+        device = self
+
+        class Stream:
+            def wait_stream(self, other):
+                assert other == "owner"
+                device.owner_work_done = True
+
+            def synchronize(self):
+                device.done = device.queued
+        return Stream()
+
+    @contextlib.contextmanager
+    def stream(self, _stream):
+        self.on_prefill_stream = True
+        yield
+        self.on_prefill_stream = False
+
 
 def run_chunks(device: Device, chunks: int, seen: list):
     def run(pause):
+        assert device.owner_work_done and device.on_prefill_stream
         for _ in range(chunks):
             device.queued += 1  # a chunk's kernels queued
             pause()
@@ -39,26 +66,26 @@ def run_chunks(device: Device, chunks: int, seen: list):
     return run
 
 
-def test_while_others_wait_the_host_stays_a_chunk_ahead_and_a_slice_ends_with_its_work_done(monkeypatch):
+def test_a_prefill_keeps_at_most_a_few_chunks_in_flight_on_its_own_stream_while_others_wait(monkeypatch):
     device = Device()
     monkeypatch.setattr(sliced_prefill, "torch", types.SimpleNamespace(cuda=device))
     cuda = types.SimpleNamespace(type="cuda")
-    ahead = []
-    # a slice of 0 s: every boundary ends one (each decode step in between sees the device idle)
-    p = SlicedPrefill(run_chunks(device, 5, ahead), 0.0, lambda: True, cuda)
-    handed_back = []
+    # a slice of 0 s: every boundary hands back at once; the chunks queued keep running meanwhile
+    ahead, handed_back = [], []
+    p = SlicedPrefill(run_chunks(device, 6, ahead), 0.0, lambda: True, cuda)
     while not p.advance():
         handed_back.append(device.queued - device.done)
-    assert p.result == "logits" and handed_back == [0, 0, 0, 0, 0]
-    # a long slice: the host waits for the chunk before the last one at each boundary
-    device.queued = device.done = 0
+    assert p.result == "logits" and handed_back == [1, 2, 3, 3, 3, 3]
+    assert device.done == device.queued == 6  # complete before the owner reads the result
+    # a long slice: the host waits for the chunk AHEAD boundaries back
+    device.reset()
     ahead.clear()
     p = SlicedPrefill(run_chunks(device, 6, ahead), 3600.0, lambda: True, cuda)
     while not p.advance():
         pass
-    assert ahead == [1, 1, 1, 1, 1, 1]
+    assert ahead == [min(k, AHEAD) for k in range(1, 7)]
     # nothing waits: no fence, the host runs ahead as far as it likes
-    device.queued = device.done = 0
+    device.reset()
     ahead.clear()
     p = SlicedPrefill(run_chunks(device, 4, ahead), 0.0, lambda: False, cuda)
-    assert p.advance() and ahead == [1, 2, 3, 4]
+    assert p.advance() and ahead == [1, 2, 3, 4] and device.done == 4

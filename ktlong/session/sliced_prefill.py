@@ -4,15 +4,18 @@ A layer-major prefill is one long call that asks `should_stop` after every chunk
 (LongContextSession.prefill). Here it runs on a thread of its own that hands control back and
 forth with its owner's thread: `advance` lets it run until it has worked `slice_seconds` (or
 `more_work` says nothing else waits) and reaches its next chunk boundary, then waits there for
-the next `advance`. Only one of the two threads runs at any time, so the device work of the
-prefill and of the decode steps between its slices is queued in the order they ran, and the
-session's state is never touched by both at once.
+the next `advance`. Only one of the two threads runs at any time, so the session's state is
+never touched by both at once.
 
-On a GPU the prefill's host loop queues work faster than the device runs it: a slice of 50 ms
-of host time left up to 150 ms of queued chunks in front of the next decode step (measured
-beside a 1M prefill: 5 tok/s a stream). So while others wait, the host stays at most one chunk
-ahead of the device (a fence at each boundary waits for the one before), and a slice ends with
-its device work done: its time is the device's.
+On a GPU the prefill queues its work on a stream of its own, so that its chunks and the decode
+steps between its slices run side by side on the device (the chunks are compute-bound, the steps
+wait on PCIe), and a step does not wait behind the chunks queued before it. The host queues
+faster than the device runs: counted in host time and on one stream, a 50 ms slice had left up to
+150 ms of chunks in front of the next step (four streams at 5 tok/s each beside a 1M prefill).
+So while others wait the host keeps at most AHEAD chunks in flight (a fence at each boundary),
+which go on running through the steps; the prefill's results are complete (its stream
+synchronised) before the owner reads them, and its first work waits for what the owner queued
+before it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from typing import Callable
 
 import torch
 
+AHEAD = 3  # chunks of a prefill in flight on the device at most while decode steps wait
+
 
 class SlicedPrefill:
     def __init__(self, run: Callable[[Callable[[], None]], object], slice_seconds: float,
@@ -30,10 +35,13 @@ class SlicedPrefill:
         """run(pause): the prefill, calling pause() at every chunk boundary; its return value is
         `result`, or what it raised is `error`. more_work(): whether anything waits for the
         owner's thread (read at a boundary, while the owner waits). device: where the prefill
-        queues its work (a CUDA device gets fences; otherwise its work is done when queued)."""
+        queues its work (a CUDA device: a stream of its own and fences; otherwise its work is
+        done when queued). Made on the owner's thread."""
         self.run, self.slice_seconds, self.more_work = run, slice_seconds, more_work
-        self.cuda = device is not None and device.type == "cuda"
-        self._fence = None  # the device work queued up to the last boundary
+        cuda = device is not None and device.type == "cuda"
+        self.owner_stream = torch.cuda.current_stream(device) if cuda else None
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        self._fences: list = []  # the device work queued up to each boundary still in flight
         self.result, self.error, self.done = None, None, False
         self._go, self._back = threading.Semaphore(0), threading.Semaphore(0)
         self._since = 0.0
@@ -54,7 +62,15 @@ class SlicedPrefill:
     def _main(self):
         self._go.acquire()
         try:
-            self.result = self.run(self._pause)
+            if self.stream is None:
+                self.result = self.run(self._pause)
+            else:
+                self.stream.wait_stream(self.owner_stream)
+                try:
+                    with torch.cuda.stream(self.stream):
+                        self.result = self.run(self._pause)
+                finally:
+                    self.stream.synchronize()
         except BaseException as e:  # handed to the owner, who reports it (the thread itself prints nothing)
             self.error = e
         finally:
@@ -64,16 +80,14 @@ class SlicedPrefill:
     def _pause(self):
         if not self.more_work():
             return
-        if self.cuda:
-            fence, self._fence = self._fence, torch.cuda.Event()
-            self._fence.record()
-            if fence is not None:  # one chunk in flight ahead of the host at most
-                fence.synchronize()
+        if self.stream is not None:
+            fence = torch.cuda.Event()
+            fence.record()
+            self._fences.append(fence)
+            while len(self._fences) > AHEAD:
+                self._fences.pop(0).synchronize()
         if time.perf_counter() - self._since < self.slice_seconds:
             return
-        if self._fence is not None:  # the slice's work done before the steps queue theirs
-            self._fence.synchronize()
-            self._fence = None
         self._back.release()
         self._go.acquire()
         self._since = time.perf_counter()
