@@ -170,10 +170,10 @@ class CacheStore:
 
     def admit(self, prompt_ids: list[int], tokens: int, alone: bool) -> bool:
         """Whether a request of `tokens` (prompt and answer) may start: its cache and its
-        prefill's hidden states fit beside the others within dram_limit, after dropping spares and spilling idle conversations (least
-        recently used first; never one the prompt would reuse) as needed, which happens only when
-        it makes room enough. Alone (nothing else running) it starts whatever: the plan checked
-        that one conversation of max_seq_len fits."""
+        prefill's hidden states fit beside the others within dram_limit, after dropping spares
+        and spilling idle conversations (least recently used first; never one the prompt would
+        reuse) as needed, which happens only when it makes room enough. Alone (nothing else
+        running) it starts whatever: the plan checked that one conversation of max_seq_len fits."""
         # its cache, and while it prefills its hidden states (counted whole, whatever it reuses)
         need = cache_bytes_for(self.session.layout, tokens) + self.session.engine.dram_bytes(len(prompt_ids))
         with self.lock:
