@@ -369,6 +369,31 @@ def test_cache_hits_bench_summarises_phases_answers_and_loads(tmp_path):
     assert load_rates(str(log)) == ["1.42 GiB in 0.18 s (7.97 GiB/s)"]
 
 
+def test_a_bench_whose_server_died_says_so_in_one_sentence(tmp_path, smollm2_path):
+    """The serve and cache-hits benches ask a server of their own; when it dies under them (the
+    1M serve row's server was killed for memory) they say how, and where its log is, instead of
+    the client's traceback."""
+    import socket
+
+    openai = pytest.importorskip("openai")
+    from ktlong.bench.cache_hits import Server
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tmp_path / "server.log"
+    server = Server(str(smollm2_path), port, str(log), ["--max_seq_len", "2048"])
+    server.process.kill()
+    server.process.wait()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=10)
+    with pytest.raises(openai.OpenAIError) as failed:
+        client.models.list()
+    message = str(server.lost(failed.value))
+    assert "SIGKILL" in message and "out of memory" in message and message.endswith(f"its log is {log}.")
+    server.stop()  # gone already: nothing to stop, no error
+    assert server.process.returncode == -9
+
+
 @pytest.mark.parametrize("given", [None, "max_split_size_mb:64"])
 def test_importing_ktlong_gives_the_gpu_allocator_expandable_segments_unless_set(given):
     """Blocks cut to one session's sizes would count against the device cap beside the next

@@ -93,6 +93,19 @@ class Server:
         self.stop()
         raise KtlongError(f"The server did not start in {STARTUP_SECONDS} s; its log is {log_path}.")
 
+    def lost(self, error: Exception) -> KtlongError:
+        """What to say when a request to the running server failed: how, and whether the server
+        is gone (a SIGKILL is most often the machine running out of memory)."""
+        code = self.process.poll()
+        if code is None:
+            gone = "it is still running"
+        elif code == -signal.SIGKILL:
+            gone = "it was killed (SIGKILL: most often the machine ran out of memory)"
+        else:
+            gone = f"it exited with code {code} ({self._last_line()})"
+        return KtlongError(f"A request to the server failed ({str(error)[:200] or type(error).__name__}); {gone}; "
+                           f"its log is {self.log_path}.")
+
     def _last_line(self) -> str:
         lines = [line.strip() for line in open(self.log_path, errors="replace") if line.strip()]
         return lines[-1][:300] if lines else "no output"
@@ -189,7 +202,7 @@ def main(argv=None) -> int:
                           "least 1000.")
     parse_set(args.set)  # refused here in one sentence, before any server starts
     try:
-        import openai  # noqa: F401
+        import openai
     except ImportError:
         raise KtlongError("The cache-hits bench asks through the official openai client; pip install openai.") from None
     from ktlong.gguf.registry import resolve_model_path
@@ -210,6 +223,8 @@ def main(argv=None) -> int:
             try:
                 run_phase(server, model_id, docs, rounds, tag, results,
                           by_document=tag == "reference" and args.reference == "turns")
+            except openai.OpenAIError as e:
+                raise server.lost(e) from None
             finally:
                 server.stop()
         rates = load_rates(log)

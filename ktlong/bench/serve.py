@@ -99,16 +99,19 @@ def together(client, model_id: str, prompts: list[str], tokens: int, beside=None
     for t in threads:
         t.start()
     extra = None
-    if beside is not None:
-        for _ in threads:
-            streaming.acquire()
-        if not errors:
-            extra = stream(client, model_id, *beside, on_first=came.set)
-        came.set()
-    for t in threads:
-        t.join()
+    try:
+        if beside is not None:
+            for _ in threads:
+                streaming.acquire()
+            if not errors:
+                extra = stream(client, model_id, *beside, on_first=came.set)
+    finally:  # the others leave, whatever became of it
+        if came is not None:
+            came.set()
+        for t in threads:
+            t.join()
     if errors:
-        raise KtlongError(f"A client failed: {errors[0]}")
+        raise errors[0]  # the caller says what became of the server
     return results, extra
 
 
@@ -205,6 +208,8 @@ def main(argv=None) -> int:
                 through = sum(bool(r["times"]) and r["times"][-1] >= extra["times"][0] for r in results)
                 alone = stream(client, model_id, "Again.\n" + long_doc, 1)
                 alone_ttft = alone["times"][0] - alone["start"]
+        except (openai.OpenAIError, OSError) as e:  # a client's request, or /metrics
+            raise server.lost(e) from None
         finally:
             server.stop()
     which = "one shared document" if args.shared_document else "each client's document"
