@@ -21,8 +21,8 @@ the last client's last; the time between tokens pools
 every client's gaps between streamed chunks. With --long_chars, one more row: N clients
 decoding while another client sends a new document of that many characters (its prefill runs
 in slices between their steps): its time to the first token beside the same request alone,
-and the others' time between tokens while it prefills (they ask for up to 65,536 tokens and
-leave when its first token comes). With --shared_document, every client asks
+and the others' time between tokens while it prefills (they ask for up to 8,192 tokens and
+leave when its first token comes; the summary says how many were still decoding then). With --shared_document, every client asks
 about one document (a line of its own after it): the document alone is the cold request, and
 the clients that join one that is answering share its blocks in DRAM ("prompts cached from":
 each request's usage.prompt_tokens_details.cached_from). The column "DRAM GiB" is
@@ -47,7 +47,10 @@ from ktlong.config import parse_set
 from ktlong.errors import KtlongError
 
 MAX_CLIENTS = 64
-BESIDE_TOKENS = 1 << 16  # what each client asks for in the --long_chars row: it leaves when the new document's first token comes
+# what each client asks for in the --long_chars row, leaving when the new document's first token
+# comes: enough to decode through a 1M prefill beside four clients, and bounded, since a new
+# document that waits for DRAM waits for their answers to end
+BESIDE_TOKENS = 8192
 
 
 def percentile(values: list[float], share: float) -> float:
