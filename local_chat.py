@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat = p.add_argument_group("chat")
     chat.add_argument("--prompt_file", help="text file sent as the first message; an empty line resends it")
     chat.add_argument("--save_kv", metavar="PATH", help="long-context mode: after each answer, save the KV cache "
-                      "and the conversation to PATH (also /save PATH in the chat)")
+                      "and the conversation to PATH (also /save PATH in the chat; under torchrun each rank its part, "
+                      "PATH.rank0-of-2 and so on)")
     chat.add_argument("--load_kv", metavar="PATH", help="long-context mode: start from a cache saved with "
                       "--save_kv, with its conversation (also /load PATH)")
     return p
@@ -64,13 +65,10 @@ def run(args) -> int:
         check_save_path(args.save_kv)
     if (args.save_kv or args.load_kv) and config.mode != "long_context":
         raise ConfigError("--save_kv and --load_kv keep the long-context KV cache; add --mode long_context.")
-    if (args.save_kv or args.load_kv) and config.tensor_parallel > 1:
-        raise ConfigError("Saved caches hold one process's KV cache; drop --save_kv/--load_kv or run "
-                          "with --tensor_parallel 1.")
     started = start(config)
     tp = started.tp  # under tensor parallelism every rank chats; rank 0 reads the input for all
     failed = ChatLoop(started.lm, config, started.max_seq_len, args.prompt_file, session=started.session,
-                      save_kv=args.save_kv, load_kv=args.load_kv).run(
+                      save_kv=args.save_kv, load_kv=args.load_kv, tp=tp).run(
         interactive=sys.stdin.isatty(), wrap_reader=tp.lines_from_main if tp is not None else None)
     if failed:
         print_error(KtlongError(f"{' and '.join(failed)} could not be done (the notices above say why)."))

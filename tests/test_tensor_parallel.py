@@ -142,3 +142,39 @@ def test_two_gpus_over_nccl_give_the_logits_of_one(tiny_path, tmp_path, monkeypa
         got, other = (np.load(tmp_path / f"rank{r}_{arm}.npz")["logits"] for r in (0, 1))
         assert np.abs(got - expected).max() / np.abs(expected).max() < 3e-2, arm
         assert np.abs(other - got).max() == 0
+
+
+def test_a_saved_cache_under_torchrun_is_a_part_a_rank_and_reads_back_as_one_process_goes_on(tiny_path, tmp_path):
+    """Each rank writes its kv heads' part of the cache (PATH.rank0-of-2, PATH.rank1-of-2); two
+    ranks started again from them answer the next question as one process that never stopped
+    answers it. A missing part is refused on every rank, naming the rank and the file, and the
+    command exits non-zero."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text(" ".join(f"w{i % 97}" for i in range(70)) + "\n")
+    saved = tmp_path / "chat.kv"
+    env = {"XDG_CONFIG_HOME": str(tmp_path)}
+    options = ["--model", tiny_path, "--device", "cpu", "--mode", "long_context", "--max_new_tokens", "12",
+               "--set", "block_size=16", "--set", "local_windows_len=64", "--set", "chunk_size=128"]
+
+    def chat(ranks: int, lines: str, *more):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                   "local_chat.py", "--tensor_parallel", "2"] if ranks == 2 else [sys.executable, "local_chat.py"]
+        base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        return subprocess.run([*command, *map(str, options), *map(str, more)], input=lines, cwd=ROOT,
+                              env={**base, "OMP_NUM_THREADS": "1", **env}, capture_output=True, text=True,
+                              timeout=600)
+
+    first = chat(2, "\n", "--prompt_file", doc, "--save_kv", saved)
+    assert first.returncode == 0, first.stderr[-3000:]
+    parts = sorted(p.name for p in tmp_path.glob("chat.kv*"))
+    assert parts == ["chat.kv.rank0-of-2", "chat.kv.rank1-of-2"]
+    again = chat(2, "w5 w6 w7\n", "--load_kv", saved)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "[loaded 297 tokens of KV cache" in again.stderr and "(286 from the cache" in again.stderr
+    one = chat(1, "\nw5 w6 w7\n", "--prompt_file", doc)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert again.stdout.splitlines() == one.stdout.splitlines()[-1:]  # the third answer, one process's
+    (tmp_path / "chat.kv.rank1-of-2").unlink()
+    missing = chat(2, "w5 w6 w7\n", "--load_kv", saved)
+    assert missing.returncode != 0 and not missing.stdout
+    assert f"[not loaded: rank 1: Saved cache {tmp_path}/chat.kv.rank1-of-2 does not exist" in missing.stderr

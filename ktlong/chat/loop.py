@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 from pathlib import Path
@@ -24,8 +25,10 @@ HELP = ('Type a message. Empty line: send the prompt file. A file path: send tha
 class ChatLoop:
     def __init__(self, lm: LoadedModel, config: Config, max_seq_len: int, prompt_file: str | None,
                  out=None, err=None, session: Session | None = None, save_kv: str | None = None,
-                 load_kv: str | None = None):
-        self.lm, self.config, self.max_seq_len = lm, config, max_seq_len
+                 load_kv: str | None = None, tp=None):
+        """tp: the tensor-parallel group this rank chats in (every rank runs the same loop; a
+        saved cache is a file a rank, written and read alike on all of them), or None."""
+        self.lm, self.config, self.max_seq_len, self.tp = lm, config, max_seq_len, tp
         self.prompt_file, self.save_kv, self.load_kv = prompt_file, save_kv, load_kv
         self.failed: list[str] = []  # what the command line asked for and could not be done
         self.out, self.err = out or sys.stdout, err or sys.stderr
@@ -107,45 +110,72 @@ class ChatLoop:
                 return self.read_file(stripped) or ""
             return line
 
-    def _cache_needs(self) -> str:
-        return "--mode long_context" if self.config.mode != "long_context" else "--tensor_parallel 1"
+    def _alike(self, reason: str, values: list[int], differ: str) -> str:
+        """Without tensor parallelism: reason. Under it: what every rank did, said alike on
+        each (TensorParallel.alike)."""
+        return reason if self.tp is None else self.tp.alike(reason, values, differ)
 
     def save(self, path: str) -> bool:
-        """The KV cache and the conversation to a file (ktlong/session/saved_cache.py); False
-        after a notice of why not."""
-        from ktlong.session.saved_cache import fingerprint, save_cache
+        """The KV cache and the conversation to a file (ktlong/session/saved_cache.py; under
+        tensor parallelism each rank's part to a file of its own); False after a notice of why
+        not."""
+        from ktlong.session.saved_cache import fingerprint, rank_path, save_cache
 
         if not self.session.saves_cache:
-            self.notice(f"saving the KV cache needs {self._cache_needs()}")
+            self.notice("saving the KV cache needs --mode long_context")
             return False
+        target, reason, nbytes = rank_path(path, self.tp), "", 0
+        start = time.perf_counter()
         try:
-            start = time.perf_counter()
-            nbytes = save_cache(path, self.session, fingerprint(self.lm.path, self.session, self.config),
+            nbytes = save_cache(target, self.session, fingerprint(self.lm.path, self.session, self.config),
                                 self.conversation.turns)
-            how = "appended the new blocks" if self.session.saved_file.appended else "wrote the whole file"
-            self.notice(f"saved {self.session.host.num_tokens:,} tokens of KV cache to {path} "
-                        f"({how}: {nbytes / 2**20:,.1f} MiB in {time.perf_counter() - start:.1f}s)")
-            return True
         except (KtlongError, OSError) as e:
-            self.notice(f"not saved: {e}")
-            return False
+            reason = str(e)
         except KeyboardInterrupt:  # the file is as the last save left it (a whole save renames at its end)
-            self.notice(f"not saved: interrupted; {path} is as the last save left it")
+            reason = f"interrupted; {target} is as the last save left it"
+        reason = self._alike(reason, [], "")
+        if reason:
+            self.notice(f"not saved: {reason}")
             return False
+        how = "appended the new blocks" if self.session.saved_file.appended else "wrote the whole file"
+        parts = f", a part a rank ({target.name} here)" if self.tp is not None else ""
+        self.notice(f"saved {self.session.host.num_tokens:,} tokens of KV cache to {path}{parts} "
+                    f"({how}: {nbytes / 2**20:,.1f} MiB in {time.perf_counter() - start:.1f}s)")
+        return True
 
     def load(self, path: str) -> bool:
         """A saved cache and its conversation; the chat goes on from there. False after a notice
-        of why not."""
-        from ktlong.session.saved_cache import fingerprint, load_cache
+        of why not. Under tensor parallelism every rank reads its own part, and the parts are
+        taken only if they hold the same tokens: the ranks check their parts' headers first (a
+        refusal leaves every rank as it was), then fill, and if any rank's data fails its checks,
+        every rank's cache is emptied, as one process's would be."""
+        from ktlong.session.saved_cache import fingerprint, load_cache, rank_path, saved_token_ids
 
         if not self.session.saves_cache:
-            self.notice(f"loading a KV cache needs {self._cache_needs()}")
+            self.notice("loading a KV cache needs --mode long_context")
             return False
-        try:
-            start = time.perf_counter()
-            turns = load_cache(path, self.session, fingerprint(self.lm.path, self.session, self.config))
-        except (KtlongError, OSError) as e:
-            self.notice(f"not loaded: {e}")
+        target, fp = rank_path(path, self.tp), fingerprint(self.lm.path, self.session, self.config)
+        start, reason, turns = time.perf_counter(), "", []
+        if self.tp is not None:  # the headers first
+            ids = []
+            try:
+                ids = saved_token_ids(target, fp, self.session.max_seq_len)
+            except (KtlongError, OSError) as e:
+                reason = str(e)
+            digest = int.from_bytes(hashlib.sha256(repr(ids).encode()).digest()[:7], "big")
+            reason = self._alike(reason, [len(ids), digest], f"the ranks' parts of {path} hold different tokens "
+                                 "(from different chats, or one older than the others); save it again")
+        if not reason:
+            try:
+                turns = load_cache(target, self.session, fp)
+            except (KtlongError, OSError) as e:
+                reason = str(e)
+            reason = self._alike(reason, [self.session.host.num_tokens], f"the ranks' parts of {path} held "
+                                 "different tokens once read")
+            if reason and self.tp is not None:  # no rank keeps a part the others lack
+                self.session.reset()
+        if reason:
+            self.notice(f"not loaded: {reason}")
             return False
         self.conversation.turns = list(turns)
         self.notice(f"loaded {self.session.host.num_tokens:,} tokens of KV cache and {len(turns)} turn(s) "

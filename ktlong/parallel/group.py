@@ -4,7 +4,8 @@ and the few collectives the engine needs.
 Every rank runs the same program on the same inputs (SPMD): prompts, selections that depend
 only on local heads, sampling with one seed. What crosses ranks is the all-reduce of partial
 sums (attention output, MLP, shared block scores) on the device's backend, and, for the chat,
-the user's input lines, broadcast from rank 0 over gloo.
+the user's input lines, broadcast from rank 0 over gloo, and whether each rank's part of a saved
+cache was written or read alike.
 """
 
 from __future__ import annotations
@@ -41,18 +42,32 @@ class TensorParallel:
         dist.all_reduce(torch.from_numpy(a), group=self.cpu_group)
         return a
 
-    def broadcast_text(self, text: str | None) -> str | None:
-        """Rank 0's text (None for end of input) on every rank, as UTF-8 bytes; no pickle."""
+    def broadcast_text(self, text: str | None, src: int = 0) -> str | None:
+        """Rank src's text (None for end of input) on every rank, as UTF-8 bytes; no pickle."""
         data = b"" if text is None else text.encode()
         size = torch.tensor([len(data) if text is not None else -1], dtype=torch.int64)
-        dist.broadcast(size, 0, group=self.cpu_group)
+        dist.broadcast(size, src, group=self.cpu_group)
         if size.item() < 0:
             return None
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 and data else \
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == src and data else \
             torch.empty(int(size.item()), dtype=torch.uint8)
         if size.item():
-            dist.broadcast(buf, 0, group=self.cpu_group)
-        return bytes(buf.numpy()).decode() if self.rank else text
+            dist.broadcast(buf, src, group=self.cpu_group)
+        return bytes(buf.numpy()).decode() if self.rank != src else text
+
+    def alike(self, reason: str, values: list[int], differ: str) -> str:
+        """What every rank did, said alike on every rank: "" where none failed (reason "") and all
+        hold the same integers (a part of a saved cache: its token count and ids); else each
+        failed rank's reason ("rank 1: ..."), or `differ` where none failed but the values
+        differ. Over gloo; every rank calls it with its own."""
+        low = torch.tensor([0 if reason else 1, *values], dtype=torch.int64)
+        high = low.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        if torch.equal(low, high) and not reason:  # the same on every rank: all done alike
+            return ""
+        said = [self.broadcast_text(reason, src) for src in range(self.world)]
+        return "; ".join(f"rank {r}: {text}" for r, text in enumerate(said) if text) or differ
 
     @property
     def is_main(self) -> bool:

@@ -144,8 +144,9 @@ class LongContextSession:
 
     @property
     def saves_cache(self) -> bool:
-        """One rank holds the whole cache: it can go to a file (ktlong/session/saved_cache.py)."""
-        return self.model.tp is None
+        """Its cache can go to a file (ktlong/session/saved_cache.py; a rank's part, under tensor
+        parallelism)."""
+        return True
 
     # the conversation's fields, read and set where the session's were (ktlong/session/saved_cache.py)
     host = property(lambda self: self.conversation.host)

@@ -1,4 +1,5 @@
-"""A long-context session's KV cache saved to one file, and loaded back to go on talking.
+"""A long-context session's KV cache saved to one file (one a rank under tensor parallelism),
+and loaded back to go on talking.
 
 The file (records: ktlong/session/cache_records.py) holds the K/V in their DRAM type (q8_0 / q4_0
 values and scales included), the side tables and the preselection masses, only the blocks that
@@ -59,12 +60,20 @@ def _identity(path: str, size: int, mtime_ns: int) -> str:
     return digest.hexdigest()
 
 
+def rank_path(path: str | os.PathLike, tp) -> Path:
+    """The file of this process's part of a saved cache: path itself, or under tensor parallelism
+    (tp) each rank's own beside it, PATH.rank0-of-2 and so on: a rank holds only its kv heads."""
+    path = Path(path).expanduser()
+    return path if tp is None else path.with_name(f"{path.name}.rank{tp.rank}-of-{tp.world}")
+
+
 def fingerprint(model_path: Path, session, config) -> dict:
     """What the cached values depend on: the model file, its shapes and RoPE, how DRAM stores
-    K/V, and the prefill options that change them."""
+    K/V, the prefill options that change them, and under tensor parallelism the rank's part."""
     c, layout = session.model.config, session.layout
     compact = session.engine.compact if session.engine.is_sparse else None
-    return {
+    tp = session.model.tp
+    return {**({"ranks": [tp.rank, tp.world]} if tp is not None else {}),
         "model": model_identity(model_path), "model_file": model_path.name,
         "shapes": [c.num_layers, c.num_kv_heads, c.head_dim],
         "rope": [c.rope.scaling_type, c.rope.factor, c.rope.original_context_length, c.rope.base],
