@@ -470,3 +470,25 @@ def test_ctrl_c_during_the_save_after_an_answer_keeps_the_session_and_the_file(t
     loop.ask("and then?")  # its save is interrupted; the chat goes on
     assert "not saved: interrupted" in err.getvalue() and path.read_bytes() == saved
     assert loop.session.host.num_tokens > tokens and loop.failed == [f"--save_kv {path}"]
+
+
+def test_a_cache_saved_for_another_count_of_ranks_is_named_with_the_option_that_reads_it(tmp_path):
+    """One process asked for a cache saved a part a rank (or ranks for one process's file) hears
+    which --tensor_parallel reads it, not only that the file is missing."""
+    import types
+
+    from ktlong.session.saved_cache import rank_path, saved_as
+
+    two = types.SimpleNamespace(rank=1, world=2)
+    path = tmp_path / "book.kv"
+    assert rank_path(path, None) == path and rank_path(path, two) == tmp_path / "book.kv.rank1-of-2"
+    assert saved_as(path, None) == ""  # nothing there at all
+    (tmp_path / "book.kv.rank0-of-2").write_bytes(b"x")
+    (tmp_path / "book.kv.rank1-of-2").write_bytes(b"x")
+    assert saved_as(path, None) == f"; {path} was saved in 2 parts, a rank each: load it with --tensor_parallel 2"
+    assert saved_as(path, two) == ""  # its own part is there
+    other = tmp_path / "solo.kv"
+    other.write_bytes(b"x")
+    assert saved_as(other, two) == f"; {other} was saved by one process: load it with --tensor_parallel 1"
+    four = types.SimpleNamespace(rank=0, world=4)
+    assert saved_as(path, four).endswith("load it with --tensor_parallel 2")

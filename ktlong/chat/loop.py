@@ -149,19 +149,24 @@ class ChatLoop:
         taken only if they hold the same tokens: the ranks check their parts' headers first (a
         refusal leaves every rank as it was), then fill, and if any rank's data fails its checks,
         every rank's cache is emptied, as one process's would be."""
-        from ktlong.session.saved_cache import fingerprint, load_cache, rank_path, saved_token_ids
+        from ktlong.session.saved_cache import fingerprint, load_cache, rank_path, saved_as, saved_token_ids
 
         if not self.session.saves_cache:
             self.notice("loading a KV cache needs --mode long_context")
             return False
         target, fp = rank_path(path, self.tp), fingerprint(self.lm.path, self.session, self.config)
         start, reason, turns = time.perf_counter(), "", []
+
+        def why(e: Exception) -> str:  # a file saved for another count of ranks is named as such
+            hint = saved_as(path, self.tp)
+            return str(e).removesuffix("; check the path.") + hint if hint else str(e)
+
         if self.tp is not None:  # the headers first
             ids = []
             try:
                 ids = saved_token_ids(target, fp, self.session.max_seq_len)
             except (KtlongError, OSError) as e:
-                reason = str(e)
+                reason = why(e)
             digest = int.from_bytes(hashlib.sha256(repr(ids).encode()).digest()[:7], "big")
             reason = self._alike(reason, [len(ids), digest], f"the ranks' parts of {path} hold different tokens "
                                  "(from different chats, or one older than the others); save it again")
@@ -169,7 +174,7 @@ class ChatLoop:
             try:
                 turns = load_cache(target, self.session, fp)
             except (KtlongError, OSError) as e:
-                reason = str(e)
+                reason = why(e)
             reason = self._alike(reason, [self.session.host.num_tokens], f"the ranks' parts of {path} held "
                                  "different tokens once read")
             if reason and self.tp is not None:  # no rank keeps a part the others lack

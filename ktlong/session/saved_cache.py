@@ -67,6 +67,22 @@ def rank_path(path: str | os.PathLike, tp) -> Path:
     return path if tp is None else path.with_name(f"{path.name}.rank{tp.rank}-of-{tp.world}")
 
 
+def saved_as(path: str | os.PathLike, tp) -> str:
+    """Where a cache this process cannot find at rank_path(path, tp) was saved instead, as the
+    option that reads it ("" when there is no such file): one process's file, or a part a rank
+    for another count of ranks."""
+    path = Path(path).expanduser()
+    if rank_path(path, tp).exists():
+        return ""
+    if tp is not None and path.is_file():
+        return f"; {path} was saved by one process: load it with --tensor_parallel 1"
+    for part in sorted(path.parent.glob(glob.escape(path.name) + ".rank0-of-*")):
+        world = part.name.rsplit("-of-", 1)[1]
+        if world.isdigit() and (tp is None or int(world) != tp.world):
+            return f"; {path} was saved in {world} parts, a rank each: load it with --tensor_parallel {world}"
+    return ""
+
+
 def fingerprint(model_path: Path, session, config) -> dict:
     """What the cached values depend on: the model file, its shapes and RoPE, how DRAM stores
     K/V, the prefill options that change them, and under tensor parallelism the rank's part."""
