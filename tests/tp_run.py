@@ -4,8 +4,8 @@ SHARED and SEPARATE head selection), its prefill logits and those of decode step
 tokens.
 
 Run by the test as `python -m torch.distributed.run --nproc_per_node 2 tests/tp_run.py OUT GGUF
-[DEVICE]` (each rank writes OUT/rank{R}_{arm}.npz; numpy files, no pickle), and in-process with
-one rank.
+[DEVICE [DTYPE]]` (each rank writes OUT/rank{R}_{arm}.npz; numpy files, no pickle), and in-process
+with one rank.
 """
 
 import os
@@ -27,12 +27,12 @@ LONG = dict(block_size=16, chunk_size=32, local_windows_len=32, second_select_nu
 PROMPT_LEN, STEPS = 230, 12
 
 
-def run_arm(gguf: str, arm: str, world: int, device: str = "cpu"):
+def run_arm(gguf: str, arm: str, world: int, device: str = "cpu", dtype: str = "auto"):
     from ktlong.config import default_config
     from ktlong.session.dense import DenseSession
     from ktlong.session.startup import start
 
-    config = default_config(model=gguf, device=device, tensor_parallel=world, **{**LONG, **ARMS[arm]})
+    config = default_config(model=gguf, device=device, dtype=dtype, tensor_parallel=world, **{**LONG, **ARMS[arm]})
     started = start(config, log=open(os.devnull, "w"), cpu_engine=False)  # torch's model, as the ranks run
     session = started.session or DenseSession.from_config(started.lm.model, config, started.max_seq_len)
     rng = np.random.default_rng(4)
@@ -47,11 +47,11 @@ def run_arm(gguf: str, arm: str, world: int, device: str = "cpu"):
     return np.stack(logits), np.array(tokens), selected, started
 
 
-def main(out: str, gguf: str, device: str = "cpu"):
+def main(out: str, gguf: str, device: str = "cpu", dtype: str = "auto"):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     for arm in ARMS:
-        logits, tokens, selected, _ = run_arm(gguf, arm, world, device)
+        logits, tokens, selected, _ = run_arm(gguf, arm, world, device, dtype)
         np.savez(os.path.join(out, f"rank{rank}_{arm}.npz"), logits=logits, tokens=tokens, selected=selected)
 
 
