@@ -22,8 +22,9 @@ every client's gaps between streamed chunks. With --long_chars, one more row: N 
 decoding while another client sends a new document of that many characters (its prefill runs
 in slices between their steps): its time to the first token beside the same request alone,
 and the others' time between tokens while it prefills (they ask for up to 8,192 tokens and
-leave when its first token comes; the summary says how many were still decoding then). With --shared_document, every client asks
-about one document (a line of its own after it): the document alone is the cold request, and
+leave when its first token comes; the summary says how many were still decoding then). With
+--shared_document, every client asks about one document (a line of its own after it): the
+document alone is the cold request, and
 the clients that join one that is answering share its blocks in DRAM ("prompts cached from":
 each request's usage.prompt_tokens_details.cached_from). The column "DRAM GiB" is
 the KV caches the server holds after the row, as its /metrics counts them (shared blocks once).
@@ -64,7 +65,7 @@ def stream(client, model_id: str, prompt: str, tokens: int, on_first=lambda: Non
     """One streamed completion -> its start, the time of each content chunk and its token count;
     on_first() once its first chunk came; until: the client leaves (closes the stream, which
     cancels the answer) at the first chunk after it is set."""
-    start, times, usage = time.perf_counter(), [], None
+    start, times, usage, left = time.perf_counter(), [], None, False
     chunks = client.completions.create(model=model_id, prompt=prompt, max_tokens=tokens, stream=True,
                                        temperature=0, stream_options={"include_usage": True})
     for chunk in chunks:
@@ -75,11 +76,11 @@ def stream(client, model_id: str, prompt: str, tokens: int, on_first=lambda: Non
                 on_first()
         if until is not None and until.is_set():
             chunks.close()
-            usage = None  # the chunks counted instead, and its cache's source unreported
+            usage, left = None, True  # the chunks counted instead, and its cache's source unreported
             break
     details = getattr(usage, "prompt_tokens_details", None) if usage else None
     return {"start": start, "times": times, "tokens": usage.completion_tokens if usage else len(times),
-            "finished": until is None or not until.is_set(),
+            "finished": not left,
             "from": (details.model_extra or {}).get("cached_from") if details is not None else None}
 
 
