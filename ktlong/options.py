@@ -109,7 +109,7 @@ SECTIONS: list[tuple[str, list[Option]]] = [
         Option('host', '127.0.0.1', 'address the OpenAI-compatible server listens on; 0.0.0.0 exposes it to the network', flag='host'),
         Option('port', 8000, 'its TCP port', low=1, high=65535, flag='port'),
         Option('queue_size', 8, 'requests that may wait beyond those running (max_num_seqs answers decode together, one request prefills at a time); more get 429', low=0, flag='queue_size'),
-        Option('prefill_slice_ms', 50.0, "a prefill's work between two decode steps of the answers already running, which keep streaming meanwhile (it then stops at its next chunk of a layer); with nothing decoding it runs on", low=0, low_exclusive=True, high=60000),
+        Option('prefill_slice_ms', 30.0, "a prefill's work in each decode step of the answers already running, done while the device runs the step, so they keep streaming meanwhile (it then stops at its next chunk of a layer); with nothing decoding it runs on", low=0, low_exclusive=True, high=60000),
         Option('api_key', '', 'when set, every /v1 request must send "Authorization: Bearer KEY"; KTLONG_API_KEY also sets it', flag='api_key'),
         Option('finish_prefill_on_disconnect', True, 'a client that goes away during prefill lets the prefill finish into the KV cache, so that its retry reuses it (generation stops when the prefill ends); false stops the prefill at once'),
         Option('cache_dram_gb', 8.0, 'long-context mode: GiB of DRAM for the KV caches of earlier (idle) conversations, kept whole so that a request going back to one reuses it; the least recently used goes first (to cache_dir); 0 = only the conversations in use', low=0, flag='cache_dram_gb'),

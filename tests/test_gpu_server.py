@@ -67,8 +67,8 @@ def test_concurrent_requests_on_the_gpu_decode_together_and_answer_as_alone(tmp_
     app, _ = make_app(started(lm, path, max_num_seqs=4, prefill_slice_ms=5, **options))
     session = app.state.worker.session
     rows, step_batch = [], session.step_batch
-    session.step_batch = lambda conversations, tokens: (rows.append(len(conversations)),
-                                                        step_batch(conversations, tokens))[1]
+    session.step_batch = lambda conversations, tokens, *beside: (rows.append(len(conversations)),
+                                                        step_batch(conversations, tokens, *beside))[1]
     server = RunningServer(app)
 
     def ask(prompt):

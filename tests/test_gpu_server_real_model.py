@@ -42,8 +42,8 @@ def test_eight_clients_over_three_long_documents_get_the_answers_each_gets_alone
     assert all(115_000 < len(p) < 125_000 for p in prompts)
     session = st.session
     batches, step_batch = [], session.step_batch
-    session.step_batch = lambda conversations, tokens: (batches.append(len(conversations)),
-                                                        step_batch(conversations, tokens))[1]
+    session.step_batch = lambda conversations, tokens, *beside: (batches.append(len(conversations)),
+                                                        step_batch(conversations, tokens, *beside))[1]
     app, _ = make_app(st)
     server = RunningServer(app)
     client = server.client(timeout=600)

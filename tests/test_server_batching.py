@@ -40,12 +40,17 @@ def server(lm):
                               chunk_size=64, local_windows_len=64, max_seq_len=4096, cache_min_tokens=64,
                               max_num_seqs=4, queue_size=8, prefill_slice_ms=20))
     rows = []  # how many conversations each decode step ran
+    inside = []  # a prefill's slices run inside a step (while the device works on it)
     session = app.state.worker.session
     step_batch = session.step_batch
-    session.step_batch = lambda conversations, tokens: (rows.append(len(conversations)),
-                                                        step_batch(conversations, tokens))[1]
+
+    def counted(conversations, tokens, beside=None):
+        rows.append(len(conversations))
+        return step_batch(conversations, tokens, beside and (lambda: (inside.append(len(conversations)), beside())))
+
+    session.step_batch = counted
     s = RunningServer(app)
-    s.rows = rows
+    s.rows, s.inside = rows, inside
     yield s
     s.stop()
 
@@ -135,6 +140,7 @@ def test_a_stream_keeps_going_while_a_long_prompt_prefills(server, lm):
     during = [at for at in times if started_at < at < ended_at]
     assert ended_at - started_at > 0.5  # a prefill long enough to see
     assert len(during) >= 3, (len(during), len(times), ended_at - started_at)
+    assert server.inside  # its slices ran while the device worked on the short answer's steps
     settle(server)
 
 
@@ -251,8 +257,8 @@ def test_a_request_waits_for_dram_while_another_answers_and_the_log_says_how_eac
     rows = []
     session = app.state.worker.session
     step_batch = session.step_batch
-    session.step_batch = lambda conversations, tokens: (rows.append(len(conversations)),
-                                                        step_batch(conversations, tokens))[1]
+    session.step_batch = lambda conversations, tokens, *beside: (rows.append(len(conversations)),
+                                                        step_batch(conversations, tokens, *beside))[1]
     server = RunningServer(app)
     try:
         client = server.client()
@@ -295,3 +301,32 @@ def test_admission_counts_a_prefills_hidden_states_in_dram_beside_its_cache(lm):
         assert store.admit(prompt, 600, alone=False)
     finally:
         app.state.worker.close()
+
+
+def test_admission_frees_the_sessions_own_idle_conversation_when_a_new_prompt_needs_its_dram(lm):
+    """The conversation the session holds, idle and not continued by a new prompt, counts as
+    memory that can be freed: a request whose cache fits only without it is admitted (beside
+    other answers too) and the old conversation is dropped (no disk tier), where before it was
+    parked beside the new prefill and two 1M caches filled the machine's DRAM."""
+    from ktlong.kv.host_cache import cache_bytes_for
+
+    st = started(lm, MODEL, mode="long_context", block_size=16, chunk_size=64, local_windows_len=64,
+                 max_seq_len=1024, cache_min_tokens=64, max_num_seqs=4, max_new_tokens=4)
+    app, _ = make_app(st)
+    store, session = app.state.worker.store, st.session
+    server = RunningServer(app)
+    try:
+        first = server.client().completions.create(model=MODEL, prompt="alpha beta gamma " * 150, max_tokens=4)
+        assert first.usage.prompt_tokens > 400 and len(session.ids) > 400
+        old = session.host.dram_bytes
+        assert old > 0 and store.live is not None and not store.live.busy
+        prompt = [7] * 500  # shares nothing with it
+        need = cache_bytes_for(session.layout, 600)
+        store.dram_limit = store._held() - old + need + 1000  # the new cache fits only in the old one's place
+        assert store.admit(prompt, 600, alone=False)
+        assert store._held() + need <= store.dram_limit
+        assert session.ids == [] and store.listing() == []  # the old conversation is gone, nothing spilled
+        store.prepare(prompt)
+        assert store.live is not None and session.ids == []
+    finally:
+        server.stop()

@@ -14,7 +14,7 @@ DecodeBatch (with CUDA graphs, its own, captured on its first step).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -36,6 +36,7 @@ class DecodeBatch:
         if not body.writes_dram:  # [B, global layers, 2, KV, R] as DRAM stores them, for write_through
             self.new_kv, self.new_kv_scales = host_words(body.kv_host), host_words(body.kv_scales_host)
         self.scores = body.scores_host.numpy() if body.scores_blocks and not body.device_selects else None
+        self._while_waiting: Callable[[], None] | None = None  # `step`'s, until its first wait
 
     def _check(self, sequences: list["Decoder"]):
         assert len(sequences) == self.body.batch and all(
@@ -55,9 +56,14 @@ class DecodeBatch:
             self.body.capture()
 
     @torch.inference_mode()
-    def step(self, sequences: list["Decoder"], tokens: list[int]) -> torch.Tensor:
-        """Run token b of each sequence b at its next position -> logits [B, vocab]."""
+    def step(self, sequences: list["Decoder"], tokens: list[int],
+             while_waiting: Callable[[], None] | None = None) -> torch.Tensor:
+        """Run token b of each sequence b at its next position -> logits [B, vocab].
+        while_waiting: called once, when the step's device work is queued and before the host
+        first waits for it (the server runs a slice of a prefill there, which the device then
+        runs beside the step)."""
         self._check(sequences)
+        self._while_waiting = while_waiting
         start = time.perf_counter()
         body = self.body
         positions = [s.position for s in sequences]
@@ -89,6 +95,9 @@ class DecodeBatch:
         return logits
 
     def _wait(self, sequences: list["Decoder"]):
+        if self._while_waiting is not None:
+            work, self._while_waiting = self._while_waiting, None
+            work()
         t0 = time.perf_counter()
         self.body.wait()
         waited = time.perf_counter() - t0

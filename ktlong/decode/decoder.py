@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -150,9 +151,10 @@ class Decoder:
         self.alone.capture_graphs([self])
 
     @torch.inference_mode()
-    def step(self, token_id: int) -> torch.Tensor:
-        """Run one token at position host.num_tokens, this conversation alone; return its logits [vocab]."""
-        return self.alone.step([self], [token_id])[0]
+    def step(self, token_id: int, while_waiting: Callable[[], None] | None = None) -> torch.Tensor:
+        """Run one token at position host.num_tokens, this conversation alone; return its logits
+        [vocab]. while_waiting: DecodeBatch.step's."""
+        return self.alone.step([self], [token_id], while_waiting)[0]
 
     @property
     def position(self) -> int:

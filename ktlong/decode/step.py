@@ -86,9 +86,11 @@ class DecodeStep:
         # q (`_token`); and the sequences' selections side by side, one stream each
         # (ktlong/decode/dram_blocks.attend). A window part is three small kernels, 33 us at 8B
         # shapes on the H200: eight one after another were 8 ms of a step at batch 8.
+        # (at the priority of the stream the steps are queued on: ktlong/session/sliced_prefill.decode_first)
         streams = self.device_selects and dev.type == "cuda"
-        self.beside = [torch.cuda.Stream(dev) for _ in range(B)] if streams else []
-        self.lanes = [torch.cuda.Stream(dev) for _ in range(B)] if streams and B > 1 else []
+        priority = torch.cuda.current_stream(dev).priority if streams else 0
+        self.beside = [torch.cuda.Stream(dev, priority=priority) for _ in range(B)] if streams else []
+        self.lanes = [torch.cuda.Stream(dev, priority=priority) for _ in range(B)] if streams and B > 1 else []
         # inputs, one row per sequence, written before each replay
         self.token = torch.zeros(B, dtype=torch.long, device=dev)
         self.position = torch.zeros(B, dtype=torch.long, device=dev)

@@ -172,17 +172,25 @@ class CacheStore:
         """Whether a request of `tokens` (prompt and answer) may start: its cache and its
         prefill's hidden states fit beside the others within dram_limit, after dropping spares
         and spilling idle conversations (least recently used first; never one the prompt would
-        reuse) as needed, which happens only when it makes room enough. Alone (nothing else
-        running) it starts whatever: the plan checked that one conversation of max_seq_len fits."""
+        reuse) as needed, which happens only when it makes room enough. The session's own
+        conversation, idle and not reused, is such a one too: the new prompt would park it beside
+        itself (a 1M prompt after another filled the machine's DRAM for want of this). Alone
+        (nothing else running) it starts whatever: the plan checked that one conversation of
+        max_seq_len fits."""
         # its cache, and while it prefills its hidden states (counted whole, whatever it reuses)
         need = cache_bytes_for(self.session.layout, tokens) + self.session.engine.dram_bytes(len(prompt_ids))
         with self.lock:
             reused = {e.id for e in self.entries.values() if cached_prefix(e.ids, prompt_ids) >= self.min_tokens}
-            freeable = sum(h.dram_bytes for h in self.spare) + sum(e.held.host.dram_bytes for e in self._idle(reused))
+            live_idle = self.live is not None and not self.live.busy and self.live.id not in reused
+            freeable = (sum(h.dram_bytes for h in self.spare) + sum(e.held.host.dram_bytes for e in self._idle(reused))
+                        + (self.session.host.dram_bytes if live_idle else 0))
             if not alone and self._held() - freeable + need > self.dram_limit:
                 return False  # it waits; nothing idle is given up for room that would not be enough
-            while self._held() + need > self.dram_limit and self._evict_one(reused):
-                pass
+            while self._held() + need > self.dram_limit:
+                if not self._evict_one(reused):
+                    if not live_idle or self.live is None:
+                        break
+                    self._park_live()  # held as an idle conversation, which the next turn evicts
             return True
 
     # ---- the operator's endpoints ----

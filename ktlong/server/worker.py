@@ -3,9 +3,11 @@
 Requests wait in a bounded queue. Up to `max_num_seqs` of them run at once: each step decodes
 one token of every running answer together (LongContextSession.step_batch: one pass over the
 weights for all of them, each conversation reading its own blocks; ktlong/decode/batch.py),
-and answers join and leave between steps. One request at a time prefills, a slice between two
-steps (ktlong/session/sliced_prefill.py: `prefill_slice_ms` of work, then its next chunk
-boundary), so the streams that decode keep going while a long prompt prefills; when nothing
+and answers join and leave between steps. One request at a time prefills, a slice in each
+step (ktlong/session/sliced_prefill.py: `prefill_slice_ms` of work, then its next chunk
+boundary), run while the device works on the step's tokens, so the streams that decode keep
+going while a long prompt prefills, and the prefill's chunks run beside their steps on the
+device (whose own work comes first: the worker's stream has the higher priority); when nothing
 decodes, the prefill runs on without pausing. A prefilled conversation decodes where it is,
 in the session, until the next prefill needs the session: then it leaves (CacheStore.detach,
 into a cache of its own) and, once its answer is done, is held like any kept conversation
@@ -37,7 +39,7 @@ from ktlong.server.metrics import ServerMetrics
 from ktlong.server.protocol import ApiError, Job
 from ktlong.server.reply import Reply, Ticket
 from ktlong.session.protocol import Session
-from ktlong.session.sliced_prefill import SlicedPrefill
+from ktlong.session.sliced_prefill import SlicedPrefill, decode_first
 
 
 class QueueFull(Exception):
@@ -154,6 +156,10 @@ class Worker:
     # ---- the worker's thread ----
 
     def _loop(self):
+        with decode_first(getattr(self.session, "device", None)):
+            self._serve()
+
+    def _serve(self):
         while True:
             with self.lock:
                 while not (self.calls and self.prefilling is None) and not self.rows and self.prefilling is None \
@@ -169,10 +175,10 @@ class Worker:
             try:
                 if self.prefilling is None and len(self.rows) < self.max_rows:
                     self._admit()
-                if self.prefilling is not None:
-                    self._prefill_slice()
                 if self.rows:
-                    self._decode_step()
+                    self._decode_step()  # and a slice of the prefill, if one runs, while the device steps
+                elif self.prefilling is not None:
+                    self._prefill_slice()
             except Exception as e:  # the worker's own failure: its answers are told, the thread goes on
                 self._fail_all(e)
 
@@ -224,9 +230,12 @@ class Worker:
         self.prefilling = Prefilling(reply, sliced, cached_from, admitted, time.perf_counter() - admitted)
 
     def _prefill_slice(self):
+        if self.prefilling.prefill.advance():
+            self._prefilled()
+
+    def _prefilled(self):
+        """The prefill ended: its answer's first token, and its row joins the next step."""
         p = self.prefilling
-        if not p.prefill.advance():
-            return
         self.prefilling = None
         reply, session = p.reply, self.session
         prefilled = session.last_prefill_tokens
@@ -253,13 +262,22 @@ class Worker:
         self.rows.append(row)
 
     def _decode_step(self):
+        """One token of every running answer; a prefill's next slice runs while the device works
+        on the step (its chunks beside the step's on the device, the host's part of both in
+        turn), or after it where the step never waits."""
         rows = self.rows
         tokens = [r.token for r in rows]
+        sliced: list[bool] = []  # whether the prefill ended, once its slice ran
+
+        def prefill_slice():
+            sliced.append(self.prefilling.prefill.advance())
+
+        beside = prefill_slice if self.prefilling is not None else None
         try:
             if rows[0].conversation is None:
                 logits = self.session.step(tokens[0])[None]
             else:
-                logits = self.session.step_batch([r.conversation for r in rows], tokens)
+                logits = self.session.step_batch([r.conversation for r in rows], tokens, beside)
                 if (built := self.session.last_batch_build) is not None:
                     self.session.last_batch_build = None
                     print(f"[decoding {len(rows)} conversations together: their new batch's first step {built:.2f} s]",
@@ -268,6 +286,7 @@ class Worker:
             self.rows = []
             for row in rows:
                 self._finish(row, e)
+            self._prefill_after(sliced)
             return
         going = []
         for b, row in enumerate(rows):
@@ -282,6 +301,16 @@ class Worker:
                 row.token = token
                 going.append(row)
         self.rows = going
+        self._prefill_after(sliced)
+
+    def _prefill_after(self, sliced: list[bool]):
+        """After a step: the prefill's slice if the step did not run it, and its end if it came."""
+        if self.prefilling is None:
+            return
+        if not sliced:
+            self._prefill_slice()
+        elif sliced[0]:
+            self._prefilled()
 
     def _finish(self, row: Row, error: BaseException | None = None):
         """An answer ended (done, cancelled or failed): its conversation kept, its figures

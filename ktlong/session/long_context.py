@@ -232,22 +232,24 @@ class LongContextSession:
         self.parked.park(conversation)
 
     @torch.inference_mode()
-    def step_batch(self, conversations: list["HeldConversation"], tokens: list[int]) -> torch.Tensor:
+    def step_batch(self, conversations: list["HeldConversation"], tokens: list[int],
+                   while_waiting: Callable[[], None] | None = None) -> torch.Tensor:
         """One token of each conversation (the session's own, or detached ones), decoded together
         (ktlong/decode/batch.py) -> logits [B, vocab]. A batch of other members is built anew:
         conversations join and leave between steps. A conversation alone steps through its own
-        decoder's batch of one, whose graphs its prefill captured."""
+        decoder's batch of one, whose graphs its prefill captured. while_waiting: called once
+        while the device runs the step (DecodeBatch.step)."""
         decoders = [c.decoder for c in conversations]
         if len(decoders) == 1:
             self._batch = None  # a batch's device buffers and graphs go with its members
-            logits = decoders[0].step(tokens[0])[None]
+            logits = decoders[0].step(tokens[0], while_waiting)[None]
         else:
             start = time.perf_counter()
             new = self._batch is None or len(self._batch[0]) != len(decoders) or any(
                 a is not b for a, b in zip(self._batch[0], decoders))
             if new:
                 self._batch = (decoders, DecodeBatch(self.model, decoders, self.use_cuda_graph))
-            logits = self._batch[1].step(decoders, tokens)  # a new batch's graphs captured first
+            logits = self._batch[1].step(decoders, tokens, while_waiting)  # a new batch's graphs captured first
             if new:
                 self.last_batch_build = time.perf_counter() - start
         for conversation, token in zip(conversations, tokens):
