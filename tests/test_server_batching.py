@@ -3,6 +3,7 @@ concurrent clients, some of which go away mid-answer, each get the answer the sa
 alone; the decode steps really ran several conversations together; and a stream keeps
 producing tokens while another request's long prompt prefills."""
 
+import io
 import json
 import random
 import threading
@@ -50,7 +51,7 @@ def server(lm):
 
     session.step_batch = counted
     s = RunningServer(app)
-    s.rows, s.inside = rows, inside
+    s.rows, s.inside, s.worker = rows, inside, app.state.worker
     yield s
     s.stop()
 
@@ -123,6 +124,7 @@ def test_a_stream_keeps_going_while_a_long_prompt_prefills(server, lm):
                 times.append(time.perf_counter())
                 texts.append(chunk.choices[0].text)
 
+    log, server.worker.log = server.worker.log, io.StringIO()
     t = threading.Thread(target=short)
     t.start()
     deadline = time.time() + 60
@@ -142,6 +144,11 @@ def test_a_stream_keeps_going_while_a_long_prompt_prefills(server, lm):
     assert len(during) >= 3, (len(during), len(times), ended_at - started_at)
     assert server.inside  # its slices ran while the device worked on the short answer's steps
     settle(server)
+    # the log says how its time went: the steps beside it, and its slices in them
+    written, server.worker.log = server.worker.log.getvalue(), log
+    line = next(line for line in written.splitlines() if line.startswith("[answer: ") and "beside " in line)
+    steps = int(line.split("beside ")[1].split(" decode steps")[0])
+    assert steps >= len(during)
 
 
 def test_each_answer_keeps_its_own_options_inside_a_batch(server, lm):

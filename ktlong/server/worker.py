@@ -53,6 +53,11 @@ class Prefilling:
     cached_from: str | None  # where the reused prompt tokens come from (CacheStore.prepare)
     admitted: float  # when it left the queue (perf_counter)
     moved: float  # seconds the cache store took to make the session hold its conversation
+    # beside decoding answers: the steps that ran while it prefilled, their seconds less its
+    # slices', and its slices' seconds inside them (how the device's time went, in the log)
+    steps: int = 0
+    step_seconds: float = 0.0
+    slice_seconds: float = 0.0
 
 
 @dataclass
@@ -242,9 +247,12 @@ class Worker:
         row = Row(reply, 0, None, None, prefilled, len(reply.job.prompt_ids) - prefilled, p.cached_from,
                   session.prefill_density)
         setup = getattr(session, "last_decode_setup_seconds", None)
+        beside = (f"; beside {p.steps} decode steps of {p.step_seconds * 1000 / p.steps:.1f} ms each, "
+                  f"its slices {p.slice_seconds * 1000 / p.steps:.1f} ms a step" if p.steps else "")
         row.timing = (f"queued {p.admitted - reply.ticket.queued_at:.2f} s, cache moved {p.moved:.2f} s, prefill "
                       f"{time.perf_counter() - p.admitted - p.moved:.2f} s"
-                      + (f" (of it the decoder's setup {setup:.2f} s)" if setup is not None else ""))
+                      + (f" (of it the decoder's setup {setup:.2f} s{beside})" if setup is not None else
+                         f" ({beside[2:]})" if beside else ""))
         if p.prefill.error is not None:
             self._finish(row, p.prefill.error)
             return
@@ -268,11 +276,14 @@ class Worker:
         rows = self.rows
         tokens = [r.token for r in rows]
         sliced: list[bool] = []  # whether the prefill ended, once its slice ran
+        p, start, in_slice = self.prefilling, time.perf_counter(), [0.0]
 
         def prefill_slice():
-            sliced.append(self.prefilling.prefill.advance())
+            t0 = time.perf_counter()
+            sliced.append(p.prefill.advance())
+            in_slice[0] = time.perf_counter() - t0
 
-        beside = prefill_slice if self.prefilling is not None else None
+        beside = prefill_slice if p is not None else None
         try:
             if rows[0].conversation is None:
                 logits = self.session.step(tokens[0])[None]
@@ -301,6 +312,10 @@ class Worker:
                 row.token = token
                 going.append(row)
         self.rows = going
+        if p is not None:
+            p.steps += 1
+            p.step_seconds += time.perf_counter() - start - in_slice[0]
+            p.slice_seconds += in_slice[0]
         self._prefill_after(sliced)
 
     def _prefill_after(self, sliced: list[bool]):
