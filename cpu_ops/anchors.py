@@ -21,10 +21,14 @@ def anchors_per_block(anchor_type: str, anchor_num: int) -> int:
     return {"MAX": 1, "MEAN": 1, "QUEST": 2}.get(anchor_type, anchor_num)
 
 
-def stored_anchors(anchors: np.ndarray, anchor_type: str) -> np.ndarray:
-    """float32 anchors [..., A, D] -> the bfloat16 words decode scores with. QUEST's min and max
-    round outwards (down, up), so its score stays an upper bound of q . k; the rest round to
-    nearest."""
+def stored_anchors(anchors: np.ndarray, anchor_type: str, out: np.ndarray | None = None) -> np.ndarray:
+    """float32 anchors [..., A, D] -> the bfloat16 words decode scores with (written into out
+    if given). QUEST's min and max round outwards (down, up), so its score stays an upper bound
+    of q . k; the rest round to nearest."""
     if anchor_type == "QUEST":
-        return np.stack([to_bf16(anchors[..., 0, :], "down"), to_bf16(anchors[..., 1, :], "up")], -2)
-    return to_bf16(anchors)
+        words = np.stack([to_bf16(anchors[..., 0, :], "down"), to_bf16(anchors[..., 1, :], "up")], -2)
+        if out is None:
+            return words
+        out[...] = words
+        return out
+    return to_bf16(anchors, out=out)

@@ -258,3 +258,23 @@ def test_half_words_widen_as_numpy_float16_for_every_word():
 def _half_all(words, out):
     for i in range(len(words)):
         out[i] = half_value(words[i])
+
+
+def test_bf16_rounding_of_a_large_slice_on_every_thread_into_its_place():
+    """Past PARALLEL_FROM values (a long cache's anchors) the rounding runs on every thread, from
+    a slice of blocks straight into the slice of the table it belongs in: torch's bfloat16, and
+    nothing outside the slice written."""
+    import torch
+
+    from cpu_ops.bf16 import PARALLEL_FROM
+
+    x = np.random.default_rng(4).standard_normal((4, 1100, 2, 128)).astype(np.float32) * 100
+    x[1, 7, 0, :3] = [np.inf, -np.inf, 3.0e38]
+    part = x[:, 30:1090]
+    assert part.size > PARALLEL_FROM and not part.flags.c_contiguous
+    table = np.full(x.shape, 7, np.uint16)
+    to_bf16(part, out=table[:, 30:1090])
+    expected = torch.from_numpy(np.ascontiguousarray(part)).bfloat16().view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(table[:, 30:1090], expected)
+    assert (table[:, :30] == 7).all() and (table[:, 1090:] == 7).all()
+    np.testing.assert_array_equal(to_bf16(part), expected)

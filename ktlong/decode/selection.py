@@ -115,7 +115,7 @@ class DecodeBlockSelector:
             anchors = np.stack([h.key_min[layer][:, first:last].numpy(), h.key_max[layer][:, first:last].numpy()], 2)
         else:  # the keys prefill (or _block_filled) picked, unquantised
             anchors = h.anchor_keys[layer][:, first:last].numpy()
-        self.anchors[layer][:, first:last] = stored_anchors(anchors, t)
+        stored_anchors(anchors, t, out=self.anchors[layer][:, first:last])
 
     # ---- preselection ------------------------------------------------------------------
     def preselect(self, layer: int, block_mass: np.ndarray, first: int, last: int):
