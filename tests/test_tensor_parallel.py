@@ -210,3 +210,69 @@ def test_a_saved_cache_under_torchrun_is_a_part_a_rank_and_reads_back_as_one_pro
     missing = chat(2, "w5 w6 w7\n", "--load_kv", saved)
     assert missing.returncode != 0 and not missing.stdout
     assert f"[not loaded: rank 1: Saved cache {tmp_path}/chat.kv.rank1-of-2 does not exist" in missing.stderr
+
+
+def test_the_server_under_torchrun_answers_as_one_process_does(tiny_path, tmp_path):
+    """`torchrun ... -m ktlong.server --tensor_parallel 2`: rank 0 serves HTTP and both ranks run
+    each prefill and step. Through the official client, a question, a follow-up that extends its
+    conversation (the ranks reuse their caches alike) and a streamed completion get the answers
+    a one-process server gives; both servers stop on SIGINT with status 0."""
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    openai = pytest.importorskip("openai")
+    options = ["--model", tiny_path, "--device", "cpu", "--mode", "long_context", "--max_new_tokens", "10",
+               "--set", "block_size=16", "--set", "local_windows_len=64", "--set", "chunk_size=64",
+               "--set", "temperature=0"]
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = {**base, "OMP_NUM_THREADS": "1", "XDG_CONFIG_HOME": str(tmp_path)}
+    document = " ".join(f"w{i % 89}" for i in range(90))  # about 360 tokens of the tiny model's 512
+
+    def rank0(launcher: int) -> int:
+        """torchrun's rank-0 process (a signal to torchrun itself ends in its own traceback)."""
+        for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
+            if b"RANK=0" in Path(f"/proc/{child}/environ").read_bytes().split(b"\0"):
+                return int(child)
+        raise AssertionError("no rank 0 under torchrun")
+
+    def answers(ranks: int) -> tuple[list[str], str]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                   "-m", "ktlong.server", "--tensor_parallel", "2"] if ranks == 2 else
+                  [sys.executable, "-m", "ktlong.server"])
+        server = subprocess.Popen([*launch, *map(str, options), "--port", str(port)], cwd=ROOT, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.time() + 300
+            while True:
+                assert server.poll() is None and time.time() < deadline, server.stderr.read()[-3000:] if server.poll() is not None else "no /health"
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                    break
+                except OSError:
+                    time.sleep(0.5)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+            messages = [{"role": "user", "content": document + "\nWhich word comes after w7?"}]
+            first = client.chat.completions.create(model="tiny", messages=messages)
+            messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": "And after w8?"}]
+            second = client.chat.completions.create(model="tiny", messages=messages)
+            streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+                model="tiny", prompt=document[:200], max_tokens=8, stream=True) if chunk.choices)
+            reused = second.usage.prompt_tokens_details.cached_tokens
+            assert reused > 300  # the follow-up prefilled only its new tokens, on every rank
+            got = [first.choices[0].message.content, second.choices[0].message.content, streamed]
+        finally:
+            os.kill(rank0(server.pid) if ranks == 2 else server.pid, signal.SIGINT)
+            _, err = server.communicate(timeout=120)
+        assert server.returncode == 0, err[-3000:]
+        return got, err
+
+    two, log = answers(2)
+    one, _ = answers(1)
+    assert two == one and all(two)
+    assert "Traceback" not in log

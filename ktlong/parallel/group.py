@@ -5,7 +5,8 @@ Every rank runs the same program on the same inputs (SPMD): prompts, selections 
 only on local heads, sampling with one seed. What crosses ranks is the all-reduce of partial
 sums (attention output, MLP, shared block scores) on the device's backend, and, for the chat,
 the user's input lines, broadcast from rank 0 over gloo, and whether each rank's part of a saved
-cache was written or read alike.
+cache was written or read alike; for the server, what rank 0 runs next and whether a prefill
+stops (ktlong/parallel/mirrored_session.py).
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ class TensorParallel:
         if size.item():
             dist.broadcast(buf, src, group=self.cpu_group)
         return bytes(buf.numpy()).decode() if self.rank != src else text
+
+    def broadcast_flag(self, value: bool, src: int = 0) -> bool:
+        """Rank src's value on every rank (the others' own are ignored)."""
+        flag = torch.tensor([int(value)], dtype=torch.int64)
+        dist.broadcast(flag, src, group=self.cpu_group)
+        return bool(flag.item())
 
     def alike(self, reason: str, values: list[int], differ: str) -> str:
         """What every rank did, said alike on every rank: "" where none failed (reason "") and all

@@ -30,16 +30,23 @@ def model_id(config_model: str, path) -> str:
     return path.stem
 
 
-def make_app(started, log=None):
-    """The app for a loaded model and its session (tests build one in-process from this)."""
+def serving_session(started):
+    """The session the server runs: the long-context one, or a dense one."""
+    from ktlong.session.dense import DenseSession
+
+    return started.session or DenseSession.from_config(started.lm.model, started.config, started.max_seq_len)
+
+
+def make_app(started, log=None, session=None):
+    """The app for a loaded model and its session (tests build one in-process from this).
+    session: serving_session's, or what wraps it (under torchrun, ktlong/parallel/mirrored_session.py)."""
     from ktlong.server.app import build_app
     from ktlong.server.protocol import Defaults, Prompting
     from ktlong.server.worker import Worker
     from ktlong.gguf.chat_template import ChatTemplate
-    from ktlong.session.dense import DenseSession
 
     config, lm = started.config, started.lm
-    session = started.session or DenseSession.from_config(lm.model, config, started.max_seq_len)
+    session = session or serving_session(started)
     # without the model's template, messages are sent as plain "role: text" lines
     template = lm.chat_template if config.use_chat_template else ChatTemplate(None)
     prompting = Prompting(lm.tokenizer, template, config.system_prompt, started.max_seq_len,
@@ -55,12 +62,18 @@ def make_app(started, log=None):
 def cache_store(config, started, session, log=None):
     """The conversations kept besides the session's (ktlong/server/cache_store.py): long-context
     sessions that save their cache, on models without sliding-window layers (whose DRAM keeps
-    only a tail, which no later request can reuse); None otherwise."""
+    only a tail, which no later request can reuse), in one process (the ranks under torchrun
+    mirror one conversation); None otherwise."""
     from ktlong.errors import ConfigError
     from ktlong.kv.memory_plan import GIB, dram_limit
     from ktlong.server.cache_store import CacheStore
     from ktlong.session.saved_cache import fingerprint
 
+    if started.tp is not None:
+        if config.cache_dir:
+            raise ConfigError("Under torchrun the server keeps no cache of conversations on disk; drop --cache_dir, "
+                              "or serve in one process.")
+        return None
     usable = started.session is not None and session.saves_cache and not session.layout.sliding
     if not usable:
         if config.cache_dir:
@@ -79,20 +92,36 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from ktlong.cli import print_error
     from ktlong.config import load_config
-    from ktlong.errors import ConfigError, KtlongError
+    from ktlong.errors import KtlongError
+    from ktlong.parallel.launch import launched_rank
     from ktlong.session.startup import FLAG_TO_OPTION, overrides_from, start
 
+    mirrored = None  # under torchrun, rank 0's session, which tells the other ranks what to run
     try:
         config = load_config(args.config, overrides_from(args, FLAG_TO_OPTION))
-        if config.tensor_parallel > 1:
-            raise ConfigError("The server runs in one process; drop --tensor_parallel (local_chat.py, the "
-                              "evaluation and the benches take it).")
-        check_port(config.host, config.port)  # before minutes of loading, not after
+        if launched_rank() == 0:
+            check_port(config.host, config.port)  # before minutes of loading, not after
         started = start(config, cpu_engine=False)  # its grammars and logprobs are torch operations
-        app, api_key = make_app(started)
+        session = serving_session(started)
+        if started.tp is not None:
+            from ktlong.parallel.mirrored_session import MirroredSession, follow
+
+            cache_store(config, started, session)  # what it refuses, every rank refuses alike
+            if not started.tp.is_main:  # the other ranks run what rank 0 runs, until it closes
+                return follow(session, started.tp)
+            session = mirrored = MirroredSession(session, started.tp)
+        app, api_key = make_app(started, session=session)
+        return serve(config, started, app, api_key)
     except KtlongError as e:
         print_error(e)
         return 2
+    finally:
+        if mirrored is not None:
+            mirrored.close()
+
+
+def serve(config, started, app, api_key) -> int:
+    """Listen until stopped (Ctrl-C, SIGTERM); the running answers end first."""
     import uvicorn
 
     from ktlong.server.stopping import StoppingServer
