@@ -19,9 +19,10 @@ before it.
 
 The owner runs a slice while the device works on its step (ktlong/server/worker.py), so both
 kinds of work share the device, and its stream has the highest priority (`decode_first`): a
-step's kernels go ahead of the chunks' waiting ones, so the chunks take only what the steps
-leave (four streams beside a 1M prefill, one stream each, same priority, slices between the
-steps: 7.8 tok/s each, the prefill at 1.7x its time alone).
+step's kernels go ahead of the chunks' waiting ones, so the chunks take what the steps leave.
+On the H200 (four streams beside a 1M prefill, 8B shapes): slices of 50 ms between the steps,
+at one priority, gave 7.8 tok/s each and a 151.4 s prefill; slices of 30 ms inside them, 10.2
+tok/s and 215.8 s (docs/measurements/2026-12-01-serving.md).
 """
 
 from __future__ import annotations
