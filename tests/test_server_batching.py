@@ -47,7 +47,7 @@ def server(lm):
 
     def counted(conversations, tokens, beside=None):
         rows.append(len(conversations))
-        return step_batch(conversations, tokens, beside and (lambda: (inside.append(len(conversations)), beside())))
+        return step_batch(conversations, tokens, beside and (lambda done: (inside.append(len(conversations)), beside(done))))
 
     session.step_batch = counted
     s = RunningServer(app)

@@ -89,3 +89,29 @@ def test_a_prefill_keeps_at_most_a_few_chunks_in_flight_on_its_own_stream_while_
     ahead.clear()
     p = SlicedPrefill(run_chunks(device, 4, ahead), 0.0, lambda: False, cuda)
     assert p.advance() and ahead == [1, 2, 3, 4] and device.done == 4
+
+
+def test_a_slice_beside_a_step_lasts_until_the_steps_device_work_is_done_if_that_is_longer(monkeypatch):
+    """advance(owner_done): past slice_seconds the prefill goes on, boundary by boundary, while
+    the owner's step is still running on the device (the owner would only wait for it), and hands
+    back at the first boundary after it is done; without it, slice_seconds alone decides."""
+    device = Device()
+    monkeypatch.setattr(sliced_prefill, "torch", types.SimpleNamespace(cuda=device))
+    cuda = types.SimpleNamespace(type="cuda")
+    seen = []
+    p = SlicedPrefill(run_chunks(device, 9, seen), 0.0, lambda: True, cuda)
+    step_done_after = iter([False, False, True, True, False, True])  # the step's event, asked at each boundary
+    chunks_per_slice = []
+    while True:
+        before = device.queued
+        ended = p.advance(lambda: next(step_done_after, True))
+        chunks_per_slice.append(device.queued - before)
+        if ended:
+            break
+    # first slice: the step ran on for two boundaries, so three chunks; second: done at once;
+    # third: one boundary more; then one chunk a slice (the step is done at every ask)
+    assert chunks_per_slice[:3] == [3, 1, 2] and sum(chunks_per_slice) == 9 and p.result == "logits"
+    device.reset()
+    seen.clear()
+    p = SlicedPrefill(run_chunks(device, 3, seen), 0.0, lambda: True, cuda)
+    assert [p.advance(), device.queued] == [False, 1]  # no step to wait for: one chunk a slice

@@ -25,6 +25,9 @@ from ktlong.kv.pinned import host_words
 if TYPE_CHECKING:
     from ktlong.decode.decoder import Decoder
 
+# what runs while a step's device work does (DecodeBatch.step): given a test of whether it is done
+WhileWaiting = Callable[[Callable[[], bool]], None]
+
 
 class DecodeBatch:
     def __init__(self, model, sequences: list["Decoder"], use_cuda_graph: bool):
@@ -36,7 +39,7 @@ class DecodeBatch:
         if not body.writes_dram:  # [B, global layers, 2, KV, R] as DRAM stores them, for write_through
             self.new_kv, self.new_kv_scales = host_words(body.kv_host), host_words(body.kv_scales_host)
         self.scores = body.scores_host.numpy() if body.scores_blocks and not body.device_selects else None
-        self._while_waiting: Callable[[], None] | None = None  # `step`'s, until its first wait
+        self._while_waiting: WhileWaiting | None = None  # `step`'s, until its first wait
 
     def _check(self, sequences: list["Decoder"]):
         assert len(sequences) == self.body.batch and all(
@@ -57,11 +60,11 @@ class DecodeBatch:
 
     @torch.inference_mode()
     def step(self, sequences: list["Decoder"], tokens: list[int],
-             while_waiting: Callable[[], None] | None = None) -> torch.Tensor:
+             while_waiting: WhileWaiting | None = None) -> torch.Tensor:
         """Run token b of each sequence b at its next position -> logits [B, vocab].
-        while_waiting: called once, when the step's device work is queued and before the host
-        first waits for it (the server runs a slice of a prefill there, which the device then
-        runs beside the step)."""
+        while_waiting(done): called once, when the step's device work is queued and before the
+        host first waits for it, with a test of whether that work is done (the server runs a
+        slice of a prefill there, which the device then runs beside the step)."""
         self._check(sequences)
         self._while_waiting = while_waiting
         start = time.perf_counter()
@@ -97,7 +100,7 @@ class DecodeBatch:
     def _wait(self, sequences: list["Decoder"]):
         if self._while_waiting is not None:
             work, self._while_waiting = self._while_waiting, None
-            work()
+            work(self.body.done)
         t0 = time.perf_counter()
         self.body.wait()
         waited = time.perf_counter() - t0

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
 
-from ktlong.decode.batch import DecodeBatch
+from ktlong.decode.batch import DecodeBatch, WhileWaiting
 from ktlong.decode.dram_blocks import DramBlocks
 from ktlong.decode.selection import DecodeBlockSelector, SelectionSettings, stored_view
 from ktlong.decode.device_anchors import DeviceAnchors, scores_on_device
@@ -151,7 +150,7 @@ class Decoder:
         self.alone.capture_graphs([self])
 
     @torch.inference_mode()
-    def step(self, token_id: int, while_waiting: Callable[[], None] | None = None) -> torch.Tensor:
+    def step(self, token_id: int, while_waiting: WhileWaiting | None = None) -> torch.Tensor:
         """Run one token at position host.num_tokens, this conversation alone; return its logits
         [vocab]. while_waiting: DecodeBatch.step's."""
         return self.alone.step([self], [token_id], while_waiting)[0]

@@ -365,6 +365,10 @@ class DecodeStep:
             self.graphs, self.window_graphs, self.dram_graphs, self.offsets = [], [], [], {}
         return bool(self.graphs) or not self.capturing
 
+    def done(self) -> bool:
+        """Whether what `wait` waits for is done already."""
+        return self.copied is None or self.copied.query()
+
     def wait(self):
         """Until the last segment's copies to host memory are done (its window part may still run)."""
         if self.copied is not None:

@@ -52,7 +52,7 @@ class MirroredSession:
         self._tell({"op": "step", "token": int(token_id)})
         return self._session.step(token_id)
 
-    def step_batch(self, conversations: list, tokens: list[int], while_waiting: Callable[[], None] | None = None):
+    def step_batch(self, conversations: list, tokens: list[int], while_waiting=None):
         """One conversation, the session's own: its step (nothing prefills beside it here)."""
         assert len(conversations) == 1 and conversations[0] is self._session.conversation, \
             "under torchrun the ranks decode the session's own conversation only"

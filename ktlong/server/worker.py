@@ -272,15 +272,16 @@ class Worker:
     def _decode_step(self):
         """One token of every running answer; a prefill's next slice runs while the device works
         on the step (its chunks beside the step's on the device, the host's part of both in
-        turn), or after it where the step never waits."""
+        turn; the slice until the step is done, if that is longer), or after it where the step
+        never waits."""
         rows = self.rows
         tokens = [r.token for r in rows]
         sliced: list[bool] = []  # whether the prefill ended, once its slice ran
         p, start, in_slice = self.prefilling, time.perf_counter(), [0.0]
 
-        def prefill_slice():
+        def prefill_slice(step_done):
             t0 = time.perf_counter()
-            sliced.append(p.prefill.advance())
+            sliced.append(p.prefill.advance(step_done))
             in_slice[0] = time.perf_counter() - t0
 
         beside = prefill_slice if p is not None else None

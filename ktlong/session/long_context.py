@@ -25,7 +25,7 @@ from ktlong.kv.shared_prefix import shareable_blocks
 from ktlong.models.llama import LlamaModel
 from ktlong.prefill import LayerMajorPrefill
 from ktlong.decode.selection import SelectionSettings
-from ktlong.decode.batch import DecodeBatch
+from ktlong.decode.batch import DecodeBatch, WhileWaiting
 from ktlong.decode.decoder import Decoder
 from ktlong.decode.warm_up import compile_decode_kernels
 from ktlong.session.parked_decoders import ParkedDecoders
@@ -233,7 +233,7 @@ class LongContextSession:
 
     @torch.inference_mode()
     def step_batch(self, conversations: list["HeldConversation"], tokens: list[int],
-                   while_waiting: Callable[[], None] | None = None) -> torch.Tensor:
+                   while_waiting: WhileWaiting | None = None) -> torch.Tensor:
         """One token of each conversation (the session's own, or detached ones), decoded together
         (ktlong/decode/batch.py) -> logits [B, vocab]. A batch of other members is built anew:
         conversations join and leave between steps. A conversation alone steps through its own

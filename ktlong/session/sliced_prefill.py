@@ -19,7 +19,9 @@ before it.
 
 The owner runs a slice while the device works on its step (ktlong/server/worker.py), so both
 kinds of work share the device, and its stream has the highest priority (`decode_first`): a
-step's kernels go ahead of the chunks' waiting ones, so the chunks take what the steps leave.
+step's kernels go ahead of the chunks' waiting ones, so the chunks take what the steps leave. The
+slice lasts slice_seconds, or until the step's device work is done if that is later: the owner
+would only wait for it, and the prefill goes at its host's share of the time.
 On the H200 (four streams beside a 1M prefill, 8B shapes): slices of 50 ms between the steps,
 at one priority, gave 7.8 tok/s each and a 151.4 s prefill; slices of 30 ms inside them, 10.2
 tok/s and 215.8 s (docs/measurements/2026-12-01-serving.md).
@@ -66,13 +68,17 @@ class SlicedPrefill:
         self.result, self.error, self.done = None, None, False
         self._go, self._back = threading.Semaphore(0), threading.Semaphore(0)
         self._since = 0.0
+        self._busy: Callable[[], bool] | None = None  # the owner's device work, while it is not done
         self._thread = threading.Thread(target=self._main, name="ktlong-prefill", daemon=True)
         self._started = False
 
-    def advance(self) -> bool:
-        """Run the prefill's next slice (from its start, the first time); True once it ended."""
+    def advance(self, owner_done: Callable[[], bool] | None = None) -> bool:
+        """Run the prefill's next slice (from its start, the first time); True once it ended.
+        owner_done: whether the device work the owner queued before (its decode step) is done;
+        the slice then goes on until it is, if that is longer than slice_seconds."""
         assert not self.done
         self._since = time.perf_counter()
+        self._busy = (lambda: not owner_done()) if owner_done is not None else None
         if not self._started:
             self._started = True
             self._thread.start()
@@ -107,7 +113,7 @@ class SlicedPrefill:
             self._fences.append(fence)
             while len(self._fences) > AHEAD:
                 self._fences.pop(0).synchronize()
-        if time.perf_counter() - self._since < self.slice_seconds:
+        if time.perf_counter() - self._since < self.slice_seconds or (self._busy is not None and self._busy()):
             return
         self._back.release()
         self._go.acquire()
