@@ -63,21 +63,35 @@ class Decoder:
         blocks' reads (`context_attention: gpu`) find them."""
         context_attention = settings.context_attention
         assert context_attention in ("cpu", "gpu"), "resolve_selection first (ktlong/session/plan.py)"
+        # host seconds of each part of the setup (a 1M cache's took 7-9 s on the H200, the other
+        # streams waiting: the server's log names the parts)
+        self.setup_seconds: dict[str, float] = {}
+        since = [time.perf_counter()]
+
+        def done(part: str):
+            now = time.perf_counter()
+            self.setup_seconds[part] = self.setup_seconds.get(part, 0.0) + now - since[0]
+            since[0] = now
+
         self.model, self.host, self.settings = model, host, settings
         layout = host.layout
         self.layout, self.block_size = layout, layout.block_size
         self.window = DeviceWindow(layout, local_windows_len, SINK_BLOCKS * layout.block_size, model.device)
         self.resident = resident
         self.window.load_from_host(host, resident)
+        done("window")
         c = model.config
         assert not c.sliding_window or local_windows_len >= c.sliding_window, "the window must cover sliding layers"
         self.global_layers = layout.global_layers
         self.selector = DecodeBlockSelector(settings, host, c.num_heads, model.tp)
         self.selector.build_all(host.num_tokens, self.global_layers)
+        done("anchors")
         self._preselect(block_mass or {})
+        done("preselection")
         # block scores computed on the device from a copy of the anchors (`block_scoring`)
         self.device_anchors = (DeviceAnchors(self.selector, self.global_layers, model.device)
                                if scores_on_device(settings) else None)
+        done("device anchors")
         self.k_stored = [stored_view(host, layer, "k") for layer in range(layout.num_layers)]
         self.v_stored = [stored_view(host, layer, "v") for layer in range(layout.num_layers)]
         self.block_bytes = 2 * layout.block_size * self.k_stored[0].nbytes_per_token()  # K and V of one head
@@ -94,11 +108,13 @@ class Decoder:
                 self.selection.load_candidates()
             self.dram_blocks = DramBlocks(host, self.global_layers, settings.second_select_num, model.scale,
                                           model.device, self.selection)
+        done("device selection")
         self._resident_seen = None  # the resident.version the selected blocks' reads follow
         self.follow_resident()
         # this conversation stepped alone: a batch of one, with its own body and graphs, kept
         # with the decoder while it is parked (ktlong/session/parked_decoders.py)
         self.alone = DecodeBatch(model, [self], use_cuda_graph and self.cuda)
+        done("step buffers")
 
     @property
     def body(self):
@@ -147,7 +163,9 @@ class Decoder:
     def capture_graphs(self):
         """Capture the CUDA graphs of this decoder's steps alone now, at the end of prefill, so
         that no decode step pays for it."""
+        start = time.perf_counter()
         self.alone.capture_graphs([self])
+        self.setup_seconds["graphs"] = time.perf_counter() - start
 
     @torch.inference_mode()
     def step(self, token_id: int, while_waiting: WhileWaiting | None = None) -> torch.Tensor:

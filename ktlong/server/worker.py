@@ -42,6 +42,9 @@ from ktlong.session.protocol import Session
 from ktlong.session.sliced_prefill import SlicedPrefill, decode_first
 
 
+SETUP_PARTS_FROM = 0.5  # seconds of a decoder's setup from which the log names its parts
+
+
 class QueueFull(Exception):
     pass
 
@@ -247,11 +250,13 @@ class Worker:
         row = Row(reply, 0, None, None, prefilled, len(reply.job.prompt_ids) - prefilled, p.cached_from,
                   session.prefill_density)
         setup = getattr(session, "last_decode_setup_seconds", None)
+        parts = getattr(session, "last_decode_setup_parts", {}) if (setup or 0) >= SETUP_PARTS_FROM else {}
+        setup_parts = ": " + ", ".join(f"{name} {seconds:.2f}" for name, seconds in parts.items()) if parts else ""
         beside = (f"; beside {p.steps} decode steps of {p.step_seconds * 1000 / p.steps:.1f} ms each, "
                   f"its slices {p.slice_seconds * 1000 / p.steps:.1f} ms a step" if p.steps else "")
         row.timing = (f"queued {p.admitted - reply.ticket.queued_at:.2f} s, cache moved {p.moved:.2f} s, prefill "
                       f"{time.perf_counter() - p.admitted - p.moved:.2f} s"
-                      + (f" (of it the decoder's setup {setup:.2f} s{beside})" if setup is not None else
+                      + (f" (of it the decoder's setup {setup:.2f} s{setup_parts}{beside})" if setup is not None else
                          f" ({beside[2:]})" if beside else ""))
         if p.prefill.error is not None:
             self._finish(row, p.prefill.error)

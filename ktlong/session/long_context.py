@@ -76,6 +76,7 @@ class LongContextSession:
         self.last_stats = None
         self.last_prefill_tokens = 0  # tokens the last prefill computed (the rest came from the cache)
         self.last_decode_setup_seconds = 0.0  # after the last prefill: the decoder built, its graphs captured
+        self.last_decode_setup_parts: dict[str, float] = {}  # of it, a new decoder's parts (Decoder.setup_seconds)
         self.last_follow_up = (False, False)  # the last prefill's (decoder kept, history prefetched)
         self._batch = None  # (decoders, DecodeBatch) of the last step_batch of several conversations
         self.last_batch_build: float | None = None  # seconds a new batch's first step took (built, captured)
@@ -312,8 +313,10 @@ class LongContextSession:
         if kept is not None:
             kept.extend(history // self.layout.block_size, self.block_mass)
             self.decoder = kept
+            self.last_decode_setup_parts = {}
         else:
             self.decoder = self.new_decoder(alone)
+            self.last_decode_setup_parts = self.decoder.setup_seconds
         self.last_decode_setup_seconds = time.perf_counter() - start
         return logits
 
