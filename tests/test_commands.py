@@ -408,3 +408,17 @@ def test_importing_ktlong_gives_the_gpu_allocator_expandable_segments_unless_set
     out = subprocess.run([sys.executable, "-c", "import os, ktlong; print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])"],
                          env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert out == (given or "expandable_segments:True")
+
+
+def test_bench_serve_quotes_the_servers_line_for_the_prefill_beside_the_streams(tmp_path):
+    from ktlong.bench.serve import beside_account
+
+    log = tmp_path / "server.log"
+    beside = ("[answer: 1 tokens after 1,050,111 prompt tokens (none cached): queued 0.34 s, cache moved 0.00 s, "
+              "prefill 215.84 s (of it the decoder's setup 9.18 s; beside 2210 decode steps of 68.1 ms each, "
+              "its slices 29.9 ms a step); first token 216.18 s after the request came, then 0.0 tok/s]")
+    log.write_text("[answer: 128 tokens after 60,045 prompt tokens (none cached): prefill 4.5 s]\n" + beside + "\n"
+                   "[answer: 1 tokens after 1,050,118 prompt tokens (none cached): prefill 95.1 s]\n")
+    assert beside_account(str(log)) == beside
+    log.write_text("[answer: 1 tokens after 12 prompt tokens]\n")
+    assert beside_account(str(log)) == "" and beside_account(str(tmp_path / "missing.log")) == ""

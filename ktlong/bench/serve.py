@@ -216,6 +216,7 @@ def main(argv=None) -> int:
             raise server.lost(e) from None
         finally:
             server.stop()
+        account = beside_account(server.log_path) if args.long_chars else ""
     which = "one shared document" if args.shared_document else "each client's document"
     print(f"{model_id}, {' '.join(args.set) or 'defaults'}; {which} {args.chars:,} characters, "
           f"{args.tokens} tokens asked; max_num_seqs {seqs}")
@@ -225,4 +226,17 @@ def main(argv=None) -> int:
         print(f"the new document's time to the first token: {beside:.2f} s beside {counts[-1]} decoding clients, "
               f"{alone_ttft:.2f} s alone ({beside / alone_ttft:.2f}x); {through} of the {counts[-1]} clients decoded "
               f"until it came")
+        if account:
+            print(f"the server's log of its prefill: {account}")
     return 0
+
+
+def beside_account(log_path: str) -> str:
+    """The server's line for the last prefill that ran beside decoding answers (its steps, their
+    time and its slices', its decoder's setup: ktlong/server/worker.py), or "" if none."""
+    try:
+        with open(log_path, errors="replace") as f:
+            lines = [line.strip() for line in f if " decode steps of " in line]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
