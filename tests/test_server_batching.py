@@ -47,7 +47,12 @@ def server(lm):
 
     def counted(conversations, tokens, beside=None):
         rows.append(len(conversations))
-        return step_batch(conversations, tokens, beside and (lambda done: (inside.append(len(conversations)), beside(done))))
+
+        def slice_inside(step_done):
+            inside.append(len(conversations))
+            beside(step_done)
+
+        return step_batch(conversations, tokens, slice_inside if beside else None)
 
     session.step_batch = counted
     s = RunningServer(app)

@@ -249,7 +249,9 @@ def test_the_server_under_torchrun_answers_as_one_process_does(tiny_path, tmp_pa
         try:
             deadline = time.time() + 300
             while True:
-                assert server.poll() is None and time.time() < deadline, server.stderr.read()[-3000:] if server.poll() is not None else "no /health"
+                if server.poll() is not None:
+                    raise AssertionError(server.stderr.read()[-3000:])
+                assert time.time() < deadline, "the server did not answer /health"
                 try:
                     urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
                     break
