@@ -17,8 +17,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m ktlong.server",
         description="Serve a long-context GGUF model over the OpenAI API (/v1/chat/completions, "
                     "/v1/completions, /v1/models, /health).",
-        epilog="A request that extends the previous conversation reuses its KV cache. Options not "
-               "listed here: --set KEY=VALUE with any key of configs/default.yaml.")
+        epilog="A request that extends the previous conversation reuses its KV cache. Under torchrun "
+               "(--tensor_parallel N) rank 0 serves and every rank runs each prefill and step, one "
+               "conversation at a time. Options not listed here: --set KEY=VALUE with any key of "
+               "configs/default.yaml.")
     add_config_flags(p, server=True)
     return p
 
