@@ -249,15 +249,18 @@ class Worker:
         prefilled = session.last_prefill_tokens
         row = Row(reply, 0, None, None, prefilled, len(reply.job.prompt_ids) - prefilled, p.cached_from,
                   session.prefill_density)
+        notes = []  # of the prefill's time: its decoder's setup (by part when long), the steps beside it
         setup = getattr(session, "last_decode_setup_seconds", None)
-        parts = getattr(session, "last_decode_setup_parts", {}) if (setup or 0) >= SETUP_PARTS_FROM else {}
-        setup_parts = ": " + ", ".join(f"{name} {seconds:.2f}" for name, seconds in parts.items()) if parts else ""
-        beside = (f"; beside {p.steps} decode steps of {p.step_seconds * 1000 / p.steps:.1f} ms each, "
-                  f"its slices {p.slice_seconds * 1000 / p.steps:.1f} ms a step" if p.steps else "")
+        if setup is not None:
+            parts = getattr(session, "last_decode_setup_parts", {}) if setup >= SETUP_PARTS_FROM else {}
+            named = ", ".join(f"{name} {seconds:.2f}" for name, seconds in parts.items())
+            notes.append(f"of it the decoder's setup {setup:.2f} s" + (f": {named}" if named else ""))
+        if p.steps:
+            notes.append(f"beside {p.steps} decode steps of {p.step_seconds * 1000 / p.steps:.1f} ms each, "
+                         f"its slices {p.slice_seconds * 1000 / p.steps:.1f} ms a step")
         row.timing = (f"queued {p.admitted - reply.ticket.queued_at:.2f} s, cache moved {p.moved:.2f} s, prefill "
                       f"{time.perf_counter() - p.admitted - p.moved:.2f} s"
-                      + (f" (of it the decoder's setup {setup:.2f} s{setup_parts}{beside})" if setup is not None else
-                         f" ({beside[2:]})" if beside else ""))
+                      + (f" ({'; '.join(notes)})" if notes else ""))
         if p.prefill.error is not None:
             self._finish(row, p.prefill.error)
             return
@@ -281,13 +284,15 @@ class Worker:
         never waits."""
         rows = self.rows
         tokens = [r.token for r in rows]
-        sliced: list[bool] = []  # whether the prefill ended, once its slice ran
-        p, start, in_slice = self.prefilling, time.perf_counter(), [0.0]
+        p, start = self.prefilling, time.perf_counter()
+        ended: bool | None = None  # whether the prefill ended, once its slice ran
+        in_slice = 0.0  # the slice's seconds
 
         def prefill_slice(step_done):
+            nonlocal ended, in_slice
             t0 = time.perf_counter()
-            sliced.append(p.prefill.advance(step_done))
-            in_slice[0] = time.perf_counter() - t0
+            ended = p.prefill.advance(step_done)
+            in_slice = time.perf_counter() - t0
 
         beside = prefill_slice if p is not None else None
         try:
@@ -303,7 +308,7 @@ class Worker:
             self.rows = []
             for row in rows:
                 self._finish(row, e)
-            self._prefill_after(sliced)
+            self._prefill_after(ended)
             return
         going = []
         for b, row in enumerate(rows):
@@ -320,17 +325,18 @@ class Worker:
         self.rows = going
         if p is not None:
             p.steps += 1
-            p.step_seconds += time.perf_counter() - start - in_slice[0]
-            p.slice_seconds += in_slice[0]
-        self._prefill_after(sliced)
+            p.step_seconds += time.perf_counter() - start - in_slice
+            p.slice_seconds += in_slice
+        self._prefill_after(ended)
 
-    def _prefill_after(self, sliced: list[bool]):
-        """After a step: the prefill's slice if the step did not run it, and its end if it came."""
+    def _prefill_after(self, ended: bool | None):
+        """After a step: the prefill's slice if the step did not run it (ended None), and its end
+        if it came."""
         if self.prefilling is None:
             return
-        if not sliced:
+        if ended is None:
             self._prefill_slice()
-        elif sliced[0]:
+        elif ended:
             self._prefilled()
 
     def _finish(self, row: Row, error: BaseException | None = None):
