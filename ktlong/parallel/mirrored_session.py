@@ -53,11 +53,11 @@ class MirroredSession:
         return self._session.step(token_id)
 
     def step_batch(self, conversations: list, tokens: list[int], while_waiting=None):
-        """One conversation, the session's own: its step (nothing prefills beside it here)."""
+        """One conversation, the session's own: its `step`, the call the other ranks make too
+        (nothing prefills beside it here)."""
         assert len(conversations) == 1 and conversations[0] is self._session.conversation, \
             "under torchrun the ranks decode the session's own conversation only"
-        self._tell({"op": "step", "token": int(tokens[0])})
-        return self._session.step_batch(conversations, tokens, while_waiting)
+        return self.step(tokens[0])[None]
 
     def close(self):
         """The other ranks leave `follow` (where they are still there: a signal may have ended
