@@ -364,6 +364,25 @@ def test_a_stopped_prefill_leaves_a_cache_the_next_prefill_can_trust(tiny, kind)
     assert gen.finish_reason == "cancelled" and gen.token_ids == []
 
 
+def test_a_prefill_pauses_and_can_stop_inside_its_decoders_setup(tiny):
+    """The decoder's setup after the last chunk (seconds over a 1M cache) asks should_stop too,
+    between its parts and after each global layer's anchors, so a prefill beside decoding
+    answers gives the host back there; a stop there forgets the cache as one between chunks does."""
+    from ktlong.errors import Cancelled
+
+    prompt = [int(t) for t in np.random.default_rng(9).integers(0, 300, size=150)]
+    session, in_setup = every_block(tiny, 400), []
+    session.prefill(prompt, should_stop=lambda: in_setup.append(session.ids == prompt) or False)
+    layers = len(session.decoder.global_layers)
+    assert sum(in_setup) >= layers and in_setup[-1]  # after every layer's anchors, up to the setup's end
+    session = every_block(tiny, 400)
+    with pytest.raises(Cancelled):
+        session.prefill(prompt, should_stop=lambda: session.ids == prompt)
+    assert session.ids == [] and session.host.num_tokens == 0 and session.decoder is None
+    again = session.prefill(prompt)
+    assert session.last_prefill_tokens == 150 and rel(again, every_block(tiny, 400).prefill(prompt)) < 1e-5
+
+
 @pytest.mark.parametrize("arm, sparse_prefill, sparse_decode", [
     ("dense", False, False), ("sparse", True, True), ("sparse-prefill", True, False), ("sparse-decode", False, True)])
 def test_evaluation_arms_make_each_stage_sparse_or_dense(tiny, tmp_path, arm, sparse_prefill, sparse_decode):

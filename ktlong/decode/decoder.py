@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -54,24 +55,28 @@ class DecodeTimes:
 class Decoder:
     def __init__(self, model: LlamaModel, host: HostKVCache, settings: SelectionSettings,
                  local_windows_len: int, use_cuda_graph: bool = False,
-                 block_mass: dict[int, np.ndarray] | None = None, resident=None):
+                 block_mass: dict[int, np.ndarray] | None = None, resident=None,
+                 between: Callable[[], None] = lambda: None):
         """settings, resolved (ktlong/session/plan.py): context_attention "gpu": the device reads
         every selected block where it lies in DRAM (ktlong/decode/dram_blocks.py); "cpu": the
         Numba operator reads them. block_mass: the prefill's attention mass per global layer and
         block (PrefillStats.block_mass), for preselection. resident: the layers whose rows the
         device keeps between turns (ktlong/kv/resident.py), where the window and the selected
-        blocks' reads (`context_attention: gpu`) find them."""
+        blocks' reads (`context_attention: gpu`) find them. between(): called between the parts
+        of the setup and between the layers of its long parts (a 1M cache's took 7-9 s on the
+        H200): a prefill beside decoding answers gives the host back to their steps there
+        (ktlong/session/sliced_prefill.py)."""
         context_attention = settings.context_attention
         assert context_attention in ("cpu", "gpu"), "resolve_selection first (ktlong/session/plan.py)"
-        # host seconds of each part of the setup (a 1M cache's took 7-9 s on the H200, the other
-        # streams waiting: the server's log names the parts)
+        # host seconds of each part of the setup (the server's log names them where it is long)
         self.setup_seconds: dict[str, float] = {}
         since = [time.perf_counter()]
 
         def done(part: str):
             now = time.perf_counter()
             self.setup_seconds[part] = self.setup_seconds.get(part, 0.0) + now - since[0]
-            since[0] = now
+            between()
+            since[0] = time.perf_counter()
 
         self.model, self.host, self.settings = model, host, settings
         layout = host.layout
@@ -84,12 +89,12 @@ class Decoder:
         assert not c.sliding_window or local_windows_len >= c.sliding_window, "the window must cover sliding layers"
         self.global_layers = layout.global_layers
         self.selector = DecodeBlockSelector(settings, host, c.num_heads, model.tp)
-        self.selector.build_all(host.num_tokens, self.global_layers)
+        self.selector.build_all(host.num_tokens, self.global_layers, between=between)
         done("anchors")
         self._preselect(block_mass or {})
         done("preselection")
         # block scores computed on the device from a copy of the anchors (`block_scoring`)
-        self.device_anchors = (DeviceAnchors(self.selector, self.global_layers, model.device)
+        self.device_anchors = (DeviceAnchors(self.selector, self.global_layers, model.device, between)
                                if scores_on_device(settings) else None)
         done("device anchors")
         self.k_stored = [stored_view(host, layer, "k") for layer in range(layout.num_layers)]

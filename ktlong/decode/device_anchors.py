@@ -14,6 +14,8 @@ head_dim x 2, e.g. 268 MB for LLaMA-3.1-8B at 512K with one anchor (memory_plan 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -33,11 +35,16 @@ def _as_bf16(words: np.ndarray) -> torch.Tensor:
 
 
 class DeviceAnchors:
-    def __init__(self, selector: DecodeBlockSelector, layers: list[int], device: torch.device):
+    def __init__(self, selector: DecodeBlockSelector, layers: list[int], device: torch.device,
+                 between: Callable[[], None] = lambda: None):
+        """between(): called after each layer's copy."""
         self.selector = selector
         self.quest = selector.s.anchor_type == "QUEST"
         self.shared = selector.s.head_select_mode == "SHARED"
-        self.anchors = {layer: _as_bf16(selector.anchors[layer]).to(device) for layer in layers}
+        self.anchors = {}
+        for layer in layers:
+            self.anchors[layer] = _as_bf16(selector.anchors[layer]).to(device)
+            between()
 
     @property
     def num_rows(self) -> int:

@@ -12,6 +12,7 @@ later are always candidates).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -93,14 +94,16 @@ class DecodeBlockSelector:
         self.block_ids = np.arange(layout.num_blocks, dtype=np.int32)
 
     # ---- anchors -----------------------------------------------------------------------
-    def build_all(self, num_tokens: int, layers: list[int] | None = None, first_block: int = 0):
+    def build_all(self, num_tokens: int, layers: list[int] | None = None, first_block: int = 0,
+                  between: Callable[[], None] = lambda: None):
         """After a prefill of num_tokens: the anchors of blocks first_block.. (the ones that
         prefill wrote; all of them by default), and selection starts over (no preselection, no
-        selection kept from earlier steps)."""
+        selection kept from earlier steps). between(): called after each layer's."""
         num_blocks = -(-num_tokens // self.block_size)
         self.prompt_blocks = num_tokens // self.block_size
         for layer in range(len(self.anchors)) if layers is None else layers:
             self.update_blocks(layer, first_block, num_blocks)
+            between()
         self.candidates = [None] * len(self.anchors)
         self._competing = [None] * len(self.anchors)
         self.cache = {}

@@ -268,8 +268,8 @@ class LongContextSession:
                 on_progress: Callable[[int, int], None] | None = None, alone: bool = True) -> torch.Tensor:
         """Prefill what the cache does not hold yet: all of a new prompt, or the new tokens of a
         follow-up (the conversation so far, extended) over the history in DRAM. should_stop is
-        asked after every chunk of every layer; when it says so, the half-written cache is
-        forgotten and Cancelled raised. alone: the conversation will decode by itself, so its
+        asked after every chunk of every layer and between the parts of the decoder's setup; when
+        it says so, the half-written cache is forgotten and Cancelled raised. alone: the conversation will decode by itself, so its
         decoder's graphs are captured now; otherwise (it joins a batch, whose own graphs serve it)
         on its first step alone, if it ever takes one."""
         history = self.reusable(prompt_ids)
@@ -315,15 +315,20 @@ class LongContextSession:
             self.decoder = kept
             self.last_decode_setup_parts = {}
         else:
-            self.decoder = self.new_decoder(alone)
+            try:  # asked between its parts and layers too: a stop there forgets the cache as well
+                self.decoder = self.new_decoder(alone, progress.check)
+            except Cancelled:
+                self.reset()
+                raise
             self.last_decode_setup_parts = self.decoder.setup_seconds
         self.last_decode_setup_seconds = time.perf_counter() - start
         return logits
 
-    def new_decoder(self, capture: bool = True) -> Decoder:
-        """A decoder over the cache as it is, its graphs captured now (capture) or on its first step."""
+    def new_decoder(self, capture: bool = True, between: Callable[[], None] = lambda: None) -> Decoder:
+        """A decoder over the cache as it is, its graphs captured now (capture) or on its first
+        step; between(): Decoder's."""
         decoder = Decoder(self.model, self.host, self.selection, self.local_windows_len, self.use_cuda_graph,
-                          self.block_mass, self.resident)
+                          self.block_mass, self.resident, between)
         if capture:
             decoder.capture_graphs()
         return decoder
@@ -362,15 +367,20 @@ class LongContextSession:
 
 class _ScaledProgress:
     """The engine reports tokens per layer; the bar counts prompt tokens. It is also where a
-    prefill is stopped: after any chunk of any layer."""
+    prefill is stopped: after any chunk of any layer, and between the parts of its decoder's
+    setup (`check`)."""
 
     def __init__(self, bar, scale, should_stop=None, on_progress=None):
         self.bar, self.scale, self.done, self.should_stop = bar, scale, 0.0, should_stop
         self.on_progress = on_progress
 
-    def update(self, n):
+    def check(self):
+        """Raise Cancelled if should_stop says so."""
         if self.should_stop is not None and self.should_stop():
             raise Cancelled
+
+    def update(self, n):
+        self.check()
         self.done += n * self.scale
         step = min(int(self.done + 1e-6), self.bar.total) - self.bar.n
         if step > 0:
