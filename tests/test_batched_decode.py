@@ -26,12 +26,13 @@ def tiny(tmp_path_factory):
     return tiny_model(tmp_path_factory.mktemp("m"), TinySpec(num_layers=4, hidden=128, head_dim=32), seed=7)  # q8_0 rows: head_dim 32
 
 
-def conversation(lm, settings, kv_type, length):
+def conversation(lm, settings, kv_type, length, answer_room=None):
     c = lm.config
     layout = with_anchors(kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, B, 512, kv_type), settings)
     session = LongContextSession(lm.model, layout, chunk_size=64, backend="torch", hidden_on_device=True,
                                  compact=None, selection=settings, local_windows_len=32, use_cuda_graph=False)
-    session.prefill([int(t) for t in np.random.default_rng(length).integers(0, 298, size=length)])
+    session.prefill([int(t) for t in np.random.default_rng(length).integers(0, 298, size=length)],
+                    answer_room=answer_room)
     return session
 
 
@@ -79,9 +80,14 @@ def test_a_batch_with_joins_and_leaves_equals_each_conversation_alone(tiny, case
     if session.decoder.selection is None:  # the host selects: its calls show that blocks were selected
         assert all(any(len(heads[0]) == 3 for _, _, heads in calls) for calls in alone_calls)
 
-    # together: one batch per set of members, rebuilt as conversations join and leave
-    sessions = [conversation(tiny, settings, kv_type, length) for length in PROMPTS]
+    # together: one batch per set of members, rebuilt as conversations join and leave; each
+    # decoder's device anchors sized for its prompt and answer (alone: for max_seq_len), so the
+    # members of a batch score blocks tables of different widths
+    sessions = [conversation(tiny, settings, kv_type, length, answer_room=STEPS) for length in PROMPTS]
     decoders = [s.decoder for s in sessions]
+    if options["block_scoring"] == "device":
+        assert [d.device_anchors.num_blocks for d in decoders] == [-(-(n + STEPS) // B) for n in PROMPTS]
+        assert [d.anchor_bytes for d in decoders] == [sessions[0].anchors.bytes_for(n + STEPS) for n in PROMPTS]
     batch_calls = [record_selections(d) for d in decoders]
     logits = [[] for _ in PROMPTS]
     heads = tiny.model.logits

@@ -139,7 +139,11 @@ def test_max_num_seqs_conversations_each_get_a_window_anchors_and_a_cache_and_th
     assert eight.dram_total == 8 * (one.dram_kv + one.dram_side_tables) + eight.dram_hidden
     window = 2 * 32 * 8 * (128 + 4096 + 2 * 128) * 128 * 2  # sinks, window and two blocks, bf16
     assert one.decode_window == window
-    assert eight.decode_device - one.decode_device == 7 * (window + one.decode_anchors)
+    # the anchors' pool: what the budget leaves at the peak, up to eight conversations of max_seq_len's
+    beside = one.weights + one.kv_pages + max(one.hidden + one.workspace + 7 * window, 8 * window)
+    assert eight.anchors_pool == min(8 * one.decode_anchors, 24 * GIB - beside) > one.decode_anchors
+    assert eight.decode_device - one.decode_device == 7 * window + eight.anchors_pool - one.anchors_pool
+    assert one.anchors_pool == one.decode_anchors  # a budget with room to spare: one conversation's
     assert "GPU decode window x8" in eight.table() and "DRAM KV (32 global layers) x8" in eight.table()
     check_plan(eight, 24 * GIB, True, free_dram=8 * eight.dram_cache + (1 << 30), max_seq_len=128 << 10)
     # caches hold what their conversations reserve, and the server admits requests as DRAM
@@ -149,12 +153,33 @@ def test_max_num_seqs_conversations_each_get_a_window_anchors_and_a_cache_and_th
                                           r"GiB is free; lower max_seq_len to about 1[23]\d,\d\d\d\."):
         check_plan(eight, 24 * GIB, True, free_dram=eight.dram_cache - (1 << 29), max_seq_len=128 << 10)
     # the server prefills one conversation while the other seven decode: its hidden states and
-    # workspace beside seven windows and anchors
-    per = window + one.decode_anchors
-    assert eight.device_total == max(one.prefill_device + 7 * per, eight.decode_device)
-    # a GPU budget that leaves room for five conversations: five windows and anchors while they
-    # decode, four of them beside a prefill
-    budget = one.weights + one.kv_pages + max(5 * per, one.hidden + one.workspace + 4 * per) + per // 2
+    # workspace beside seven windows, and the anchors' pool
+    assert eight.device_total == beside + eight.anchors_pool <= 24 * GIB
+    # a GPU budget that leaves room for five conversations beside one of max_seq_len's anchors:
+    # five windows while they decode, four of them beside a prefill
+    budget = (one.weights + one.kv_pages + one.decode_anchors
+              + max(5 * window, one.hidden + one.workspace + 4 * window) + window // 2)
     assert budget >= one.prefill_device
     with pytest.raises(ConfigError, match=r"lower max_num_seqs to 5, or max_seq_len"):
         check_plan(eight, budget, True, free_dram=1 << 50, max_seq_len=128 << 10)
+
+
+def test_the_anchors_pool_holds_one_1m_conversation_beside_four_short_ones_within_24_gib():
+    """#61's 1M row: four streams of 60K tokens decode while a fifth prefills 1M, 8B shapes, q8_0,
+    24 GiB. Five decoders with anchors for 1M each needed 25.7 GiB; a decoder's anchors follow its
+    own length, in one pool that holds at least one conversation of max_seq_len's."""
+    from ktlong.kv.memory_plan import decode_anchor_bytes
+
+    c = random_config("llama-3.1-8b")
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 128, 1050624, "q8_0", page_type="bf16",
+                       anchor_type="DYNAMIC", anchor_num=1)
+    plan = plan_memory(c, num_weight_elements(c), 2, layout, 4096, 24 * GIB, True, 4096, 1, conversations=5,
+                       kept_blocks=32)
+    check_plan(plan, 24 * GIB, True, free_dram=1 << 50, max_seq_len=1050624)  # no refusal
+    fixed = plan.weights + plan.kv_pages + max(plan.hidden + plan.workspace + 4 * plan.decoder, 5 * plan.decoder)
+    assert fixed + 5 * plan.decode_anchors > 25.5 * GIB  # every decoder sized for 1M: over the budget
+    # by hand: bfloat16 anchors of 32 layers x 8 heads x 128 channels per block, the scores in
+    # float32 and scoring's copy of two layers' anchors
+    short = decode_anchor_bytes(layout, 1, -(-(60_000 + 8192) // 128))
+    assert short == 533 * (8 * 128 * 2 * 34 + 32 * 8 * 4)
+    assert plan.anchors_pool >= plan.decode_anchors + 4 * short and plan.device_total <= 24 * GIB

@@ -342,3 +342,36 @@ def test_admission_frees_the_sessions_own_idle_conversation_when_a_new_prompt_ne
         assert store.live is not None and session.ids == []
     finally:
         server.stop()
+
+
+def test_a_request_waits_while_its_decoders_anchors_do_not_fit_beside_the_running_answers(lm):
+    """The device anchors of the decoders decoding together share one pool (ktlong/session/
+    anchors_pool.py): with room for one conversation's at a time, the second request waits until
+    the first answer ends (no step runs both), and both answers are what they are alone."""
+    st = started(lm, MODEL, mode="long_context", max_new_tokens=ANSWER_TOKENS, block_size=16, chunk_size=64,
+                 local_windows_len=64, max_seq_len=1024, cache_min_tokens=64, max_num_seqs=4, queue_size=8,
+                 block_scoring="device")
+    app, _ = make_app(st)
+    rows = []
+    session = app.state.worker.session
+    step_batch = session.step_batch
+    session.step_batch = lambda conversations, tokens, *beside: (rows.append(len(conversations)),
+                                                        step_batch(conversations, tokens, *beside))[1]
+    server = RunningServer(app)
+    try:
+        client = server.client()
+        alone = [client.chat.completions.create(model=MODEL, messages=messages(i)).choices[0].message.content
+                 for i in range(2)]
+        reach = session.decoder.reach_tokens  # the last prompt and its answer: about as long as the first
+        assert reach == len(session.ids) + 1 < 1024 and session.decoder.anchor_bytes == session.anchors.bytes_for(reach)
+        session.anchors.pool_bytes = session.anchors.bytes_for(reach + reach // 2)  # one such conversation, not two
+        rows.clear()
+        with ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(lambda i: server.client().chat.completions.create(model=MODEL, messages=messages(i + 2)),
+                                 range(2)))
+        together = [client.chat.completions.create(model=MODEL, messages=messages(i + 2)).choices[0].message.content
+                    for i in range(2)]
+        assert [o.choices[0].message.content for o in outs] == together
+        assert rows and max(rows) == 1  # never together: the second waited for the first's decoder to go
+    finally:
+        server.stop()

@@ -38,7 +38,8 @@ class DecodeBatch:
         self.context = ContextAttention(body, body.layout.block_size, model.scale)
         if not body.writes_dram:  # [B, global layers, 2, KV, R] as DRAM stores them, for write_through
             self.new_kv, self.new_kv_scales = host_words(body.kv_host), host_words(body.kv_scales_host)
-        self.scores = body.scores_host.numpy() if body.scores_blocks and not body.device_selects else None
+        self.scores = ([t.numpy() for t in body.scores_host] if body.scores_blocks and not body.device_selects
+                       else None)
         self._while_waiting: WhileWaiting | None = None  # `step`'s, until its first wait
 
     def _check(self, sequences: list["Decoder"]):
@@ -132,7 +133,7 @@ class DecodeBatch:
             if last <= first:  # nothing in DRAM beyond the window yet
                 selections.append(None)
                 continue
-            scores = None if self.scores is None else (lambda b=b: self.scores[b, j])
+            scores = None if self.scores is None else (lambda b=b: self.scores[b][j])
             t0 = time.perf_counter()
             selections.append(s.selector.select(layer, s.step_index, self.context.q[j, b], first, last, scores))
             s.times.selection += time.perf_counter() - t0

@@ -34,6 +34,7 @@ from ktlong.decode.device_selection import DeviceSelection, selects_on_device
 from ktlong.decode.window import DeviceWindow
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import SINK_BLOCKS
+from ktlong.kv.memory_plan import decode_anchor_bytes
 from ktlong.models.llama import LlamaModel
 from operators.block_summary import anchor_keys, block_summaries
 
@@ -56,7 +57,7 @@ class Decoder:
     def __init__(self, model: LlamaModel, host: HostKVCache, settings: SelectionSettings,
                  local_windows_len: int, use_cuda_graph: bool = False,
                  block_mass: dict[int, np.ndarray] | None = None, resident=None,
-                 between: Callable[[], None] = lambda: None):
+                 between: Callable[[], None] = lambda: None, reach_tokens: int | None = None):
         """settings, resolved (ktlong/session/plan.py): context_attention "gpu": the device reads
         every selected block where it lies in DRAM (ktlong/decode/dram_blocks.py); "cpu": the
         Numba operator reads them. block_mass: the prefill's attention mass per global layer and
@@ -65,7 +66,9 @@ class Decoder:
         blocks' reads (`context_attention: gpu`) find them. between(): called between the parts
         of the setup and between the layers of its long parts (a 1M cache's took 7-9 s on the
         H200): a prefill beside decoding answers gives the host back to their steps there
-        (ktlong/session/sliced_prefill.py)."""
+        (ktlong/session/sliced_prefill.py). reach_tokens: the most tokens the conversation holds
+        before its next prefill (its prompt and its answer's room; the cache's capacity by
+        default), for which its device anchors are sized (`anchor_bytes`)."""
         context_attention = settings.context_attention
         assert context_attention in ("cpu", "gpu"), "resolve_selection first (ktlong/session/plan.py)"
         # host seconds of each part of the setup (the server's log names them where it is long)
@@ -81,6 +84,8 @@ class Decoder:
         self.model, self.host, self.settings = model, host, settings
         layout = host.layout
         self.layout, self.block_size = layout, layout.block_size
+        self.reach_tokens = layout.capacity if reach_tokens is None else min(reach_tokens, layout.capacity)
+        reach_blocks = -(-self.reach_tokens // layout.block_size)
         self.window = DeviceWindow(layout, local_windows_len, SINK_BLOCKS * layout.block_size, model.device)
         self.resident = resident
         self.window.load_from_host(host, resident)
@@ -94,8 +99,11 @@ class Decoder:
         self._preselect(block_mass or {})
         done("preselection")
         # block scores computed on the device from a copy of the anchors (`block_scoring`)
-        self.device_anchors = (DeviceAnchors(self.selector, self.global_layers, model.device, between)
+        self.device_anchors = (DeviceAnchors(self.selector, self.global_layers, model.device, between, reach_blocks)
                                if scores_on_device(settings) else None)
+        # what the plan counts for them (the anchors' pool: ktlong/session/anchors_pool.py)
+        self.anchor_bytes = (decode_anchor_bytes(layout, self.selector.num_anchors, reach_blocks)
+                             if self.device_anchors is not None else 0)
         done("device anchors")
         self.k_stored = [stored_view(host, layer, "k") for layer in range(layout.num_layers)]
         self.v_stored = [stored_view(host, layer, "v") for layer in range(layout.num_layers)]
@@ -183,6 +191,7 @@ class Decoder:
         """Where the next token goes."""
         pos = self.host.num_tokens
         assert pos < self.layout.capacity, "the KV cache is full; raise max_seq_len"
+        assert pos < self.reach_tokens, "a conversation grows within the tokens its decoder was sized for"
         return pos
 
     def write_through(self, layer: int, pos: int, kv: np.ndarray, scales: np.ndarray):

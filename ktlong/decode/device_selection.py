@@ -49,7 +49,10 @@ class DeviceSelection:
         s = selector.s
         self.selector, self.anchors, self.settings = selector, anchors, s
         self.num_kv, self.block_size = selector.num_kv, selector.block_size
-        self.num_blocks = NB = len(selector.block_ids)
+        # blocks scored: those the conversation can reach (its anchors'); the DRAM table's rows
+        # are per kv head of all the cache's blocks
+        self.num_blocks = NB = anchors.num_blocks
+        self.table_blocks = len(selector.block_ids)
         self.k = s.second_select_num  # more than the cache holds: all of them (the host's rule too)
         self.places = min(self.k, NB)  # top-k's width
         # per global layer: "dense", "score", or the index j of the layer whose blocks it reuses
@@ -64,12 +67,12 @@ class DeviceSelection:
                 self.role.append("score")
                 scoring = j
         self.layers = global_layers
-        # the pages each layer reads: rows h * NB + block of the head-major DRAM table, and the
-        # tokens that count per kv head; kept between steps (token_step reuses them)
+        # the pages each layer reads: rows h * table_blocks + block of the head-major DRAM table,
+        # and the tokens that count per kv head; kept between steps (token_step reuses them)
         width = [NB if role == "dense" else self.places for role in self.role]
         self.index = [torch.zeros((self.num_kv, w), dtype=torch.int64, device=device) for w in width]
         self.valid = torch.zeros((len(global_layers), self.num_kv), dtype=torch.int64, device=device)
-        self.head_rows = (torch.arange(self.num_kv, device=device) * NB)[:, None]
+        self.head_rows = (torch.arange(self.num_kv, device=device) * self.table_blocks)[:, None]
         self.blocks = torch.arange(NB, device=device)
         # 0 for a block that may win, -inf for a prompt block preselection left out, per layer
         self.bias = torch.zeros((len(global_layers), anchors.num_rows, NB), device=device)
@@ -98,7 +101,7 @@ class DeviceSelection:
             if allowed is None:
                 self.bias[j].zero_()
                 continue
-            self.bias[j].copy_(torch.from_numpy(np.where(allowed, 0.0, -np.inf).astype(np.float32)))
+            self.bias[j].copy_(torch.from_numpy(np.where(allowed[:, :self.num_blocks], 0.0, -np.inf).astype(np.float32)))
         self.has_selection = False
 
     def set_step(self, step: int, first: int, last: int):
@@ -133,7 +136,7 @@ class DeviceSelection:
             scores = torch.where(inside, scores + bias, torch.full_like(scores, float("-inf")))
         top, picked = self.topk(scores, self.places)  # best first: the kernel reads the first count
         if self.rows_kernel is not None:  # the rows and counts below in one kernel
-            self.rows_kernel(top, picked, self.params, self.index[j], self.valid[j], self.num_blocks, self.block_size)
+            self.rows_kernel(top, picked, self.params, self.index[j], self.valid[j], self.table_blocks, self.block_size)
             return self.index[j], self.valid[j]
         fresh = self.params[2].bool()
         count = (top > float("-inf")).sum(1)

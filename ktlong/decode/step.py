@@ -118,9 +118,8 @@ class DecodeStep:
                             if self.append_kernel is not None else [])
         self.o_host = self._host((n, B, c.num_heads, c.head_dim), torch.float32)
         self.lse_host = self._host((n, B, c.num_heads), torch.float32)
-        if self.scores_blocks:
-            self.scores_host = self._host((B, n, first.device_anchors.num_rows, first.device_anchors.num_blocks),
-                                          torch.float32)
+        if self.scores_blocks:  # per sequence [global layer, rows, the blocks it can reach]
+            self.scores_host = [self._host((n, a.num_rows, a.num_blocks), torch.float32) for a in self.anchors]
         # device state between segments
         self.o_cpu = torch.zeros((n, B, c.num_heads, c.head_dim), device=dev)
         self.lse_cpu = torch.full((n, B, c.num_heads), float("-inf"), device=dev)
@@ -188,7 +187,7 @@ class DecodeStep:
             q = self._append(g[j], j)
             if self.scores_blocks and not self.device_selects:
                 for b, anchors in enumerate(self.anchors):
-                    self.scores_host[b, j].copy_(anchors.scores(g[j], q[b]), non_blocking=True)
+                    self.scores_host[b][j].copy_(anchors.scores(g[j], q[b]), non_blocking=True)
             self.q_dev[j].copy_(q)  # the window's and the DRAM blocks' parts read it (captured apart, or next in _token)
         else:
             self.logits.copy_(model.logits(self.x))

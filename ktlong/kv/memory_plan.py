@@ -22,7 +22,9 @@ class MemoryPlan:
     hidden: int  # all hidden states on the GPU, or two staging chunks when they live in DRAM
     workspace: int  # one chunk's activations, attention workspace, logits
     decode_window: int  # decode: sinks + local window of every layer (prefill's hidden states are gone)
-    decode_anchors: int  # decode: the device copy of the anchors that blocks are scored with, if any
+    # decode: the device copy of the anchors that blocks are scored with, if any, of one
+    # conversation of max_seq_len (a decoder's own follow its length: anchor_bytes)
+    decode_anchors: int
     hidden_on_device: bool
     dram_kv: int  # global layers: every block
     dram_kv_sliding: int  # sliding-window layers: the tail the decode window loads
@@ -39,11 +41,15 @@ class MemoryPlan:
     # the leading blocks every conversation holds in one copy with the others (a shared document:
     # ktlong/kv/shared_prefix.py), counted once
     dram_shared: int = 0
+    # every decoder's anchors together (ktlong/session/anchors_pool.py): one conversation of
+    # max_seq_len's at least, and up to one such a conversation, as the budget leaves room
+    anchors_pool: int = 0
 
     @property
     def decoder(self) -> int:
-        """One conversation's decode state on the device: its window, anchors and kept blocks."""
-        return self.decode_window + self.decode_anchors + self.decode_kept
+        """One conversation's decode state on the device beside its anchors (which are in
+        anchors_pool): its window and kept blocks."""
+        return self.decode_window + self.decode_kept
 
     @property
     def prefill_device(self) -> int:
@@ -51,13 +57,13 @@ class MemoryPlan:
 
     @property
     def decode_device(self) -> int:
-        return self.weights + self.kv_pages + self.conversations * self.decoder
+        return self.weights + self.kv_pages + self.conversations * self.decoder + self.anchors_pool
 
     @property
     def prefill_beside_decoders(self) -> int:
         """A prefill while the other conversations decode (the server runs it in slices between
         their steps): its hidden states and workspace beside their decode states."""
-        return self.prefill_device + (self.conversations - 1) * self.decoder
+        return self.prefill_device + (self.conversations - 1) * self.decoder + self.anchors_pool
 
     @property
     def device_total(self) -> int:
@@ -78,7 +84,7 @@ class MemoryPlan:
         """The most conversations whose decode states and caches fit beside the rest. With a GPU,
         CUDA page-locks each cache's whole range, shared blocks included, and refuses past the
         machine's RAM (ram_bytes): at most PINNABLE of it."""
-        per_device = self.decoder
+        per_device = self.decoder + self.decode_anchors
         room = budget_bytes - self.weights - self.kv_pages if self.device_is_gpu else 1 << 62
         # every window and anchors while decoding; all but one beside a prefill's hidden states and workspace
         fit_device = (min(room // per_device, (room - self.hidden - self.workspace) // per_device + 1)
@@ -98,7 +104,8 @@ class MemoryPlan:
                 (f"{dev} workspace (one chunk)", self.workspace),
                 (f"{dev} decode window{each}", n * self.decode_window)]
         if self.decode_anchors:
-            rows.append((f"{dev} decode anchors{each}", n * self.decode_anchors))
+            of = self.anchors_pool / self.decode_anchors
+            rows.append((f"{dev} decode anchors ({of:.1f} of max_seq_len)", self.anchors_pool))
         if self.decode_kept:
             rows.append((f"{dev} decode kept blocks{each}", n * self.decode_kept))
         rows += [(f"{dev} peak" if self.device_is_gpu else "RAM peak for compute", self.device_total),
@@ -131,11 +138,12 @@ def decode_window_bytes(layout: KVLayout, local_windows_len: int, sink_tokens: i
     return 2 * layout.num_layers * layout.num_kv_heads * tokens * layout.head_dim * layout.dtype.itemsize
 
 
-def decode_anchor_bytes(layout: KVLayout, anchors_per_block: int) -> int:
-    """ktlong/decode/device_anchors.py: bfloat16 anchors of every block of every global layer, plus
-    scoring's float32 copy of one layer's and the scores."""
-    per_layer = layout.num_kv_heads * layout.num_blocks * anchors_per_block * layout.head_dim * 2
-    scores = len(layout.global_layers) * layout.num_kv_heads * layout.num_blocks * 4
+def decode_anchor_bytes(layout: KVLayout, anchors_per_block: int, blocks: int | None = None) -> int:
+    """ktlong/decode/device_anchors.py: bfloat16 anchors of `blocks` blocks (all the layout's by
+    default) of every global layer, plus scoring's float32 copy of one layer's and the scores."""
+    blocks = layout.num_blocks if blocks is None else blocks
+    per_layer = layout.num_kv_heads * blocks * anchors_per_block * layout.head_dim * 2
+    scores = len(layout.global_layers) * layout.num_kv_heads * blocks * 4
     return per_layer * (len(layout.global_layers) + 2) + scores if anchors_per_block else 0
 
 
@@ -168,10 +176,18 @@ def plan_memory(c: ModelConfig, num_weight_elements: int, act_bytes: int, layout
     full_hidden = layout.capacity * c.hidden_size * act_bytes
     staging = 2 * chunk * c.hidden_size * act_bytes
     hidden_on_device = not device_is_gpu or weights + kv_pages + full_hidden + workspace <= budget_bytes
+    hidden = full_hidden if hidden_on_device else staging
+    anchors = decode_anchor_bytes(layout, device_anchors_per_block) if device_is_gpu else 0
+    kept = decode_kept_bytes(layout, kept_blocks) if device_is_gpu else 0
+    # what the budget leaves beside the rest at the peak (a prefill beside the other decoders, or
+    # every decoder) is the anchors' pool, up to one of max_seq_len a conversation; at least one
+    # (less: the plan refuses)
+    beside = weights + kv_pages + max(hidden + workspace + (conversations - 1) * (window + kept),
+                                      conversations * (window + kept))
+    pool = min(conversations * anchors, max(anchors, budget_bytes - beside))
     return MemoryPlan(
-        weights=weights, kv_pages=kv_pages, hidden=full_hidden if hidden_on_device else staging,
-        workspace=workspace, decode_window=window,
-        decode_anchors=decode_anchor_bytes(layout, device_anchors_per_block) if device_is_gpu else 0,
+        weights=weights, kv_pages=kv_pages, hidden=hidden,
+        workspace=workspace, decode_window=window, decode_anchors=anchors, anchors_pool=pool,
         hidden_on_device=hidden_on_device,
         dram_kv=layout.dram_kv_bytes(sliding=False), dram_kv_sliding=layout.dram_kv_bytes(sliding=True),
         dram_side_tables=layout.dram_side_table_bytes(),
@@ -181,7 +197,7 @@ def plan_memory(c: ModelConfig, num_weight_elements: int, act_bytes: int, layout
         if layout.head_dim % 32 == 0 else 0,
         global_layers=len(layout.global_layers), sliding_layers=layout.num_layers - len(layout.global_layers),
         device_is_gpu=device_is_gpu, conversations=conversations,
-        decode_kept=decode_kept_bytes(layout, kept_blocks) if device_is_gpu else 0,
+        decode_kept=kept,
         dram_shared=shared_prefix_bytes(layout, shareable_blocks(layout, shared_tokens)))
 
 
@@ -211,7 +227,9 @@ def available_dram_bytes(field: str = "MemAvailable") -> int:
 def check_plan(plan: MemoryPlan, budget_bytes: int, device_is_gpu: bool, free_dram: int,
                max_seq_len: int):
     n = plan.conversations
-    fewer = plan.conversations_that_fit(budget_bytes, 1 << 62)  # the device's count: DRAM admits at run time
+    # the most that fit the device beside one conversation of max_seq_len's anchors (DRAM admits at run time)
+    fewer = max((k for k in range(1, n) if plan.weights + plan.kv_pages + plan.decode_anchors + max(
+        plan.hidden + plan.workspace + (k - 1) * plan.decoder, k * plan.decoder) <= budget_bytes), default=0)
     if device_is_gpu and plan.device_total > budget_bytes:
         fixed = plan.weights + plan.workspace
         hint = ("lower max_seq_len" if fixed < budget_bytes else
@@ -219,7 +237,7 @@ def check_plan(plan: MemoryPlan, budget_bytes: int, device_is_gpu: bool, free_dr
         if n > 1 and plan.prefill_device <= budget_bytes and 0 < fewer < n:
             hint = f"lower max_num_seqs to {fewer}, or max_seq_len"
         if plan.decode_anchors and fixed < budget_bytes and plan.decode_device > budget_bytes:
-            hint += f", set block_scoring: cpu (saves {n * plan.decode_anchors / GIB:.2f} GiB of device anchors)"
+            hint += f", set block_scoring: cpu (saves {plan.anchors_pool / GIB:.2f} GiB of device anchors)"
         raise ConfigError(f"The plan needs {plan.device_total / GIB:.1f} GiB of GPU memory but "
                           f"gpu_memory_budget_gb allows {budget_bytes / GIB:.1f} GiB; {hint}, lower "
                           "chunk_size, or raise gpu_memory_budget_gb if the GPU has more.")

@@ -40,13 +40,14 @@ class MirroredSession:
         self._tp.broadcast_text(json.dumps(command))
 
     def prefill(self, prompt_ids: list[int], show_progress: bool = False,
-                should_stop: Callable[[], bool] | None = None, on_progress=None, alone: bool = True):
-        self._tell({"op": "prefill", "ids": list(prompt_ids), "alone": alone})
+                should_stop: Callable[[], bool] | None = None, on_progress=None, alone: bool = True,
+                answer_room: int | None = None):
+        self._tell({"op": "prefill", "ids": list(prompt_ids), "alone": alone, "answer_room": answer_room})
 
         def agreed() -> bool:  # asked after every chunk of every layer, on every rank alike
             return self._tp.broadcast_flag(bool(should_stop()) if should_stop is not None else False)
 
-        return self._session.prefill(prompt_ids, show_progress, agreed, on_progress, alone)
+        return self._session.prefill(prompt_ids, show_progress, agreed, on_progress, alone, answer_room)
 
     def step(self, token_id: int) -> torch.Tensor:
         self._tell({"op": "step", "token": int(token_id)})
@@ -84,7 +85,8 @@ def _follow(session, tp):
         command = json.loads(text)
         try:
             if command["op"] == "prefill":
-                session.prefill(command["ids"], False, lambda: tp.broadcast_flag(False), None, command["alone"])
+                session.prefill(command["ids"], False, lambda: tp.broadcast_flag(False), None, command["alone"],
+                                command["answer_room"])
             elif command["op"] == "step":
                 session.step(command["token"])
         except Cancelled:

@@ -14,7 +14,9 @@ into a cache of its own) and, once its answer is done, is held like any kept con
 (CacheStore.release), so a follow-up finds it. So at most max_num_seqs caches are in use,
 and with `max_num_seqs: 1`, or a session that decodes one conversation at a time (dense, or a
 model whose sliding-window layers the cache store cannot keep), the next prefill waits for the
-answer in the session to end.
+answer in the session to end. A request starts when its cache fits in DRAM
+(CacheStore.admit) and its decoder's anchors fit on the device beside the running answers'
+(ktlong/session/anchors_pool.py); otherwise it waits for answers to end.
 
 The event loop talks to a request through its Ticket (ktlong/server/reply.py): the worker puts
 the answer's text pieces and then an Outcome (or an ApiError) on it; the loop cancels it when
@@ -205,6 +207,10 @@ class Worker:
                 return
             job, ticket = self.waiting[0]
         answer_room = min(job.max_tokens, self.session.max_seq_len - len(job.prompt_ids))
+        fits = getattr(self.session, "decoder_fits", None)  # its decoder beside the running answers' (device memory)
+        if self.rows and fits is not None and not ticket.cancelled.is_set() and not fits(
+                len(job.prompt_ids) + answer_room, [r.conversation for r in self.rows if r.conversation is not None]):
+            return  # it waits for their answers to end
         if (self.store is not None and not ticket.cancelled.is_set()
                 and not self.store.admit(job.prompt_ids, len(job.prompt_ids) + answer_room, alone=not self.rows)):
             return  # it waits for DRAM: the running answers end and free theirs
@@ -231,8 +237,8 @@ class Worker:
             def should_stop():
                 pause()
                 return stop()
-            return self.session.prefill(job.prompt_ids, False, should_stop,
-                                        reply.progress if job.progress else None, alone=not self.rows)
+            return self.session.prefill(job.prompt_ids, False, should_stop, reply.progress if job.progress else None,
+                                        alone=not self.rows, answer_room=answer_room)
 
         sliced = SlicedPrefill(run, self.slice_seconds, lambda: bool(self.rows), getattr(self.session, "device", None))
         self.prefilling = Prefilling(reply, sliced, cached_from, admitted, time.perf_counter() - admitted)

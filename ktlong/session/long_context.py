@@ -22,12 +22,15 @@ from ktlong.kv.layout import KVLayout
 from ktlong.kv.memory_plan import workspace_bytes
 from ktlong.kv.resident import ResidentHistory
 from ktlong.kv.shared_prefix import shareable_blocks
+from cpu_ops.anchors import anchors_per_block
 from ktlong.models.llama import LlamaModel
 from ktlong.prefill import LayerMajorPrefill
 from ktlong.decode.selection import SelectionSettings
 from ktlong.decode.batch import DecodeBatch, WhileWaiting
 from ktlong.decode.decoder import Decoder
+from ktlong.decode.device_anchors import scores_on_device
 from ktlong.decode.warm_up import compile_decode_kernels
+from ktlong.session.anchors_pool import AnchorsPool
 from ktlong.session.parked_decoders import ParkedDecoders
 from ktlong.session.plan import SessionPlan
 from ktlong.session.prefix import cached_prefix
@@ -43,7 +46,7 @@ class LongContextSession:
                  hidden_on_device: bool, compact: CompactParams | None, selection: SelectionSettings,
                  local_windows_len: int, use_cuda_graph: bool, follow_up_headroom: int | None = None,
                  prefill_headroom: int | None = None, resident_history: bool = True, decoder_bytes: int = 0,
-                 max_seq_len: int | None = None):
+                 max_seq_len: int | None = None, anchors_pool: int | None = None):
         """max_seq_len: the most tokens a conversation holds (default: the layout's capacity, which
         kv_layout rounds up to whole pages). follow_up_headroom: device bytes the plan leaves
         beside a decoder (its window, anchors and graphs), within which a follow-up's prefill
@@ -53,8 +56,9 @@ class LongContextSession:
         exchange() (decoder_bytes each: ktlong/session/parked_decoders.py), then, with
         resident_history, layers' history on the device for the next follow-up
         (ktlong/kv/resident.py): the session's conversation's first, then what is left for the
-        handed-over ones' own. backend and selection: resolved, as the plan resolves them
-        (from_plan)."""
+        handed-over ones' own. anchors_pool: the device bytes every decoder's anchors share
+        (ktlong/session/anchors_pool.py; None: no limit). backend and selection: resolved, as
+        the plan resolves them (from_plan)."""
         window = model.config.sliding_window
         assert not window or local_windows_len >= min(window, layout.capacity), "Config.local_window_for"
         assert tuple(layout.sliding) == tuple(model.config.sliding_layers), "use model_kv_layout"
@@ -70,6 +74,8 @@ class LongContextSession:
         # object that exchange() hands over whole
         self.conversation = HeldConversation.empty(layout, HostKVCache(layout, pin=model.device.type == "cuda"))
         self.parked = ParkedDecoders(decoder_bytes)
+        self.anchors = AnchorsPool(anchors_pool, layout, anchors_per_block(selection.anchor_type, selection.anchor_num)
+                                   if scores_on_device(selection) else 0)
         # each conversation keeps its own device copies (exchange() hands them over with it)
         self.keeps_resident = resident_history and follow_up_headroom is not None and not layout.sliding
         self._give_resident(self.conversation)
@@ -93,7 +99,8 @@ class LongContextSession:
                       prefill_headroom=(plan.budget_bytes - plan.memory.prefill_beside_decoders
                                         if plan.is_gpu else None),
                       resident_history=plan.resident_history,
-                      decoder_bytes=plan.memory.decoder, max_seq_len=plan.max_seq_len)
+                      decoder_bytes=plan.memory.decoder, max_seq_len=plan.max_seq_len,
+                      anchors_pool=plan.memory.anchors_pool if plan.is_gpu else None)
         session.warm_up()
         return session
 
@@ -227,6 +234,11 @@ class LongContextSession:
         blocks = shareable_blocks(self.layout, common) if self.model.tp is None else 0
         return blocks * self.layout.block_size
 
+    def decoder_fits(self, tokens: int, busy: list["HeldConversation"]) -> bool:
+        """Whether a conversation reaching `tokens` gets a decoder beside those of the busy
+        conversations (answers running): its anchors in the pool that theirs leave."""
+        return self.anchors.fits(tokens, [c.decoder for c in busy])
+
     def park(self, conversation: "HeldConversation"):
         """A conversation that decoded outside the session is held elsewhere now (the server's
         cache store): its decoder stays on the device while the plan leaves room (ParkedDecoders)."""
@@ -265,24 +277,31 @@ class LongContextSession:
 
     def prefill(self, prompt_ids: list[int], show_progress: bool = False,
                 should_stop: Callable[[], bool] | None = None,
-                on_progress: Callable[[int, int], None] | None = None, alone: bool = True) -> torch.Tensor:
+                on_progress: Callable[[int, int], None] | None = None, alone: bool = True,
+                answer_room: int | None = None) -> torch.Tensor:
         """Prefill what the cache does not hold yet: all of a new prompt, or the new tokens of a
         follow-up (the conversation so far, extended) over the history in DRAM. should_stop is
         asked after every chunk of every layer and between the parts of the decoder's setup; when
-        it says so, the half-written cache is forgotten and Cancelled raised. alone: the conversation will decode by itself, so its
-        decoder's graphs are captured now; otherwise (it joins a batch, whose own graphs serve it)
-        on its first step alone, if it ever takes one."""
+        it says so, the half-written cache is forgotten and Cancelled raised. alone: the
+        conversation will decode by itself, so its decoder's graphs are captured now; otherwise
+        (it joins a batch, whose own graphs serve it) on its first step alone, if it ever takes
+        one. answer_room: the most tokens its answer adds (None: up to max_seq_len), which its
+        decoder's device anchors are sized for (ktlong/session/anchors_pool.py)."""
         history = self.reusable(prompt_ids)
+        reach = self.max_seq_len if answer_room is None else min(len(prompt_ids) + answer_room, self.max_seq_len)
         # a follow-up that fits beside the decoder keeps it (and its graphs); otherwise the
         # device window goes before prefill needs the memory
         keep, prefetch, room = (self._follow_up_room(len(prompt_ids) - history) if history
                                 else (False, False, self._new_prompt_room()))
+        keep = keep and self.decoder.reach_tokens >= reach
         self.last_follow_up = (keep, prefetch)
         room = self.parked.fit(room, self.resident.wanted_bytes if self.resident is not None else 0)
         if self.resident is not None:  # rows prefilled now go to the copies too
             self.resident.fit(room)
         kept = self.decoder if keep else None
         self.decoder = None
+        if not keep:  # the new decoder's anchors: room made before the prefill, so that what cannot fit fails first
+            self.anchors.make_room(reach, self.parked)
         if history:
             self.host.truncate(history)
             self._cut_resident(history)
@@ -316,7 +335,7 @@ class LongContextSession:
             self.last_decode_setup_parts = {}
         else:
             try:  # asked between its parts and layers too: a stop there forgets the cache as well
-                self.decoder = self.new_decoder(alone, progress.check)
+                self.decoder = self.new_decoder(alone, progress.check, reach)
             except Cancelled:
                 self.reset()
                 raise
@@ -324,11 +343,13 @@ class LongContextSession:
         self.last_decode_setup_seconds = time.perf_counter() - start
         return logits
 
-    def new_decoder(self, capture: bool = True, between: Callable[[], None] = lambda: None) -> Decoder:
+    def new_decoder(self, capture: bool = True, between: Callable[[], None] = lambda: None,
+                    reach: int | None = None) -> Decoder:
         """A decoder over the cache as it is, its graphs captured now (capture) or on its first
-        step; between(): Decoder's."""
+        step; between() and reach (its reach_tokens; max_seq_len by default): Decoder's."""
         decoder = Decoder(self.model, self.host, self.selection, self.local_windows_len, self.use_cuda_graph,
-                          self.block_mass, self.resident, between)
+                          self.block_mass, self.resident, between, reach or self.max_seq_len)
+        self.anchors.add(decoder)
         if capture:
             decoder.capture_graphs()
         return decoder

@@ -11,8 +11,9 @@ that when it comes back its next prefill extends that decoder as a follow-up doe
 history over PCIe again (1.5 GB at 120K tokens on that model, about 28 ms).
 
 Before a prefill, what is parked must fit the room the plan leaves beside it: decoders first
-(`decoder_bytes` each: the plan's decode window and anchors; those that do not fit go, the
-least recently parked first), then the session's own conversation's resident history, then the
+(`decoder_bytes` each: the plan's decode window and kept blocks; those that do not fit go, the
+least recently parked first; their anchors are in the anchors' pool, which lets them go too when
+a new decoder needs the room: ktlong/session/anchors_pool.py), then the session's own conversation's resident history, then the
 parked ones' resident history, the most recently parked first. On the CPU there is no device
 limit: everything stays.
 """
@@ -43,6 +44,15 @@ class ParkedDecoders:
         self._held = [r for r in self._held
                       if r() is not None and (r().decoder is not None or _resident_bytes(r()))]
         return [r() for r in self._held]
+
+    def drop_oldest(self) -> bool:
+        """The least recently parked decoder goes (its conversation stays, in DRAM); False when
+        none is parked."""
+        with_decoder = [c for c in self.held() if c.decoder is not None]
+        if not with_decoder:
+            return False
+        with_decoder[0].decoder = None
+        return True
 
     def fit(self, room: int | None, reserve: int = 0) -> int | None:
         """Drop the least recently parked decoders until the rest fit in `room` device bytes;
