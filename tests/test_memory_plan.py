@@ -95,7 +95,7 @@ def test_device_anchors_are_counted_as_allocated_and_named_in_the_refusal():
     c = random_config("llama-3.1-8b")
     layout = kv_layout(32, 8, 128, 128, 512 << 10, "bf16")
     plan = plan_memory(c, num_weight_elements(c), 2, layout, 8192, 24 * GIB, True, 4096, device_anchors_per_block=1)
-    assert "GPU decode anchors" in plan.table()
+    assert "GPU anchors: 1.0 x max_seq_len" in plan.table()
     assert plan_memory(c, num_weight_elements(c), 2, layout, 8192, 24 * GIB, False, 4096, 1).decode_anchors == 0
     many = plan_memory(c, num_weight_elements(c), 2, layout, 8192, 24 * GIB, True, 4096, 32)  # DYNAMIC, 32 keys
     assert many.decode_device > many.prefill_device

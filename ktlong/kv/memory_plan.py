@@ -104,8 +104,8 @@ class MemoryPlan:
                 (f"{dev} workspace (one chunk)", self.workspace),
                 (f"{dev} decode window{each}", n * self.decode_window)]
         if self.decode_anchors:
-            of = self.anchors_pool / self.decode_anchors
-            rows.append((f"{dev} decode anchors ({of:.1f} of max_seq_len)", self.anchors_pool))
+            of = self.anchors_pool / self.decode_anchors  # every decoder's, each sized by its conversation
+            rows.append((f"{dev} anchors: {of:.1f} x max_seq_len", self.anchors_pool))
         if self.decode_kept:
             rows.append((f"{dev} decode kept blocks{each}", n * self.decode_kept))
         rows += [(f"{dev} peak" if self.device_is_gpu else "RAM peak for compute", self.device_total),
