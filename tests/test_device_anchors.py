@@ -8,7 +8,7 @@ import torch
 
 from cpu_ops.anchors import stored_anchors
 from tests.anchors_reference import build_anchors_reference
-from cpu_ops.bf16 import from_bf16
+from cpu_ops.bf16 import from_bf16, to_bf16
 from cpu_ops.block_select import QUEST, block_scores
 from tests.settings import selection, with_anchors
 from ktlong.kv.layout import kv_layout
@@ -94,10 +94,15 @@ def test_decode_selects_the_same_blocks_with_device_scores(tiny, graphs, mode, p
     assert device.device_anchors is not None and cpu.device_anchors is None
     assert len(picked) == 60 * len(device.global_layers) and picked == cpu_picked
     torch.testing.assert_close(logits, cpu_logits, rtol=1e-5, atol=1e-5)
-    # the device copy followed the host anchors as blocks filled
+    # the device rounded the side tables' anchors as the host rounds them (QUEST: min down, max
+    # up), and followed them as blocks filled; the host keeps none of its own
+    held = -(-device.host.num_tokens // B)
     for layer in device.global_layers:
         words = device.device_anchors.anchors[layer].view(torch.int16).numpy().view(np.uint16)
-        np.testing.assert_array_equal(words, device.selector.anchors[layer])
+        low, high = device.host.key_min[layer][:, :held].numpy(), device.host.key_max[layer][:, :held].numpy()
+        np.testing.assert_array_equal(words[:, :held, 0], to_bf16(low, "down"))
+        np.testing.assert_array_equal(words[:, :held, 1], to_bf16(high, "up"))
+        assert not words[:, held:].any() and device.selector.anchors[layer].size == 0
     assert device.host.num_tokens // B > 200 // B + 2
 
 
@@ -113,3 +118,19 @@ def test_where_blocks_are_scored_without_a_gpu(tiny, monkeypatch, scoring, on_de
     decoder, picked, _ = selections(tiny, scoring, False)
     assert picked and (decoder.device_anchors is not None) == on_device
     assert (len(calls) == 0) == on_device
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "up", "down"])
+def test_the_device_rounds_anchors_to_bfloat16_as_the_host_does(rounding):
+    """Ties (half way between two bfloat16 values, to even), exact values, both signs, tiny and
+    large magnitudes: the torch rounding gives the host's words (cpu_ops/bf16.to_bf16)."""
+    from ktlong.decode.device_anchors import rounded_bf16
+
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(4096) * 10.0 ** rng.integers(-30, 30, 4096)).astype(np.float32)
+    bits = x.view(np.uint32)
+    ties = ((bits[:512] & 0xFFFF0000) | 0x8000).view(np.float32)  # exactly half way
+    exact = (bits[512:1024] & 0xFFFF0000).view(np.float32)
+    values = np.concatenate([ties, exact, x[1024:], -ties, [0.0, -0.0]]).astype(np.float32)
+    words = rounded_bf16(torch.from_numpy(values), rounding).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(words, to_bf16(values, rounding))

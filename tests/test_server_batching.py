@@ -367,8 +367,8 @@ def test_a_request_waits_while_its_decoders_anchors_do_not_fit_beside_the_runnin
         session.anchors.pool_bytes = session.anchors.bytes_for(reach + reach // 2)  # one such conversation, not two
         rows.clear()
         with ThreadPoolExecutor(2) as pool:
-            outs = list(pool.map(lambda i: server.client().chat.completions.create(model=MODEL, messages=messages(i + 2)),
-                                 range(2)))
+            outs = list(pool.map(lambda i: server.client().chat.completions.create(
+                model=MODEL, messages=messages(i + 2)), range(2)))
         together = [client.chat.completions.create(model=MODEL, messages=messages(i + 2)).choices[0].message.content
                     for i in range(2)]
         assert [o.choices[0].message.content for o in outs] == together

@@ -93,7 +93,8 @@ class Decoder:
         c = model.config
         assert not c.sliding_window or local_windows_len >= c.sliding_window, "the window must cover sliding layers"
         self.global_layers = layout.global_layers
-        self.selector = DecodeBlockSelector(settings, host, c.num_heads, model.tp)
+        self.selector = DecodeBlockSelector(settings, host, c.num_heads, model.tp,
+                                            host_anchors=not scores_on_device(settings))
         self.selector.build_all(host.num_tokens, self.global_layers, between=between)
         done("anchors")
         self._preselect(block_mass or {})

@@ -5,8 +5,10 @@ Scoring reads every anchor of every block each token (cpu_ops/block_select.py); 
 grows with the context and, on the CPU, is the part of decode that does. With a copy of the
 anchors on the GPU, each global layer's scores are computed right after its q (inside the
 CUDA graph when there is one) and only the scores cross to the host, where top-k and the
-selection rules (candidates, token_step, layer_step, dense layers) stay. The copy follows the
-host anchors: built after prefill, and updated as blocks fill during generation.
+selection rules (candidates, token_step, layer_step, dense layers) stay. The anchors are rounded
+to bfloat16 here, from the prefill's float32 side tables, as the host rounds its own for CPU
+scoring (a 1M cache's at 8B shapes: 1 GiB over PCIe once, where the host's rounding took 6-10 s
+inside the server on the H200); built after prefill, and updated as blocks fill during generation.
 
 Bytes: global layers x kv heads x blocks x anchors per block x head_dim x 2, e.g. 268 MB for
 LLaMA-3.1-8B at 512K with one anchor. The blocks are those the conversation can reach (its
@@ -18,10 +20,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-import numpy as np
 import torch
 
-from ktlong.decode.selection import DecodeBlockSelector, SelectionSettings
+from ktlong.decode.selection import BUILD_PIECE, DecodeBlockSelector, SelectionSettings, anchor_rows
 from operators.block_scores import device_block_scores
 
 
@@ -32,32 +33,51 @@ def scores_on_device(settings: SelectionSettings) -> bool:
     return settings.block_scoring == "device"
 
 
-def _as_bf16(words: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(words).view(np.int16)).view(torch.bfloat16)
+def rounded_bf16(rows: torch.Tensor, rounding: str) -> torch.Tensor:
+    """float32 -> bfloat16 on rows' device, as cpu_ops/bf16.to_bf16 rounds on the host: "nearest"
+    (half to even), or "up" / "down" (toward +inf / -inf: QUEST's bounds stay bounds)."""
+    if rounding == "nearest":
+        return rows.to(torch.bfloat16)
+    bits = rows.contiguous().view(torch.int32)
+    truncated = bits & -65536  # toward zero: the top 16 bits
+    inexact = truncated.view(torch.float32) != rows
+    away = inexact & ((rows > 0) == (rounding == "up"))  # one step away from zero, in magnitude
+    return ((truncated >> 16) + away.to(torch.int32)).to(torch.int16).view(torch.bfloat16)
 
 
 class DeviceAnchors:
     def __init__(self, selector: DecodeBlockSelector, layers: list[int], device: torch.device,
                  between: Callable[[], None] = lambda: None, num_blocks: int | None = None):
-        """num_blocks: the leading blocks to copy and score (all of the cache's by default);
-        between(): called after each layer's copy."""
+        """The anchors of the blocks the cache holds, from the prefill's side tables (float32),
+        rounded to bfloat16 here on the device as the host would round them (the selector keeps
+        none of its own). num_blocks: the leading blocks to hold and score (all of the cache's
+        by default); between(): called after every BUILD_PIECE blocks of a layer."""
         self.selector = selector
         self.quest = selector.s.anchor_type == "QUEST"
         self.shared = selector.s.head_select_mode == "SHARED"
         self.num_blocks = len(selector.block_ids) if num_blocks is None else num_blocks
+        self.device = device
+        layout = selector.host.layout
+        held = min(-(-selector.host.num_tokens // layout.block_size), self.num_blocks)
         self.anchors = {}
         for layer in layers:
-            self.anchors[layer] = _as_bf16(selector.anchors[layer][:, :self.num_blocks]).to(device)
-            between()
+            self.anchors[layer] = torch.zeros((layout.num_kv_heads, self.num_blocks, selector.num_anchors,
+                                               layout.head_dim), dtype=torch.bfloat16, device=device)
+            for first in range(0, held, BUILD_PIECE):
+                self.update(layer, first, min(first + BUILD_PIECE, held))
+                between()
 
     @property
     def num_rows(self) -> int:
         return 1 if self.shared else self.selector.num_kv
 
     def update(self, layer: int, first: int, last: int):
-        """Blocks first..last-1 of the host anchors changed: copy them over."""
+        """Blocks first..last-1 of the side tables changed: round them again."""
         assert last <= self.num_blocks, "a conversation grows within the blocks its decoder was sized for"
-        self.anchors[layer][:, first:last].copy_(_as_bf16(self.selector.anchors[layer][:, first:last]))
+        rows = anchor_rows(self.selector.host, layer, first, last, self.selector.s.anchor_type).to(self.device)
+        if self.quest:
+            rows = torch.stack([rounded_bf16(rows[:, :, 0], "down"), rounded_bf16(rows[:, :, 1], "up")], 2)
+        self.anchors[layer][:, first:last] = rounded_bf16(rows, "nearest") if not self.quest else rows
 
     def scores(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q: [H, D] on the device -> float32 [1 or KV, num_blocks], every block the

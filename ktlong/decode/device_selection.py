@@ -101,7 +101,8 @@ class DeviceSelection:
             if allowed is None:
                 self.bias[j].zero_()
                 continue
-            self.bias[j].copy_(torch.from_numpy(np.where(allowed[:, :self.num_blocks], 0.0, -np.inf).astype(np.float32)))
+            bias = np.where(allowed[:, :self.num_blocks], 0.0, -np.inf).astype(np.float32)
+            self.bias[j].copy_(torch.from_numpy(bias))
         self.has_selection = False
 
     def set_step(self, step: int, first: int, last: int):

@@ -74,20 +74,34 @@ def stored_view(host: HostKVCache, layer: int, which: str) -> StoredKV:
     return StoredKV(kv_type, data.numpy(), scales if host.layout.is_quantized else np.zeros((0,), np.uint16))
 
 
+def anchor_rows(host: HostKVCache, layer: int, first: int, last: int, anchor_type: str) -> torch.Tensor:
+    """The float32 anchors of blocks first..last-1 of one layer, from the prefill's side tables
+    -> [KV, blocks, anchors per block, D] (QUEST: its min and max keys)."""
+    if anchor_type in ("MAX", "MEAN"):
+        return (host.key_max if anchor_type == "MAX" else host.key_mean)[layer][:, first:last, None]
+    if anchor_type == "QUEST":
+        return torch.stack([host.key_min[layer][:, first:last], host.key_max[layer][:, first:last]], 2)
+    return host.anchor_keys[layer][:, first:last]  # the keys prefill (or _block_filled) picked, unquantised
+
+
 class DecodeBlockSelector:
-    def __init__(self, settings: SelectionSettings, host: HostKVCache, num_heads: int, tp=None):
+    def __init__(self, settings: SelectionSettings, host: HostKVCache, num_heads: int, tp=None,
+                 host_anchors: bool = True):
         """tp: with tensor parallelism, SHARED scores (sums over kv heads) are summed over the
-        ranks' heads too, so that every rank selects the same blocks."""
+        ranks' heads too, so that every rank selects the same blocks. host_anchors: keep the
+        anchors as bfloat16 words here, to score blocks on the CPU; where the device scores them
+        (ktlong/decode/device_anchors.py, which rounds them itself) the host has none."""
         self.s, self.host, self.tp = settings, host, tp
+        self.host_anchors = host_anchors
         layout = host.layout
         self.block_size, self.num_kv = layout.block_size, layout.num_kv_heads
         self.num_anchors = anchors_per_block(settings.anchor_type, settings.anchor_num)
         if settings.anchor_type in KEY_ANCHORS:
             assert (layout.anchor_type, layout.anchor_num) == (settings.anchor_type, settings.anchor_num), \
                 "the KV layout keeps other anchor keys than decode selects with: build both from one config"
-        self.anchors = [np.zeros((layout.num_kv_heads, 0 if layout.is_sliding(i) else layout.num_blocks,
-                                  self.num_anchors, layout.head_dim), np.uint16)  # bfloat16 words
-                        for i in range(layout.num_layers)]
+        kept = lambda i: 0 if layout.is_sliding(i) or not host_anchors else layout.num_blocks  # noqa: E731
+        self.anchors = [np.zeros((layout.num_kv_heads, kept(i), self.num_anchors, layout.head_dim), np.uint16)
+                        for i in range(layout.num_layers)]  # bfloat16 words
         self.candidates: list[np.ndarray | None] = [None] * layout.num_layers  # [KV, NB] bool
         # per layer, what `competing` gives (per kv head, any head's), made once by preselect
         self._competing: list[tuple[np.ndarray, np.ndarray] | None] = [None] * layout.num_layers
@@ -102,10 +116,11 @@ class DecodeBlockSelector:
         """After a prefill of num_tokens: the anchors of blocks first_block.. (the ones that
         prefill wrote; all of them by default), and selection starts over (no preselection, no
         selection kept from earlier steps). between(): called after every BUILD_PIECE blocks
-        of a layer (a 1M cache's layer took 0.2-0.3 s on the H200's host beside a prefill)."""
+        of a layer (a 1M cache's layer took 0.2-0.3 s on the H200's host beside a prefill).
+        Without host anchors, only the selection starts over."""
         num_blocks = -(-num_tokens // self.block_size)
         self.prompt_blocks = num_tokens // self.block_size
-        for layer in range(len(self.anchors)) if layers is None else layers:
+        for layer in (range(len(self.anchors)) if layers is None else layers) if self.host_anchors else ():
             for first in range(first_block, num_blocks, BUILD_PIECE):
                 self.update_blocks(layer, first, min(first + BUILD_PIECE, num_blocks))
                 between()
@@ -115,15 +130,10 @@ class DecodeBlockSelector:
         self.last_selected_layer = -1
 
     def update_blocks(self, layer: int, first: int, last: int):
-        """(Re)build the anchors of blocks first..last-1 of one layer."""
-        h, t = self.host, self.s.anchor_type
-        if t in ("MAX", "MEAN"):
-            anchors = (h.key_max if t == "MAX" else h.key_mean)[layer][:, first:last, None].numpy()
-        elif t == "QUEST":
-            anchors = np.stack([h.key_min[layer][:, first:last].numpy(), h.key_max[layer][:, first:last].numpy()], 2)
-        else:  # the keys prefill (or _block_filled) picked, unquantised
-            anchors = h.anchor_keys[layer][:, first:last].numpy()
-        stored_anchors(anchors, t, out=self.anchors[layer][:, first:last])
+        """(Re)build the anchors of blocks first..last-1 of one layer (where the host keeps them)."""
+        if self.host_anchors:
+            rows = anchor_rows(self.host, layer, first, last, self.s.anchor_type).numpy()
+            stored_anchors(rows, self.s.anchor_type, out=self.anchors[layer][:, first:last])
 
     # ---- preselection ------------------------------------------------------------------
     def preselect(self, layer: int, block_mass: np.ndarray, first: int, last: int):

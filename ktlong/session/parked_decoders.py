@@ -12,10 +12,10 @@ history over PCIe again (1.5 GB at 120K tokens on that model, about 28 ms).
 
 Before a prefill, what is parked must fit the room the plan leaves beside it: decoders first
 (`decoder_bytes` each: the plan's decode window and kept blocks; those that do not fit go, the
-least recently parked first; their anchors are in the anchors' pool, which lets them go too when
-a new decoder needs the room: ktlong/session/anchors_pool.py), then the session's own conversation's resident history, then the
-parked ones' resident history, the most recently parked first. On the CPU there is no device
-limit: everything stays.
+least recently parked first; their anchors are in the anchors' pool, which lets them go too
+when a new decoder needs the room: ktlong/session/anchors_pool.py), then the session's own
+conversation's resident history, then the parked ones' resident history, the most recently
+parked first. On the CPU there is no device limit: everything stays.
 """
 
 from __future__ import annotations
