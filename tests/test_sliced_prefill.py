@@ -2,7 +2,7 @@
 stream of its own, first waiting for what its owner queued; while other conversations wait its
 host loop keeps at most AHEAD chunks in flight, which go on running while the owner steps; and
 its results are complete before the owner reads them. The device is simulated: an event records
-the chunks queued so far, and waiting on it marks them done."""
+the chunks queued so far, and each time the host asks whether they are done one more is."""
 
 import contextlib
 import types
@@ -18,6 +18,7 @@ class Device:
         self.queued = self.done = 0
         self.owner_work_done = False
         self.on_prefill_stream = False
+        self.runs = True  # while the host asks, the device finishes a chunk at each ask
 
     def reset(self):
         self.queued = self.done = 0
@@ -29,8 +30,10 @@ class Device:
             def record(self):
                 self.upto = device.queued
 
-            def synchronize(self):
-                device.done = max(device.done, self.upto)
+            def query(self):
+                if device.runs and device.done < self.upto:
+                    device.done += 1
+                return device.done >= self.upto
         return Event()
 
     def current_stream(self, _device=None):
@@ -115,3 +118,26 @@ def test_a_slice_beside_a_step_lasts_until_the_steps_device_work_is_done_if_that
     seen.clear()
     p = SlicedPrefill(run_chunks(device, 3, seen), 0.0, lambda: True, cuda)
     assert [p.advance(), device.queued] == [False, 1]  # no step to wait for: one chunk a slice
+
+
+def test_a_prefill_waiting_for_its_oldest_chunk_hands_back_once_the_step_is_done(monkeypatch):
+    """With AHEAD chunks in flight the prefill's host waits for the oldest before it queues
+    another; if the owner's step is done meanwhile (and slice_seconds passed), it hands back at
+    once, not at that chunk's end, and waits on for it at its next slice (the bound holds)."""
+    device = Device()
+    monkeypatch.setattr(sliced_prefill, "torch", types.SimpleNamespace(cuda=device))
+    monkeypatch.setattr(sliced_prefill, "POLL_SECONDS", 0.0)
+    cuda = types.SimpleNamespace(type="cuda")
+    seen = []
+    p = SlicedPrefill(run_chunks(device, 6, seen), 0.0, lambda: True, cuda)
+    device.runs = False  # the chunks run for long: none ends while the host asks
+    asks = iter([False] * 5 + [True] * 100)  # the step's event: done at the sixth ask
+    assert not p.advance(lambda: next(asks))
+    # it queued AHEAD + 1 chunks, then waited for the first while the step ran, and handed back
+    # when the step was done, the chunk still running
+    assert device.queued == AHEAD + 1 and device.done == 0
+    assert not p.advance(lambda: True) and device.queued == AHEAD + 1  # still waiting: nothing more queued
+    device.runs = True
+    while not p.advance(lambda: True):
+        assert device.queued - device.done <= AHEAD + 1
+    assert p.result == "logits" and device.done == device.queued == 6

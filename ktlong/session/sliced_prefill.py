@@ -15,7 +15,9 @@ faster than the device runs: counted in host time and on one stream, a 50 ms sli
 So while others wait the host keeps at most AHEAD chunks in flight (a fence at each boundary),
 which go on running through the steps; the prefill's results are complete (its stream
 synchronised) before the owner reads them, and its first work waits for what the owner queued
-before it.
+before it. While its host waits for its oldest chunk it hands back as soon as its slice is over,
+not at the chunk's end: the chunks of a 1M prefill's last layers run for tens of milliseconds,
+which the next step's tokens would otherwise wait for too.
 
 The owner runs a slice while the device works on its step (ktlong/server/worker.py), so both
 kinds of work share the device, and its stream has the highest priority (`decode_first`): a
@@ -37,6 +39,9 @@ from typing import Callable, Iterator
 import torch
 
 AHEAD = 3  # chunks of a prefill in flight on the device at most while decode steps wait
+# how often the prefill's host asks whether its oldest chunk in flight is done, while it may
+# hand back to its owner instead of waiting for it
+POLL_SECONDS = 0.0002
 
 
 @contextlib.contextmanager
@@ -111,10 +116,20 @@ class SlicedPrefill:
             fence = torch.cuda.Event()
             fence.record()
             self._fences.append(fence)
-            while len(self._fences) > AHEAD:
-                self._fences.pop(0).synchronize()
-        if time.perf_counter() - self._since < self.slice_seconds or (self._busy is not None and self._busy()):
-            return
+            while len(self._fences) > AHEAD:  # the oldest chunk's end, handing back meanwhile when the slice is over
+                if self._fences[0].query():
+                    self._fences.pop(0)
+                elif self._slice_over():
+                    self._hand_back()
+                else:
+                    time.sleep(POLL_SECONDS)
+        if self._slice_over():
+            self._hand_back()
+
+    def _slice_over(self) -> bool:
+        return time.perf_counter() - self._since >= self.slice_seconds and not (self._busy is not None and self._busy())
+
+    def _hand_back(self):
         self._back.release()
         self._go.acquire()
         self._since = time.perf_counter()
