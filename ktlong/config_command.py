@@ -39,8 +39,7 @@ def plan_text(config) -> str:
     if config.tensor_parallel > 1:  # one rank's share
         model_config, elements = rank_share(model_config, elements, config.tensor_parallel)
     device = resolve_device(config.device)
-    plan = plan_session(config, model_config, elements, max_seq_len, device, resolve_dtype(config.dtype, device),
-                        config.tensor_parallel)
+    plan = plan_session(config, model_config, elements, max_seq_len, device, resolve_dtype(config.dtype, device))
     try:
         plan.check()
         verdict = "[it fits this machine]"

@@ -107,11 +107,10 @@ def test_auto_puts_context_attention_on_the_gpu_where_it_can():
 
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     bf16, q4 = kv_layout(2, 2, 64, 16, 512, "bf16"), kv_layout(2, 2, 64, 16, 512, "q4_0")
-    assert resolve_context_attention("auto", gpu, False, bf16) == "gpu"
-    assert resolve_context_attention("auto", gpu, False, q4) == "cpu"  # a format the kernel does not read
-    assert resolve_context_attention("auto", gpu, True, bf16) == "cpu"  # tensor parallelism
-    assert resolve_context_attention("cpu", gpu, False, bf16) == "cpu"
-    assert resolve_context_attention("gpu", cpu, False, bf16) == resolve_context_attention("auto", cpu, False, bf16) == "cpu"
+    assert resolve_context_attention("auto", gpu, bf16) == "gpu"  # with tensor parallelism too: each rank its own heads
+    assert resolve_context_attention("auto", gpu, q4) == "cpu"  # a format the kernel does not read
+    assert resolve_context_attention("cpu", gpu, bf16) == "cpu"
+    assert resolve_context_attention("gpu", cpu, bf16) == resolve_context_attention("auto", cpu, bf16) == "cpu"
 
 
 def test_selecting_more_blocks_than_the_cache_holds_reads_them_all(tmp_path):

@@ -8,6 +8,7 @@ Run by the test as `python -m torch.distributed.run --nproc_per_node 2 tests/tp_
 with one rank.
 """
 
+import dataclasses
 import os
 import sys
 
@@ -20,7 +21,12 @@ ARMS = {
     # q8_0 in DRAM, DYNAMIC anchors, blocks scored by torch on the model's device (the GPU's path)
     "long_device_q8": dict(mode="long_context", head_select_mode="SHARED", anchor_type="DYNAMIC",
                            block_scoring="device", kv_type="q8_0"),
+    # the GPU's one-graph path: the device scores, selects and reads each rank's blocks from its
+    # DRAM cache, SHARED scores summed over the ranks on the device (Triton's interpreter here)
+    "long_device_reads": dict(mode="long_context", head_select_mode="SHARED", anchor_type="DYNAMIC",
+                              block_scoring="device", kv_type="q8_0"),
 }
+DEVICE_READS = ("long_device_reads",)  # context_attention gpu, which a CPU's plan never picks
 LONG = dict(block_size=16, chunk_size=32, local_windows_len=32, second_select_num=2, preselect_block=True,
             preselect_block_count=4, prefill_attention="compact", anchor_type="MAX", threads_num=1,
             max_new_tokens=12, cpu_stored_weights=False)  # ranks dequantise every weight: so does the one-process reference
@@ -35,6 +41,8 @@ def run_arm(gguf: str, arm: str, world: int, device: str = "cpu", dtype: str = "
     config = default_config(model=gguf, device=device, dtype=dtype, tensor_parallel=world, **{**LONG, **ARMS[arm]})
     started = start(config, log=open(os.devnull, "w"), cpu_engine=False)  # torch's model, as the ranks run
     session = started.session or DenseSession.from_config(started.lm.model, config, started.max_seq_len)
+    if arm in DEVICE_READS:
+        session.selection = dataclasses.replace(session.selection, context_attention="gpu")
     rng = np.random.default_rng(4)
     prompt = [int(t) for t in rng.integers(0, 300, size=PROMPT_LEN)]
     tokens = [int(t) for t in rng.integers(0, 300, size=STEPS)]
@@ -42,7 +50,9 @@ def run_arm(gguf: str, arm: str, world: int, device: str = "cpu", dtype: str = "
     for token in tokens:
         logits.append(session.step(token).float().cpu().numpy())
     selected = 0
-    if started.session is not None:  # how many blocks the last step's CPU attention read (per kv head)
+    if started.session is not None and session.decoder.selection is not None:  # the device's: blocks per kv head
+        selected = int(session.decoder.selection.selected_host.max()) // LONG["block_size"]
+    elif started.session is not None:  # how many blocks the last step's CPU attention read (per kv head)
         selected = max(int(c.max()) for _, c, _ in session.decoder.selector.cache.values())
     return np.stack(logits), np.array(tokens), selected, started
 

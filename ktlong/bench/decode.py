@@ -294,7 +294,7 @@ def main(argv=None) -> int:
     rows = []
     sparse = dataclasses.replace(selection_settings(config, c.num_layers), preselect_block=False,
                                  context_attention="cpu")  # gpu: its own mode
-    sparse = resolve_selection(sparse, device, tp.world if tp is not None else 1, None)
+    sparse = resolve_selection(sparse, device, None)
     local = config.local_windows_len
     settings = {"dense": (selection_settings(config, c.num_layers, "dense"), local, False),
                 "cpu": (sparse, 0, False), "hybrid": (sparse, local, False), "graphs": (sparse, local, True),

@@ -18,9 +18,11 @@ graph when graphs are on):
   reselect keeps the blocks of the last one that did (`fresh`, set by the host each step).
 
 The blocks are those the host's selector (ktlong/decode/selection.py) picks from the same scores;
-only the order within a selection (and so the float32 sum's) differs. What the host cannot hand
-over it keeps: tensor parallelism sums shared scores over ranks, and a layer_step whose first
-sparse layer does not score takes the previous token's last selection, so both stay on the host.
+only the order within a selection (and so the float32 sum's) differs. Under tensor parallelism
+each rank scores its own kv heads' anchors and SHARED scores are summed over the ranks here, on
+the device (an all-reduce inside the token's graph), so that every rank picks the same blocks.
+What the host cannot hand over it keeps: a layer_step whose first sparse layer does not score
+takes the previous token's last selection, so that stays on the host.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from operators import triton_installed
 def selects_on_device(selector: DecodeBlockSelector, anchors: DeviceAnchors | None, global_layers: list[int]) -> bool:
     """Whether device selection reproduces the host's for these settings (see the module's doc)."""
     s = selector.s
-    if anchors is None or selector.tp is not None or not s.second_select_num:
+    if anchors is None or not s.second_select_num:
         return False
     sparse = [layer for layer in global_layers if not s.is_dense(layer)]
     return not sparse or s.scores(sparse[0])
@@ -135,6 +137,8 @@ class DeviceSelection:
             crowded = (last - first) > self.k  # SelectionSettings.crowded, on device values
             bias = torch.where(crowded, self.bias[j], torch.zeros_like(self.bias[j]))
             scores = torch.where(inside, scores + bias, torch.full_like(scores, float("-inf")))
+        if self.anchors.shared and self.selector.tp is not None:  # every rank's heads: the same blocks on each
+            self.selector.tp.all_reduce(scores)
         top, picked = self.topk(scores, self.places)  # best first: the kernel reads the first count
         if self.rows_kernel is not None:  # the rows and counts below in one kernel
             self.rows_kernel(top, picked, self.params, self.index[j], self.valid[j], self.table_blocks, self.block_size)

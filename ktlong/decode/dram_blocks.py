@@ -36,15 +36,15 @@ from ktlong.kv.resident import ResidentHistory
 from operators import triton_installed
 
 
-def resolve_context_attention(setting: str, device: torch.device, tensor_parallel: bool, layout) -> str:
-    """`context_attention` for a session: auto is gpu on a GPU with triton, one rank (tensor
-    parallelism keeps the host's selection) and a format the kernel reads; cpu otherwise, and
-    always on the CPU."""
+def resolve_context_attention(setting: str, device: torch.device, layout) -> str:
+    """`context_attention` for a session: auto is gpu on a GPU with triton and a format the
+    kernel reads (under tensor parallelism too: each rank reads its own kv heads' blocks from its
+    own DRAM cache); cpu otherwise, and always on the CPU."""
     if device.type != "cuda":
         return "cpu"
     if setting != "auto":
         return setting
-    if tensor_parallel or not triton_installed():
+    if not triton_installed():
         return "cpu"
     from operators.selected_blocks_kernel import kernel_applies
 

@@ -114,12 +114,11 @@ def kept_blocks(selection: SelectionSettings) -> int:
     return selection.second_select_num if selection.context_attention == "gpu" else 0
 
 
-def resolve_selection(settings: SelectionSettings, device: torch.device, tensor_parallel: int,
-                      layout: KVLayout | None) -> SelectionSettings:
+def resolve_selection(settings: SelectionSettings, device: torch.device, layout: KVLayout | None) -> SelectionSettings:
     """block_scoring (resolve_block_scoring), and context_attention: auto is the GPU where its
     kernel reads the layout's blocks (ktlong/decode/dram_blocks.py), and on the CPU it is always
     cpu. layout: needed only to resolve context_attention's auto."""
-    where = resolve_context_attention(settings.context_attention, device, tensor_parallel > 1, layout)
+    where = resolve_context_attention(settings.context_attention, device, layout)
     return dataclasses.replace(settings, block_scoring=resolve_block_scoring(settings.block_scoring, device),
                                context_attention=where)
 
@@ -133,8 +132,7 @@ def apply_threads(threads: int, torch_threads: int = 0):
 
 
 def plan_session(config: Config, model_config: ModelConfig, num_weight_elements: int, max_seq_len: int,
-                 device: torch.device, dtype: torch.dtype, tensor_parallel: int = 1,
-                 attention: str | None = None) -> SessionPlan:
+                 device: torch.device, dtype: torch.dtype, attention: str | None = None) -> SessionPlan:
     """Decide; `SessionPlan.check()` refuses what does not fit (callers print the plan first).
     attention: an evaluation arm (ktlong/session/settings.ARMS); None follows the config."""
     local_windows_len = config.local_window_for(max_seq_len, model_config.sliding_window)
@@ -145,8 +143,7 @@ def plan_session(config: Config, model_config: ModelConfig, num_weight_elements:
     budget = int(config.gpu_memory_budget_gb * GIB)
     is_gpu = device.type == "cuda"
     prefill, decode = split_arm(attention)
-    selection = resolve_selection(selection_settings(config, model_config.num_layers, decode), device,
-                                  tensor_parallel, layout)
+    selection = resolve_selection(selection_settings(config, model_config.num_layers, decode), device, layout)
     anchors = anchors_per_block(config.anchor_type, config.anchor_num) if scores_on_device(selection) else 0
     chunk_size = resolve_chunk_size(config.chunk_size, config.block_size, device)
     memory = plan_memory(model_config, num_weight_elements, dtype.itemsize, layout, chunk_size, budget,

@@ -154,8 +154,7 @@ def _start_torch(config: Config, gf, model_config, template, max_seq_len: int, r
         print("[use_cuda_graph: graphs replay the long-context decode step on a GPU; ignored here]", file=log)
     plan = None
     if config.mode == "long_context":
-        plan = plan_session(config, model_config, num_weight_elements, max_seq_len, device, dtype,
-                            config.tensor_parallel)
+        plan = plan_session(config, model_config, num_weight_elements, max_seq_len, device, dtype)
         print(plan.describe(), file=log)
         plan.check()
         apply_threads(plan.threads, plan.torch_threads)
