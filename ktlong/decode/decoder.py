@@ -64,8 +64,8 @@ class Decoder:
         block (PrefillStats.block_mass), for preselection. resident: the layers whose rows the
         device keeps between turns (ktlong/kv/resident.py), where the window and the selected
         blocks' reads (`context_attention: gpu`) find them. between(): called between the parts
-        of the setup and between the layers of its long parts (a 1M cache's took 7-9 s on the
-        H200): a prefill beside decoding answers gives the host back to their steps there
+        of the setup and within its long parts (a 1M cache's took 7-10 s on the H200): a prefill
+        beside decoding answers gives the host back to their steps there
         (ktlong/session/sliced_prefill.py). reach_tokens: the most tokens the conversation holds
         before its next prefill (its prompt and its answer's room; the cache's capacity by
         default), for which its device anchors are sized (`anchor_bytes`)."""

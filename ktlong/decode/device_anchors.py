@@ -75,9 +75,9 @@ class DeviceAnchors:
         """Blocks first..last-1 of the side tables changed: round them again."""
         assert last <= self.num_blocks, "a conversation grows within the blocks its decoder was sized for"
         rows = anchor_rows(self.selector.host, layer, first, last, self.selector.s.anchor_type).to(self.device)
-        if self.quest:
-            rows = torch.stack([rounded_bf16(rows[:, :, 0], "down"), rounded_bf16(rows[:, :, 1], "up")], 2)
-        self.anchors[layer][:, first:last] = rounded_bf16(rows, "nearest") if not self.quest else rows
+        self.anchors[layer][:, first:last] = (
+            torch.stack([rounded_bf16(rows[:, :, 0], "down"), rounded_bf16(rows[:, :, 1], "up")], 2) if self.quest
+            else rounded_bf16(rows, "nearest"))
 
     def scores(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q: [H, D] on the device -> float32 [1 or KV, num_blocks], every block the

@@ -41,8 +41,8 @@ class MemoryPlan:
     # the leading blocks every conversation holds in one copy with the others (a shared document:
     # ktlong/kv/shared_prefix.py), counted once
     dram_shared: int = 0
-    # every decoder's anchors together (ktlong/session/anchors_pool.py): one conversation of
-    # max_seq_len's at least, and up to one such a conversation, as the budget leaves room
+    # every decoder's anchors together (ktlong/session/anchors_pool.py): at least one
+    # conversation of max_seq_len's, at most one such per conversation, as the budget leaves room
     anchors_pool: int = 0
 
     @property
