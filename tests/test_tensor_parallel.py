@@ -254,8 +254,9 @@ def test_the_server_under_torchrun_answers_as_one_process_does(tiny_path, tmp_pa
         launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                    "-m", "ktlong.server", "--tensor_parallel", "2"] if ranks == 2 else
                   [sys.executable, "-m", "ktlong.server"])
+        # a session of its own: a signal meant for its processes' group never reaches pytest's
         server = subprocess.Popen([*launch, *map(str, options), "--port", str(port)], cwd=ROOT, env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
             deadline = time.time() + 300
             while True:
