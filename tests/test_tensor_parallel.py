@@ -29,7 +29,8 @@ def torchrun(n: int, *args, env=None, timeout=600):
            "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
                            "--standalone", *map(str, args)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+                          start_new_session=True)  # torchrun's signals to its group stay there
 
 
 @pytest.fixture(scope="module")
