@@ -13,7 +13,8 @@ It rounds where the torch version rounds, so the two agree to the order of float
 The probabilities need the final lse before they are rounded, so the work is split: (1) logits
 and each key range's max and sum of exponentials, a program per query row and range; (2) lse
 from all ranges, then each range's share of p . v, a program per kv head and range; (3) the
-shares summed and rounded.
+shares summed and rounded. Each kernel is one launch for a batch of conversations, each
+member's window buffers found by their offsets from the first member's (member_offsets).
 """
 
 from __future__ import annotations
@@ -30,17 +31,18 @@ TILES = 4  # tiles per program: a program takes KEYS * TILES keys of one kv head
 
 
 @triton.jit
-def _logits(q_ptr, k_ptr, lo_ptr, hi_ptr, logits_ptr, max_ptr, sum_ptr, n, group, last, scale, stride_head,
-            stride_key, ROWS: tl.constexpr, DIM: tl.constexpr, KEYS: tl.constexpr, TILES: tl.constexpr):
-    """Query head i, keys KEYS * TILES * r ..: logits [H, n] float32 and the range's max and sum of
-    exp(logit - max) at [kv head, r, row in group]. Each logit is the float32 sum of the exact
-    products (no tl.dot: one query row per program, a multiply and a row sum)."""
-    i, r = tl.program_id(0), tl.program_id(1)
-    parts = tl.num_programs(1)
+def _logits(q_ptr, k_ptr, members_ptr, lo_ptr, hi_ptr, logits_ptr, max_ptr, sum_ptr, n, group, last, scale,
+            stride_head, stride_key, ROWS: tl.constexpr, DIM: tl.constexpr, KEYS: tl.constexpr, TILES: tl.constexpr):
+    """Member b's query head i, keys KEYS * TILES * r ..: logits [B, H, n] float32 and the range's
+    max and sum of exp(logit - max) at [b, kv head, r, row in group]. Each logit is the float32
+    sum of the exact products (no tl.dot: one query row per program, a multiply and a row sum)."""
+    i, r, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    heads, parts = tl.num_programs(0), tl.num_programs(1)
     h, g = i // group, i % group
+    k_ptr += tl.load(members_ptr + 2 * b)  # member b's keys, from member 0's
     dims = tl.arange(0, DIM)
-    q = tl.load(q_ptr + i * DIM + dims).to(tl.float32)
-    lo, hi = tl.load(lo_ptr), tl.load(hi_ptr)
+    q = tl.load(q_ptr + (b * heads + i) * DIM + dims).to(tl.float32)
+    lo, hi = tl.load(lo_ptr + b), tl.load(hi_ptr + b)
     if last > 0:  # a sliding layer: its last keys only
         lo = tl.maximum(lo, hi - last)
     top = float("-inf")
@@ -52,27 +54,31 @@ def _logits(q_ptr, k_ptr, lo_ptr, hi_ptr, logits_ptr, max_ptr, sum_ptr, n, group
                     other=0.0).to(tl.float32)
         s = narrow(tl.sum(k * q[None, :], 1), tl.bfloat16) * scale  # [KEYS]
         s = tl.where((keys >= lo) & (keys < hi), s, float("-inf"))
-        tl.store(logits_ptr + i * n + keys, s, mask=inside)
+        tl.store(logits_ptr + (b * heads + i) * n + keys, s, mask=inside)
         new_top = tl.maximum(top, tl.max(s, 0))
         shift = tl.where(new_top == float("-inf"), 0.0, new_top)
         total = total * tl.exp(top - shift) + tl.sum(tl.exp(s - shift), 0)
         top = new_top
-    at = (h * parts + r) * ROWS + g
+    at = ((b * (heads // group) + h) * parts + r) * ROWS + g
     tl.store(max_ptr + at, top)
     tl.store(sum_ptr + at, total)
 
 
 @triton.jit
-def _values(v_ptr, logits_ptr, max_ptr, sum_ptr, share_ptr, lse_ptr, n, group, stride_head, stride_key, parts,
-            ROWS: tl.constexpr, DIM: tl.constexpr, KEYS: tl.constexpr, TILES: tl.constexpr, PARTS: tl.constexpr):
-    """Kv head h, range r: lse over every range, then this range's sum of p . v (p rounded to the
-    window's type) -> share [KV, PARTS, ROWS, DIM] float32; range 0 also stores lse."""
-    h, r = tl.program_id(0), tl.program_id(1)
+def _values(v_ptr, members_ptr, logits_ptr, max_ptr, sum_ptr, share_ptr, lse_ptr, n, group, stride_head, stride_key,
+            parts, ROWS: tl.constexpr, DIM: tl.constexpr, KEYS: tl.constexpr, TILES: tl.constexpr,
+            PARTS: tl.constexpr):
+    """Member b's kv head h, range r: lse over every range, then this range's sum of p . v (p
+    rounded to the window's type) -> share [B, KV, PARTS, ROWS, DIM] float32; range 0 also stores lse."""
+    h, r, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    num_kv = tl.num_programs(0)
+    v_ptr += tl.load(members_ptr + 2 * b + 1)  # member b's values, from member 0's
+    head = b * num_kv + h  # this member's kv head among the batch's
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, DIM)
     real = rows < group
     ranges = tl.arange(0, PARTS)  # parts, rounded up to a power of two
-    at = (h * parts + ranges[None, :]) * ROWS + rows[:, None]  # [ROWS, PARTS]; rows past group never written
+    at = (head * parts + ranges[None, :]) * ROWS + rows[:, None]  # [ROWS, PARTS]; rows past group never written
     held = real[:, None] & (ranges < parts)[None, :]
     tops = tl.load(max_ptr + at, mask=held, other=float("-inf"))
     top = tl.max(tops, 1)
@@ -80,31 +86,31 @@ def _values(v_ptr, logits_ptr, max_ptr, sum_ptr, share_ptr, lse_ptr, n, group, s
     total = tl.sum(tl.load(sum_ptr + at, mask=held, other=0.0) * tl.exp(tops - shift[:, None]), 1)
     lse = tl.where(real, shift + tl.log(tl.where(real, total, 1.0)), 0.0)  # padded rows: p = 0
     if r == 0:
-        tl.store(lse_ptr + h * group + rows, lse, mask=real)
+        tl.store(lse_ptr + head * group + rows, lse, mask=real)
     acc = tl.zeros((ROWS, DIM), tl.float32)
     for t in range(TILES):
         keys = (r * TILES + t) * KEYS + tl.arange(0, KEYS)
         inside = keys < n
-        s = tl.load(logits_ptr + (h * group + rows[:, None]) * n + keys[None, :], mask=real[:, None] & inside[None, :],
-                    other=float("-inf"))
+        s = tl.load(logits_ptr + (head * group + rows[:, None]) * n + keys[None, :],
+                    mask=real[:, None] & inside[None, :], other=float("-inf"))
         p = narrow(tl.exp(s - lse[:, None]), tl.bfloat16)
         v = tl.load(v_ptr + h * stride_head + keys[:, None] * stride_key + dims[None, :], mask=inside[:, None],
                     other=0.0).to(tl.float32)
         acc += tl.dot(p, v, input_precision="tf32")  # bfloat16 values are exact in TF32: exact products
-    tl.store(share_ptr + ((h * parts + r) * ROWS + rows[:, None]) * DIM + dims[None, :], acc)
+    tl.store(share_ptr + ((head * parts + r) * ROWS + rows[:, None]) * DIM + dims[None, :], acc)
 
 
 @triton.jit
 def _sum_shares(share_ptr, out_ptr, group, parts, ROWS: tl.constexpr, DIM: tl.constexpr):
-    """Kv head h's shares summed, rounded to bfloat16 -> out [H, DIM] float32."""
-    h = tl.program_id(0)
+    """Member b's kv head h: its shares summed, rounded to bfloat16 -> out [B, H, DIM] float32."""
+    head = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)  # member b's kv head h among the batch's
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, DIM)
     acc = tl.zeros((ROWS, DIM), tl.float32)
     for r in range(parts):
-        acc += tl.load(share_ptr + ((h * parts + r) * ROWS + rows[:, None]) * DIM + dims[None, :])
+        acc += tl.load(share_ptr + ((head * parts + r) * ROWS + rows[:, None]) * DIM + dims[None, :])
     out = narrow(acc, tl.bfloat16)
-    tl.store(out_ptr + (h * group + rows[:, None]) * DIM + dims[None, :], out, mask=(rows < group)[:, None])
+    tl.store(out_ptr + (head * group + rows[:, None]) * DIM + dims[None, :], out, mask=(rows < group)[:, None])
 
 
 def kernel_applies(dtype: torch.dtype, head_dim: int) -> bool:
@@ -113,42 +119,62 @@ def kernel_applies(dtype: torch.dtype, head_dim: int) -> bool:
     return dtype == torch.bfloat16 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                     scale: float, last: int = 0, out: torch.Tensor | None = None, lse: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [H, D] over k, v [KV, N, D] (a whole window buffer, bfloat16) of which keys lo..hi-1
-    count (0-dim int64 device tensors; with last > 0 only the last `last` of them) -> out [H, D],
-    lse [H] float32, as masked_window_attention gives them, into `out` and `lse` when given
-    (contiguous float32). Fixed shapes, no sync."""
+def member_offsets(keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """[B, 2] int64 on the members' device: where each member's keys and values lie, in elements
+    from member 0's (window_attention's `members`; made once, outside any graph capture)."""
+    for name, t in (("keys", keys), ("values", values)):
+        for x in t:
+            expect(name, x, shape=tuple(keys[0].shape), dtype=keys[0].dtype, device=keys[0].device)
+            if x.stride() != keys[0].stride():
+                raise ValueError("every member's keys and values must share strides")
+    size = keys[0].element_size()
+    base = keys[0].data_ptr()
+    offsets = [((k.data_ptr() - base) // size, (v.data_ptr() - values[0].data_ptr()) // size)
+               for k, v in zip(keys, values)]
+    return torch.tensor(offsets, dtype=torch.int64).to(keys[0].device)
+
+
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, members: torch.Tensor, lo: torch.Tensor,
+                     hi: torch.Tensor, scale: float, last: int = 0, out: torch.Tensor | None = None,
+                     lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's queries q [B, H, D], member b's over its window buffer (bfloat16 [KV, N, D] like
+    member 0's k and v, at members[b] elements from them: member_offsets), of which keys
+    lo[b]..hi[b]-1 count ([B] int64 device tensors; with last > 0 only the last `last` of them)
+    -> out [B, H, D], lse [B, H] float32, as masked_window_attention gives each member's, into
+    `out` and `lse` when given (contiguous float32). One launch of each kernel for the batch;
+    fixed shapes, no sync."""
     expect("k", k, ndim=3, dtype=torch.bfloat16)
     num_kv, n, dim = k.shape
     expect("v", v, shape=tuple(k.shape), dtype=k.dtype, device=k.device)
-    expect("q", q, shape=(None, dim), device=k.device)
-    expect("lo", lo, shape=(), dtype=torch.int64, device=k.device)
-    expect("hi", hi, shape=(), dtype=torch.int64, device=k.device)
+    expect("q", q, ndim=3, device=k.device)
+    batch, num_heads = q.shape[:2]
+    expect("q", q, shape=(batch, num_heads, dim))
+    expect("members", members, shape=(batch, 2), dtype=torch.int64, device=k.device)
+    expect("lo", lo, shape=(batch,), dtype=torch.int64, device=k.device)
+    expect("hi", hi, shape=(batch,), dtype=torch.int64, device=k.device)
     if k.stride(2) != 1 or v.stride() != k.stride():
         raise ValueError("k and v must share strides, with contiguous rows")
-    num_heads = q.shape[0]
     if num_heads % num_kv:
         raise ValueError(f"q's {num_heads} heads must be whole groups of k's {num_kv} kv heads")
     group = num_heads // num_kv
     rows = max(16, triton.next_power_of_2(group))
     parts = triton.cdiv(max(n, 1), KEYS * TILES)
     device = q.device
-    logits = torch.empty((num_heads, n), dtype=torch.float32, device=device)
-    tops = torch.empty((num_kv, parts, rows), dtype=torch.float32, device=device)
-    sums = torch.empty((num_kv, parts, rows), dtype=torch.float32, device=device)
-    share = torch.empty((num_kv, parts, rows, dim), dtype=torch.float32, device=device)
-    out = torch.empty((num_heads, dim), dtype=torch.float32, device=device) if out is None else out
-    lse = torch.empty(num_heads, dtype=torch.float32, device=device) if lse is None else lse
-    expect("out", out, shape=(num_heads, dim), dtype=torch.float32, device=device)
-    expect("lse", lse, shape=(num_heads,), dtype=torch.float32, device=device)
+    logits = torch.empty((batch, num_heads, n), dtype=torch.float32, device=device)
+    tops = torch.empty((batch, num_kv, parts, rows), dtype=torch.float32, device=device)
+    sums = torch.empty((batch, num_kv, parts, rows), dtype=torch.float32, device=device)
+    share = torch.empty((batch, num_kv, parts, rows, dim), dtype=torch.float32, device=device)
+    out = torch.empty((batch, num_heads, dim), dtype=torch.float32, device=device) if out is None else out
+    lse = torch.empty((batch, num_heads), dtype=torch.float32, device=device) if lse is None else lse
+    expect("out", out, shape=(batch, num_heads, dim), dtype=torch.float32, device=device)
+    expect("lse", lse, shape=(batch, num_heads), dtype=torch.float32, device=device)
     if not (out.is_contiguous() and lse.is_contiguous()):
         raise ValueError("out and lse must be contiguous")
     q = q.to(k.dtype).contiguous()
-    _logits[(num_heads, parts)](q, k, lo, hi, logits, tops, sums, n, group, last, scale, k.stride(0), k.stride(1),
-                                ROWS=rows, DIM=dim, KEYS=KEYS, TILES=TILES)
-    _values[(num_kv, parts)](v, logits, tops, sums, share, lse, n, group, k.stride(0), k.stride(1), parts,
-                             ROWS=rows, DIM=dim, KEYS=KEYS, TILES=TILES, PARTS=triton.next_power_of_2(parts))
-    _sum_shares[(num_kv,)](share, out, group, parts, ROWS=rows, DIM=dim)
+    _logits[(num_heads, parts, batch)](q, k, members, lo, hi, logits, tops, sums, n, group, last, scale, k.stride(0),
+                                       k.stride(1), ROWS=rows, DIM=dim, KEYS=KEYS, TILES=TILES)
+    _values[(num_kv, parts, batch)](v, members, logits, tops, sums, share, lse, n, group, k.stride(0), k.stride(1),
+                                    parts, ROWS=rows, DIM=dim, KEYS=KEYS, TILES=TILES,
+                                    PARTS=triton.next_power_of_2(parts))
+    _sum_shares[(num_kv, batch)](share, out, group, parts, ROWS=rows, DIM=dim)
     return out, lse

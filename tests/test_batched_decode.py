@@ -121,3 +121,31 @@ def test_a_batch_with_joins_and_leaves_equals_each_conversation_alone(tiny, case
             scale = float(b.abs().max())
             assert float((a - b).abs().max()) <= 1e-4 * scale, (i, step)
         assert sessions[i].host.num_tokens == PROMPTS[i] + len(alone_logits[i])
+
+
+def test_the_window_parts_of_a_batch_in_one_launch_equal_each_members_torch_ops(tiny):
+    """Where the window kernel runs (captured, on a GPU), a batch's window parts of a layer are one
+    launch, each conversation's buffers found by their offsets from the first's: the same
+    attention states as each conversation's masked torch ops (Triton's interpreter here)."""
+    import torch
+
+    from operators.window_attention_kernel import member_offsets, window_attention
+
+    settings = selection(second_select_num=3, preselect_block=False, dense_layer_num=0, block_scoring="cpu")
+    sessions = [conversation(tiny, settings, "bf16", length) for length in PROMPTS]
+    body = DecodeBatch(tiny.model, [s.decoder for s in sessions], use_cuda_graph=False).body
+    body.capturing = True  # the captured path's inputs (lo, hi on the device), without a GPU to capture on
+    for b, s in enumerate(sessions):
+        body.set_step(b, 7, s.decoder.position)
+    c = tiny.config
+    q = torch.randn(len(PROMPTS), c.num_heads, c.head_dim, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    layer = body.global_layers[1]
+    o_ops, lse_ops = body._windows(layer, q)  # torch's masked ops, conversation by conversation
+    buffers = [s.decoder.window.layer_buffers(0) for s in sessions]
+    body.window_kernel = window_attention
+    body.window_members = member_offsets([k for k, _ in buffers], [v for _, v in buffers])
+    o_one, lse_one = body._windows(layer, q)
+    torch.testing.assert_close(lse_one, lse_ops, rtol=1e-5, atol=1e-5)
+    # rounded to bfloat16 as the torch ops round: equal but where a float32 sum's order moves a
+    # value across a rounding boundary, one bfloat16 step
+    assert ((o_one - o_ops).abs() <= o_ops.abs().clamp_min(1e-3) * 2 ** -7).all()

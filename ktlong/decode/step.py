@@ -80,6 +80,10 @@ class DecodeStep:
             self.append_kernel = append_token if kernel_applies(layout.kv_type, c.head_dim) else None
             if window_attention_kernel.kernel_applies(layout.dtype, c.head_dim):
                 self.window_kernel = window_attention_kernel.window_attention
+                # where each sequence's window buffers lie from the first's (one launch for the batch)
+                buffers = [s.window.layer_buffers(0) for s in sequences]
+                self.window_members = window_attention_kernel.member_offsets([k for k, _ in buffers],
+                                                                             [v for _, v in buffers])
         self.num_layers = c.num_layers
         # with the device selecting on a GPU, each sequence's window part of a global layer runs on
         # a stream of its own, beside the selections and the DRAM reads, which need only the same
@@ -180,8 +184,7 @@ class DecodeStep:
         stop = g[j] if j < len(g) else self.num_layers
         for layer in range(start, stop):  # sliding-window layers: all on the device
             q = self._append(layer)
-            window = model.config.sliding_window
-            o = torch.stack([self._window_attention(b, layer, q[b], window)[0] for b in range(self.batch)])
+            o, _ = self._windows(layer, q, model.config.sliding_window)
             self._finish(layer, o)
         if j < len(g):
             q = self._append(g[j], j)
@@ -194,11 +197,33 @@ class DecodeStep:
 
     def _window(self, j: int, streams: list = ()):
         """Global layer j's window part: each sequence's q over its sinks and window -> o_dev, lse_dev;
+        one launch for the batch where the kernel runs (on streams[0] when given), otherwise
         sequence b's on streams[b] when given."""
+        layer = self.global_layers[j]
+        if self._one_launch:
+            with torch.cuda.stream(streams[0]) if streams else contextlib.nullcontext():
+                self._windows(layer, self.q_dev[j], out=(self.o_dev[j], self.lse_dev[j]))
+            return
         for b in range(self.batch):
             with torch.cuda.stream(streams[b]) if streams else contextlib.nullcontext():
-                self._window_attention(b, self.global_layers[j], self.q_dev[j, b],
-                                       out=(self.o_dev[j, b], self.lse_dev[j, b]))
+                self._window_attention(b, layer, self.q_dev[j, b], out=(self.o_dev[j, b], self.lse_dev[j, b]))
+
+    @property
+    def _one_launch(self) -> bool:
+        """The window parts run as one kernel launch for the batch (captured, where the kernel applies)."""
+        return self.capturing and self.window_kernel is not None
+
+    def _windows(self, layer: int, q: torch.Tensor, last: int = 0, out: tuple | None = None):
+        """Every sequence's q [B, H, D] over its sinks and window (its `last` keys only, when
+        given) -> (o [B, H, D], lse [B, H]) float32, into `out` when given: one launch for the
+        batch where the kernel runs, otherwise sequence by sequence."""
+        if self._one_launch:
+            keys, values = self.windows[0].layer_buffers(layer)
+            return self.window_kernel(q, keys, values, self.window_members, self.lo, self.hi, self.model.scale, last,
+                                      *(out or (None, None)))
+        states = [self._window_attention(b, layer, q[b], last, None if out is None else (out[0][b], out[1][b]))
+                  for b in range(self.batch)]
+        return out or (torch.stack([o for o, _ in states]), torch.stack([lse for _, lse in states]))
 
     def _token(self):
         """A whole token when the device selects: every segment with its layer's window and
@@ -263,13 +288,10 @@ class DecodeStep:
 
     def _window_attention(self, b: int, layer: int, q: torch.Tensor, last: int = 0, out: tuple | None = None):
         """Sequence b's q [H, D] over the layer's sinks and window (its `last` keys only, when
-        given) -> out [H, D], lse [H] float32, written into `out` (out, lse) when given. Captured:
-        the whole buffer with the invalid keys masked, fixed shapes read from device memory;
-        eager: the valid keys only."""
+        given) -> out [H, D], lse [H] float32, written into `out` (out, lse) when given, by torch's
+        ops (the kernel: `_windows`). Captured: the whole buffer with the invalid keys masked,
+        fixed shapes read from device memory; eager: the valid keys only."""
         keys, values = self.windows[b].layer_buffers(layer)
-        if self.capturing and self.window_kernel is not None:
-            return self.window_kernel(q, keys, values, self.lo[b], self.hi[b], self.model.scale, last,
-                                      *(out or (None, None)))
         if self.capturing:
             lo = torch.maximum(self.lo[b], self.hi[b] - last) if last else self.lo[b]
             state = masked_window_attention(q, keys, values, lo, self.hi[b], self.model.scale)
