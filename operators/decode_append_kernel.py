@@ -8,7 +8,8 @@ With torch ops the same work is two casts, two index copies, a stack, about fift
 q8_0 quantisation (operators/kv_quant.py) and two copies to host memory: twenty launches a global
 layer, 640 a token at 8B shapes, each a node of the step's CUDA graph. Both destinations are
 pinned host memory, which the kernel writes over PCIe in place; the host reads them after the
-step's event, when the writes have landed.
+step's event, when the writes have landed. One launch writes every conversation of a batch, each
+member's buffers found by their offsets from the first member's.
 
 q8_0 follows quantize_kv's arithmetic in float32 step by step (amax / 127, its IEEE reciprocal,
 the product, rounding half away from zero), so the bytes are the same; the stored scale is d in
@@ -51,21 +52,29 @@ def _place_row(src_ptr, dst_ptr, data_ptr, scales_ptr, at, groups,
 
 
 @triton.jit
-def _append_token(k_ptr, v_ptr, slot_ptr, wk_ptr, wv_ptr, w_head, w_token, kd_ptr, vd_ptr, ks_ptr, vs_ptr,
-                  position_ptr, d_head, s_head,
+def _append_token(k_ptr, v_ptr, slot_ptr, wk_ptr, wv_ptr, w_head, w_token, members_ptr, kd_ptr, vd_ptr, ks_ptr,
+                  vs_ptr, stored_ptr, position_ptr, d_head, s_head,
                   DIM: tl.constexpr, QUANT: tl.constexpr, STORE: tl.constexpr):
-    """Kv head h: its key and value rows into the window at token slot and into the stored
-    tables at token `position` (read from position_ptr)."""
-    h = tl.program_id(0)
+    """Member b's kv head h: its key and value rows into its window at its token slot and into
+    its stored tables at its token position; member b's buffers at their offsets from member 0's."""
+    h, b = tl.program_id(0), tl.program_id(1)
+    num_kv = tl.num_programs(0)
     groups = tl.arange(0, DIM // 32)
     at = groups[:, None] * 32 + tl.arange(0, 32)[None, :]
-    window = h * w_head + tl.load(slot_ptr) * w_token
+    wk_ptr += tl.load(members_ptr + 2 * b)
+    wv_ptr += tl.load(members_ptr + 2 * b + 1)
+    window = h * w_head + tl.load(slot_ptr + b) * w_token
     row, scale_row = h * d_head, h * s_head
     if STORE:
-        position = tl.load(position_ptr)
+        kd_ptr += tl.load(stored_ptr + 4 * b)
+        vd_ptr += tl.load(stored_ptr + 4 * b + 1)
+        ks_ptr += tl.load(stored_ptr + 4 * b + 2)
+        vs_ptr += tl.load(stored_ptr + 4 * b + 3)
+        position = tl.load(position_ptr + b)
         row, scale_row = row + position * DIM, scale_row + position * (DIM // 32)
-    _place_row(k_ptr + h * DIM, wk_ptr + window, kd_ptr + row, ks_ptr + scale_row, at, groups, DIM, QUANT, STORE)
-    _place_row(v_ptr + h * DIM, wv_ptr + window, vd_ptr + row, vs_ptr + scale_row, at, groups, DIM, QUANT, STORE)
+    src = (b * num_kv + h) * DIM
+    _place_row(k_ptr + src, wk_ptr + window, kd_ptr + row, ks_ptr + scale_row, at, groups, DIM, QUANT, STORE)
+    _place_row(v_ptr + src, wv_ptr + window, vd_ptr + row, vs_ptr + scale_row, at, groups, DIM, QUANT, STORE)
 
 
 def kernel_applies(kv_type: str, head_dim: int) -> bool:
@@ -75,8 +84,8 @@ def kernel_applies(kv_type: str, head_dim: int) -> bool:
 
 class StoredRows(NamedTuple):
     """Where a layer's new K/V go as DRAM stores them: k, v [KV, N, D] (values, or q8_0 int8 with
-    k_scales, v_scales [KV, N, D/32] int16 words of float16; None for values), row `position` (a
-    1-element int64 device tensor, read at launch) of each. Host memory registered with CUDA
+    k_scales, v_scales [KV, N, D/32] int16 words of float16; None for values), and the row each
+    member of a batch writes, `position` ([B] int64 device tensor, read at launch). Host memory registered with CUDA
     (pinned: the DRAM cache itself, or the host's exchange rows with N = 1), written in place."""
     k: torch.Tensor
     v: torch.Tensor
@@ -85,13 +94,37 @@ class StoredRows(NamedTuple):
     position: torch.Tensor
 
 
+def _offsets(tensors: list) -> list[int]:
+    """Each tensor's first element, in elements from the first tensor's (0 for None)."""
+    if tensors[0] is None:
+        return [0] * len(tensors)
+    size, base = tensors[0].element_size(), tensors[0].data_ptr()
+    return [(t.data_ptr() - base) // size for t in tensors]
+
+
+def stored_offsets(rows: list[StoredRows], device: torch.device) -> torch.Tensor:
+    """[B, 4] int64 on the device: where each member's stored k, v, k_scales and v_scales lie, in
+    elements from member 0's (append_token's `stored_members`; made once, outside any capture)."""
+    for r in rows:
+        for mine, first in zip(r[:4], rows[0][:4]):
+            if (mine is None) != (first is None) or (mine is not None and (
+                    mine.shape != first.shape or mine.stride() != first.stride() or mine.dtype != first.dtype)):
+                raise ValueError("every member's stored rows must share one layout")
+    columns = [_offsets([r[i] for r in rows]) for i in range(4)]
+    return torch.tensor(list(zip(*columns)), dtype=torch.int64).to(device)
+
+
 def append_token(k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                 stored: StoredRows | None = None):
-    """k, v [KV, D]: the step's new rows -> keys[:, slot], values[:, slot] of the window buffers
-    [KV, N, D] (slot: a 1-element int64 device tensor), and with `stored`, its rows at its
-    position. Fixed shapes, no sync."""
-    num_kv, dim = k.shape
-    expect("v", v, shape=(num_kv, dim), dtype=k.dtype, device=k.device)
+                 members: torch.Tensor, stored: StoredRows | None = None, stored_members: torch.Tensor | None = None):
+    """A batch's new rows k, v [B, KV, D] -> member b's window buffers (like member 0's keys,
+    values [KV, N, D], at members[b] elements from them: window_attention_kernel.member_offsets)
+    at slot[b] ([B] int64 device tensor), and with `stored` (member 0's, its position [B]) each
+    member's stored rows (at stored_members[b]: stored_offsets) at its position. One launch for
+    the batch; fixed shapes, no sync."""
+    batch, num_kv, dim = k.shape
+    expect("v", v, shape=(batch, num_kv, dim), dtype=k.dtype, device=k.device)
+    expect("slot", slot, shape=(batch,), dtype=torch.int64, device=k.device)
+    expect("members", members, shape=(batch, 2), dtype=torch.int64, device=k.device)
     expect("keys", keys, shape=(num_kv, None, dim), device=k.device)
     expect("values", values, shape=tuple(keys.shape), dtype=keys.dtype, device=k.device)
     if keys.stride(2) != 1 or values.stride() != keys.stride():
@@ -100,7 +133,8 @@ def append_token(k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, keys: tor
     if stored is not None:  # host memory, written in place: its device is not checked
         expect("stored.k", stored.k, shape=(num_kv, None, dim), dtype=torch.int8 if quant else None)
         expect("stored.v", stored.v, shape=tuple(stored.k.shape), dtype=stored.k.dtype)
-        expect("stored.position", stored.position, shape=(1,), dtype=torch.int64, device=k.device)
+        expect("stored.position", stored.position, shape=(batch,), dtype=torch.int64, device=k.device)
+        expect("stored_members", stored_members, shape=(batch, 4), dtype=torch.int64, device=k.device)
         if stored.k.stride(2) != 1 or stored.v.stride() != stored.k.stride():
             raise ValueError("the stored keys and values must share one layout with contiguous rows")
         if quant:
@@ -111,6 +145,8 @@ def append_token(k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, keys: tor
                 raise ValueError("the stored scales of keys and values must share one layout with contiguous rows")
     to = stored if stored is not None else StoredRows(keys, values, None, None, slot)  # placeholders, never written
     scales = (to.k_scales, to.v_scales) if quant else (slot, slot)
-    _append_token[(num_kv,)](k.contiguous(), v.contiguous(), slot, keys, values, keys.stride(0), keys.stride(1),
-                             to.k, to.v, *scales, to.position, to.k.stride(0), scales[0].stride(0) if quant else 0,
-                             DIM=dim, QUANT=quant, STORE=stored is not None)
+    _append_token[(num_kv, batch)](k.contiguous(), v.contiguous(), slot, keys, values, keys.stride(0),
+                                   keys.stride(1), members, to.k, to.v, *scales,
+                                   stored_members if stored is not None else members, to.position,
+                                   to.k.stride(0), scales[0].stride(0) if quant else 0,
+                                   DIM=dim, QUANT=quant, STORE=stored is not None)

@@ -149,3 +149,47 @@ def test_the_window_parts_of_a_batch_in_one_launch_equal_each_members_torch_ops(
     # rounded to bfloat16 as the torch ops round: equal but where a float32 sum's order moves a
     # value across a rounding boundary, one bfloat16 step
     assert ((o_one - o_ops).abs() <= o_ops.abs().clamp_min(1e-3) * 2 ** -7).all()
+
+
+@pytest.mark.parametrize("kv_type", ["fp32", "q8_0"])
+def test_a_batchs_new_rows_in_one_launch_land_where_the_torch_ops_put_them(tiny, kv_type, monkeypatch):
+    """Where the append kernel runs (on a GPU), a layer's new K/V of every conversation are one
+    launch, each conversation's window and stored rows found by their offsets from the first's:
+    the same window rows and the same bytes for DRAM as the torch ops write, conversation by
+    conversation (Triton's interpreter here, whose float32 -> bfloat16 casts truncate where a
+    GPU's round to nearest: so the model's rows are made bfloat16 values first; the kernel's own
+    rounding against torch's: tests/test_decode_append_kernel.py)."""
+    import torch
+
+    from operators.decode_append_kernel import append_token
+    from operators.window_attention_kernel import member_offsets
+
+    settings = selection(second_select_num=3, preselect_block=False, dense_layer_num=0, block_scoring="cpu")
+    sessions = [conversation(tiny, settings, kv_type, length) for length in PROMPTS]
+    body = DecodeBatch(tiny.model, [s.decoder for s in sessions], use_cuda_graph=False).body
+    for b, s in enumerate(sessions):
+        body.set_step(b, 7 + b, s.decoder.position)
+    body.x.copy_(torch.randn(body.x.shape, generator=torch.Generator().manual_seed(3)))
+    body.rope = tiny.model.rope_tables(body.position)
+    qkv = tiny.model.qkv
+    monkeypatch.setattr(tiny.model, "qkv", lambda *a: [t.to(torch.bfloat16).float() for t in qkv(*a)])
+    layer = body.global_layers[1]
+    before = [(w.buf_k.clone(), w.buf_v.clone()) for w in body.windows]
+    body._append(layer, 1)  # torch's ops
+    torch_rows = [(w.buf_k.clone(), w.buf_v.clone()) for w in body.windows], body.kv_host.clone(), \
+        body.kv_scales_host.clone()
+    for w, (k, v) in zip(body.windows, before):
+        w.buf_k.copy_(k)
+        w.buf_v.copy_(v)
+    body.kv_host.zero_()
+    body.kv_scales_host.zero_()
+    buffers = [w.layer_buffers(0) for w in body.windows]
+    body.append_kernel = append_token
+    body.window_members = member_offsets([k for k, _ in buffers], [v for _, v in buffers])
+    body.stored_rows = [body._stored_rows(j) for j in range(len(body.global_layers))]
+    body._append(layer, 1)
+    windows, kv, scales = torch_rows
+    for w, (k, v), (k0, _) in zip(body.windows, windows, before):
+        assert torch.equal(w.buf_k, k) and torch.equal(w.buf_v, v) and not torch.equal(k, k0)
+    assert torch.equal(body.kv_host[:, 1], kv[:, 1]) and body.kv_host[:, 1].any()
+    assert torch.equal(body.kv_scales_host, scales)

@@ -80,6 +80,7 @@ class DecodeStep:
             self.append_kernel = append_token if kernel_applies(layout.kv_type, c.head_dim) else None
             if window_attention_kernel.kernel_applies(layout.dtype, c.head_dim):
                 self.window_kernel = window_attention_kernel.window_attention
+            if self.append_kernel is not None or self.window_kernel is not None:
                 # where each sequence's window buffers lie from the first's (one launch for the batch)
                 buffers = [s.window.layer_buffers(0) for s in sequences]
                 self.window_members = window_attention_kernel.member_offsets([k for k, _ in buffers],
@@ -98,7 +99,7 @@ class DecodeStep:
         # inputs, one row per sequence, written before each replay
         self.token = torch.zeros(B, dtype=torch.long, device=dev)
         self.position = torch.zeros(B, dtype=torch.long, device=dev)
-        self.zero = torch.zeros(1, dtype=torch.long, device=dev)
+        self.zeros = torch.zeros(B, dtype=torch.long, device=dev)  # the exchange rows' position, every sequence's
         self.slot = torch.zeros(B, dtype=torch.long, device=dev)  # buffer index of each new token
         self.lo = torch.zeros(B, dtype=torch.long, device=dev)  # valid keys of sequence b: lo[b]..hi[b]-1
         self.hi = torch.zeros(B, dtype=torch.long, device=dev)
@@ -118,8 +119,7 @@ class DecodeStep:
         row, groups = layout.stored_row
         self.kv_host = None if self.writes_dram else self._host((B, n, 2, c.num_kv_heads, row), layout.stored_dtype)
         self.kv_scales_host = None if self.writes_dram else self._host((B, n, 2, c.num_kv_heads, groups), torch.int16)
-        self.stored_rows = ([[self._stored_rows(b, j) for j in range(n)] for b in range(B)]
-                            if self.append_kernel is not None else [])
+        self.stored_rows = [self._stored_rows(j) for j in range(n)] if self.append_kernel is not None else []
         self.o_host = self._host((n, B, c.num_heads, c.head_dim), torch.float32)
         self.lse_host = self._host((n, B, c.num_heads), torch.float32)
         if self.scores_blocks:  # per sequence [global layer, rows, the blocks it can reach]
@@ -149,16 +149,22 @@ class DecodeStep:
     def _host(self, shape, dtype) -> torch.Tensor:
         return self._pinned.pin(torch.zeros(shape, dtype=dtype))
 
-    def _stored_rows(self, b: int, j: int):
-        """Where the append kernel puts sequence b's new K/V of global layer j: its DRAM tables at
-        the token's position, or the exchange rows (one row, position 0)."""
-        from operators.decode_append_kernel import StoredRows
+    def _stored_rows(self, j: int):
+        """Where the append kernel puts every sequence's new K/V of global layer j -> (the first
+        sequence's StoredRows, each sequence's offsets from them): each one's DRAM tables at its
+        token's position, or its exchange rows (one row, position 0)."""
+        from operators.decode_append_kernel import StoredRows, stored_offsets
 
         if self.writes_dram:
-            return StoredRows(*self.dram[b].token_rows(j), self.position[b:b + 1])
-        quant = self.layout.is_quantized
-        kv, scales = self.kv_host[b, j][:, :, None], self.kv_scales_host[b, j][:, :, None]  # [2, KV, 1, R]
-        return StoredRows(kv[0], kv[1], scales[0] if quant else None, scales[1] if quant else None, self.zero)
+            rows = [StoredRows(*dram.token_rows(j), self.position) for dram in self.dram]
+        else:
+            quant = self.layout.is_quantized
+            rows = []
+            for b in range(self.batch):
+                kv, scales = self.kv_host[b, j][:, :, None], self.kv_scales_host[b, j][:, :, None]  # [2, KV, 1, R]
+                rows.append(StoredRows(kv[0], kv[1], scales[0] if quant else None, scales[1] if quant else None,
+                                       self.zeros))
+        return rows[0], stored_offsets(rows, self.model.device)
 
     # ---- the device work, as captured ----------------------------------------------------
     def _segment(self, j: int):
@@ -268,12 +274,13 @@ class DecodeStep:
         dtype = self.layout.dtype
         if j is not None and not self.device_selects:  # a global layer's q goes to the host, unless the device selects
             self.q_host[j].copy_(q.float(), non_blocking=True)
+        if self.append_kernel is not None:  # one launch: the window's rows and, for a global layer, the stored ones
+            keys, values = self.windows[0].layer_buffers(layer)
+            self.append_kernel(k, v, self.slot, keys, values, self.window_members,
+                               *((None, None) if j is None else self.stored_rows[j]))
+            return q
         for b, window in enumerate(self.windows):
             keys, values = window.layer_buffers(layer)
-            if self.append_kernel is not None:  # one kernel: the window's rows and, for a global layer, the stored ones
-                self.append_kernel(k[b], v[b], self.slot[b:b + 1], keys, values,
-                                   None if j is None else self.stored_rows[b][j])
-                continue
             keys.index_copy_(1, self.slot[b:b + 1], k[b].to(dtype)[:, None])
             values.index_copy_(1, self.slot[b:b + 1], v[b].to(dtype)[:, None])
             if j is not None:  # a global layer: k/v through to DRAM
