@@ -77,3 +77,22 @@ def test_what_the_running_answers_leave_no_room_for_is_refused_before_any_prefil
     assert session.ids == [] and session.host.num_tokens == 0 and running.decoder is not None
     session.prefill(prompt(100, 6), answer_room=100)  # 200 tokens: 13 blocks beside its 14
     assert session.anchors.in_use() == session.anchors.bytes_for(224) + session.anchors.bytes_for(200)
+
+
+def test_a_batch_of_parked_conversations_lets_its_anchors_go_when_a_new_decoder_needs_them(tiny):
+    """Two conversations decoded together, then parked: the batch's body still holds their
+    decoders; a conversation of max_seq_len's needs their room, so the parked decoders go and the
+    batch with them (where it stayed, the prefill was refused for want of anchors)."""
+    session = session_with_pool(tiny, MAX)
+    held = []
+    for seed in (7, 8):
+        session.prefill(prompt(150, seed), answer_room=16)
+        held.append(session.detach(HostKVCache(session.layout, pin=False)))
+    session.step_batch(held, [5, 6])  # their batch: one body over both
+    assert session._batch is not None
+    for conversation in held:
+        session.park(conversation)
+    assert session.anchors.in_use() == 2 * session.anchors.bytes_for(166)
+    session.prefill(prompt(300, 9))  # reaches max_seq_len: the pool's whole
+    assert session._batch is None and all(c.decoder is None for c in held)
+    assert session.anchors.in_use() == session.anchors.bytes_for(MAX)

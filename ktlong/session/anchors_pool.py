@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from typing import Callable
 
 from ktlong.errors import KtlongError
 from ktlong.kv.layout import KVLayout
@@ -47,16 +48,19 @@ class AnchorsPool:
             return True
         return sum(d.anchor_bytes for d in busy if d is not None) + self.bytes_for(tokens) <= self.pool_bytes
 
-    def make_room(self, tokens: int, parked: ParkedDecoders):
+    def make_room(self, tokens: int, parked: ParkedDecoders, release_batch: Callable[[], None]):
         """Before a decoder reaching `tokens` is built: parked decoders go, the least recently
-        parked first, until it fits beside the rest."""
+        parked first, until it fits beside the rest; if it still does not, the last batch's body
+        goes too (release_batch), which holds its members' buffers, parked ones' included (the
+        running ones build theirs again at their next step)."""
         if self.pool_bytes is None:
             return
         need = self.bytes_for(tokens)
         while self.in_use() + need > self.pool_bytes and parked.drop_oldest():
             pass
         if self.in_use() + need > self.pool_bytes:
-            gc.collect()  # a decoder let go inside a reference cycle
+            release_batch()
+            gc.collect()  # and a decoder let go inside a reference cycle
         if self.in_use() + need > self.pool_bytes:
             raise KtlongError(f"The decoders running hold {self.in_use() / GIB:.2f} GiB of the "
                               f"{self.pool_bytes / GIB:.2f} GiB of device anchors, and this conversation's "

@@ -269,6 +269,10 @@ class LongContextSession:
             conversation.ids.append(token)
         return logits
 
+    def _release_batch(self):
+        """The last batch of several conversations goes, with the device buffers its body holds."""
+        self._batch = None
+
     def reusable(self, prompt_ids: list[int]) -> int:
         """How many leading tokens of prompt_ids the cache already holds: the common prefix
         with the conversation so far, leaving at least one token to prefill (its logits are the
@@ -301,7 +305,7 @@ class LongContextSession:
         kept = self.decoder if keep else None
         self.decoder = None
         if not keep:  # the new decoder's anchors: room made before the prefill, so that what cannot fit fails first
-            self.anchors.make_room(reach, self.parked)
+            self.anchors.make_room(reach, self.parked, self._release_batch)
         if history:
             self.host.truncate(history)
             self._cut_resident(history)
