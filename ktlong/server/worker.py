@@ -228,8 +228,8 @@ class Worker:
             reply = Reply(job, ticket, self.tokenizer, answer_room)  # SchemaError: a grammar llguidance refuses
             cached_from = self.store.prepare(job.prompt_ids) if self.store is not None else "session"
         except Exception as e:
-            ticket.put(self._error(e))
             self._done(ticket, "failed")
+            ticket.put(self._error(e))
             return
         stop = lambda: self.closing.is_set() or (ticket.cancelled.is_set() and not self.finish_prefill)
 
@@ -368,19 +368,19 @@ class Worker:
             self.cached_tokens += row.cached
         if isinstance(error, Cancelled) or (error is None and reply.cancelled):
             self._cancelled(ticket)
-        elif error is not None:
-            ticket.put(self._error(error))
+        elif error is not None:  # counted before the client hears: a /health right after sees it
             self._done(ticket, "failed")
+            ticket.put(self._error(error))
         else:
-            ticket.put(reply.outcome(row.cached, row.cached_from))
             self._done(ticket, "completed")
+            ticket.put(reply.outcome(row.cached, row.cached_from))
 
     def _cancelled(self, ticket: Ticket):
         """The client left (nobody to tell), or the server is shutting down (the stream ends with that)."""
+        self._done(ticket, "cancelled")
         if self.closing.is_set():
             ticket.put(ApiError(503, "The server is shutting down; this answer was cut short.",
                                 kind="server_error", code="server_shutting_down"))
-        self._done(ticket, "cancelled")
 
     def _error(self, error: BaseException) -> ApiError:
         if isinstance(error, SchemaError):  # the schema grew past llguidance's limits part way through
