@@ -104,7 +104,7 @@ class LongContextSession:
         session.warm_up()
         return session
 
-    def warm_up(self, log=sys.stderr):
+    def warm_up(self, log=None):
         """Compile what compiles on first use before anything is timed: the Numba decode kernels
         (later processes load them from Numba's cache) and, on a GPU, every prefill kernel of
         this model (LayerMajorPrefill.warm_up) and decode's Triton kernels and graphs, by a
@@ -112,6 +112,7 @@ class LongContextSession:
         follow-up over it (a cache hit's path: the history's load ahead of each layer, the
         dense attention of a few queries over thousands of keys, the kept decoder); then
         forgotten."""
+        log = sys.stderr if log is None else log  # the stream of the moment, not the one at import
         print("[kernels that compile on first use:", end="", file=log, flush=True)
         report = compile_decode_kernels(self.layout, self.selection, self.model.config.num_heads, self.model.scale)
         seconds = report.seconds
