@@ -259,19 +259,25 @@ def test_a_question_over_a_document_being_answered_shares_its_blocks(server, lm)
     settle(server)
 
 
-def test_a_request_waits_for_dram_while_another_answers_and_the_log_says_how_each_went(lm, capfd):
-    """With DRAM for one conversation's cache at a time (the store's dram_limit), a second request
-    waits until the first answer ends instead of running out of memory: no step ever runs two, and
-    both answers are what they are alone. The server's log has a line for each answer."""
+def counted_server(lm, **options):
+    """A long-context server for four answers at once whose session counts the conversations of
+    each decode step -> (started, app, the counts, the running server)."""
     st = started(lm, MODEL, mode="long_context", max_new_tokens=ANSWER_TOKENS, block_size=16, chunk_size=64,
-                 local_windows_len=64, max_seq_len=1024, cache_min_tokens=64, max_num_seqs=4, queue_size=8)
+                 local_windows_len=64, max_seq_len=1024, cache_min_tokens=64, max_num_seqs=4, queue_size=8, **options)
     app, _ = make_app(st)
     rows = []
     session = app.state.worker.session
     step_batch = session.step_batch
     session.step_batch = lambda conversations, tokens, *beside: (rows.append(len(conversations)),
                                                         step_batch(conversations, tokens, *beside))[1]
-    server = RunningServer(app)
+    return st, app, rows, RunningServer(app)
+
+
+def test_a_request_waits_for_dram_while_another_answers_and_the_log_says_how_each_went(lm, capfd):
+    """With DRAM for one conversation's cache at a time (the store's dram_limit), a second request
+    waits until the first answer ends instead of running out of memory: no step ever runs two, and
+    both answers are what they are alone. The server's log has a line for each answer."""
+    st, app, rows, server = counted_server(lm)
     try:
         client = server.client()
         alone = [client.chat.completions.create(model=MODEL, messages=messages(i)).choices[0].message.content
@@ -348,20 +354,12 @@ def test_a_request_waits_while_its_decoders_anchors_do_not_fit_beside_the_runnin
     """The device anchors of the decoders decoding together share one pool (ktlong/session/
     anchors_pool.py): with room for one conversation's at a time, the second request waits until
     the first answer ends (no step runs both), and both answers are what they are alone."""
-    st = started(lm, MODEL, mode="long_context", max_new_tokens=ANSWER_TOKENS, block_size=16, chunk_size=64,
-                 local_windows_len=64, max_seq_len=1024, cache_min_tokens=64, max_num_seqs=4, queue_size=8,
-                 block_scoring="device")
-    app, _ = make_app(st)
-    rows = []
-    session = app.state.worker.session
-    step_batch = session.step_batch
-    session.step_batch = lambda conversations, tokens, *beside: (rows.append(len(conversations)),
-                                                        step_batch(conversations, tokens, *beside))[1]
-    server = RunningServer(app)
+    st, app, rows, server = counted_server(lm, block_scoring="device")
+    session = st.session
     try:
         client = server.client()
-        alone = [client.chat.completions.create(model=MODEL, messages=messages(i)).choices[0].message.content
-                 for i in range(2)]
+        for i in range(2):  # two conversations' decoders, parked
+            client.chat.completions.create(model=MODEL, messages=messages(i))
         reach = session.decoder.reach_tokens  # the last prompt and its answer: about as long as the first
         assert reach == len(session.ids) + 1 < 1024 and session.decoder.anchor_bytes == session.anchors.bytes_for(reach)
         session.anchors.pool_bytes = session.anchors.bytes_for(reach + reach // 2)  # one such conversation, not two
@@ -369,9 +367,9 @@ def test_a_request_waits_while_its_decoders_anchors_do_not_fit_beside_the_runnin
         with ThreadPoolExecutor(2) as pool:
             outs = list(pool.map(lambda i: server.client().chat.completions.create(
                 model=MODEL, messages=messages(i + 2)), range(2)))
-        together = [client.chat.completions.create(model=MODEL, messages=messages(i + 2)).choices[0].message.content
-                    for i in range(2)]
-        assert [o.choices[0].message.content for o in outs] == together
+        alone = [client.chat.completions.create(model=MODEL, messages=messages(i + 2)).choices[0].message.content
+                 for i in range(2)]
+        assert [o.choices[0].message.content for o in outs] == alone
         assert rows and max(rows) == 1  # never together: the second waited for the first's decoder to go
     finally:
         server.stop()
