@@ -61,8 +61,8 @@ def _append_token(k_ptr, v_ptr, slot_ptr, wk_ptr, wv_ptr, w_head, w_token, membe
     num_kv = tl.num_programs(0)
     groups = tl.arange(0, DIM // 32)
     at = groups[:, None] * 32 + tl.arange(0, 32)[None, :]
-    wk_ptr += tl.load(members_ptr + 2 * b)
-    wv_ptr += tl.load(members_ptr + 2 * b + 1)
+    wk_ptr += tl.load(members_ptr + 2 * b) * 16  # in units of 16 elements (member_offsets)
+    wv_ptr += tl.load(members_ptr + 2 * b + 1) * 16
     window = h * w_head + tl.load(slot_ptr + b) * w_token
     row, scale_row = h * d_head, h * s_head
     if STORE:
@@ -117,7 +117,7 @@ def stored_offsets(rows: list[StoredRows], device: torch.device) -> torch.Tensor
 def append_token(k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  members: torch.Tensor, stored: StoredRows | None = None, stored_members: torch.Tensor | None = None):
     """A batch's new rows k, v [B, KV, D] -> member b's window buffers (like member 0's keys,
-    values [KV, N, D], at members[b] elements from them: window_attention_kernel.member_offsets)
+    values [KV, N, D], at members[b] units of 16 elements from them: window_attention_kernel.member_offsets)
     at slot[b] ([B] int64 device tensor), and with `stored` (member 0's, its position [B]) each
     member's stored rows (at stored_members[b]: stored_offsets) at its position. One launch for
     the batch; fixed shapes, no sync."""

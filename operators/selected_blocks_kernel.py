@@ -49,10 +49,12 @@ ALIGN = 16  # the tables' offsets are whole multiples of 16 elements, so the loa
 
 # where a conversation's tensors lie from the first one's, per conversation: the tables (k, v, their
 # scales; near: the same four; kept: the same four) in units of ALIGN elements, then count, index,
-# valid, kept rows and kept plan in elements
+# valid, kept rows and kept plan in elements; last, its selection's width (index's columns: each
+# conversation's own, as its anchors reach its own length)
 TABLES = ("k", "v", "ks", "vs", "near_k", "near_v", "near_ks", "near_vs", "kept_k", "kept_v", "kept_ks", "kept_vs")
 SCALARS = ("count", "index", "valid", "kept_rows", "kept_plan")
-WIDTH = len(TABLES) + len(SCALARS)
+COLUMNS = len(TABLES) + len(SCALARS)  # the selection's width
+WIDTH = COLUMNS + 1
 
 
 class NearPages(NamedTuple):
@@ -119,7 +121,7 @@ def _tile(near_ptr, kept_ptr, far_ptr, at, at_kept, at_dest, near, kept, fill, K
 
 
 @triton.jit
-def _plan_kept(index_ptr, valid_ptr, count_ptr, rows_ptr, plan_ptr, offsets_ptr, max_selected, num_blocks,
+def _plan_kept(index_ptr, valid_ptr, count_ptr, rows_ptr, plan_ptr, offsets_ptr, num_blocks,
                BLOCK: tl.constexpr, SLOTS: tl.constexpr, NEAR: tl.constexpr, WIDTH: tl.constexpr):
     """Conversation b's kv head h: each selected block that a slot holds -> that slot; each other
     block read from DRAM -> a slot no selected block holds (the k-th such block the k-th such
@@ -131,13 +133,14 @@ def _plan_kept(index_ptr, valid_ptr, count_ptr, rows_ptr, plan_ptr, offsets_ptr,
     valid_ptr += tl.load(offsets + 14)
     rows_ptr += tl.load(offsets + 15)
     plan_ptr += tl.load(offsets + 16)
+    columns = tl.load(offsets + COLUMNS)
     i = tl.arange(0, SLOTS)
-    real = i < max_selected
-    rows = tl.load(index_ptr + h * max_selected + i, mask=real, other=-1)
+    real = i < columns
+    rows = tl.load(index_ptr + h * columns + i, mask=real, other=-1)
     live = i < tl.load(valid_ptr + h) // BLOCK
     if NEAR:
         live = live & (rows % num_blocks >= tl.load(count_ptr + tl.load(offsets + 12)))
-    held = tl.load(rows_ptr + h * max_selected + i, mask=real, other=-2)
+    held = tl.load(rows_ptr + h * columns + i, mask=real, other=-2)
     same = (rows[:, None] == held[None, :]) & live[:, None]  # [entry, slot]
     src = tl.max(tl.where(same, i[None, :], -1), 1)
     used = tl.max(same.to(tl.int32), 0) > 0
@@ -148,16 +151,16 @@ def _plan_kept(index_ptr, valid_ptr, count_ptr, rows_ptr, plan_ptr, offsets_ptr,
     match = missing[:, None] & free[None, :] & (rank_missing[:, None] == rank_free[None, :])
     dest = tl.where(src >= 0, src, tl.max(tl.where(match, i[None, :], -1), 1))
     filled = tl.max(tl.where(match, rows[:, None], -1), 0)  # per slot: the block it now holds, or -1
-    tl.store(plan_ptr + h * max_selected + i, src.to(tl.int32), mask=real)
-    tl.store(plan_ptr + (num_kv + h) * max_selected + i, dest.to(tl.int32), mask=real)
-    tl.store(rows_ptr + h * max_selected + i, tl.where(filled >= 0, filled, held), mask=real)
+    tl.store(plan_ptr + h * columns + i, src.to(tl.int32), mask=real)
+    tl.store(plan_ptr + (num_kv + h) * columns + i, dest.to(tl.int32), mask=real)
+    tl.store(rows_ptr + h * columns + i, tl.where(filled >= 0, filled, held), mask=real)
 
 
 @triton.jit
 def _selected_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, near_k_ptr, near_v_ptr, near_ks_ptr, near_vs_ptr,
                                kept_k_ptr, kept_v_ptr, kept_ks_ptr, kept_vs_ptr, count_ptr, index_ptr, valid_ptr,
                                plan_ptr, offsets_ptr, out_ptr, lse_ptr,
-                               num_heads, group, max_selected, num_blocks, scale,
+                               num_heads, group, num_blocks, scale,
                                stride_row, stride_token, stride_srow, stride_stoken,
                                BLOCK: tl.constexpr, DIM: tl.constexpr, ROWS: tl.constexpr, KEYS: tl.constexpr,
                                PER_SHARE: tl.constexpr, QUANT: tl.constexpr, NEAR: tl.constexpr, KEPT: tl.constexpr,
@@ -171,6 +174,7 @@ def _selected_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, near_k_ptr, 
     k_ptr, v_ptr = _table(k_ptr, offsets, 0), _table(v_ptr, offsets, 1)
     index_ptr += tl.load(offsets + 13)
     valid_ptr += tl.load(offsets + 14)
+    columns = tl.load(offsets + COLUMNS)
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, DIM)
     q = tl.load(q_ptr + (b * num_heads + h * group + rows[:, None]) * DIM + dims[None, :],
@@ -195,17 +199,17 @@ def _selected_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, near_k_ptr, 
     for i in range(0, PER_SHARE):
         e = share * PER_SHARE + i
         if e < valid_blocks:
-            row = tl.load(index_ptr + h * max_selected + e)
+            row = tl.load(index_ptr + h * columns + e)
             near_block = row % num_blocks < near  # on the device; else kept, or in DRAM over PCIe
             kept_block = near_block & ~near_block
             fill_block = kept_block
             slot, dest = row, row
             if KEPT:
-                src = tl.load(plan_ptr + h * max_selected + e)
+                src = tl.load(plan_ptr + h * columns + e)
                 kept_block = ~near_block & (src >= 0)
                 fill_block = ~near_block & (src < 0)
-                slot = h * max_selected + tl.maximum(src, 0)
-                dest = h * max_selected + tl.maximum(tl.load(plan_ptr + (num_kv + h) * max_selected + e), 0)
+                slot = h * columns + tl.maximum(src, 0)
+                dest = h * columns + tl.maximum(tl.load(plan_ptr + (num_kv + h) * columns + e), 0)
             for start in range(0, BLOCK, KEYS):  # KEYS tokens at a time: the tiles stay in registers
                 tokens = start + tl.arange(0, KEYS)
                 at = tokens[:, None] * stride_token + dims[None, :]
@@ -296,17 +300,18 @@ def kernel_applies(kv_type: str, block_size: int, head_dim: int) -> bool:
     return kv_type in ("bf16", "fp16", "fp32", "q8_0") and power_of_two(block_size) and power_of_two(head_dim)
 
 
-def _offsets(tensors: list[tuple], device: torch.device, known: dict | None) -> torch.Tensor:
-    """Each conversation's tensors (TABLES then SCALARS; None: not read) -> [B, WIDTH] int64 on the
-    device: how far each lies from the first conversation's, in ALIGN elements for the tables.
+def _offsets(tensors: list[tuple], columns: list[int], device: torch.device, known: dict | None) -> torch.Tensor:
+    """Each conversation's tensors (TABLES then SCALARS; None: not read) and selection's width ->
+    [B, WIDTH] int64 on the device: how far each tensor lies from the first conversation's, in
+    ALIGN elements for the tables, then the width.
     known: the tables made before, by their tensors' addresses, where this one is kept too (a CUDA
     graph's capture cannot copy to the device: its warm-up run makes them; and a graph reads the
     table it was captured with, so their owner keeps them while its graphs live)."""
-    key = tuple(tuple(None if t is None else t.data_ptr() for t in row) for row in tensors)
+    key = tuple((*(None if t is None else t.data_ptr() for t in row), width) for row, width in zip(tensors, columns))
     if known is not None and key in known:
         return known[key]
     table = []
-    for row in tensors:
+    for row, width in zip(tensors, columns):
         line = []
         for i, (t, t0) in enumerate(zip(row, tensors[0])):
             if t is None:
@@ -318,7 +323,7 @@ def _offsets(tensors: list[tuple], device: torch.device, known: dict | None) -> 
                 raise ValueError(f"{(TABLES + SCALARS)[i]} of each conversation must lie a whole multiple of "
                                  f"{unit} bytes from the first conversation's")
             line.append(gap // unit)
-        table.append(line)
+        table.append(line + [width])
     found = torch.tensor(table, dtype=torch.int64).to(device)
     if known is not None:
         known[key] = found
@@ -330,7 +335,9 @@ def _check(layer: LayerPages, first: LayerPages, device: torch.device, heads: in
     expect("v", layer.v, shape=tuple(layer.k.shape), dtype=layer.k.dtype)
     if layer.k.stride() != first.k.stride() or layer.v.stride() != first.k.stride() or layer.k.dtype != first.k.dtype:
         raise ValueError("every conversation's pages must be laid out as the first one's")
-    expect("hit_index", layer.index, shape=tuple(first.index.shape), dtype=torch.int64, device=device)
+    expect("hit_index", layer.index, shape=(first.index.shape[0], None), dtype=torch.int64, device=device)
+    if not layer.index.is_contiguous():
+        raise ValueError("hit_index must be contiguous")
     expect("hit_valid", layer.valid, shape=(first.index.shape[0],), dtype=torch.int64, device=device)
     if heads % layer.index.shape[0]:
         raise ValueError(f"q's {heads} heads must be whole groups of hit_index's {layer.index.shape[0]} kv heads")
@@ -376,7 +383,8 @@ def selected_blocks_attention(q: torch.Tensor, layers: list[LayerPages], scale: 
         # the pages may lie on q's device or in host memory registered with CUDA (the DRAM cache,
         # read in place over PCIe); torch cannot tell registered memory, so their device is not checked
         _check(layer, first, q.device, num_heads)
-    num_kv, max_selected = first.index.shape
+    num_kv = first.index.shape[0]
+    max_selected = max(layer.index.shape[1] for layer in layers)
     quant, near, kept = first.k_scales is not None, first.near is not None, first.kept is not None
     num_blocks = first.near.num_blocks if near else 1
 
@@ -387,7 +395,8 @@ def selected_blocks_attention(q: torch.Tensor, layers: list[LayerPages], scale: 
                 *((c.k, c.v, c.k_scales, c.v_scales) if kept else (None,) * 4),
                 n.count if near else None, layer.index, layer.valid,
                 c.rows if kept else None, c.plan if kept else None)
-    offsets = _offsets([tensors(layer) for layer in layers], q.device, known)
+    offsets = _offsets([tensors(layer) for layer in layers], [layer.index.shape[1] for layer in layers], q.device,
+                       known)
     # tensors that are not read stand in for their pointers (a placeholder keeps its own alignment)
     ks, vs = (first.k_scales, first.v_scales) if quant else (first.index, first.index)
     n = first.near or NearPages(first.valid, 1, first.k, first.v, ks, vs)
@@ -397,8 +406,8 @@ def selected_blocks_attention(q: torch.Tensor, layers: list[LayerPages], scale: 
     if not merged.is_contiguous():
         raise ValueError("out must be contiguous")
     if kept:
-        _plan_kept[(num_kv, batch)](first.index, first.valid, n.count, c.rows, c.plan, offsets, max_selected,
-                                    num_blocks, BLOCK=first.k.shape[1], SLOTS=triton.next_power_of_2(max_selected),
+        _plan_kept[(num_kv, batch)](first.index, first.valid, n.count, c.rows, c.plan, offsets, num_blocks,
+                                    BLOCK=first.k.shape[1], SLOTS=triton.next_power_of_2(max_selected),
                                     NEAR=near, WIDTH=WIDTH)
     group = num_heads // num_kv
     rows = max(16, triton.next_power_of_2(group))
@@ -409,7 +418,7 @@ def selected_blocks_attention(q: torch.Tensor, layers: list[LayerPages], scale: 
     _selected_blocks_attention[(num_kv, shares, batch)](
         q.contiguous(), first.k, first.v, ks, vs, n.k, n.v, n.k_scales, n.v_scales, c.k, c.v, c.k_scales,
         c.v_scales, n.count, first.index, first.valid, c.plan, offsets, part, part_lse,
-        num_heads, group, max_selected, num_blocks, scale, first.k.stride(0), first.k.stride(1),
+        num_heads, group, num_blocks, scale, first.k.stride(0), first.k.stride(1),
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         BLOCK=first.k.shape[1], DIM=dim, ROWS=rows, KEYS=min(KEYS, first.k.shape[1], 4096 // dim),
         PER_SHARE=per_share, QUANT=quant, NEAR=near, KEPT=kept, WIDTH=WIDTH, PRECISION=precision(dim))

@@ -58,8 +58,10 @@ CASES = {
     "q8_0, device scoring, token_step 2, layer_step 2": ("q8_0", dict(block_scoring="device", token_step=2,
                                                                       layer_step=2, dense_layer_num=1)),
     # the selected blocks' kernel (in Triton's interpreter here): one launch a layer for the batch,
-    # each conversation's own selection, copies and kept slots (80 s here: the one case of it)
-    "q8_0, the device selects and reads": ("q8_0", dict(block_scoring="device", context_attention="gpu")),
+    # each conversation's own selection, copies and kept slots (80 s here: the one case of it); its
+    # dense layer reads every block each conversation's anchors reach: selections of different widths
+    "q8_0, the device selects and reads": ("q8_0", dict(block_scoring="device", context_attention="gpu",
+                                                        dense_layer_num=1)),
 }
 
 
@@ -115,11 +117,12 @@ def test_a_batch_with_joins_and_leaves_equals_each_conversation_alone(tiny, case
         assert decoders[i].times.device_read > 0 or options.get("context_attention") != "gpu"
         assert len(logits[i]) == len(alone_logits[i])
         for step, (a, b) in enumerate(zip(logits[i], alone_logits[i])):
-            # float32 through 4 layers: each product's rows summed in another order differ by at
-            # most n·u·Σ|a·b| (n ≤ 1,024 terms, u = 2^-24), about 1e-4 of the largest logit
-            # after the layers amplify it; measured differences are far below
+            # float32 through 4 layers, the batch's products summed in another order than one
+            # row's: about 1e-6 of the largest logit; where such a difference moves a value that is
+            # rounded to bfloat16 (the window's logits and probabilities) across a rounding
+            # boundary, it becomes one bfloat16 step, 2^-8 of that value: the bound per step
             scale = float(b.abs().max())
-            assert float((a - b).abs().max()) <= 1e-4 * scale, (i, step)
+            assert float((a - b).abs().max()) <= 2 ** -8 * scale, (i, step)
         assert sessions[i].host.num_tokens == PROMPTS[i] + len(alone_logits[i])
 
 

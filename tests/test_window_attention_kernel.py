@@ -58,3 +58,15 @@ def test_one_launch_for_a_batch_gives_each_members_own_attention():
         ref_out, ref_lse = masked_window_attention(q[b].cpu(), keys[b].cpu(), values[b].cpu(), lo[b].cpu(), hi[b].cpu(),
                                                    0.125)
         torch.testing.assert_close(lse[b].cpu(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_members_apart_by_other_than_whole_units_are_refused():
+    """The kernels move a member's pointers by whole units of 16 elements (their loads keep their
+    vector width): buffers 8 elements apart are refused in one sentence, not read crooked."""
+    whole = torch.zeros(2 * 2 * 64 * 32 + 8, dtype=torch.bfloat16)
+    a = whole[:2 * 64 * 32].view(2, 64, 32)
+    b = whole[8:8 + 2 * 64 * 32].view(2, 64, 32)
+    with pytest.raises(ValueError, match="whole multiple of 32 bytes"):
+        member_offsets([a, b], [a, b])
+    c = whole[16:16 + 2 * 64 * 32].view(2, 64, 32)
+    assert member_offsets([a, c], [a, c]).tolist() == [[0, 0], [1, 1]]
