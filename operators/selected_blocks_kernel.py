@@ -53,8 +53,7 @@ ALIGN = 16  # the tables' offsets are whole multiples of 16 elements, so the loa
 # conversation's own, as its anchors reach its own length)
 TABLES = ("k", "v", "ks", "vs", "near_k", "near_v", "near_ks", "near_vs", "kept_k", "kept_v", "kept_ks", "kept_vs")
 SCALARS = ("count", "index", "valid", "kept_rows", "kept_plan")
-COLUMNS = len(TABLES) + len(SCALARS)  # the selection's width
-WIDTH = COLUMNS + 1
+WIDTH = len(TABLES) + len(SCALARS) + 1
 
 
 class NearPages(NamedTuple):
@@ -133,7 +132,7 @@ def _plan_kept(index_ptr, valid_ptr, count_ptr, rows_ptr, plan_ptr, offsets_ptr,
     valid_ptr += tl.load(offsets + 14)
     rows_ptr += tl.load(offsets + 15)
     plan_ptr += tl.load(offsets + 16)
-    columns = tl.load(offsets + COLUMNS)
+    columns = tl.load(offsets + WIDTH - 1)  # the selection's width (last column)
     i = tl.arange(0, SLOTS)
     real = i < columns
     rows = tl.load(index_ptr + h * columns + i, mask=real, other=-1)
@@ -174,7 +173,7 @@ def _selected_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, near_k_ptr, 
     k_ptr, v_ptr = _table(k_ptr, offsets, 0), _table(v_ptr, offsets, 1)
     index_ptr += tl.load(offsets + 13)
     valid_ptr += tl.load(offsets + 14)
-    columns = tl.load(offsets + COLUMNS)
+    columns = tl.load(offsets + WIDTH - 1)  # the selection's width (last column)
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, DIM)
     q = tl.load(q_ptr + (b * num_heads + h * group + rows[:, None]) * DIM + dims[None, :],
