@@ -11,6 +11,11 @@ summed from q in the kernel, against anchors viewed [KV, NB, W].
 
 `selection_rows` turns torch.topk's result into the rows and token counts the selected blocks'
 kernel reads, in one kernel instead of about eight torch ops.
+
+Both take a batch of conversations in one launch (ktlong/decode/device_selection.select_batch):
+each member's tables (its anchors, of its own length, its mask, its step's parameters, its
+rows) are found by their offsets from the first member's, so that a step's selections are three
+launches a layer (with the top-k's), not three for each conversation.
 """
 
 from __future__ import annotations
@@ -24,20 +29,48 @@ from operators.checks import expect
 BLOCKS = 32  # blocks a program scores
 
 
+def _gaps(tensors: list[torch.Tensor], unit: int) -> list[int]:
+    """Where each tensor's first element lies from the first tensor's, in units of `unit` elements
+    (a batch's members' tensors of one kind, one address space: device memory)."""
+    size, base = tensors[0].element_size() * unit, tensors[0].data_ptr()
+    return [(t.data_ptr() - base) // size for t in tensors]
+
+
+def _members(rows: list[list[int]], device: torch.device, known: dict | None, key: tuple) -> torch.Tensor:
+    """A batch's table [B, columns] int64 on the device, kept in `known` by `key` (a CUDA graph's
+    capture cannot copy to the device: its warm-up run makes the table, and the graph reads it)."""
+    if known is not None and key in known:
+        return known[key]
+    table = torch.tensor(rows, dtype=torch.int64).to(device)
+    if known is not None:
+        known[key] = table
+    return table
+
+
 @triton.jit
-def _masked_scores(q_ptr, anchors_ptr, bias_ptr, params_ptr, out_ptr, num_blocks, selected, group,
+def _masked_scores(q_ptr, anchors_ptr, bias_ptr, params_ptr, members_ptr, out_ptr, width_out, selected, group,
                    NUM_KV: tl.constexpr, W: tl.constexpr, DIM: tl.constexpr, QUEST: tl.constexpr,
-                   SHARED: tl.constexpr, BLOCKS: tl.constexpr):
-    """Blocks BLOCKS * pid .. of every kv head -> out [1 or KV, NB]: score + bias where the
-    context holds more blocks than are selected, -inf outside [first, last). Each kv head's
-    vector is block_scores.query_vectors' (its query rows of q [H, DIM] summed in float32, one
-    after another; QUEST: the negative parts', then the positive parts')."""
-    blocks = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+                   SHARED: tl.constexpr, BLOCKS: tl.constexpr, UNIT: tl.constexpr):
+    """Member b's blocks BLOCKS * pid .. of every kv head -> out [B, 1 or KV, width_out]: score +
+    bias where its context holds more blocks than are selected, -inf outside [first, last) and
+    past its own blocks. Each kv head's vector is block_scores.query_vectors' (its query rows of
+    q [B, H, DIM] summed in float32, one after another; QUEST: the negative parts', then the
+    positive parts'). Member b's anchors, bias and params lie at members[b] from member 0's
+    (anchors in units of UNIT elements), its block count last."""
+    pid, b = tl.program_id(0), tl.program_id(1)
+    row = members_ptr + b * 4
+    anchors_ptr += tl.load(row) * UNIT
+    bias_ptr += tl.load(row + 1)
+    params_ptr += tl.load(row + 2)
+    num_blocks = tl.load(row + 3)
+    q_ptr += b * NUM_KV * group * DIM
+    out_ptr += b * (1 if SHARED else NUM_KV) * width_out
+    blocks = pid * BLOCKS + tl.arange(0, BLOCKS)
     cols = tl.arange(0, W)
     real = blocks < num_blocks
     first, last = tl.load(params_ptr), tl.load(params_ptr + 1)
     crowded = (last - first) > selected
-    inside = (blocks >= first) & (blocks < last)
+    inside = (blocks >= first) & (blocks < last) & real
     total = tl.zeros((BLOCKS,), tl.float32)
     for h in range(NUM_KV):
         vec = tl.zeros((W,), tl.float32)
@@ -53,65 +86,95 @@ def _masked_scores(q_ptr, anchors_ptr, bias_ptr, params_ptr, out_ptr, num_blocks
         else:
             bias = tl.load(bias_ptr + h * num_blocks + blocks, mask=real, other=0.0)
             score = tl.where(inside, score + tl.where(crowded, bias, 0.0), float("-inf"))
-            tl.store(out_ptr + h * num_blocks + blocks, score, mask=real)
+            tl.store(out_ptr + h * width_out + blocks, score, mask=blocks < width_out)
     if SHARED:
         bias = tl.load(bias_ptr + blocks, mask=real, other=0.0)
         total = tl.where(inside, total + tl.where(crowded, bias, 0.0), float("-inf"))
-        tl.store(out_ptr + blocks, total, mask=real)
+        tl.store(out_ptr + blocks, total, mask=blocks < width_out)
 
 
-def masked_block_scores(q: torch.Tensor, anchors: torch.Tensor, bias: torch.Tensor, params: torch.Tensor,
-                        selected: int, shared: bool, quest: bool) -> torch.Tensor:
-    """q [H, D]; anchors [KV, NB, W] bfloat16 (contiguous; W = D, or 2 D for QUEST's (min, max));
-    bias [1 or KV, NB] float32 (0, or -inf for a block preselection left out); params: device
-    int64 [first, last, ...] -> scores float32 [1 if shared else KV, NB]. Fixed shapes, no sync."""
-    expect("anchors", anchors, ndim=3, dtype=torch.bfloat16)
-    num_kv, num_blocks, width = anchors.shape
-    expect("q", q, ndim=2, device=anchors.device)
-    num_heads, dim = q.shape
+def masked_block_scores(q: torch.Tensor, anchors: list[torch.Tensor], bias: list[torch.Tensor],
+                        params: list[torch.Tensor], selected: int, shared: bool, quest: bool,
+                        known: dict | None = None) -> torch.Tensor:
+    """A batch's q [B, H, D]; member b's anchors [KV, NB_b, W] bfloat16 (contiguous; W = D, or 2 D
+    for QUEST's (min, max)), bias [1 or KV, NB_b] float32 (0, or -inf for a block preselection
+    left out), params: device int64 [first, last, ...] -> scores float32 [B, 1 if shared else KV,
+    max NB_b], -inf past a member's own blocks. One launch for the batch; fixed shapes, no sync.
+    known: the caller's store of the batch's tables (`_members`), needed to capture a CUDA graph."""
+    expect("q", q, ndim=3)
+    batch, num_heads, dim = q.shape
+    if not len(anchors) == len(bias) == len(params) == batch:
+        raise ValueError(f"q holds {batch} members' queries; anchors, bias and params must be given for each")
+    num_kv, width = anchors[0].shape[0], anchors[0].shape[2]
+    rows = 1 if shared else num_kv
+    for a, m, p in zip(anchors, bias, params):
+        expect("anchors", a, shape=(num_kv, None, width), dtype=torch.bfloat16, device=q.device)
+        expect("bias", m, shape=(rows, a.shape[1]), dtype=torch.float32, device=q.device)
+        expect("params", p, ndim=1, dtype=torch.int64, device=q.device)
+        if not (a.is_contiguous() and m.is_contiguous()):
+            raise ValueError("anchors and bias must be contiguous")
     if width != dim * (2 if quest else 1) or num_heads % num_kv:
-        raise ValueError(f"anchors {tuple(anchors.shape)} do not fit q {tuple(q.shape)}{' (QUEST)' if quest else ''}")
-    expect("bias", bias, shape=(1 if shared else num_kv, num_blocks), dtype=torch.float32, device=anchors.device)
-    expect("params", params, ndim=1, dtype=torch.int64, device=anchors.device)
-    if not anchors.is_contiguous():
-        raise ValueError("anchors must be contiguous")
-    out = torch.empty((1 if shared else num_kv, num_blocks), dtype=torch.float32, device=q.device)
-    _masked_scores[(triton.cdiv(num_blocks, BLOCKS),)](q.contiguous(), anchors, bias, params, out, num_blocks,
-                                                       selected, num_heads // num_kv, NUM_KV=num_kv, W=width, DIM=dim,
-                                                       QUEST=quest, SHARED=shared, BLOCKS=BLOCKS)
+        raise ValueError(f"anchors {tuple(anchors[0].shape)} do not fit q {tuple(q.shape)}{' (QUEST)' if quest else ''}")
+    unit = 16 if all((a.data_ptr() - anchors[0].data_ptr()) % (16 * a.element_size()) == 0 for a in anchors) else 1
+    counts = [a.shape[1] for a in anchors]
+    members = _members([list(r) for r in zip(_gaps(anchors, unit), _gaps(bias, 1), _gaps(params, 1), counts)],
+                       q.device, known, ("scores", *(t.data_ptr() for t in (*anchors, *bias, *params)), *counts))
+    most = max(counts)
+    out = torch.empty((batch, rows, most), dtype=torch.float32, device=q.device)
+    _masked_scores[(triton.cdiv(most, BLOCKS), batch)](q.contiguous(), anchors[0], bias[0], params[0], members, out,
+                                                      most, selected, num_heads // num_kv, NUM_KV=num_kv, W=width,
+                                                      DIM=dim, QUEST=quest, SHARED=shared, BLOCKS=BLOCKS, UNIT=unit)
     return out
 
 
 @triton.jit
-def _selection_rows(top_ptr, picked_ptr, params_ptr, index_ptr, valid_ptr, num_blocks, block_size,
-                    PLACES: tl.constexpr, WIDTH: tl.constexpr, SHARED: tl.constexpr):
-    """Kv head h: on a step that selects (params[2]), its page rows h * NB + picked and the tokens
-    that count (the finite scores among the top, times block_size); otherwise the rows stay."""
-    h = tl.program_id(0)
+def _selection_rows(top_ptr, picked_ptr, params_ptr, index_ptr, valid_ptr, members_ptr, places_out, block_size,
+                    ROWS: tl.constexpr, WIDTH: tl.constexpr):
+    """Member b's kv head h: on a step that selects (its params[2]), its page rows
+    h * table_blocks + picked and the tokens that count (the finite scores among its first
+    `places` of the top, times block_size); otherwise its rows stay. Member b's params, index and
+    valid lie at members[b] from member 0's, then its places and table_blocks."""
+    h, b = tl.program_id(0), tl.program_id(1)
+    row = members_ptr + b * 5
+    params_ptr += tl.load(row)
     if tl.load(params_ptr + 2) != 0:
-        r = 0 if SHARED else h
-        places = tl.arange(0, WIDTH)
-        inside = places < PLACES
-        top = tl.load(top_ptr + r * PLACES + places, mask=inside, other=float("-inf"))
-        picked = tl.load(picked_ptr + r * PLACES + places, mask=inside, other=0)
-        tl.store(index_ptr + h * PLACES + places, h * num_blocks + picked, mask=inside)
+        index_ptr += tl.load(row + 1)
+        valid_ptr += tl.load(row + 2)
+        places, table_blocks = tl.load(row + 3), tl.load(row + 4)
+        r = b * ROWS + (0 if ROWS == 1 else h)
+        at = tl.arange(0, WIDTH)
+        inside = at < places
+        top = tl.load(top_ptr + r * places_out + at, mask=inside, other=float("-inf"))
+        picked = tl.load(picked_ptr + r * places_out + at, mask=inside, other=0)
+        tl.store(index_ptr + h * places + at, h * table_blocks + picked, mask=inside)
         tl.store(valid_ptr + h, tl.sum((top > float("-inf")).to(tl.int64), 0) * block_size)
 
 
-def selection_rows(top: torch.Tensor, picked: torch.Tensor, params: torch.Tensor, index: torch.Tensor,
-                   valid: torch.Tensor, num_blocks: int, block_size: int):
-    """torch.topk's (top, picked) [1 or KV, P] -> index [KV, P] (page rows of the head-major DRAM
-    table) and valid [KV] (tokens that count), written in place when params[2] (the step selects
-    afresh) is set, kept otherwise. Fixed shapes, no sync."""
-    num_kv, places = index.shape
-    expect("top", top, ndim=2, dtype=torch.float32)
+def selection_rows(top: torch.Tensor, picked: torch.Tensor, params: list[torch.Tensor], index: list[torch.Tensor],
+                   valid: list[torch.Tensor], table_blocks: list[int], block_size: int, known: dict | None = None):
+    """A batch's top-k (top, picked) [B, 1 or KV, P] (best first) -> member b's index [KV, P_b]
+    (page rows of its head-major DRAM table of table_blocks[b] blocks a head, its first P_b <= P
+    places) and valid [KV] (tokens that count), written in place when its params[2] (the step
+    selects afresh) is set, kept otherwise. One launch for the batch; fixed shapes, no sync."""
+    expect("top", top, ndim=3, dtype=torch.float32)
+    batch, rows, places = top.shape
     expect("picked", picked, shape=tuple(top.shape), dtype=torch.int64, device=top.device)
-    expect("index", index, shape=(None, top.shape[1]), dtype=torch.int64, device=top.device)
-    expect("valid", valid, shape=(num_kv,), dtype=torch.int64, device=top.device)
-    if top.shape[0] not in (1, num_kv) or not index.is_contiguous():
-        raise ValueError(f"top {tuple(top.shape)} must hold one row or one per kv head of a contiguous index")
-    _selection_rows[(num_kv,)](top.contiguous(), picked.contiguous(), params, index, valid, num_blocks, block_size,
-                               PLACES=places, WIDTH=triton.next_power_of_2(places), SHARED=top.shape[0] == 1)
+    if not len(params) == len(index) == len(valid) == len(table_blocks) == batch:
+        raise ValueError(f"top holds {batch} members' selections; params, index, valid and table_blocks for each")
+    num_kv = index[0].shape[0]
+    for p, i, v in zip(params, index, valid):
+        expect("params", p, ndim=1, dtype=torch.int64, device=top.device)
+        expect("index", i, shape=(num_kv, None), dtype=torch.int64, device=top.device)
+        expect("valid", v, shape=(num_kv,), dtype=torch.int64, device=top.device)
+        if i.shape[1] > places or not i.is_contiguous():
+            raise ValueError(f"each index must be contiguous and at most {places} wide, as the top (got {tuple(i.shape)})")
+    if rows not in (1, num_kv):
+        raise ValueError(f"top {tuple(top.shape)} must hold one row or one per kv head of each index")
+    members = _members([list(r) for r in zip(_gaps(params, 1), _gaps(index, 1), _gaps(valid, 1),
+                                             [i.shape[1] for i in index], table_blocks)], top.device, known,
+                       ("rows", *(t.data_ptr() for t in (*params, *index, *valid)), *table_blocks))
+    _selection_rows[(num_kv, batch)](top.contiguous(), picked.contiguous(), params[0], index[0], valid[0], members,
+                                     places, block_size, ROWS=rows, WIDTH=triton.next_power_of_2(places))
 
 
 def kernel_applies(anchors_per_block: int, quest: bool, head_dim: int) -> bool:

@@ -57,17 +57,25 @@ CASES = {
     "fp32, CPU scoring": ("fp32", dict(block_scoring="cpu")),
     "q8_0, device scoring, token_step 2, layer_step 2": ("q8_0", dict(block_scoring="device", token_step=2,
                                                                       layer_step=2, dense_layer_num=1)),
-    # the selected blocks' kernel (in Triton's interpreter here): one launch a layer for the batch,
-    # each conversation's own selection, copies and kept slots (80 s here: the one case of it); its
-    # dense layer reads every block each conversation's anchors reach: selections of different widths
+    # the selected blocks' kernel and the selection's (scores, top-k, rows: as on a GPU, in
+    # Triton's interpreter here): one launch a layer for the batch, each conversation's own
+    # selection, copies and kept slots (80 s here: the one case of it); its dense layer reads every
+    # block each conversation's anchors reach, and its anchors reach as far as its own prompt and
+    # answer: selections and scores of different widths
     "q8_0, the device selects and reads": ("q8_0", dict(block_scoring="device", context_attention="gpu",
                                                         dense_layer_num=1)),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_a_batch_with_joins_and_leaves_equals_each_conversation_alone(tiny, case):
+def test_a_batch_with_joins_and_leaves_equals_each_conversation_alone(tiny, case, monkeypatch):
     kv_type, options = CASES[case]
+    if options.get("context_attention") == "gpu":  # the selection's kernels, as a GPU runs them
+        from ktlong.decode import device_selection
+        from operators.block_scores_kernel import kernel_applies
+
+        monkeypatch.setattr(device_selection, "_kernels_apply", lambda anchors, selector, device: kernel_applies(
+            selector.num_anchors, anchors.quest, selector.host.layout.head_dim))
     settings = dataclasses.replace(selection(second_select_num=3, preselect_block=False, dense_layer_num=0),
                                    **options)
     # alone: each conversation decodes its tokens by itself
@@ -87,6 +95,8 @@ def test_a_batch_with_joins_and_leaves_equals_each_conversation_alone(tiny, case
     # members of a batch score blocks tables of different widths
     sessions = [conversation(tiny, settings, kv_type, length, answer_room=STEPS) for length in PROMPTS]
     decoders = [s.decoder for s in sessions]
+    if options.get("context_attention") == "gpu":
+        assert all(d.selection.kernel for d in decoders)
     if options["block_scoring"] == "device":
         assert [d.device_anchors.num_blocks for d in decoders] == [-(-(n + STEPS) // B) for n in PROMPTS]
         assert [d.anchor_bytes for d in decoders] == [sessions[0].anchors.bytes_for(n + STEPS) for n in PROMPTS]

@@ -67,8 +67,13 @@ def device_run(share, steps=80, full=True):
     from ktlong.bench.device_drift import DeviceDrift
 
     selection = FakeDeviceSelection(full)
-    selection.select = DeviceDrift(selection, share, seed=3)
-    return [selection.select(0, None)[0].cpu().numpy().copy() for _ in range(steps)], selection.real
+    drift = DeviceDrift(selection, share, seed=3)  # the selection's `adjust`: after each real selection
+    history = []
+    for _ in range(steps):
+        index, valid = selection.select(0, None)
+        drift(0, index, valid)
+        history.append(index.cpu().numpy().copy())
+    return history, selection.real
 
 
 def test_the_device_drift_keeps_the_share_and_fills_in_the_real_order():

@@ -45,9 +45,9 @@ def test_torch_entry_points_name_the_argument(call, message):
 def test_kernel_entry_points_name_the_argument():
     masked_block_scores, rope_kernel, selected_blocks_attention, group_margins = kernels()
     anchors = torch.zeros(2, 10, 16, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"anchors \(2, 10, 16\) do not fit q \(2, 8\)"):
-        masked_block_scores(torch.zeros(2, 8), anchors, torch.zeros(1, 10), torch.zeros(3, dtype=torch.int64), 4, True,
-                            False)
+    with pytest.raises(ValueError, match=r"anchors \(2, 10, 16\) do not fit q \(1, 2, 8\)"):
+        masked_block_scores(torch.zeros(1, 2, 8), [anchors], [torch.zeros(1, 10)], [torch.zeros(3, dtype=torch.int64)],
+                            4, True, False)
     with pytest.raises(ValueError, match="cos must be torch.float32"):
         rope_kernel(torch.zeros(3, 2, 16), torch.zeros(3, 8, dtype=torch.float64), torch.zeros(3, 8))
     from operators.selected_blocks_kernel import LayerPages

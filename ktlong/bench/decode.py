@@ -328,7 +328,7 @@ def main(argv=None) -> int:
                         if decoders[i].selection is not None:  # the device selects: the drift runs there too
                             from ktlong.bench.device_drift import DeviceDrift  # needs triton
 
-                            decoders[i].selection.select = DeviceDrift(decoders[i].selection, args.selection_drift, i)
+                            decoders[i].selection.adjust = DeviceDrift(decoders[i].selection, args.selection_drift, i)
                         else:
                             decoders[i].selector.select = DriftingSelection(decoders[i].selector.select,
                                                                             args.selection_drift, i)

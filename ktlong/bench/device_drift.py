@@ -3,8 +3,8 @@ default path on a GPU (ktlong/decode/device_selection.py), so that what a real s
 overlap from token to token buys (the blocks kept on the device, operators/selected_blocks_kernel.py)
 is timed on the 8B shape with random weights.
 
-It wraps a DeviceSelection's `select`: each scoring layer's real selection runs (its cost is
-paid), then one small kernel per layer keeps each of the previous token's blocks with
+It is a DeviceSelection's `adjust`: each scoring layer's real selection runs (its cost is
+paid), then one small kernel per layer and conversation keeps each of the previous token's blocks with
 probability `share` and fills the rest from the real selection's best blocks not kept, in the
 real selection's order, per kv head. Layers that reuse another's blocks (layer_step) or read
 every block are left as they are. It runs inside the token's CUDA graph: the draws come from a
@@ -49,22 +49,19 @@ def _drift(index_ptr, valid_ptr, previous_ptr, counter_ptr, share, seed, layer, 
 
 class DeviceDrift:
     def __init__(self, selection, share: float, seed: int = 0):
-        """selection: a DeviceSelection; its `select` is wrapped (assign this object to it)."""
+        """selection: a DeviceSelection; this drifts each of its scoring layers' selections once
+        made (assign this object to its `adjust`)."""
         assert 0.0 <= share <= 1.0, share
-        self.select, self.selection, self.share, self.seed = selection.select, selection, share, seed
+        self.selection, self.share, self.seed = selection, share, seed
         self.counter = torch.zeros(1, dtype=torch.int64, device=selection.valid.device)
         self.previous = {j: torch.full_like(selection.index[j], -1) for j, role in enumerate(selection.role)
                          if role == "score"}
         self.first = min(self.previous, default=None)  # the layer whose call starts a token
 
-    def __call__(self, j: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        index, valid = self.select(j, q)
-        if j not in self.previous:
-            return index, valid
+    def __call__(self, j: int, index: torch.Tensor, valid: torch.Tensor):
         if j == self.first:
             self.counter += 1
         width = index.shape[1]
         _drift[(index.shape[0],)](index, valid, self.previous[j], self.counter, self.share, self.seed, j,
                                   len(self.selection.role), width, BLOCK=self.selection.block_size,
                                   SLOTS=triton.next_power_of_2(width))
-        return index, valid

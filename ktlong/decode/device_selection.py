@@ -18,7 +18,10 @@ graph when graphs are on):
   reselect keeps the blocks of the last one that did (`fresh`, set by the host each step).
 
 The blocks are those the host's selector (ktlong/decode/selection.py) picks from the same scores;
-only the order within a selection (and so the float32 sum's) differs. Under tensor parallelism
+only the order within a selection (and so the float32 sum's) differs. A batch's conversations
+select together (`select_batch`): on a GPU a scoring layer is three kernel launches for all of
+them (scores, top-k, rows: operators/block_scores_kernel.py, operators/block_topk_kernel.py),
+each conversation's anchors, mask and step found by their offsets from the first one's. Under tensor parallelism
 each rank scores its own kv heads' anchors and SHARED scores are summed over the ranks here, on
 the device (an all-reduce inside the token's graph), so that every rank picks the same blocks.
 What the host cannot hand over it keeps: a layer_step whose first sparse layer does not score
@@ -85,16 +88,12 @@ class DeviceSelection:
         self.params = torch.zeros(3, dtype=torch.int64, device=device)
         self.selected_host = pinned.pin(torch.zeros((len(global_layers), self.num_kv), dtype=torch.int64))
         self.has_selection = False
-        self.kernel = _scores_kernel(anchors, selector, device)
-        self.rows_kernel = None  # operators/block_scores_kernel.selection_rows, on a GPU with triton
-        self.topk = _torch_topk  # operators/block_topk_kernel.block_topk where it applies
-        if device.type == "cuda" and triton_installed():
-            from operators import block_topk_kernel
-            from operators.block_scores_kernel import selection_rows
-
-            self.rows_kernel = selection_rows
-            if block_topk_kernel.kernel_applies(NB, self.places):
-                self.topk = block_topk_kernel.block_topk
+        # the Triton kernels (scores, top-k, rows: select_batch) on a GPU where triton is installed
+        # and the anchors are linear; else torch's ops, one conversation at a time
+        self.kernel = _kernels_apply(anchors, selector, device)
+        # applied to each scoring layer's selection after it is made (j, index, valid), on the
+        # device: the bench's drifting selection (ktlong/bench/device_drift.py); None in use
+        self.adjust = None
 
     def load_candidates(self):
         """After build_all and preselect: the preselection mask of every layer to the device."""
@@ -127,28 +126,22 @@ class DeviceSelection:
             self.index[j].copy_(self.head_rows + blocks)
             self.valid[j].copy_(((last - first).clamp(min=0) * self.block_size).expand(self.num_kv))
             return self.index[j], self.valid[j]
-        if self.kernel is not None:  # scores and mask in one kernel (operators/block_scores_kernel.py)
-            anchors = self.anchors.anchors[self.layers[j]]
-            scores = self.kernel(q, anchors.view(self.num_kv, self.num_blocks, -1), self.bias[j], self.params, self.k,
-                                 self.anchors.shared, self.anchors.quest)
-        else:
-            scores = self.anchors.scores(self.layers[j], q)  # [R, NB]
-            inside = (self.blocks >= first) & (self.blocks < last)
-            crowded = (last - first) > self.k  # SelectionSettings.crowded, on device values
-            bias = torch.where(crowded, self.bias[j], torch.zeros_like(self.bias[j]))
-            scores = torch.where(inside, scores + bias, torch.full_like(scores, float("-inf")))
+        scores = self.anchors.scores(self.layers[j], q)  # [R, NB]: torch's ops (the kernels: select_batch)
+        inside = (self.blocks >= first) & (self.blocks < last)
+        crowded = (last - first) > self.k  # SelectionSettings.crowded, on device values
+        bias = torch.where(crowded, self.bias[j], torch.zeros_like(self.bias[j]))
+        scores = torch.where(inside, scores + bias, torch.full_like(scores, float("-inf")))
         if self.anchors.shared and self.selector.tp is not None:  # every rank's heads: the same blocks on each
             self.selector.tp.all_reduce(scores)
-        top, picked = self.topk(scores, self.places)  # best first: the kernel reads the first count
-        if self.rows_kernel is not None:  # the rows and counts below in one kernel
-            self.rows_kernel(top, picked, self.params, self.index[j], self.valid[j], self.table_blocks, self.block_size)
-            return self.index[j], self.valid[j]
+        top, picked = torch.topk(scores, self.places, dim=1)  # best first: the kernel reads the first count
         fresh = self.params[2].bool()
         count = (top > float("-inf")).sum(1)
         if picked.shape[0] == 1:
             picked, count = picked.expand(self.num_kv, -1), count.expand(self.num_kv)
         self.index[j].copy_(torch.where(fresh, self.head_rows + picked, self.index[j]))
         self.valid[j].copy_(torch.where(fresh, count * self.block_size, self.valid[j]))
+        if self.adjust is not None:
+            self.adjust(j, self.index[j], self.valid[j])
         return self.index[j], self.valid[j]
 
     def report(self):
@@ -160,16 +153,57 @@ class DeviceSelection:
         return self.selected_host.numpy().sum(1) // self.block_size
 
 
-def _torch_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.topk(scores, k, dim=1)
+def select_batch(selections: list[DeviceSelection], j: int, q: torch.Tensor, known: dict | None = None,
+                 lanes: list = ()) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Global layer j's selection of every conversation of a batch (one selection plan: the same
+    role per layer), q [B, H, D] -> each one's (rows [KV, S_b], valid tokens [KV]). Where the
+    kernels apply and the layer scores, three launches for the batch: the scores of every
+    member's blocks (its anchors as long as its own reach; -inf past them), the top-k of every
+    row together, and each member's rows; known: the caller's store of the batch's tables, kept
+    while its graphs live. Otherwise each conversation's own `select`, on lanes[b % len(lanes)]
+    when CUDA streams are given (a few small kernels each: side by side). Fixed shapes, no sync."""
+    first = selections[0]
+    if first.role[j] != "score" or not all(s.kernel for s in selections):
+        if not lanes:
+            return [s.select(j, q[b]) for b, s in enumerate(selections)]
+        main = torch.cuda.current_stream(q.device)
+        for lane in lanes:
+            lane.wait_stream(main)
+        rows = []
+        for b, s in enumerate(selections):
+            with torch.cuda.stream(lanes[b % len(lanes)]):  # a conversation keeps its lane: its steps stay in order
+                rows.append(s.select(j, q[b]))
+        for lane in lanes:
+            main.wait_stream(lane)
+        return rows
+    from operators import block_topk_kernel
+    from operators.block_scores_kernel import masked_block_scores, selection_rows
+
+    layer = first.layers[j]
+    scores = masked_block_scores(q, [s.anchors.anchors[layer].view(s.num_kv, s.num_blocks, -1) for s in selections],
+                                 [s.bias[j] for s in selections], [s.params for s in selections], first.k,
+                                 first.anchors.shared, first.anchors.quest, known)  # [B, R, most blocks]
+    if first.anchors.shared and first.selector.tp is not None:  # every rank's heads: the same blocks on each
+        first.selector.tp.all_reduce(scores)
+    batch, rows, most = scores.shape
+    places = max(s.places for s in selections)  # each member's first places_b: its own top-k (-inf pads the rest)
+    flat = scores.view(batch * rows, most)
+    top, picked = (block_topk_kernel.block_topk(flat, places) if block_topk_kernel.kernel_applies(most, places)
+                   else torch.topk(flat, places, dim=1))
+    selection_rows(top.view(batch, rows, places), picked.view(batch, rows, places), [s.params for s in selections],
+                   [s.index[j] for s in selections], [s.valid[j] for s in selections],
+                   [s.table_blocks for s in selections], first.block_size, known)
+    for s in selections:
+        if s.adjust is not None:
+            s.adjust(j, s.index[j], s.valid[j])
+    return [(s.index[j], s.valid[j]) for s in selections]
 
 
-def _scores_kernel(anchors: DeviceAnchors, selector: DecodeBlockSelector, device: torch.device):
-    """The Triton scoring kernel (masked_block_scores) on a GPU where triton is installed and the
-    anchors are linear (one per block, or QUEST's pair); None: the torch ops."""
+def _kernels_apply(anchors: DeviceAnchors, selector: DecodeBlockSelector, device: torch.device) -> bool:
+    """Whether the Triton kernels select (select_batch): on a GPU where triton is installed, the
+    anchors linear (one per block, or QUEST's pair)."""
     if device.type != "cuda" or not triton_installed():
-        return None
-    from operators.block_scores_kernel import kernel_applies, masked_block_scores
+        return False
+    from operators.block_scores_kernel import kernel_applies
 
-    return masked_block_scores if kernel_applies(selector.num_anchors, anchors.quest,
-                                                 selector.host.layout.head_dim) else None
+    return kernel_applies(selector.num_anchors, anchors.quest, selector.host.layout.head_dim)

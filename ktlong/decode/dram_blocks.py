@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ktlong.decode.device_selection import DeviceSelection
+from ktlong.decode.device_selection import DeviceSelection, select_batch
 from ktlong.errors import KtlongError
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.pinned import PinnedTensors
@@ -187,12 +187,11 @@ class DramBlocks:
         """Whether the device keeps a copy of layer j's rows (then the kept slots add nothing)."""
         return self.resident is not None and self.layers[j] in self.resident.rows
 
-    def pages_of(self, j: int, q: torch.Tensor):
+    def pages_of(self, j: int, rows: tuple[torch.Tensor, torch.Tensor]):
         """Layer j as the kernel reads it this step (LayerPages): its pages, the rows of the
-        blocks selected for q [H, D] (by the device's selection, or as the host wrote them), its
-        device copy and kept slots."""
+        selected blocks and their valid tokens (the device's selection's, or as the host wrote
+        them: `hits`), its device copy and kept slots."""
         (k, v), (ks, vs) = self.pages[j], self.scales[j]
-        rows = self.selection.select(j, q) if self.selection is not None else self.hits.load(j)
         return self.layer_pages(k, v, ks, vs, *rows, near=self._near(j), kept=self.kept[j])
 
 
@@ -202,23 +201,15 @@ def attend(drams: list[DramBlocks], j: int, q: torch.Tensor, known: dict, base=N
     (or the device's copies), one kernel for all -> (out [B, H, D], lse [B, H]) float32, into
     `out` when given; base: a state (out, lse) over other keys merged in by the same kernel, or a
     function that returns one once the reads are queued; known: the batch's store of the
-    kernel's offsets tables (selected_blocks_attention), kept while its graphs live. lanes: CUDA
-    streams over which the conversations' selections spread: each is a few small kernels that
-    leave most of the device idle, so they run side by side, and the reads wait for all of them."""
+    kernels' tables (the selection's and the reads'), kept while its graphs live. lanes: CUDA
+    streams for selections made one conversation at a time (device_selection.select_batch)."""
     from operators.selected_blocks_kernel import selected_blocks_attention
 
-    if not lanes:
-        layers = [dram.pages_of(j, q[b]) for b, dram in enumerate(drams)]
+    if drams[0].selection is not None:
+        rows = select_batch([dram.selection for dram in drams], j, q, known, lanes)
     else:
-        main = torch.cuda.current_stream(q.device)
-        for lane in lanes:
-            lane.wait_stream(main)
-        layers = []
-        for b, dram in enumerate(drams):
-            with torch.cuda.stream(lanes[b % len(lanes)]):  # a conversation keeps its lane: its steps stay in order
-                layers.append(dram.pages_of(j, q[b]))
-        for lane in lanes:
-            main.wait_stream(lane)
+        rows = [dram.hits.load(j) for dram in drams]
+    layers = [dram.pages_of(j, r) for dram, r in zip(drams, rows)]
     return selected_blocks_attention(q, _keeping(drams, j, layers), drams[0].scale, base, out, known)
 
 

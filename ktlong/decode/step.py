@@ -86,15 +86,17 @@ class DecodeStep:
                 self.window_members = window_attention_kernel.member_offsets([k for k, _ in buffers],
                                                                              [v for _, v in buffers])
         self.num_layers = c.num_layers
-        # with the device selecting on a GPU, each sequence's window part of a global layer runs on
-        # a stream of its own, beside the selections and the DRAM reads, which need only the same
-        # q (`_token`); and the sequences' selections side by side, one stream each
-        # (ktlong/decode/dram_blocks.attend). A window part is three small kernels, 33 us at 8B
-        # shapes on the H200: eight one after another were 8 ms of a step at batch 8.
+        # with the device selecting on a GPU, a global layer's window parts run on a stream of their
+        # own (one launch for the batch; else each sequence's on one of its own), beside the
+        # selections and the DRAM reads, which need only the same q (`_token`); where the
+        # selection's kernels do not apply, the sequences' selections run side by side, one stream
+        # each (`lanes`: device_selection.select_batch). A window part is three small kernels, 33
+        # us at 8B shapes on the H200: eight one after another were 8 ms of a step at batch 8.
         # (at the priority of the stream the steps are queued on: ktlong/session/sliced_prefill.decode_first)
         streams = self.device_selects and dev.type == "cuda"
         priority = torch.cuda.current_stream(dev).priority if streams else 0
-        self.beside = [torch.cuda.Stream(dev, priority=priority) for _ in range(B)] if streams else []
+        self.beside = [torch.cuda.Stream(dev, priority=priority) for _ in range(1 if self._one_launch else B)
+                       ] if streams else []
         self.lanes = [torch.cuda.Stream(dev, priority=priority) for _ in range(B)] if streams and B > 1 else []
         # inputs, one row per sequence, written before each replay
         self.token = torch.zeros(B, dtype=torch.long, device=dev)
@@ -204,14 +206,14 @@ class DecodeStep:
     def _window(self, j: int, streams: list = ()):
         """Global layer j's window part: each sequence's q over its sinks and window -> o_dev, lse_dev;
         one launch for the batch where the kernel runs (on streams[0] when given), otherwise
-        sequence b's on streams[b] when given."""
+        sequence b's on streams[b % len(streams)] when given."""
         layer = self.global_layers[j]
         if self._one_launch:
             with torch.cuda.stream(streams[0]) if streams else contextlib.nullcontext():
                 self._windows(layer, self.q_dev[j], out=(self.o_dev[j], self.lse_dev[j]))
             return
         for b in range(self.batch):
-            with torch.cuda.stream(streams[b]) if streams else contextlib.nullcontext():
+            with torch.cuda.stream(streams[b % len(streams)]) if streams else contextlib.nullcontext():
                 self._window_attention(b, layer, self.q_dev[j, b], out=(self.o_dev[j, b], self.lse_dev[j, b]))
 
     @property
