@@ -137,10 +137,10 @@ def _selection_rows(top_ptr, picked_ptr, params_ptr, index_ptr, valid_ptr, membe
     h, b = tl.program_id(0), tl.program_id(1)
     row = members_ptr + b * 5
     params_ptr += tl.load(row)
+    index_ptr += tl.load(row + 1)
+    valid_ptr += tl.load(row + 2)
+    places, table_blocks = tl.load(row + 3), tl.load(row + 4)
     if tl.load(params_ptr + 2) != 0:
-        index_ptr += tl.load(row + 1)
-        valid_ptr += tl.load(row + 2)
-        places, table_blocks = tl.load(row + 3), tl.load(row + 4)
         r = b * ROWS + (0 if ROWS == 1 else h)
         at = tl.arange(0, WIDTH)
         inside = at < places
