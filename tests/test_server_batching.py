@@ -154,6 +154,11 @@ def test_a_stream_keeps_going_while_a_long_prompt_prefills(server, lm):
     line = next(line for line in written.splitlines() if line.startswith("[answer: ") and "beside " in line)
     steps = int(line.split("beside ")[1].split(" decode steps")[0])
     assert steps >= len(during)
+    # and its own thread's time: at work and waiting, within the prefill's
+    prefill = float(line.split(" prefill ")[1].split(" s")[0])
+    work = float(line.split("its thread ")[1].split(" s at work")[0])
+    waiting = float(line.split(" s at work, ")[1].split(" s waiting")[0])
+    assert 0 < work and work + waiting <= prefill + 0.05
 
 
 def test_each_answer_keeps_its_own_options_inside_a_batch(server, lm):

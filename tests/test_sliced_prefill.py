@@ -141,3 +141,23 @@ def test_a_prefill_waiting_for_its_oldest_chunk_hands_back_once_the_step_is_done
     while not p.advance(lambda: True):
         assert device.queued - device.done <= AHEAD + 1
     assert p.result == "logits" and device.done == device.queued == 6
+
+
+def test_the_prefills_own_time_is_counted_as_work_or_waits_and_never_the_owners():
+    """work_seconds: the prefill thread's chunks; wait_seconds: its waits at boundaries; the
+    owner's time between slices is in neither (here three chunks of 30 ms of host work, and the
+    owner away 100 ms after each slice)."""
+    import time
+
+    def run(pause):
+        for _ in range(3):
+            time.sleep(0.03)  # a chunk's host work
+            pause()
+        return "logits"
+
+    p = SlicedPrefill(run, 0.0, lambda: True)
+    while not p.advance():
+        time.sleep(0.1)  # the owner's own work
+    assert p.result == "logits"
+    assert p.work_seconds >= 0.09
+    assert p.work_seconds + p.wait_seconds < 0.09 + 0.1  # none of the owner's 0.3 s

@@ -24,7 +24,9 @@ kinds of work share the device, and its stream has the highest priority (`decode
 step's kernels go ahead of the chunks' waiting ones, so the chunks take what the steps leave. The
 slice lasts slice_seconds, or until the step's device work is done if that is later: the owner
 would only wait for it, and the prefill goes at its host's share of the time.
-On the H200 (four streams beside a 1M prefill, 8B shapes): slices of 50 ms between the steps,
+The prefill thread's own time is counted as work (its chunks' host part) or waits (for its oldest
+chunk, or for the owner's step), which the server's log line gives: a long slice is the host's or
+the device's. On the H200 (four streams beside a 1M prefill, 8B shapes): slices of 50 ms between the steps,
 at one priority, gave 7.8 tok/s each and a 151.4 s prefill; slices of 30 ms inside them, 10.2
 tok/s and 215.8 s (docs/measurements/2026-12-01-serving.md).
 """
@@ -74,6 +76,11 @@ class SlicedPrefill:
         self._go, self._back = threading.Semaphore(0), threading.Semaphore(0)
         self._since = 0.0
         self._busy: Callable[[], bool] | None = None  # the owner's device work, while it is not done
+        # the prefill thread's own time, while it runs: its work (queueing chunks, the host's part
+        # of them) and its waits (for its oldest chunk in flight, or for the owner's step to be
+        # done): which of the two a long slice is spent in
+        self.work_seconds = self.wait_seconds = 0.0
+        self._mark = 0.0
         self._thread = threading.Thread(target=self._main, name="ktlong-prefill", daemon=True)
         self._started = False
 
@@ -93,6 +100,7 @@ class SlicedPrefill:
 
     def _main(self):
         self._go.acquire()
+        self._mark = time.perf_counter()
         try:
             if self.stream is None:
                 self.result = self.run(self._pause)
@@ -102,14 +110,18 @@ class SlicedPrefill:
                     with torch.cuda.stream(self.stream):
                         self.result = self.run(self._pause)
                 finally:
+                    self._spent("work")
                     self.stream.synchronize()
+                    self._spent("wait")
         except BaseException as e:  # handed to the owner, who reports it (the thread itself prints nothing)
             self.error = e
         finally:
+            self._spent("work")
             self.done = True
             self._back.release()
 
     def _pause(self):
+        self._spent("work")
         if not self.more_work():
             return
         if self.stream is not None:
@@ -125,11 +137,22 @@ class SlicedPrefill:
                     time.sleep(POLL_SECONDS)
         if self._slice_over():
             self._hand_back()
+        self._spent("wait")
+
+    def _spent(self, kind: str):
+        """The time since the last mark, counted as the prefill's work or its waits."""
+        now = time.perf_counter()
+        if kind == "work":
+            self.work_seconds += now - self._mark
+        else:
+            self.wait_seconds += now - self._mark
+        self._mark = now
 
     def _slice_over(self) -> bool:
         return time.perf_counter() - self._since >= self.slice_seconds and not (self._busy is not None and self._busy())
 
     def _hand_back(self):
+        self._spent("wait")
         self._back.release()
         self._go.acquire()
-        self._since = time.perf_counter()
+        self._since = self._mark = time.perf_counter()
