@@ -114,7 +114,8 @@ def masked_block_scores(q: torch.Tensor, anchors: list[torch.Tensor], bias: list
         if not (a.is_contiguous() and m.is_contiguous()):
             raise ValueError("anchors and bias must be contiguous")
     if width != dim * (2 if quest else 1) or num_heads % num_kv:
-        raise ValueError(f"anchors {tuple(anchors[0].shape)} do not fit q {tuple(q.shape)}{' (QUEST)' if quest else ''}")
+        raise ValueError(f"anchors {tuple(anchors[0].shape)} do not fit q {tuple(q.shape)}"
+                         f"{' (QUEST)' if quest else ''}")
     unit = 16 if all((a.data_ptr() - anchors[0].data_ptr()) % (16 * a.element_size()) == 0 for a in anchors) else 1
     counts = [a.shape[1] for a in anchors]
     members = _members([list(r) for r in zip(_gaps(anchors, unit), _gaps(bias, 1), _gaps(params, 1), counts)],

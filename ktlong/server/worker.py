@@ -264,7 +264,8 @@ class Worker:
         if p.steps:
             notes.append(f"beside {p.steps} decode steps of {p.step_seconds * 1000 / p.steps:.1f} ms each, "
                          f"its slices {p.slice_seconds * 1000 / p.steps:.1f} ms a step; its thread "
-                         f"{p.prefill.work_seconds:.1f} s at work, {p.prefill.wait_seconds:.1f} s waiting for the device")
+                         f"{p.prefill.work_seconds:.1f} s at work, {p.prefill.wait_seconds:.1f} s waiting for the "
+                         f"device")
         row.timing = (f"queued {p.admitted - reply.ticket.queued_at:.2f} s, cache moved {p.moved:.2f} s, prefill "
                       f"{time.perf_counter() - p.admitted - p.moved:.2f} s"
                       + (f" ({'; '.join(notes)})" if notes else ""))
