@@ -25,6 +25,12 @@ Where a block lies, first match first:
   at 128K: 72-83%), and a block still selected is not read over PCIe again. `_plan_kept` runs
   first: each selected block's slot, and a free slot for each block read from DRAM, which the
   attention kernel writes as it reads it;
+- another conversation's slot: conversations whose caches hold one document in one copy
+  (ktlong/kv/shared_prefix.py; `share_group`) read a block of it that several of them select
+  once in a step. `_plan_shared` finds, for each block a conversation would read from DRAM, the
+  first conversation of its group that reads it from DRAM this step or holds it in a slot; a
+  second, small launch of the attention kernel then reads it from there (after the first wrote
+  it) into a share of its own, and keeps it in the borrower's slot too;
 - DRAM otherwise.
 
 This module needs triton; ktlong/decode/dram_blocks.py imports it when it is asked for.
@@ -49,11 +55,14 @@ ALIGN = 16  # the tables' offsets are whole multiples of 16 elements, so the loa
 
 # where a conversation's tensors lie from the first one's, per conversation: the tables (k, v, their
 # scales; near: the same four; kept: the same four) in units of ALIGN elements, then count, index,
-# valid, kept rows and kept plan in elements; last, its selection's width (index's columns: each
-# conversation's own, as its anchors reach its own length)
+# valid, kept rows and kept plan in elements; then numbers (below)
 TABLES = ("k", "v", "ks", "vs", "near_k", "near_v", "near_ks", "near_vs", "kept_k", "kept_v", "kept_ks", "kept_vs")
 SCALARS = ("count", "index", "valid", "kept_rows", "kept_plan")
-WIDTH = len(TABLES) + len(SCALARS) + 1
+# then the conversation's shared document (SHARE_GROUP: which one, -1 for none; its blocks; the
+# DRAM table's blocks per kv head), and last its selection's width (index's columns: each
+# conversation's own, as its anchors reach its own length)
+SHARE_GROUP = tl.constexpr(len(TABLES) + len(SCALARS))
+WIDTH = len(TABLES) + len(SCALARS) + 4
 
 
 class NearPages(NamedTuple):
@@ -76,7 +85,8 @@ class KeptBlocks(NamedTuple):
     v_scales: torch.Tensor | None
     rows: torch.Tensor  # [KV, S] int64: the DRAM row each slot holds, -1 for none
     plan: torch.Tensor  # [2, KV, S] int32, scratch of a step: each selected block's slot (-1: read from
-                        # DRAM or near), and the slot a block read from DRAM is written to
+                        # DRAM or near; <= -2: another conversation's slot, -2 - (slot * batch +
+                        # that conversation)), and the slot a block read from DRAM is written to
 
 
 class LayerPages(NamedTuple):
@@ -92,6 +102,8 @@ class LayerPages(NamedTuple):
     valid: torch.Tensor
     near: NearPages | None = None
     kept: KeptBlocks | None = None
+    share_group: int = -1  # conversations of a batch with one group hold their first blocks in one copy
+    shared_blocks: int = 0  # how many (per kv head): a block of them is read once for all of them
 
 
 @triton.jit
@@ -156,19 +168,70 @@ def _plan_kept(index_ptr, valid_ptr, count_ptr, rows_ptr, plan_ptr, offsets_ptr,
 
 
 @triton.jit
+def _entries(index_ptr, valid_ptr, count_ptr, plan_ptr, offsets_ptr, c, h, i, BLOCK: tl.constexpr,
+             NEAR: tl.constexpr, WIDTH: tl.constexpr):
+    """Conversation c's kv head h's entries i (after _plan_kept): its share group, its blocks
+    (absolute, per head), which may lend theirs or borrow (live, from DRAM, within its shared
+    blocks), their slots (the kept one, else the one a DRAM read fills) and their plan's source."""
+    at = offsets_ptr + c * WIDTH
+    columns = tl.load(at + WIDTH - 1)
+    real = i < columns
+    rows = tl.load(index_ptr + tl.load(at + 13) + h * columns + i, mask=real, other=-1)
+    src = tl.load(plan_ptr + tl.load(at + 16) + h * columns + i, mask=real, other=-1)
+    dest = tl.load(plan_ptr + tl.load(at + 16) + (tl.num_programs(0) + h) * columns + i, mask=real, other=-1)
+    blocks = rows - h * tl.load(at + SHARE_GROUP + 2)
+    live = real & (i < tl.load(valid_ptr + tl.load(at + 14) + h) // BLOCK) & (blocks < tl.load(at + SHARE_GROUP + 1))
+    if NEAR:
+        live = live & (blocks >= tl.load(count_ptr + tl.load(at + 12)))
+    return tl.load(at + SHARE_GROUP), blocks, live, tl.where(src >= 0, src, dest), src
+
+
+@triton.jit
+def _plan_shared(index_ptr, valid_ptr, count_ptr, plan_ptr, offsets_ptr, batch, BLOCK: tl.constexpr,
+                 SLOTS: tl.constexpr, NEAR: tl.constexpr, WIDTH: tl.constexpr):
+    """Kv head h of every conversation that shares a document with an earlier one: each block it
+    would read from DRAM that the first conversation of its group holding it reads from DRAM too,
+    or from its own slot, this step -> read there instead (its plan's source becomes
+    -2 - (that slot * batch + that conversation); the borrowed pass reads it, after the first
+    pass wrote it). A lender is never itself a borrower, so its slot is whole by then."""
+    h = tl.program_id(0)
+    i = tl.arange(0, SLOTS)
+    for b in range(1, batch):
+        group, blocks, live, _, src = _entries(index_ptr, valid_ptr, count_ptr, plan_ptr, offsets_ptr, b, h, i,
+                                               BLOCK, NEAR, WIDTH)
+        wanted = live & (src == -1) & (group >= 0)
+        code = tl.full((SLOTS,), -1, tl.int32)
+        for c in range(0, b):
+            their_group, theirs, lends, slot, their_src = _entries(index_ptr, valid_ptr, count_ptr, plan_ptr,
+                                                                   offsets_ptr, c, h, i, BLOCK, NEAR, WIDTH)
+            lends = lends & (their_src >= -1) & (their_group == group)
+            match = (wanted & (code == -1))[:, None] & lends[None, :] & (blocks[:, None] == theirs[None, :])
+            found = tl.max(tl.where(match, slot[None, :], -1), 1)
+            code = tl.where(found >= 0, -2 - (found * batch + c), code)
+        at = offsets_ptr + b * WIDTH
+        columns = tl.load(at + WIDTH - 1)
+        tl.store(plan_ptr + tl.load(at + 16) + h * columns + i, tl.where(code <= -2, code, src).to(tl.int32),
+                 mask=i < columns)
+
+
+@triton.jit
 def _selected_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, near_k_ptr, near_v_ptr, near_ks_ptr, near_vs_ptr,
                                kept_k_ptr, kept_v_ptr, kept_ks_ptr, kept_vs_ptr, count_ptr, index_ptr, valid_ptr,
                                plan_ptr, offsets_ptr, out_ptr, lse_ptr,
-                               num_heads, group, num_blocks, scale,
+                               num_heads, group, num_blocks, scale, first_share, all_shares,
                                stride_row, stride_token, stride_srow, stride_stoken,
                                BLOCK: tl.constexpr, DIM: tl.constexpr, ROWS: tl.constexpr, KEYS: tl.constexpr,
                                PER_SHARE: tl.constexpr, QUANT: tl.constexpr, NEAR: tl.constexpr, KEPT: tl.constexpr,
-                               WIDTH: tl.constexpr, PRECISION: tl.constexpr):
+                               WIDTH: tl.constexpr, PRECISION: tl.constexpr, SHARING: tl.constexpr,
+                               BORROWED: tl.constexpr):
     """Conversation b's kv head h's query rows (group of them, padded to ROWS) over its hit blocks
-    PER_SHARE * s .. PER_SHARE * (s + 1) - 1 that count (valid tokens) -> this share's out [ROWS,
-    DIM] (normalised by its own softmax sum) and lse [ROWS]; 0 and -inf where it holds none."""
+    PER_SHARE * s .. PER_SHARE * (s + 1) - 1 that count (valid tokens) -> share first_share + s
+    of all_shares: out [ROWS, DIM] (normalised by its own softmax sum) and lse [ROWS]; 0 and -inf
+    where it holds none. SHARING (_plan_shared ran): the blocks another conversation reads for it
+    are left out, or with BORROWED only they are read, from that one's slot (and kept in its own)."""
     h, share, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    num_kv, num_shares = tl.num_programs(0), tl.num_programs(1)
+    num_kv, batch = tl.num_programs(0), tl.num_programs(2)
+    kept_k0, kept_v0, kept_ks0, kept_vs0 = kept_k_ptr, kept_v_ptr, kept_ks_ptr, kept_vs_ptr  # the first's
     offsets = offsets_ptr + b * WIDTH
     k_ptr, v_ptr = _table(k_ptr, offsets, 0), _table(v_ptr, offsets, 1)
     index_ptr += tl.load(offsets + 13)
@@ -203,44 +266,60 @@ def _selected_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, near_k_ptr, 
             kept_block = near_block & ~near_block
             fill_block = kept_block
             slot, dest = row, row
+            far_k, far_v, far_ks, far_vs = k_ptr, v_ptr, ks_ptr, vs_ptr
+            take = True
             if KEPT:
                 src = tl.load(plan_ptr + h * columns + e)
                 kept_block = ~near_block & (src >= 0)
                 fill_block = ~near_block & (src < 0)
                 slot = h * columns + tl.maximum(src, 0)
                 dest = h * columns + tl.maximum(tl.load(plan_ptr + (num_kv + h) * columns + e), 0)
-            for start in range(0, BLOCK, KEYS):  # KEYS tokens at a time: the tiles stay in registers
-                tokens = start + tl.arange(0, KEYS)
-                at = tokens[:, None] * stride_token + dims[None, :]
-                near_tile = tl.full((KEYS, DIM), 0, tl.int1) | near_block
-                kept_tile = tl.full((KEYS, DIM), 0, tl.int1) | kept_block
-                fill_tile = tl.full((KEYS, DIM), 0, tl.int1) | fill_block
-                keys = _tile(near_k_ptr, kept_k_ptr, k_ptr, row * stride_row + at, slot * stride_row + at,
-                             dest * stride_row + at, near_tile, kept_tile, fill_tile, KEPT).to(tl.float32)
-                values = _tile(near_v_ptr, kept_v_ptr, v_ptr, row * stride_row + at, slot * stride_row + at,
-                               dest * stride_row + at, near_tile, kept_tile, fill_tile, KEPT).to(tl.float32)
-                if QUANT:  # each scale word read once ([KEYS, DIM / 32]), then spread over its 32 values
-                    s_at = tokens[:, None] * stride_stoken + tl.arange(0, DIM // 32)[None, :]
-                    near_words = tl.full((KEYS, DIM // 32), 0, tl.int1) | near_block
-                    kept_words = tl.full((KEYS, DIM // 32), 0, tl.int1) | kept_block
-                    fill_words = tl.full((KEYS, DIM // 32), 0, tl.int1) | fill_block
-                    ks = _tile(near_ks_ptr, kept_ks_ptr, ks_ptr, row * stride_srow + s_at, slot * stride_srow + s_at,
-                               dest * stride_srow + s_at, near_words, kept_words, fill_words, KEPT)
-                    vs = _tile(near_vs_ptr, kept_vs_ptr, vs_ptr, row * stride_srow + s_at, slot * stride_srow + s_at,
-                               dest * stride_srow + s_at, near_words, kept_words, fill_words, KEPT)
-                    keys = keys * _per_value(ks, KEYS, DIM)
-                    values = values * _per_value(vs, KEYS, DIM)
-                logits = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale  # [ROWS, KEYS]
-                new_max = tl.maximum(run_max, tl.max(logits, 1))
-                correction = tl.exp(run_max - new_max)
-                p = tl.exp(logits - new_max[:, None])
-                run_sum = run_sum * correction + tl.sum(p, 1)
-                acc = acc * correction[:, None] + tl.dot(p, values, input_precision=PRECISION)
-                run_max = new_max
+                if SHARING:
+                    if BORROWED:  # from the lender's slot, into this one's own
+                        take = src <= -2
+                        code = tl.maximum(-2 - src, 0)
+                        lender = offsets_ptr + (code % batch) * WIDTH
+                        far_k, far_v = _table(kept_k0, lender, 8), _table(kept_v0, lender, 9)
+                        if QUANT:
+                            far_ks, far_vs = _table(kept_ks0, lender, 10), _table(kept_vs0, lender, 11)
+                        row = h * tl.load(lender + WIDTH - 1) + code // batch
+                    else:
+                        take = src > -2
+            if take:
+                for start in range(0, BLOCK, KEYS):  # KEYS tokens at a time: the tiles stay in registers
+                    tokens = start + tl.arange(0, KEYS)
+                    at = tokens[:, None] * stride_token + dims[None, :]
+                    near_tile = tl.full((KEYS, DIM), 0, tl.int1) | near_block
+                    kept_tile = tl.full((KEYS, DIM), 0, tl.int1) | kept_block
+                    fill_tile = tl.full((KEYS, DIM), 0, tl.int1) | fill_block
+                    keys = _tile(near_k_ptr, kept_k_ptr, far_k, row * stride_row + at, slot * stride_row + at,
+                                 dest * stride_row + at, near_tile, kept_tile, fill_tile, KEPT).to(tl.float32)
+                    values = _tile(near_v_ptr, kept_v_ptr, far_v, row * stride_row + at, slot * stride_row + at,
+                                   dest * stride_row + at, near_tile, kept_tile, fill_tile, KEPT).to(tl.float32)
+                    if QUANT:  # each scale word read once ([KEYS, DIM / 32]), then spread over its 32 values
+                        s_at = tokens[:, None] * stride_stoken + tl.arange(0, DIM // 32)[None, :]
+                        near_words = tl.full((KEYS, DIM // 32), 0, tl.int1) | near_block
+                        kept_words = tl.full((KEYS, DIM // 32), 0, tl.int1) | kept_block
+                        fill_words = tl.full((KEYS, DIM // 32), 0, tl.int1) | fill_block
+                        ks = _tile(near_ks_ptr, kept_ks_ptr, far_ks, row * stride_srow + s_at,
+                                   slot * stride_srow + s_at, dest * stride_srow + s_at, near_words, kept_words,
+                                   fill_words, KEPT)
+                        vs = _tile(near_vs_ptr, kept_vs_ptr, far_vs, row * stride_srow + s_at,
+                                   slot * stride_srow + s_at, dest * stride_srow + s_at, near_words, kept_words,
+                                   fill_words, KEPT)
+                        keys = keys * _per_value(ks, KEYS, DIM)
+                        values = values * _per_value(vs, KEYS, DIM)
+                    logits = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale  # [ROWS, KEYS]
+                    new_max = tl.maximum(run_max, tl.max(logits, 1))
+                    correction = tl.exp(run_max - new_max)
+                    p = tl.exp(logits - new_max[:, None])
+                    run_sum = run_sum * correction + tl.sum(p, 1)
+                    acc = acc * correction[:, None] + tl.dot(p, values, input_precision=PRECISION)
+                    run_max = new_max
     held = run_sum > 0
     out = tl.where(held[:, None], acc / tl.where(held, run_sum, 1.0)[:, None], 0.0)
     lse = tl.where(held, run_max + tl.log(tl.where(held, run_sum, 1.0)), float("-inf"))
-    at = ((b * num_kv + h) * num_shares + share) * ROWS + rows
+    at = ((b * num_kv + h) * all_shares + first_share + share) * ROWS + rows
     tl.store(out_ptr + at[:, None] * DIM + dims[None, :], out)
     tl.store(lse_ptr + at, lse)
 
@@ -299,18 +378,20 @@ def kernel_applies(kv_type: str, block_size: int, head_dim: int) -> bool:
     return kv_type in ("bf16", "fp16", "fp32", "q8_0") and power_of_two(block_size) and power_of_two(head_dim)
 
 
-def _offsets(tensors: list[tuple], columns: list[int], device: torch.device, known: dict | None) -> torch.Tensor:
-    """Each conversation's tensors (TABLES then SCALARS; None: not read) and selection's width ->
-    [B, WIDTH] int64 on the device: how far each tensor lies from the first conversation's, in
-    ALIGN elements for the tables, then the width.
+def _offsets(tensors: list[tuple], extras: list[list[int]], device: torch.device, known: dict | None) -> torch.Tensor:
+    """Each conversation's tensors (TABLES then SCALARS; None: not read) and numbers (its share
+    group, shared blocks, table blocks and selection's width) -> [B, WIDTH] int64 on the device:
+    how far each tensor lies from the first conversation's, in ALIGN elements for the tables,
+    then the numbers.
     known: the tables made before, by their tensors' addresses, where this one is kept too (a CUDA
     graph's capture cannot copy to the device: its warm-up run makes them; and a graph reads the
     table it was captured with, so their owner keeps them while its graphs live)."""
-    key = tuple((*(None if t is None else t.data_ptr() for t in row), width) for row, width in zip(tensors, columns))
+    key = tuple((*(None if t is None else t.data_ptr() for t in row), *numbers)
+                for row, numbers in zip(tensors, extras))
     if known is not None and key in known:
         return known[key]
     table = []
-    for row, width in zip(tensors, columns):
+    for row, numbers in zip(tensors, extras):
         line = []
         for i, (t, t0) in enumerate(zip(row, tensors[0])):
             if t is None:
@@ -322,7 +403,7 @@ def _offsets(tensors: list[tuple], columns: list[int], device: torch.device, kno
                 raise ValueError(f"{(TABLES + SCALARS)[i]} of each conversation must lie a whole multiple of "
                                  f"{unit} bytes from the first conversation's")
             line.append(gap // unit)
-        table.append(line + [width])
+        table.append(line + numbers)
     found = torch.tensor(table, dtype=torch.int64).to(device)
     if known is not None:
         known[key] = found
@@ -394,8 +475,12 @@ def selected_blocks_attention(q: torch.Tensor, layers: list[LayerPages], scale: 
                 *((c.k, c.v, c.k_scales, c.v_scales) if kept else (None,) * 4),
                 n.count if near else None, layer.index, layer.valid,
                 c.rows if kept else None, c.plan if kept else None)
-    offsets = _offsets([tensors(layer) for layer in layers], [layer.index.shape[1] for layer in layers], q.device,
-                       known)
+    # after the offsets: each one's shared document, its blocks, its table's blocks per head, its width
+    extras = [[layer.share_group, layer.shared_blocks, layer.k.shape[0] // num_kv, layer.index.shape[1]]
+              for layer in layers]
+    offsets = _offsets([tensors(layer) for layer in layers], extras, q.device, known)
+    groups = [layer.share_group for layer in layers if layer.share_group >= 0 and layer.shared_blocks > 0]
+    sharing = kept and len(groups) > len(set(groups))  # two or more of one group: their blocks read once
     # tensors that are not read stand in for their pointers (a placeholder keeps its own alignment)
     ks, vs = (first.k_scales, first.v_scales) if quant else (first.index, first.index)
     n = first.near or NearPages(first.valid, 1, first.k, first.v, ks, vs)
@@ -408,22 +493,29 @@ def selected_blocks_attention(q: torch.Tensor, layers: list[LayerPages], scale: 
         _plan_kept[(num_kv, batch)](first.index, first.valid, n.count, c.rows, c.plan, offsets, num_blocks,
                                     BLOCK=first.k.shape[1], SLOTS=triton.next_power_of_2(max_selected),
                                     NEAR=near, WIDTH=WIDTH)
+    if sharing:
+        _plan_shared[(num_kv,)](first.index, first.valid, n.count, c.plan, offsets, batch, BLOCK=first.k.shape[1],
+                                SLOTS=triton.next_power_of_2(max_selected), NEAR=near, WIDTH=WIDTH)
     group = num_heads // num_kv
     rows = max(16, triton.next_power_of_2(group))
     shares = min(SHARES, max(max_selected, 1))
     per_share = -(-max_selected // shares)
-    part = torch.empty((batch, num_kv, shares, rows, dim), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((batch, num_kv, shares, rows), dtype=torch.float32, device=q.device)
-    _selected_blocks_attention[(num_kv, shares, batch)](
-        q.contiguous(), first.k, first.v, ks, vs, n.k, n.v, n.k_scales, n.v_scales, c.k, c.v, c.k_scales,
-        c.v_scales, n.count, first.index, first.valid, c.plan, offsets, part, part_lse,
-        num_heads, group, num_blocks, scale, first.k.stride(0), first.k.stride(1),
-        ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
-        BLOCK=first.k.shape[1], DIM=dim, ROWS=rows, KEYS=min(KEYS, first.k.shape[1], 4096 // dim),
-        PER_SHARE=per_share, QUANT=quant, NEAR=near, KEPT=kept, WIDTH=WIDTH, PRECISION=precision(dim))
+    every = shares + sharing  # sharing: one more share a kv head, the blocks borrowed from another conversation
+    part = torch.empty((batch, num_kv, every, rows, dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((batch, num_kv, every, rows), dtype=torch.float32, device=q.device)
+    for first_share, programs, blocks, borrowed in ((0, shares, per_share, False),) + (
+            ((shares, 1, max_selected, True),) if sharing else ()):  # the borrowed after the lenders' reads
+        _selected_blocks_attention[(num_kv, programs, batch)](
+            q.contiguous(), first.k, first.v, ks, vs, n.k, n.v, n.k_scales, n.v_scales, c.k, c.v, c.k_scales,
+            c.v_scales, n.count, first.index, first.valid, c.plan, offsets, part, part_lse,
+            num_heads, group, num_blocks, scale, first_share, every, first.k.stride(0), first.k.stride(1),
+            ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
+            BLOCK=first.k.shape[1], DIM=dim, ROWS=rows, KEYS=min(KEYS, first.k.shape[1], 4096 // dim),
+            PER_SHARE=blocks, QUANT=quant, NEAR=near, KEPT=kept, WIDTH=WIDTH, PRECISION=precision(dim),
+            SHARING=sharing, BORROWED=borrowed)
     merged_lse = torch.empty((batch, num_heads), dtype=torch.float32, device=q.device)
     base = base() if callable(base) else base
     base_o, base_lse = (base[0].float().contiguous(), base[1].float().contiguous()) if base is not None else (part, part_lse)
     _merge_shares[(num_kv, batch)](part, part_lse, base_o, base_lse, merged, merged_lse, num_heads, group,
-                                   SHARES=shares, ROWS=rows, DIM=dim, BASE=base is not None)
+                                   SHARES=every, ROWS=rows, DIM=dim, BASE=base is not None)
     return merged, merged_lse

@@ -257,3 +257,64 @@ def overwrite_dram(layer: LayerPages, g, kv_type):
     if scales is not None:
         layer.k_scales.copy_(scales[0])
         layer.v_scales.copy_(scales[1])
+
+
+@pytest.mark.parametrize("kv_type", ["bf16", "q8_0"])
+def test_a_block_that_conversations_sharing_a_document_select_is_read_once(kv_type):
+    """Conversations 0 and 2 share one document (one copy of its pages), conversation 1 has its
+    own. Over two steps, each block that conversation 2 would read from DRAM and conversation 0
+    reads from DRAM in the same step, or holds in a slot, is read from conversation 0's slot
+    instead (its plan's source <= -2), and kept in conversation 2's own slot as if read from
+    DRAM; blocks of the device copy and blocks conversation 2 holds itself are not borrowed; a
+    conversation outside the group borrows nothing. Every output equals its attention over its
+    blocks' values (the device copy's below its count, DRAM's otherwise)."""
+    g = torch.Generator().manual_seed(11)
+    num_kv, group, dim, block, per_head, slots, count = 2, 4, 32, 32, 12, 5, 2
+    own, _ = conversation(g, kv_type, num_kv, per_head, block, dim, slots, count)
+    document, _ = conversation(g, kv_type, num_kv, per_head, block, dim, slots, count)
+    layers = [document._replace(kept=kept_slots(document, slots), share_group=7, shared_blocks=per_head),
+              own._replace(kept=kept_slots(own, slots), share_group=-1),
+              document._replace(index=document.index.clone(), valid=document.valid.clone(),
+                                kept=kept_slots(document, slots), share_group=7, shared_blocks=per_head)]
+    picks = [  # per step, per conversation, per kv head: its blocks, best first
+        [[[2, 3, 4, 5, 6], [0, 7, 8, 9, 10]], [[3, 4, 5, 6, 7], [1, 2, 3, 4, 5]], [[4, 5, 9, 1, 11], [8, 9, 3, 0, 2]]],
+        [[[2, 3, 8, 9, 10], [7, 8, 11, 5, 6]], [[3, 4, 5, 6, 7], [1, 2, 3, 4, 5]],
+         [[3, 8, 4, 10, 11], [7, 8, 10, 4, 6]]],
+    ]
+    valid = torch.tensor([slots * block, 4 * block])  # kv head 1 reads its first four
+    held = [[set() for _ in range(num_kv)] for _ in layers]  # the blocks each one's slots hold
+    for step, chosen in enumerate(picks):
+        q = torch.randn(3, num_kv * group, dim, generator=g)
+        for layer, blocks in zip(layers, chosen):
+            layer.index.copy_(torch.tensor(blocks) + torch.arange(num_kv)[:, None] * per_head)
+            layer.valid.copy_(valid)
+        out, lse = selected_blocks_attention(q.to(DEVICE), layers, 0.125)
+        for b, (layer, blocks) in enumerate(zip(layers, chosen)):
+            far, near = dram_values(layer), near_values(layer)
+            k, v = [], []
+            for h in range(num_kv):
+                read = [near[:, h * per_head + x] if x < count else far[:, h * per_head + x] for x in blocks[h]]
+                k.append(torch.cat([r[0] for r in read]))
+                v.append(torch.cat([r[1] for r in read]))
+            ref_out, ref_lse = attention_over_prefix(q[b], torch.stack(k), torch.stack(v), valid, 0.125)
+            torch.testing.assert_close(out[b].cpu(), ref_out, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(lse[b].cpu(), ref_lse, rtol=1e-5, atol=1e-5)
+        source = [layer.kept.plan[0].cpu() for layer in layers]
+        for h in range(num_kv):
+            live = [[x for x in chosen[b][h][:int(valid[h]) // block] if x >= count] for b in range(3)]
+            lent = set(live[0])  # conversation 0 reads each of its live blocks from DRAM or its slot
+            expected = [x for x in live[2] if x in lent and x not in held[2][h]]
+            borrowed = [x for e, x in enumerate(chosen[2][h]) if source[2][h, e] <= -2]
+            assert sorted(borrowed) == sorted(expected) and expected, (step, h)
+            assert (source[0][h] > -2).all() and (source[1][h] > -2).all()  # the first, and one outside, borrow nothing
+            for b in range(3):
+                held[b][h] |= set(live[b])
+                rows = layers[b].kept.rows[h].cpu().tolist()
+                assert {r - h * per_head for r in rows if r >= 0} >= set(live[b])
+        # each slot of conversation 2 holds its block's DRAM values, borrowed or read
+        kept_values = _values(*layers[2].kept[:4])
+        far = dram_values(layers[2])
+        for h in range(num_kv):
+            for s, row in enumerate(layers[2].kept.rows[h].tolist()):
+                if row >= 0:
+                    assert torch.equal(kept_values[:, h * slots + s], far[:, row])

@@ -47,21 +47,28 @@ def decode(step, tokens):
     return [step(t).clone() for t in tokens]
 
 
-@pytest.mark.parametrize("scoring", ["cpu", "device"])
+@pytest.mark.parametrize("scoring", ["cpu", "device", "device, reading DRAM"])
 def test_a_second_question_over_a_decoding_document_shares_its_blocks(tiny, scoring):
+    # "device, reading DRAM": the selected blocks' kernel (Triton's interpreter here), where a
+    # block of the document that both select in a step is read once
     settings = dataclasses.replace(selection(second_select_num=3, preselect_block=False, dense_layer_num=0),
-                                   block_scoring=scoring)
+                                   block_scoring=scoring.split(",")[0],
+                                   context_attention="gpu" if "DRAM" in scoring else "cpu")
     answer_one, answer_two = ids(4, 2 * STEPS), ids(5, STEPS)
 
     # references: the first conversation alone; the second as a follow-up over a private copy of
     # the shared blocks (prefilled on their own, then its question)
     alone = session_for(tiny, settings)
     alone.prefill(FIRST)
-    first_alone = decode(alone.step, answer_one)
+    first_alone = decode(alone.step, answer_one[:STEPS])
+    pcie = lambda decoder: decoder.times.device_read - decoder.times.kept_read  # noqa: E731 (blocks over PCIe)
+    read_alone = -pcie(alone.decoder)
+    first_alone += decode(alone.step, answer_one[STEPS:])
     private = session_for(tiny, settings)
     private.prefill(FIRST[:512])
     second_logits_alone = private.prefill(SECOND)
     second_alone = decode(private.step, answer_two)
+    read_alone += pcie(alone.decoder) + pcie(private.decoder)  # over the steps decoded together below
     assert private.last_prefill_tokens == len(SECOND) - 512
 
     # the first conversation decodes, then leaves the session for the second question's prefill
@@ -76,6 +83,7 @@ def test_a_second_question_over_a_decoding_document_shares_its_blocks(tiny, scor
     assert torch.equal(second_logits, second_logits_alone)
     two = session.conversation
     # both decode together, each as it does alone
+    read_together = -pcie(one.decoder) - pcie(two.decoder)
     together = [session.step_batch([one, two], [a, b]).clone() for a, b in zip(answer_one[STEPS:], answer_two)]
     first += [row[0] for row in together]
     second = [row[1] for row in together]
@@ -85,6 +93,9 @@ def test_a_second_question_over_a_decoding_document_shares_its_blocks(tiny, scor
             # (n ≤ 1,024 terms, u = 2^-24), about 1e-4 of the largest logit after the layers
             assert float((a - b).abs().max()) <= 1e-4 * float(b.abs().max())
     assert one.ids == FIRST + answer_one and two.ids == SECOND + answer_two
+    if "DRAM" in scoring:  # each keeps its own slots as alone; a block both select is read once, not twice
+        read_together += pcie(one.decoder) + pcie(two.decoder)
+        assert 0 < read_together < read_alone
     # DRAM: the shared blocks once
     per_cache = session.layout.dram_cache_bytes()
     assert one.host.shared_bytes == two.host.shared_bytes == one.host.shared.nbytes > per_cache // 3

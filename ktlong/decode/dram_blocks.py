@@ -67,7 +67,7 @@ class DramBlocks:
             raise KtlongError(f"context_attention: gpu reads bf16, fp16, fp32 or q8_0 blocks with a power-of-two "
                               f"block_size and head_dim of at least 16 (here {layout.kv_type}, block "
                               f"{layout.block_size}, head_dim {layout.head_dim}); set context_attention=cpu.")
-        self.scale, self.block_size = scale, layout.block_size
+        self.scale, self.block_size, self.host = scale, layout.block_size, host
         self.near_pages, self.layer_pages, self.layers = NearPages, LayerPages, global_layers
         KV, NB = layout.num_kv_heads, layout.num_blocks
         self.num_blocks, self.num_rows = NB, KV * NB
@@ -129,10 +129,11 @@ class DramBlocks:
             for layer in self.layers)
 
     def report(self):
-        """Queue the copy of how many (kv head, block) pairs the step read from the kept slots to
+        """Queue the copy of how many (kv head, block) pairs the step read from kept slots (its
+        own, or those of a conversation sharing its document that read the block this step) to
         the host (read after the step: `kept_read`)."""
         if self.plans is not None:
-            self.kept_host.copy_((self.plans[:, 0] >= 0).sum().view(1), non_blocking=True)
+            self.kept_host.copy_((self.plans[:, 0] != -1).sum().view(1), non_blocking=True)
 
     def kept_read(self) -> int:
         return int(self.kept_host[0])
@@ -190,9 +191,12 @@ class DramBlocks:
     def pages_of(self, j: int, rows: tuple[torch.Tensor, torch.Tensor]):
         """Layer j as the kernel reads it this step (LayerPages): its pages, the rows of the
         selected blocks and their valid tokens (the device's selection's, or as the host wrote
-        them: `hits`), its device copy and kept slots."""
+        them: `hits`), its device copy and kept slots, and the document it holds in one copy with
+        other conversations' caches, if any (a block that several of them select is read once)."""
         (k, v), (ks, vs) = self.pages[j], self.scales[j]
-        return self.layer_pages(k, v, ks, vs, *rows, near=self._near(j), kept=self.kept[j])
+        shared = self.host.shared
+        return self.layer_pages(k, v, ks, vs, *rows, near=self._near(j), kept=self.kept[j],
+                                share_group=-1 if shared is None else id(shared), shared_blocks=self.host.shared_blocks)
 
 
 def attend(drams: list[DramBlocks], j: int, q: torch.Tensor, known: dict, base=None,
