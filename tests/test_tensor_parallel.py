@@ -102,7 +102,8 @@ def test_chat_under_torchrun_answers_as_one_process(tmp_path, monkeypatch, capsy
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            "local_chat.py", "--tensor_parallel", "2", *args], input="And Germany?\n", cwd=ROOT,
                           env={**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")},
-                               **env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+                               **env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600,
+                          start_new_session=True)  # torchrun's signals to its group stay there
     assert done.returncode == 0, done.stderr[-3000:]
     assert "[rank 0 of 2: 7 heads, 1 kv heads" in done.stderr and "(43 from the cache, 13 prefilled)" in done.stderr
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
@@ -205,7 +206,7 @@ def test_a_saved_cache_under_torchrun_is_a_part_a_rank_and_reads_back_as_one_pro
         base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         return subprocess.run([*command, *map(str, options), *map(str, more)], input=lines, cwd=ROOT,
                               env={**base, "OMP_NUM_THREADS": "1", **env}, capture_output=True, text=True,
-                              timeout=600)
+                              timeout=600, start_new_session=True)  # torchrun's signals to its group stay there
 
     first = chat(2, "\n", "--prompt_file", doc, "--save_kv", saved)
     assert first.returncode == 0, first.stderr[-3000:]
