@@ -11,6 +11,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import operators.block_scores_kernel as scores
+import operators.block_topk_kernel as topk
 import operators.decode_append_kernel as append
 import operators.selected_blocks_kernel as selected
 import operators.window_attention_kernel as window
@@ -41,6 +42,8 @@ def main():
     shapes = {"ROWS": 16, "DIM": 128, "KEYS": window.KEYS, "TILES": window.TILES}
     compile_for_hopper("window logits", window._logits, window_types, shapes)
     compile_for_hopper("window values", window._values, window_types, {**shapes, "PARTS": 16})
+    compile_for_hopper("window shares", window._sum_shares, {"share_ptr": "*fp32", "out_ptr": "*fp32", "group": "i32",
+                                                             "parts": "i32"}, {"ROWS": 16, "DIM": 128})
     compile_for_hopper("append", append._append_token, {
         "k_ptr": "*bf16", "v_ptr": "*bf16", "slot_ptr": "*i64", "wk_ptr": "*bf16", "wv_ptr": "*bf16", "w_head": "i32",
         "w_token": "i32", "members_ptr": "*i64", "kd_ptr": "*i8", "vd_ptr": "*i8", "ks_ptr": "*i16", "vs_ptr": "*i16",
@@ -52,6 +55,12 @@ def main():
             "members_ptr": "*i64", "out_ptr": "*fp32", "width_out": "i32", "selected": "i32", "group": "i32"},
             {"NUM_KV": 8, "W": 128, "DIM": 128, "QUEST": False, "SHARED": shared, "BLOCKS": scores.BLOCKS,
              "UNIT": 16})
+    for first in (True, False):
+        compile_for_hopper(f"top-k chunks{', of scores' if first else ''}", topk._chunk_best, {
+            "in_ptr": "*fp32" if first else "*i64", "keys_ptr": "*i64", "n": "i32", "stride_row": "i32"},
+            {"SCORES": first, "CHUNK": topk.CHUNK, "WIDTH": 32})
+    compile_for_hopper("top-k rows", topk._row_best, {"keys_ptr": "*i64", "top_ptr": "*fp32", "picked_ptr": "*i64",
+                                                      "count": "i32", "k": "i32"}, {"CHUNK": topk.CHUNK})
     compile_for_hopper("rows", scores._selection_rows, {
         "top_ptr": "*fp32", "picked_ptr": "*i64", "params_ptr": "*i64", "index_ptr": "*i64", "valid_ptr": "*i64",
         "members_ptr": "*i64", "places_out": "i32", "block_size": "i32"}, {"ROWS": 1, "WIDTH": 32})
@@ -72,6 +81,9 @@ def main():
                            {"BLOCK": 128, "DIM": 128, "ROWS": 16, "KEYS": 32, "PER_SHARE": 32 if borrowed else 2,
                             "QUANT": True, "NEAR": True, "KEPT": True, "WIDTH": selected.WIDTH,
                             "PRECISION": selected.precision(128), "SHARING": sharing, "BORROWED": borrowed})
+    compile_for_hopper("merged shares", selected._merge_shares, {
+        "out_ptr": "*fp32", "lse_ptr": "*fp32", "base_o_ptr": "*fp32", "base_lse_ptr": "*fp32", "o_ptr": "*fp32",
+        "o_lse_ptr": "*fp32", "num_heads": "i32", "group": "i32"}, {"SHARES": 17, "ROWS": 16, "DIM": 128, "BASE": True})
 
 
 if __name__ == "__main__":

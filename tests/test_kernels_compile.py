@@ -21,7 +21,7 @@ def test_the_batch_kernels_compile_for_hopper_with_wide_loads():
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     loads = {line["kernel"]: line for line in map(json.loads, done.stdout.splitlines())}
-    assert len(loads) == 11
+    assert len(loads) == 16
     for name in ("window logits", "window values"):  # K and V: 16 bytes a load, but for q's one
         assert loads[name]["narrow"] <= 1, loads[name]
     for name in ("window logits", "scores, shared", "scores, per head", "selected blocks",
