@@ -25,26 +25,9 @@ import triton
 import triton.language as tl
 
 from operators.checks import expect
+from operators.member_tables import device_table, gaps
 
 BLOCKS = 32  # blocks a program scores
-
-
-def _gaps(tensors: list[torch.Tensor], unit: int) -> list[int]:
-    """Where each tensor's first element lies from the first tensor's, in units of `unit` elements
-    (a batch's members' tensors of one kind, one address space: device memory)."""
-    size, base = tensors[0].element_size() * unit, tensors[0].data_ptr()
-    return [(t.data_ptr() - base) // size for t in tensors]
-
-
-def _members(rows: list[list[int]], device: torch.device, known: dict | None, key: tuple) -> torch.Tensor:
-    """A batch's table [B, columns] int64 on the device, kept in `known` by `key` (a CUDA graph's
-    capture cannot copy to the device: its warm-up run makes the table, and the graph reads it)."""
-    if known is not None and key in known:
-        return known[key]
-    table = torch.tensor(rows, dtype=torch.int64).to(device)
-    if known is not None:
-        known[key] = table
-    return table
 
 
 @triton.jit
@@ -100,7 +83,7 @@ def masked_block_scores(q: torch.Tensor, anchors: list[torch.Tensor], bias: list
     for QUEST's (min, max)), bias [1 or KV, NB_b] float32 (0, or -inf for a block preselection
     left out), params: device int64 [first, last, ...] -> scores float32 [B, 1 if shared else KV,
     max NB_b], -inf past a member's own blocks. One launch for the batch; fixed shapes, no sync.
-    known: the caller's store of the batch's tables (`_members`), needed to capture a CUDA graph."""
+    known: the caller's store of the batch's tables (member_tables.device_table), needed to capture a CUDA graph."""
     expect("q", q, ndim=3)
     batch, num_heads, dim = q.shape
     if not len(anchors) == len(bias) == len(params) == batch:
@@ -118,8 +101,8 @@ def masked_block_scores(q: torch.Tensor, anchors: list[torch.Tensor], bias: list
                          f"{' (QUEST)' if quest else ''}")
     unit = 16 if all((a.data_ptr() - anchors[0].data_ptr()) % (16 * a.element_size()) == 0 for a in anchors) else 1
     counts = [a.shape[1] for a in anchors]
-    members = _members([list(r) for r in zip(_gaps(anchors, unit), _gaps(bias, 1), _gaps(params, 1), counts)],
-                       q.device, known, ("scores", *(t.data_ptr() for t in (*anchors, *bias, *params)), *counts))
+    members = device_table([gaps(anchors, unit), gaps(bias), gaps(params), counts], q.device, known,
+                           ("scores", *(t.data_ptr() for t in (*anchors, *bias, *params)), *counts))
     most = max(counts)
     out = torch.empty((batch, rows, most), dtype=torch.float32, device=q.device)
     _masked_scores[(triton.cdiv(most, BLOCKS), batch)](q.contiguous(), anchors[0], bias[0], params[0], members, out,
@@ -168,12 +151,13 @@ def selection_rows(top: torch.Tensor, picked: torch.Tensor, params: list[torch.T
         expect("index", i, shape=(num_kv, None), dtype=torch.int64, device=top.device)
         expect("valid", v, shape=(num_kv,), dtype=torch.int64, device=top.device)
         if i.shape[1] > places or not i.is_contiguous():
-            raise ValueError(f"each index must be contiguous and at most {places} wide, as the top (got {tuple(i.shape)})")
+            raise ValueError(f"each index must be contiguous and at most {places} wide, as the top "
+                             f"(got {tuple(i.shape)})")
     if rows not in (1, num_kv):
         raise ValueError(f"top {tuple(top.shape)} must hold one row or one per kv head of each index")
-    members = _members([list(r) for r in zip(_gaps(params, 1), _gaps(index, 1), _gaps(valid, 1),
-                                             [i.shape[1] for i in index], table_blocks)], top.device, known,
-                       ("rows", *(t.data_ptr() for t in (*params, *index, *valid)), *table_blocks))
+    members = device_table([gaps(params), gaps(index), gaps(valid), [i.shape[1] for i in index], table_blocks],
+                           top.device, known, ("rows", *(t.data_ptr() for t in (*params, *index, *valid)),
+                                               *table_blocks))
     _selection_rows[(num_kv, batch)](top.contiguous(), picked.contiguous(), params[0], index[0], valid[0], members,
                                      places, block_size, ROWS=rows, WIDTH=triton.next_power_of_2(places))
 

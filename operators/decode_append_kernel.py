@@ -26,6 +26,7 @@ import triton.language as tl
 
 from operators.checks import expect
 from operators.kv_quant import QBLOCK
+from operators.member_tables import device_table, gaps
 
 
 @triton.jit
@@ -94,14 +95,6 @@ class StoredRows(NamedTuple):
     position: torch.Tensor
 
 
-def _offsets(tensors: list) -> list[int]:
-    """Each tensor's first element, in elements from the first tensor's (0 for None)."""
-    if tensors[0] is None:
-        return [0] * len(tensors)
-    size, base = tensors[0].element_size(), tensors[0].data_ptr()
-    return [(t.data_ptr() - base) // size for t in tensors]
-
-
 def stored_offsets(rows: list[StoredRows], device: torch.device) -> torch.Tensor:
     """[B, 4] int64 on the device: where each member's stored k, v, k_scales and v_scales lie, in
     elements from member 0's (append_token's `stored_members`; made once, outside any capture)."""
@@ -110,8 +103,7 @@ def stored_offsets(rows: list[StoredRows], device: torch.device) -> torch.Tensor
             if (mine is None) != (first is None) or (mine is not None and (
                     mine.shape != first.shape or mine.stride() != first.stride() or mine.dtype != first.dtype)):
                 raise ValueError("every member's stored rows must share one layout")
-    columns = [_offsets([r[i] for r in rows]) for i in range(4)]
-    return torch.tensor(list(zip(*columns)), dtype=torch.int64).to(device)
+    return device_table([gaps([r[i] for r in rows]) for i in range(4)], device)
 
 
 def append_token(k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from operators.checks import expect
+from operators.member_tables import device_table, gaps
 
 SHARES = 16  # programs per kv head: a share of its hit blocks each
 KEYS = 32  # tokens per tile: a [32, head_dim] float32 tile of K and of V fit in registers (a whole
@@ -382,32 +383,15 @@ def _offsets(tensors: list[tuple], extras: list[list[int]], device: torch.device
     """Each conversation's tensors (TABLES then SCALARS; None: not read) and numbers (its share
     group, shared blocks, table blocks and selection's width) -> [B, WIDTH] int64 on the device:
     how far each tensor lies from the first conversation's, in ALIGN elements for the tables,
-    then the numbers.
-    known: the tables made before, by their tensors' addresses, where this one is kept too (a CUDA
-    graph's capture cannot copy to the device: its warm-up run makes them; and a graph reads the
-    table it was captured with, so their owner keeps them while its graphs live)."""
+    then the numbers. known: the tables made before, by their tensors' addresses
+    (member_tables.device_table)."""
     key = tuple((*(None if t is None else t.data_ptr() for t in row), *numbers)
                 for row, numbers in zip(tensors, extras))
     if known is not None and key in known:
         return known[key]
-    table = []
-    for row, numbers in zip(tensors, extras):
-        line = []
-        for i, (t, t0) in enumerate(zip(row, tensors[0])):
-            if t is None:
-                line.append(0)
-                continue
-            gap, size = t.data_ptr() - t0.data_ptr(), t.element_size()
-            unit = size * (ALIGN if i < len(TABLES) else 1)
-            if gap % unit:
-                raise ValueError(f"{(TABLES + SCALARS)[i]} of each conversation must lie a whole multiple of "
-                                 f"{unit} bytes from the first conversation's")
-            line.append(gap // unit)
-        table.append(line + numbers)
-    found = torch.tensor(table, dtype=torch.int64).to(device)
-    if known is not None:
-        known[key] = found
-    return found
+    names = TABLES + SCALARS
+    columns = [gaps([row[i] for row in tensors], ALIGN if i < len(TABLES) else 1, names[i]) for i in range(len(names))]
+    return device_table(columns + [list(numbers) for numbers in zip(*extras)], device, known, key)
 
 
 def _check(layer: LayerPages, first: LayerPages, device: torch.device, heads: int):

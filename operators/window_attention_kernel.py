@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from operators.checks import expect
+from operators.member_tables import device_table, gaps
 from operators.narrow import narrow
 
 KEYS = 64  # keys per tile: [KEYS, head_dim] of K or V in registers
@@ -132,12 +133,8 @@ def member_offsets(keys: list[torch.Tensor], values: list[torch.Tensor]) -> torc
             expect(name, x, shape=tuple(keys[0].shape), dtype=keys[0].dtype, device=keys[0].device)
             if x.stride() != keys[0].stride():
                 raise ValueError("every member's keys and values must share strides")
-    unit = keys[0].element_size() * ALIGN
-    gaps = [(k.data_ptr() - keys[0].data_ptr(), v.data_ptr() - values[0].data_ptr()) for k, v in zip(keys, values)]
-    if any(gap % unit for pair in gaps for gap in pair):
-        raise ValueError(f"every member's keys and values must lie a whole multiple of {unit} bytes from member 0's")
-    offsets = [(gk // unit, gv // unit) for gk, gv in gaps]
-    return torch.tensor(offsets, dtype=torch.int64).to(keys[0].device)
+    return device_table([gaps(keys, ALIGN, "the window's keys"), gaps(values, ALIGN, "the window's values")],
+                        keys[0].device)
 
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, members: torch.Tensor, lo: torch.Tensor,
