@@ -4,6 +4,7 @@ whole pages (2 MiB ones of K and V, where Linux gives huge pages), zeroed, and k
 
 import ctypes
 import mmap
+import os
 
 import torch
 
@@ -111,3 +112,29 @@ def test_a_prefill_reserving_a_chunk_at_a_time_grows_in_bounded_pieces_and_ends_
     assert reserved_blocks(layout, 512 * 128 + 1, held=512) == 512 + step
     assert reserved_blocks(layout, 4096 * 128 + 1, held=4096) == 4096 + GROWTH_MAX_BLOCKS
     assert reserved_blocks(layout, layout.capacity, held=8192) == layout.num_blocks
+
+
+def vm_flags(t: torch.Tensor) -> set[str]:
+    """The kernel's flags of the mapping that holds t (/proc/self/smaps): "hg" where it was
+    advised MADV_HUGEPAGE."""
+    address, flags = t.data_ptr(), None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif head == "VmFlags:" and inside:
+                flags = set(line.split()[1:])
+    assert flags is not None, "the tensor's mapping is not in smaps"
+    return flags
+
+
+def test_only_a_cache_that_the_cpu_reads_asks_for_huge_pages():
+    """Pinned (a GPU reads it over PCIe), K and V stay on small pages: asking for huge ones makes
+    Linux compact memory at every fault once DRAM is nearly full. The CPU's own cache asks."""
+    on_cpu, for_gpu = HostKVCache(LAYOUT, pin=False), HostKVCache(LAYOUT, pin=True)  # nothing pinned until reserved
+    thp = os.path.isdir("/sys/kernel/mm/transparent_hugepage")  # a kernel without THP refuses the advice
+    for host, asked in ((on_cpu, thp), (for_gpu, False)):
+        assert ("hg" in vm_flags(host.k[1])) == asked and ("hg" in vm_flags(host.v[1])) == asked
+        assert "hg" not in vm_flags(host.key_mean[1])  # side tables: read whole, never asked

@@ -68,6 +68,12 @@ into when the tables are not pinned (maps_files).
     q8_0 / q4_0, [KV, blocks, B, 0] otherwise. Block 0 is absolute block first_block[layer] (0 for
     global layers; the start of the kept tail for sliding layers). Side tables are per layer,
     [KV, NB, D], and anchor_keys [KV, NB, A, D] (A = layout.anchor_keys); empty for sliding layers.
+
+    K and V ask for huge pages only where the CPU reads them (not pinned): the CPU's scattered
+    block reads miss its TLB on small pages, where the GPU's reads over PCIe do not go through it.
+    And asked for, huge pages make Linux compact memory at every fault once DRAM is nearly full:
+    a 1M prompt's prefill beside four decoding streams on an H200 took 234 s with them (54,313
+    compaction stalls), 107 s without (docs/measurements/2026-12-01-serving.md).
     """
 
     def __init__(self, layout: KVLayout, pin: bool, prefix: tuple["HostKVCache", int] | None = None):
@@ -78,7 +84,7 @@ into when the tables are not pinned (maps_files).
 
         def alloc(shape, dtype, huge=False):
             t = mapped_empty(shape, dtype)
-            if huge:  # before the first touch, which zero_ is: K/V, whose blocks decode reads scattered
+            if huge and not pin:  # before the first touch, which zero_ is: K/V, whose blocks decode reads scattered
                 advise_huge_pages(t)
             return t
 
