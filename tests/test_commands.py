@@ -418,7 +418,9 @@ def test_bench_serve_quotes_the_servers_line_for_the_prefill_beside_the_streams(
               "prefill 215.84 s (of it the decoder's setup 9.18 s; beside 2210 decode steps of 68.1 ms each, "
               "its slices 29.9 ms a step); first token 216.18 s after the request came, then 0.0 tok/s]")
     log.write_text("[answer: 128 tokens after 60,045 prompt tokens (none cached): prefill 4.5 s]\n" + beside + "\n"
-                   "[answer: 1 tokens after 1,050,118 prompt tokens (none cached): prefill 95.1 s]\n")
+                   "[answer: 1 tokens after 1,050,118 prompt tokens (none cached): prefill 95.1 s]\n"
+                   "[answer: 1902 tokens after 60,045 prompt tokens (60,044 cached from the dram): prefill 0.71 s "
+                   "(beside 13 decode steps of 14.4 ms each, its slices 40.0 ms a step)]\n")
     assert beside_account(str(log)) == beside
     log.write_text("[answer: 1 tokens after 12 prompt tokens]\n")
     assert beside_account(str(log)) == "" and beside_account(str(tmp_path / "missing.log")) == ""

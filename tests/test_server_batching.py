@@ -6,6 +6,7 @@ producing tokens while another request's long prompt prefills."""
 import io
 import json
 import random
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -159,6 +160,16 @@ def test_a_stream_keeps_going_while_a_long_prompt_prefills(server, lm):
     work = float(line.split("its thread ")[1].split(" s at work")[0])
     waiting = float(line.split(" s at work, ")[1].split(" s waiting")[0])
     assert 0 < work and work + waiting <= prefill + 0.05
+    # and its longest steps, each at least its slice, which holds the thread's time in it; none
+    # longer than the longest wait the client saw between two tokens (a token is sent after its step)
+    longest = re.findall(r"(\d+) ms \(slice (\d+): (\d+) at work, (\d+) waiting; at chunk ([\d,]+)\)",
+                         line.split("the longest steps ")[1])
+    assert 1 <= len(longest) <= 3
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    for step in longest:
+        seconds, in_slice, at_work, waits = (int(x) / 1000 for x in step[:4])
+        assert in_slice <= seconds + 0.001 and at_work + waits <= in_slice + 0.002
+        assert seconds <= max(gaps) + 0.05
 
 
 def test_each_answer_keeps_its_own_options_inside_a_batch(server, lm):

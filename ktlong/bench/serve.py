@@ -232,11 +232,18 @@ def main(argv=None) -> int:
 
 
 def beside_account(log_path: str) -> str:
-    """The server's line for the last prefill that ran beside decoding answers (its steps, their
-    time and its slices', its decoder's setup: ktlong/server/worker.py), or "" if none."""
+    """The server's line for the longest prompt's prefill that ran beside decoding answers (its
+    steps, their time and its slices', its decoder's setup: ktlong/server/worker.py), or "" if
+    none. The longest: the clients' own answers end after it, and their prompts prefilled beside
+    each other too."""
     try:
         with open(log_path, errors="replace") as f:
             lines = [line.strip() for line in f if " decode steps of " in line]
     except OSError:
         return ""
-    return lines[-1] if lines else ""
+
+    def prompt_tokens(line: str) -> int:
+        words = line.split(" prompt tokens")[0].split()
+        return int(words[-1].replace(",", "")) if words and words[-1].replace(",", "").isdigit() else -1
+
+    return max(reversed(lines), key=prompt_tokens) if lines else ""

@@ -32,7 +32,7 @@ import time
 import traceback
 from collections import Counter, deque
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ktlong.chat.constrained import SchemaError
 from ktlong.errors import Cancelled, KtlongError
@@ -45,6 +45,7 @@ from ktlong.session.sliced_prefill import SlicedPrefill, decode_first
 
 
 SETUP_PARTS_FROM = 0.5  # seconds of a decoder's setup from which the log names its parts
+LONGEST = 3  # the longest steps beside a prefill that the log names
 
 
 class QueueFull(Exception):
@@ -63,6 +64,26 @@ class Prefilling:
     steps: int = 0
     step_seconds: float = 0.0
     slice_seconds: float = 0.0
+    # the LONGEST steps beside it (what the streams waited between two tokens), each as
+    # (seconds, its slice's, the prefill thread's work and waits in it, its chunk boundary at the end)
+    longest: list = field(default_factory=list)
+
+    def count(self, seconds: float, in_slice: float, work: float, waits: float):
+        """One step beside the prefill, of `seconds` in all, `in_slice` of them its slice."""
+        self.steps += 1
+        self.step_seconds += seconds - in_slice
+        self.slice_seconds += in_slice
+        self.longest = sorted(self.longest + [(seconds, in_slice, work, waits, self.prefill.boundaries)],
+                              reverse=True)[:LONGEST]
+
+    def account(self) -> str:
+        """How its steps' time went, for the log line of its end."""
+        longest = ", ".join(f"{s * 1000:.0f} ms (slice {sl * 1000:.0f}: {w * 1000:.0f} at work, {wt * 1000:.0f} "
+                            f"waiting; at chunk {at:,})" for s, sl, w, wt, at in self.longest)
+        return (f"beside {self.steps} decode steps of {self.step_seconds * 1000 / self.steps:.1f} ms each, its "
+                f"slices {self.slice_seconds * 1000 / self.steps:.1f} ms a step; its thread "
+                f"{self.prefill.work_seconds:.1f} s at work, {self.prefill.wait_seconds:.1f} s waiting for the "
+                f"device; the longest steps {longest}")
 
 
 @dataclass
@@ -262,10 +283,7 @@ class Worker:
             named = ", ".join(f"{name} {seconds:.2f}" for name, seconds in parts.items())
             notes.append(f"of it the decoder's setup {setup:.2f} s" + (f": {named}" if named else ""))
         if p.steps:
-            notes.append(f"beside {p.steps} decode steps of {p.step_seconds * 1000 / p.steps:.1f} ms each, "
-                         f"its slices {p.slice_seconds * 1000 / p.steps:.1f} ms a step; its thread "
-                         f"{p.prefill.work_seconds:.1f} s at work, {p.prefill.wait_seconds:.1f} s waiting for the "
-                         f"device")
+            notes.append(p.account())
         row.timing = (f"queued {p.admitted - reply.ticket.queued_at:.2f} s, cache moved {p.moved:.2f} s, prefill "
                       f"{time.perf_counter() - p.admitted - p.moved:.2f} s"
                       + (f" ({'; '.join(notes)})" if notes else ""))
@@ -293,6 +311,7 @@ class Worker:
         rows = self.rows
         tokens = [r.token for r in rows]
         p, start = self.prefilling, time.perf_counter()
+        work, waits = (p.prefill.work_seconds, p.prefill.wait_seconds) if p is not None else (0.0, 0.0)
         ended: bool | None = None  # whether the prefill ended, once its slice ran
         in_slice = 0.0  # the slice's seconds
 
@@ -332,9 +351,7 @@ class Worker:
                 going.append(row)
         self.rows = going
         if p is not None:
-            p.steps += 1
-            p.step_seconds += time.perf_counter() - start - in_slice
-            p.slice_seconds += in_slice
+            p.count(time.perf_counter() - start, in_slice, p.prefill.work_seconds - work, p.prefill.wait_seconds - waits)
         self._prefill_after(ended)
 
     def _prefill_after(self, ended: bool | None):

@@ -80,6 +80,7 @@ class SlicedPrefill:
         # of them) and its waits (for its oldest chunk in flight, or for the owner's step to be
         # done): which of the two a long slice is spent in
         self.work_seconds = self.wait_seconds = 0.0
+        self.boundaries = 0  # chunk boundaries reached: where in the prefill a slice was
         self._mark = 0.0
         self._thread = threading.Thread(target=self._main, name="ktlong-prefill", daemon=True)
         self._started = False
@@ -122,6 +123,7 @@ class SlicedPrefill:
 
     def _pause(self):
         self._spent("work")
+        self.boundaries += 1
         if not self.more_work():
             return
         if self.stream is not None:
