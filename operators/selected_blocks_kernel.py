@@ -49,6 +49,7 @@ from operators.checks import expect
 from operators.member_tables import device_table, gaps
 
 SHARES = 16  # programs per kv head: a share of its hit blocks each
+BORROW_SHARES = 4  # programs per kv head and conversation for the blocks it borrows (few of them: most are skipped)
 KEYS = 32  # tokens per tile: a [32, head_dim] float32 tile of K and of V fit in registers (a whole
            # 128-token block spilled: 770 us a call on the H100 at 8B shapes); 4096 // head_dim at
            # most (head_dim 256, gemma3: 16; 32 asked for 272 KiB of shared memory, past the H200's 227)
@@ -190,29 +191,31 @@ def _entries(index_ptr, valid_ptr, count_ptr, plan_ptr, offsets_ptr, c, h, i, BL
 @triton.jit
 def _plan_shared(index_ptr, valid_ptr, count_ptr, plan_ptr, offsets_ptr, batch, BLOCK: tl.constexpr,
                  SLOTS: tl.constexpr, NEAR: tl.constexpr, WIDTH: tl.constexpr):
-    """Kv head h of every conversation that shares a document with an earlier one: each block it
-    would read from DRAM that the first conversation of its group holding it reads from DRAM too,
-    or from its own slot, this step -> read there instead (its plan's source becomes
-    -2 - (that slot * batch + that conversation); the borrowed pass reads it, after the first
-    pass wrote it). A lender is never itself a borrower, so its slot is whole by then."""
-    h = tl.program_id(0)
+    """Kv head h of conversation b (program 1's index + 1) when it shares a document with an
+    earlier one: each block it would read from DRAM that the first conversation of its group
+    holding it reads from DRAM too, or from its own slot, this step -> read there instead (its
+    plan's source becomes -2 - (that slot * batch + that conversation); the borrowed pass reads
+    it, after the first pass wrote it). That first holder is never itself a borrower of the block
+    (none before it holds it), so its slot is whole by then, and the programs of the later
+    conversations may run in any order: one that borrows a block has an earlier holder of it,
+    which every later one finds first."""
+    h, b = tl.program_id(0), tl.program_id(1) + 1
     i = tl.arange(0, SLOTS)
-    for b in range(1, batch):
-        group, blocks, live, _, src = _entries(index_ptr, valid_ptr, count_ptr, plan_ptr, offsets_ptr, b, h, i,
-                                               BLOCK, NEAR, WIDTH)
-        wanted = live & (src == -1) & (group >= 0)
-        code = tl.full((SLOTS,), -1, tl.int32)
-        for c in range(0, b):
-            their_group, theirs, lends, slot, their_src = _entries(index_ptr, valid_ptr, count_ptr, plan_ptr,
-                                                                   offsets_ptr, c, h, i, BLOCK, NEAR, WIDTH)
-            lends = lends & (their_src >= -1) & (their_group == group)
-            match = (wanted & (code == -1))[:, None] & lends[None, :] & (blocks[:, None] == theirs[None, :])
-            found = tl.max(tl.where(match, slot[None, :], -1), 1)
-            code = tl.where(found >= 0, -2 - (found * batch + c), code)
-        at = offsets_ptr + b * WIDTH
-        columns = tl.load(at + WIDTH - 1)
-        tl.store(plan_ptr + tl.load(at + 16) + h * columns + i, tl.where(code <= -2, code, src).to(tl.int32),
-                 mask=i < columns)
+    group, blocks, live, _, src = _entries(index_ptr, valid_ptr, count_ptr, plan_ptr, offsets_ptr, b, h, i,
+                                           BLOCK, NEAR, WIDTH)
+    wanted = live & (src == -1) & (group >= 0)
+    code = tl.full((SLOTS,), -1, tl.int32)
+    for c in range(0, b):
+        their_group, theirs, lends, slot, their_src = _entries(index_ptr, valid_ptr, count_ptr, plan_ptr,
+                                                               offsets_ptr, c, h, i, BLOCK, NEAR, WIDTH)
+        lends = lends & (their_src >= -1) & (their_group == group)
+        match = (wanted & (code == -1))[:, None] & lends[None, :] & (blocks[:, None] == theirs[None, :])
+        found = tl.max(tl.where(match, slot[None, :], -1), 1)
+        code = tl.where(found >= 0, -2 - (found * batch + c), code)
+    at = offsets_ptr + b * WIDTH
+    columns = tl.load(at + WIDTH - 1)
+    tl.store(plan_ptr + tl.load(at + 16) + h * columns + i, tl.where(code <= -2, code, src).to(tl.int32),
+             mask=i < columns)
 
 
 @triton.jit
@@ -478,17 +481,21 @@ def selected_blocks_attention(q: torch.Tensor, layers: list[LayerPages], scale: 
                                     BLOCK=first.k.shape[1], SLOTS=triton.next_power_of_2(max_selected),
                                     NEAR=near, WIDTH=WIDTH)
     if sharing:
-        _plan_shared[(num_kv,)](first.index, first.valid, n.count, c.plan, offsets, batch, BLOCK=first.k.shape[1],
+        _plan_shared[(num_kv, batch - 1)](first.index, first.valid, n.count, c.plan, offsets, batch, BLOCK=first.k.shape[1],
                                 SLOTS=triton.next_power_of_2(max_selected), NEAR=near, WIDTH=WIDTH)
     group = num_heads // num_kv
     rows = max(16, triton.next_power_of_2(group))
     shares = min(SHARES, max(max_selected, 1))
     per_share = -(-max_selected // shares)
-    every = shares + sharing  # sharing: one more share a kv head, the blocks borrowed from another conversation
+    # sharing: a few more shares a kv head, the blocks borrowed from another conversation (each
+    # program walks its share's entries one after another: one for all of them took 68 us a layer)
+    borrow_shares = min(BORROW_SHARES, shares) if sharing else 0
+    every = shares + borrow_shares
     part = torch.empty((batch, num_kv, every, rows, dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((batch, num_kv, every, rows), dtype=torch.float32, device=q.device)
     for first_share, programs, blocks, borrowed in ((0, shares, per_share, False),) + (
-            ((shares, 1, max_selected, True),) if sharing else ()):  # the borrowed after the lenders' reads
+            ((shares, borrow_shares, -(-max_selected // max(borrow_shares, 1)), True),) if sharing else ()
+    ):  # the borrowed after the lenders' reads
         _selected_blocks_attention[(num_kv, programs, batch)](
             q.contiguous(), first.k, first.v, ks, vs, n.k, n.v, n.k_scales, n.v_scales, c.k, c.v, c.k_scales,
             c.v_scales, n.count, first.index, first.valid, c.plan, offsets, part, part_lse,

@@ -261,11 +261,12 @@ def overwrite_dram(layer: LayerPages, g, kv_type):
 
 @pytest.mark.parametrize("kv_type", ["bf16", "q8_0"])
 def test_a_block_that_conversations_sharing_a_document_select_is_read_once(kv_type):
-    """Conversations 0 and 2 share one document (one copy of its pages), conversation 1 has its
-    own. Over two steps, each block that conversation 2 would read from DRAM and conversation 0
-    reads from DRAM in the same step, or holds in a slot, is read from conversation 0's slot
-    instead (its plan's source <= -2), and kept in conversation 2's own slot as if read from
-    DRAM; blocks of the device copy and blocks conversation 2 holds itself are not borrowed; a
+    """Conversations 0, 2 and 3 share one document (one copy of its pages), conversation 1 has
+    its own. Over two steps, each block that a later one of the group would read from DRAM and
+    an earlier one reads from DRAM in the same step, or holds in a slot, is read from the first
+    such one's slot instead (its plan's source <= -2, naming that one), and kept in its own slot
+    as if read from DRAM: conversation 3 borrows from 0, or from 2 what 2 did not borrow itself;
+    blocks of the device copy and blocks a conversation holds itself are not borrowed; a
     conversation outside the group borrows nothing. Every output equals its attention over its
     blocks' values (the device copy's below its count, DRAM's otherwise)."""
     g = torch.Generator().manual_seed(11)
@@ -274,17 +275,19 @@ def test_a_block_that_conversations_sharing_a_document_select_is_read_once(kv_ty
     document, _ = conversation(g, kv_type, num_kv, per_head, block, dim, slots, count)
     layers = [document._replace(kept=kept_slots(document, slots), share_group=7, shared_blocks=per_head),
               own._replace(kept=kept_slots(own, slots), share_group=-1),
-              document._replace(index=document.index.clone(), valid=document.valid.clone(),
-                                kept=kept_slots(document, slots), share_group=7, shared_blocks=per_head)]
+              *(document._replace(index=document.index.clone(), valid=document.valid.clone(),
+                                  kept=kept_slots(document, slots), share_group=7, shared_blocks=per_head)
+                for _ in range(2))]
     picks = [  # per step, per conversation, per kv head: its blocks, best first
-        [[[2, 3, 4, 5, 6], [0, 7, 8, 9, 10]], [[3, 4, 5, 6, 7], [1, 2, 3, 4, 5]], [[4, 5, 9, 1, 11], [8, 9, 3, 0, 2]]],
+        [[[2, 3, 4, 5, 6], [0, 7, 8, 9, 10]], [[3, 4, 5, 6, 7], [1, 2, 3, 4, 5]], [[4, 5, 9, 1, 11], [8, 9, 3, 0, 2]],
+         [[8, 11, 4, 7, 2], [3, 9, 10, 5, 11]]],
         [[[2, 3, 8, 9, 10], [7, 8, 11, 5, 6]], [[3, 4, 5, 6, 7], [1, 2, 3, 4, 5]],
-         [[3, 8, 4, 10, 11], [7, 8, 10, 4, 6]]],
+         [[3, 8, 9, 10, 11], [7, 8, 10, 4, 6]], [[9, 10, 2, 6, 5], [9, 4, 6, 11, 2]]],
     ]
     valid = torch.tensor([slots * block, 4 * block])  # kv head 1 reads its first four
     held = [[set() for _ in range(num_kv)] for _ in layers]  # the blocks each one's slots hold
     for step, chosen in enumerate(picks):
-        q = torch.randn(3, num_kv * group, dim, generator=g)
+        q = torch.randn(len(layers), num_kv * group, dim, generator=g)
         for layer, blocks in zip(layers, chosen):
             layer.index.copy_(torch.tensor(blocks) + torch.arange(num_kv)[:, None] * per_head)
             layer.valid.copy_(valid)
@@ -301,20 +304,27 @@ def test_a_block_that_conversations_sharing_a_document_select_is_read_once(kv_ty
             torch.testing.assert_close(lse[b].cpu(), ref_lse, rtol=1e-5, atol=1e-5)
         source = [layer.kept.plan[0].cpu() for layer in layers]
         for h in range(num_kv):
-            live = [[x for x in chosen[b][h][:int(valid[h]) // block] if x >= count] for b in range(3)]
-            lent = set(live[0])  # conversation 0 reads each of its live blocks from DRAM or its slot
-            expected = [x for x in live[2] if x in lent and x not in held[2][h]]
-            borrowed = [x for e, x in enumerate(chosen[2][h]) if source[2][h, e] <= -2]
-            assert sorted(borrowed) == sorted(expected) and expected, (step, h)
+            live = [[x for x in chosen[b][h][:int(valid[h]) // block] if x >= count] for b in range(len(layers))]
+            lenders = {x: 0 for x in live[0]}  # conversation 0 reads each of its live blocks from DRAM or its slot
+            for b in (2, 3):
+                expected = {x: lenders[x] for x in live[b] if x in lenders and x not in held[b][h]}
+                codes = {x: int(source[b][h, e]) for e, x in enumerate(chosen[b][h]) if source[b][h, e] <= -2}
+                assert {x: (-2 - code) % len(layers) for x, code in codes.items()} == expected, (step, b, h)
+                assert expected or b == 3, (step, h)
+                for x in live[b]:  # what it reads itself (from DRAM or its slot), the later ones may borrow
+                    lenders.setdefault(x, b)
+            assert step or any(lender == 2 for lender in expected.values())  # 3 borrows from 2 at least once
+            assert not step or h or expected[9] == 0  # 0 reads block 9 and 2 holds it: 3 takes the first's
             assert (source[0][h] > -2).all() and (source[1][h] > -2).all()  # the first, and one outside, borrow nothing
-            for b in range(3):
+            for b in range(len(layers)):
                 held[b][h] |= set(live[b])
                 rows = layers[b].kept.rows[h].cpu().tolist()
                 assert {r - h * per_head for r in rows if r >= 0} >= set(live[b])
-        # each slot of conversation 2 holds its block's DRAM values, borrowed or read
-        kept_values = _values(*layers[2].kept[:4])
-        far = dram_values(layers[2])
-        for h in range(num_kv):
-            for s, row in enumerate(layers[2].kept.rows[h].tolist()):
-                if row >= 0:
-                    assert torch.equal(kept_values[:, h * slots + s], far[:, row])
+        # each slot of conversations 2 and 3 holds its block's DRAM values, borrowed or read
+        for layer in layers[2:]:
+            kept_values = _values(*layer.kept[:4])
+            far = dram_values(layer)
+            for h in range(num_kv):
+                for s, row in enumerate(layer.kept.rows[h].tolist()):
+                    if row >= 0:
+                        assert torch.equal(kept_values[:, h * slots + s], far[:, row])
