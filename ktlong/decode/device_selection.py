@@ -159,23 +159,13 @@ def select_batch(selections: list[DeviceSelection], j: int, q: torch.Tensor, kno
     role per layer), q [B, H, D] -> each one's (rows [KV, S_b], valid tokens [KV]). Where the
     kernels apply and the layer scores, three launches for the batch: the scores of every
     member's blocks (its anchors as long as its own reach; -inf past them), the top-k of every
-    row together, and each member's rows; known: the caller's store of the batch's tables, kept
-    while its graphs live. Otherwise each conversation's own `select`, on lanes[b % len(lanes)]
-    when CUDA streams are given (a few small kernels each: side by side). Fixed shapes, no sync."""
+    row together, and each member's rows (then each one's `adjust`, on the lanes); known: the
+    caller's store of the batch's tables, kept while its graphs live. Otherwise each
+    conversation's own `select`, on lanes[b % len(lanes)] when CUDA streams are given (a few
+    small kernels each: side by side). Fixed shapes, no sync."""
     first = selections[0]
     if first.role[j] != "score" or not all(s.kernel for s in selections):
-        if not lanes:
-            return [s.select(j, q[b]) for b, s in enumerate(selections)]
-        main = torch.cuda.current_stream(q.device)
-        for lane in lanes:
-            lane.wait_stream(main)
-        rows = []
-        for b, s in enumerate(selections):
-            with torch.cuda.stream(lanes[b % len(lanes)]):  # a conversation keeps its lane: its steps stay in order
-                rows.append(s.select(j, q[b]))
-        for lane in lanes:
-            main.wait_stream(lane)
-        return rows
+        return _on_lanes([lambda b=b, s=s: s.select(j, q[b]) for b, s in enumerate(selections)], q.device, lanes)
     from operators import block_topk_kernel
     from operators.block_scores_kernel import masked_block_scores, selection_rows
 
@@ -193,10 +183,26 @@ def select_batch(selections: list[DeviceSelection], j: int, q: torch.Tensor, kno
     selection_rows(top.view(batch, rows, places), picked.view(batch, rows, places), [s.params for s in selections],
                    [s.index[j] for s in selections], [s.valid[j] for s in selections],
                    [s.table_blocks for s in selections], first.block_size, known)
-    for s in selections:
-        if s.adjust is not None:
-            s.adjust(j, s.index[j], s.valid[j])
+    if any(s.adjust is not None for s in selections):  # each one's own small kernels: side by side on the lanes
+        _on_lanes([lambda s=s: s.adjust and s.adjust(j, s.index[j], s.valid[j]) for s in selections], q.device, lanes)
     return [(s.index[j], s.valid[j]) for s in selections]
+
+
+def _on_lanes(calls: list, device: torch.device, lanes: list = ()) -> list:
+    """Each call's result, call b queued on lanes[b % len(lanes)] when CUDA streams are given
+    (joined to the current stream before and after), else in turn."""
+    if not lanes:
+        return [call() for call in calls]
+    main = torch.cuda.current_stream(device)
+    for lane in lanes:
+        lane.wait_stream(main)
+    results = []
+    for b, call in enumerate(calls):
+        with torch.cuda.stream(lanes[b % len(lanes)]):  # a conversation keeps its lane: its steps stay in order
+            results.append(call())
+    for lane in lanes:
+        main.wait_stream(lane)
+    return results
 
 
 def _kernels_apply(anchors: DeviceAnchors, selector: DecodeBlockSelector, device: torch.device) -> bool:
