@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ktlong.errors import ConfigError
+from ktlong.kv.commit_ahead import CommitAhead
 from ktlong.kv.device_pages import DevicePages
 from ktlong.kv.history_load import HistoryLoader
 from ktlong.kv.host_cache import HostKVCache
@@ -194,26 +195,29 @@ class LayerMajorPrefill:
                                    (self.pages, self.pooled_keys), prefetch_history,
                                    (self.compute_stream, self.copy_stream) if self.cuda else None,
                                    lambda: _Timer(stats, self.device, "history_seconds"), resident)
-        for layer in range(self.model.config.num_layers):
-            is_global = not self.layout.is_sliding(layer)
-            if self.cuda:  # the pages are about to be overwritten: last layer's copies must be done
-                self.compute_stream.wait_stream(self.copy_stream)
-            if loader is not None:
-                self.pages, self.pooled_keys = loader.take(layer)
-            run.densities = []
-            for s, e in chunks:
-                if is_global:  # the chunk's memory in DRAM, before it is written there: a piece at a time
-                    host.reserve(e, [layer], ahead=num_tokens)
-                x = hidden[s - history:e - history].to(self.device, non_blocking=True)
-                if not self.hidden_on_device:
-                    stats.bytes_to_device += x.numel() * x.element_size()
-                x = self._layer_chunk(layer, x, positions[s:e], s, e, run)
-                self._store_hidden(hidden, x, s - history, e - history, stats)
-                if progress is not None:
-                    progress.update(e - s)
-            if self.is_sparse:  # fa3 runs dense prefill through CompactAttention too: no density to report
-                d = run.densities
-                stats.density_per_layer.append(sum(d) / len(d) if d else 1.0)
+        # each global layer's memory in DRAM, committed whole on a helper thread while the layer
+        # before computes (ktlong/kv/commit_ahead.py)
+        with CommitAhead(host, num_tokens) as ahead:
+            for layer in range(self.model.config.num_layers):
+                is_global = not self.layout.is_sliding(layer)
+                if self.cuda:  # the pages are about to be overwritten: last layer's copies must be done
+                    self.compute_stream.wait_stream(self.copy_stream)
+                if loader is not None:
+                    self.pages, self.pooled_keys = loader.take(layer)
+                run.densities = []
+                if is_global:  # the layer's memory in DRAM, before it is written there
+                    ahead.wait(layer)
+                for s, e in chunks:
+                    x = hidden[s - history:e - history].to(self.device, non_blocking=True)
+                    if not self.hidden_on_device:
+                        stats.bytes_to_device += x.numel() * x.element_size()
+                    x = self._layer_chunk(layer, x, positions[s:e], s, e, run)
+                    self._store_hidden(hidden, x, s - history, e - history, stats)
+                    if progress is not None:
+                        progress.update(e - s)
+                if self.is_sparse:  # fa3 runs dense prefill through CompactAttention too: no density to report
+                    d = run.densities
+                    stats.density_per_layer.append(sum(d) / len(d) if d else 1.0)
         if loader is not None:
             self.pages, self.pooled_keys = loader.close()
             stats.bytes_to_device += loader.bytes_to_device

@@ -33,9 +33,9 @@ def growth_step(layout: KVLayout) -> int:
 
 # the least a cache grows by (reserve): an answer's first 2,048 tokens after a prompt, at block 128
 GROWTH_BLOCKS = 16
-# the most one growth adds a table (32K tokens at block 128): each piece is zeroed and page-locked
-# between two decode steps of the other conversations, so a piece is a short pause for them (a
-# layer of 8B shapes at q8_0: 70 MB)
+# the most one growth adds a table (32K tokens at block 128): a decoding conversation's piece is
+# zeroed and page-locked inside a step of the batch, so a piece is a short pause for the others
+# (a layer of 8B shapes at q8_0: 70 MB)
 GROWTH_MAX_BLOCKS = 256
 
 
@@ -150,10 +150,10 @@ into when the tables are not pinned (maps_files).
     def reserve(self, tokens: int, layers: list[int] | None = None, ahead: int | None = None):
         """Memory for the first `tokens` tokens of the global layers' tables (all, or `layers`),
         held (and page-locked where pinned) now, with room to grow past them (reserved_blocks;
-        ahead: the tokens the caller will write in all). A prefill reserves a layer a chunk at a
-        time as it writes it, so that the work comes in pieces between other conversations'
-        steps. Anything written past the reserved tokens would land in memory the GPU cannot
-        read."""
+        ahead: the tokens the caller will write in all). A prefill's layers are reserved whole,
+        a layer ahead of it on a helper thread (ktlong/kv/commit_ahead.py); a decoding
+        conversation grows in pieces between steps. Anything written past the reserved tokens
+        would land in memory the GPU cannot read."""
         assert tokens <= self.layout.capacity, "the KV cache is full; raise max_seq_len"
         blocks = -(-tokens // self.layout.block_size)
         for layer in self.committed if layers is None else layers:
