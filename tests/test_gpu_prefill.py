@@ -135,3 +135,51 @@ def test_short_follow_ups_through_chunk_graphs_equal_eager_ones(hidden_on_device
         assert rel(graphed, eager) < 1e-2, n
         for a, b in zip(graphed_rows, eager_rows):
             assert rel(a, b) < 1e-2, n
+
+
+def test_hidden_states_in_dram_are_locked_for_the_call_only_and_a_stop_leaves_nothing_in_flight():
+    """Hidden states in DRAM (a prompt too long for the device's room) give the logits and rows
+    of hidden states on the device, exactly; they are page-locked at their own size for the call
+    (torch's pinned allocator is not used: it would round up and keep them), and a prefill
+    stopped mid-way leaves the engine and a new cache whole."""
+    from ktlong.errors import Cancelled
+    from ktlong.kv import pinned
+    from tests.settings import gpu_backend
+
+    model = random_model("tiny", torch.device("cuda"), torch.bfloat16, seed=7)
+    c = model.config
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 64, 1400, "bf16")
+    doc = torch.randint(0, 1000, (900,), generator=torch.Generator().manual_seed(8)).tolist()
+    results = []
+    for on_device in (True, False):
+        engine = LayerMajorPrefill(model, layout, 256, gpu_backend(model), on_device)
+        host = HostKVCache(layout, pin=True)
+        before = torch.cuda.host_memory_stats().get("allocated_bytes.all.peak", 0)
+        locked = []
+        lock = pinned.pin_in_place
+        pinned.pin_in_place = lambda t: (locked.append(t.numel() * t.element_size()), lock(t))[1]
+        try:
+            logits, _ = engine.run(doc, host)
+        finally:
+            pinned.pin_in_place = lock
+        assert torch.cuda.host_memory_stats().get("allocated_bytes.all.peak", 0) == before
+        if not on_device:
+            assert 900 * c.hidden_size * 2 in locked  # the hidden states, at their own size
+            stops = iter(range(5))
+
+            class StopSoon:  # the engine's progress: a stop after a few chunks
+                def update(self, n):
+                    if next(stops) == 4:
+                        raise Cancelled
+
+            stopped = HostKVCache(layout, pin=True)
+            with pytest.raises(Cancelled):
+                engine.run(doc, stopped, StopSoon())
+            stopped.reset()
+            logits_again, _ = engine.run(doc, stopped)
+            assert torch.equal(logits_again, logits)
+        rows = [host.tokens(layer, which, 0, 900).clone() for layer in range(c.num_layers) for which in "kv"]
+        results.append((logits, rows))
+    (device_logits, device_rows), (dram_logits, dram_rows) = results
+    assert torch.equal(dram_logits, device_logits)
+    assert all(torch.equal(a, b) for a, b in zip(dram_rows, device_rows))

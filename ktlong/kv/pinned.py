@@ -86,6 +86,16 @@ class PinnedTensors:
             for t in self._tensors:
                 pin_in_place(t)
 
+    @property
+    def holds(self) -> bool:
+        """Whether any tensor is locked."""
+        return bool(self._tensors)
+
+    def close(self):
+        """Unlock every tensor and let them go (their memory too, if nothing else holds them)."""
+        self._unlock()
+        self._tensors = []
+
     def _unlock(self):
         for t in self._tensors:
             torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
