@@ -424,3 +424,36 @@ def test_bench_serve_quotes_the_servers_line_for_the_prefill_beside_the_streams(
     assert beside_account(str(log)) == beside
     log.write_text("[answer: 1 tokens after 12 prompt tokens]\n")
     assert beside_account(str(log)) == "" and beside_account(str(tmp_path / "missing.log")) == ""
+
+
+def test_decode_bench_profiles_its_own_steps_after_each_rows_figures(monkeypatch, capsys):
+    """--profile: after each row's timed tokens (4 warm-up and --tokens), PROFILE_STEPS more
+    steps run under the profiler, of that row's batch, and print after the row's figures."""
+    import ktlong.bench.decode as bench
+    from ktlong.decode.batch import DecodeBatch
+
+    steps, inside = [], []
+    step = DecodeBatch.step
+
+    def counted(self, sequences, tokens, while_waiting=None):
+        steps.append(len(sequences))
+        return step(self, sequences, tokens, while_waiting)
+
+    def profiled(fn, **kwargs):
+        before = len(steps)
+        fn()
+        inside.append(steps[before:])
+
+    monkeypatch.setattr(DecodeBatch, "step", counted)
+    monkeypatch.setattr(bench, "print_profile", profiled)
+    import ktlong.bench.decode_op
+
+    # the floors' rates (GiB-sized reads, seconds here) are not what this is about
+    monkeypatch.setattr(ktlong.bench.decode_op, "stream_read_gbps", lambda nbytes: 10.0)
+    monkeypatch.setattr(bench, "device_copy_gbps", lambda device: 10.0)
+    assert bench.main(["--contexts", "1k", "--batch", "1,2", "--tokens", "3", "--modes", "hybrid", "--profile",
+                       "--device", "cpu"]) == 0
+    assert inside == [[1] * bench.PROFILE_STEPS, [2] * bench.PROFILE_STEPS]
+    assert steps == [1] * (4 + 3 + bench.PROFILE_STEPS) + [2] * (4 + 3 + bench.PROFILE_STEPS)
+    out = capsys.readouterr().out
+    assert out.index("partial: 1K | 1") < out.index("profile of 8 steps: 1K, batch 1") < out.index("partial: 1K | 2")

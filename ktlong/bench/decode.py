@@ -37,6 +37,7 @@ import time
 import torch
 
 from ktlong.bench.common import time_cuda
+from ktlong.bench.profile_table import print_profile
 from ktlong.cli import parse_lengths, print_table
 from ktlong.bench.drifting_selection import DriftingSelection
 from ktlong.config import load_config, options_in, parse_set, refuse_unread
@@ -62,6 +63,7 @@ from operators.kv_quant import quantize_kv
 # what this bench reads of the config: decode's KV layout and selection; each row sets its own
 # context attention and graphs, and preselection is off (the cache holds random K/V, no prompt);
 # resident_history and chunk_size decide the layers whose rows stay on the GPU (resident_copies)
+PROFILE_STEPS = 8  # steps of a row run under torch.profiler with --profile
 READS = (options_in("KV cache and sparse decode") - {"context_attention", "preselect_block", "preselect_block_count"}
          | {"resident_history", "chunk_size"})
 
@@ -222,6 +224,8 @@ def main(argv=None) -> int:
     p.add_argument("--shared_document", action="store_true",
                    help="the batch's conversations share one document of the context's length: DRAM holds its "
                         "blocks once (ktlong/kv/shared_prefix.py), each conversation's own tokens after it")
+    p.add_argument("--profile", action="store_true", help=f"after each row's timed tokens, run {PROFILE_STEPS} more "
+                   "under torch.profiler and print where their host and device time went (kernels by device time)")
     p.add_argument("--tensor_parallel", type=int, default=1, metavar="N",
                    help="split heads and MLP columns over N ranks; start with torchrun --nproc_per_node N")
     args = p.parse_args(argv)
@@ -255,7 +259,8 @@ def main(argv=None) -> int:
     # room for the timed tokens (kv_layout rounds the capacity to whole pages of each head's tables,
     # so that the caches can share: ktlong/kv/shared_prefix.py)
     layouts = {context: kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size,
-                                  context + 4 + args.tokens + 1, resolve_kv_type(config.kv_type, dtype),
+                                  context + 4 + args.tokens + PROFILE_STEPS * args.profile + 1,
+                                  resolve_kv_type(config.kv_type, dtype),
                                   anchor_type=config.anchor_type, anchor_num=config.anchor_num) for context in contexts}
     free = available_dram_bytes()
     for context, layout in layouts.items():  # every row's caches fit, before any row runs
@@ -351,6 +356,10 @@ def main(argv=None) -> int:
                            + (f", {len(resident.layers)}/{len(layout.global_layers)} layers' rows on the GPU"
                               if resident is not None else ""))
                 print("partial:", " | ".join(map(str, row)), flush=True)
+                if args.profile:  # after the row's figures: these steps count in none of them
+                    print(f"profile of {PROFILE_STEPS} steps: {context // 1024}K, batch {size}, {name}", flush=True)
+                    print_profile(lambda: [batch.step(decoders, [200 + t + 7 * i for i in range(size)])
+                                           for t in range(PROFILE_STEPS)], device_rows=25)
                 del batch, decoders, resident
                 if cuda:
                     torch.cuda.empty_cache()

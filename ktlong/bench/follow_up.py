@@ -25,6 +25,7 @@ import torch
 
 from ktlong.bench.call_sites import CallSites, print_call_sites
 from ktlong.bench.common import median
+from ktlong.bench.profile_table import print_profile
 from ktlong.cli import parse_lengths, print_table
 from ktlong.config import load_config, options_in, parse_set, refuse_unread
 from ktlong.device import resolve_device
@@ -104,29 +105,6 @@ def io_rates(contexts, plans, fp, folder, model_config, device, dtype, question:
     return 0
 
 
-def profile_reuse(fn):
-    """torch.profiler's tables of one reuse: the operators by host time (a copy that holds the
-    host shows as cudaMemcpyAsync or aten::to here) and by device time."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        _, wall = timed(fn)
-    table = prof.key_averages()
-    print(table.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=50))
-    if torch.cuda.is_available():
-        print(table.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=50))
-        # each stream's kernels and copies: which of compute, history load and copies to DRAM
-        # bounds the follow-up (busy close to the wall), and which waits
-        busy: dict[int, float] = {}
-        for e in prof.events():
-            if e.device_type == DeviceType.CUDA:
-                busy[e.device_resource_id] = busy.get(e.device_resource_id, 0.0) + e.time_range.elapsed_us() / 1e3
-        shown = ", ".join(f"stream {s}: {ms:.1f} ms" for s, ms in sorted(busy.items(), key=lambda kv: -kv[1]))
-        print(f"device busy per stream over {wall * 1e3:.1f} ms of wall clock (profiled): {shown}")
-
-
 def release_device_memory():
     """What a session that is gone held on the device, given back before the next one is made
     within the same budget: its decoder's graphs sit in reference cycles (about 7 GiB at 128K
@@ -201,7 +179,7 @@ def main(argv=None) -> int:
         first_reuse = reuse[0]  # the first follow-up fills the resident layers; later ones read them
         if args.profile:
             q = torch.randint(0, c.vocab_size, (args.question,), generator=generator).tolist()
-            profile_reuse(lambda: session.prefill(doc + q))
+            print_profile(lambda: session.prefill(doc + q), device_rows=12)
             q = torch.randint(0, c.vocab_size, (args.question,), generator=generator).tolist()
             with CallSites() as sites:  # one more reuse: which lines its launches come from
                 session.prefill(doc + q)
