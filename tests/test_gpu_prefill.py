@@ -162,7 +162,8 @@ def test_hidden_states_in_dram_are_locked_for_the_call_only_and_a_stop_leaves_no
             logits, _ = engine.run(doc, host)
         finally:
             pinned.pin_in_place = lock
-        assert torch.cuda.host_memory_stats().get("allocated_bytes.all.peak", 0) == before
+        # torch's pinned allocator never held them (whatever small buffers it holds for others)
+        assert torch.cuda.host_memory_stats().get("allocated_bytes.all.peak", 0) - before < 900 * c.hidden_size * 2
         if not on_device:
             assert 900 * c.hidden_size * 2 in locked  # the hidden states, at their own size
             stops = iter(range(5))
