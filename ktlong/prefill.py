@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -182,48 +182,43 @@ class LayerMajorPrefill:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.compute_stream = torch.cuda.current_stream(self.device)  # asked once: each ask costs host time
-        # the hidden states in DRAM (when not on the device), page-locked for this call only, at
-        # their own size: torch's pinned allocator would round 8.01 GiB (1M tokens at 8B shapes)
-        # up to 16 and keep it cached after
-        pinned = PinnedTensors(not self.hidden_on_device)
-        try:
-            start = time.perf_counter()
-            hidden = self._embed(token_ids, stats, pinned)  # row i is position history + i
-            positions = torch.arange(num_tokens, device=self.device)
-            # chunk boundaries stay on multiples of chunk_size, so a follow-up's chunks are a
-            # re-prefill's chunks, but for the first one, which starts where the history ends
-            first = min(num_tokens, (history // self.chunk_size + 1) * self.chunk_size)
-            chunks = [(history, first)] + [(s, min(s + self.chunk_size, num_tokens))
-                                           for s in range(first, num_tokens, self.chunk_size)]
+        start = time.perf_counter()
+        positions = torch.arange(num_tokens, device=self.device)
+        # chunk boundaries stay on multiples of chunk_size, so a follow-up's chunks are a
+        # re-prefill's chunks, but for the first one, which starts where the history ends
+        first = min(num_tokens, (history // self.chunk_size + 1) * self.chunk_size)
+        chunks = [(history, first)] + [(s, min(s + self.chunk_size, num_tokens))
+                                       for s in range(first, num_tokens, self.chunk_size)]
+        # the hidden states (row i is position history + i) for this call only; each global
+        # layer's memory in DRAM committed whole on a helper thread while the layer before
+        # computes (ktlong/kv/commit_ahead.py)
+        with self._hidden_states(token_ids, stats) as hidden, CommitAhead(host, num_tokens) as ahead:
             loader = None
             if history:
                 loader = HistoryLoader(self.layout, self.model.config.num_layers, host, history,
                                        (self.pages, self.pooled_keys), prefetch_history,
                                        (self.compute_stream, self.copy_stream) if self.cuda else None,
                                        lambda: _Timer(stats, self.device, "history_seconds"), resident)
-            # each global layer's memory in DRAM, committed whole on a helper thread while the layer
-            # before computes (ktlong/kv/commit_ahead.py)
-            with CommitAhead(host, num_tokens) as ahead:
-                for layer in range(self.model.config.num_layers):
-                    is_global = not self.layout.is_sliding(layer)
-                    if self.cuda:  # the pages are about to be overwritten: last layer's copies must be done
-                        self.compute_stream.wait_stream(self.copy_stream)
-                    if loader is not None:
-                        self.pages, self.pooled_keys = loader.take(layer)
-                    run.densities = []
-                    if is_global:  # the layer's memory in DRAM, before it is written there
-                        ahead.wait(layer)
-                    for s, e in chunks:
-                        x = hidden[s - history:e - history].to(self.device, non_blocking=True)
-                        if not self.hidden_on_device:
-                            stats.bytes_to_device += x.numel() * x.element_size()
-                        x = self._layer_chunk(layer, x, positions[s:e], s, e, run)
-                        self._store_hidden(hidden, x, s - history, e - history, stats)
-                        if progress is not None:
-                            progress.update(e - s)
-                    if self.is_sparse:  # fa3 runs dense prefill through CompactAttention too: no density to report
-                        d = run.densities
-                        stats.density_per_layer.append(sum(d) / len(d) if d else 1.0)
+            for layer in range(self.model.config.num_layers):
+                is_global = not self.layout.is_sliding(layer)
+                if self.cuda:  # the pages are about to be overwritten: last layer's copies must be done
+                    self.compute_stream.wait_stream(self.copy_stream)
+                if loader is not None:
+                    self.pages, self.pooled_keys = loader.take(layer)
+                run.densities = []
+                if is_global:  # the layer's memory in DRAM, before it is written there
+                    ahead.wait(layer)
+                for s, e in chunks:
+                    x = hidden[s - history:e - history].to(self.device, non_blocking=True)
+                    if not self.hidden_on_device:
+                        stats.bytes_to_device += x.numel() * x.element_size()
+                    x = self._layer_chunk(layer, x, positions[s:e], s, e, run)
+                    self._store_hidden(hidden, x, s - history, e - history, stats)
+                    if progress is not None:
+                        progress.update(e - s)
+                if self.is_sparse:  # fa3 runs dense prefill through CompactAttention too: no density to report
+                    d = run.densities
+                    stats.density_per_layer.append(sum(d) / len(d) if d else 1.0)
             if loader is not None:
                 self.pages, self.pooled_keys = loader.close()
                 stats.bytes_to_device += loader.bytes_to_device
@@ -242,10 +237,6 @@ class LayerMajorPrefill:
             host.advance(len(token_ids))
             stats.seconds = time.perf_counter() - start
             return logits, stats
-        finally:
-            if pinned.holds:  # no copy into them is left in flight (a stop mid-way)
-                torch.cuda.synchronize(self.device)
-            pinned.close()
 
     def warm_up(self, host: HostKVCache):
         """Build, before anything is timed, the kernels a prefill of this model uses (FlashInfer
@@ -280,16 +271,26 @@ class LayerMajorPrefill:
         states, where they live in DRAM (8 GiB for 1M tokens at 8B shapes)."""
         return 0 if self.hidden_on_device else num_new * self.model.config.hidden_size * self.model.dtype.itemsize
 
-    def _embed(self, token_ids, stats, pinned: PinnedTensors) -> torch.Tensor:
+    @contextmanager
+    def _hidden_states(self, token_ids, stats) -> Iterator[torch.Tensor]:
+        """The prompt's embeddings [T, hidden], on the device or in DRAM. In DRAM they are
+        page-locked in place at their own size, for the block only (torch's pinned allocator
+        would round 8.01 GiB, 1M tokens at 8B shapes, up to 16 and keep it cached after); no copy
+        into them is left in flight when it ends (a stop mid-way)."""
         ids = torch.tensor(token_ids, device=self.device)
         if self.hidden_on_device:
-            return self.model.embed(ids)  # [T, hidden]
-        c = self.model.config
-        hidden = pinned.pin(mapped_empty((len(token_ids), c.hidden_size), self.model.dtype))
-        for s in range(0, len(token_ids), self.chunk_size):
-            x = self.model.embed(ids[s:s + self.chunk_size])
-            self._store_hidden(hidden, x, s, s + x.shape[0], stats)
-        return hidden
+            yield self.model.embed(ids)
+            return
+        pinned = PinnedTensors()
+        try:
+            hidden = pinned.pin(mapped_empty((len(token_ids), self.model.config.hidden_size), self.model.dtype))
+            for s in range(0, len(token_ids), self.chunk_size):
+                x = self.model.embed(ids[s:s + self.chunk_size])
+                self._store_hidden(hidden, x, s, s + x.shape[0], stats)
+            yield hidden
+        finally:
+            torch.cuda.synchronize(self.device)
+            pinned.close()
 
     def _store_hidden(self, hidden, x, s, e, stats):
         if self.hidden_on_device:

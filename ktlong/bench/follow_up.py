@@ -179,7 +179,7 @@ def main(argv=None) -> int:
         first_reuse = reuse[0]  # the first follow-up fills the resident layers; later ones read them
         if args.profile:
             q = torch.randint(0, c.vocab_size, (args.question,), generator=generator).tolist()
-            print_profile(lambda: session.prefill(doc + q), device_rows=12)
+            print_profile(lambda: session.prefill(doc + q))
             q = torch.randint(0, c.vocab_size, (args.question,), generator=generator).tolist()
             with CallSites() as sites:  # one more reuse: which lines its launches come from
                 session.prefill(doc + q)

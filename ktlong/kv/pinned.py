@@ -86,11 +86,6 @@ class PinnedTensors:
             for t in self._tensors:
                 pin_in_place(t)
 
-    @property
-    def holds(self) -> bool:
-        """Whether any tensor is locked."""
-        return bool(self._tensors)
-
     def close(self):
         """Unlock every tensor and let them go (their memory too, if nothing else holds them)."""
         self._unlock()
