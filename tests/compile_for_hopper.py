@@ -1,8 +1,10 @@
 """Compiles the batch kernels for Hopper (sm_90: the H100 and H200) without a GPU, through Triton's
 own compiler (Triton's interpreter, which the CPU's tests run them in, takes what the compiler
 refuses), and prints, per kernel, how its global loads came out: JSON lines {kernel, wide, narrow},
-wide the 16-byte vector loads, narrow the single 2-byte ones. Run by tests/test_kernels_compile.py
-in a process of its own, TRITON_INTERPRET unset (tests/conftest.py sets it)."""
+wide the 16-byte loads (vector loads into registers, or asynchronous copies into shared memory
+for a tl.dot's operand: cp.async.cg moves 16 bytes), narrow the single 2-byte ones. Run by
+tests/test_kernels_compile.py in a process of its own, TRITON_INTERPRET unset (tests/conftest.py
+sets it)."""
 
 import json
 
@@ -30,7 +32,8 @@ def compile_for_hopper(name, fn, types, constexprs):
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32))
     ptx = kernel.asm["ptx"]
-    print(json.dumps({"kernel": name, "wide": ptx.count("ld.global.v4") + ptx.count("ld.global.nc.v4"),
+    print(json.dumps({"kernel": name, "wide": ptx.count("ld.global.v4") + ptx.count("ld.global.nc.v4")
+                      + ptx.count("cp.async.cg.shared.global"),
                       "narrow": ptx.count("ld.global.b16") + ptx.count("ld.global.nc.b16")}), flush=True)
 
 
