@@ -1,6 +1,8 @@
 """On the GPU: FlashInfer chunk attention over head-major pages and the offloading prefill
 agree with the torch reference within bf16 noise."""
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -139,9 +141,9 @@ def test_short_follow_ups_through_chunk_graphs_equal_eager_ones(hidden_on_device
 
 def test_hidden_states_in_dram_are_locked_for_the_call_only_and_a_stop_leaves_nothing_in_flight():
     """Hidden states in DRAM (a prompt too long for the device's room) give the logits and rows
-    of hidden states on the device, exactly; they are page-locked at their own size for the call
-    (torch's pinned allocator is not used: it would round up and keep them), and a prefill
-    stopped mid-way leaves the engine and a new cache whole."""
+    of hidden states on the device, exactly; they are page-locked for the call, a chunk's at a
+    time at its own size (torch's pinned allocator is not used: it would round up and keep them),
+    and a prefill stopped mid-way leaves the engine and a new cache whole."""
     from ktlong.errors import Cancelled
     from ktlong.kv import pinned
     from tests.settings import gpu_backend
@@ -165,7 +167,16 @@ def test_hidden_states_in_dram_are_locked_for_the_call_only_and_a_stop_leaves_no
         # torch's pinned allocator never held them (whatever small buffers it holds for others)
         assert torch.cuda.host_memory_stats().get("allocated_bytes.all.peak", 0) - before < 900 * c.hidden_size * 2
         if not on_device:
-            assert 900 * c.hidden_size * 2 in locked  # the hidden states, at their own size
+            rows = [256, 256, 256, 132]  # the hidden states: each chunk's at its own size
+            assert not Counter(n * c.hidden_size * 2 for n in rows) - Counter(locked)
+
+            class Seen(list):  # the engine's progress: a boundary after each chunk's rows are made, then each chunk
+                def update(self, n):
+                    self.append(n)
+
+            seen = Seen()
+            assert torch.equal(engine.run(doc, HostKVCache(layout, pin=True), seen)[0], logits)
+            assert seen == [0] * 4 + rows * c.num_layers
             stops = iter(range(5))
 
             class StopSoon:  # the engine's progress: a stop after a few chunks

@@ -138,3 +138,37 @@ def test_only_a_cache_that_the_cpu_reads_asks_for_huge_pages():
     for host, asked in ((on_cpu, thp), (for_gpu, False)):
         assert ("hg" in vm_flags(host.k[1])) == asked and ("hg" in vm_flags(host.v[1])) == asked
         assert "hg" not in vm_flags(host.key_mean[1])  # side tables: read whole, never asked
+
+
+def test_a_reservation_page_locks_each_heads_range_in_bounded_whole_page_pieces_pausing_after_each(monkeypatch):
+    """While CUDA page-locks a range, other threads' calls into it wait (a prefill's chunks and the
+    decode steps beside it, behind its layers' helper): each kv head's range of a table is locked
+    in pieces of at most PIN_PIECE_BYTES, or one growth step, which tile it on whole pages (no
+    page in two ranges: the driver refuses that), and pace() runs after each."""
+    from ktlong.kv import host_cache, pinned
+
+    locked = []
+    monkeypatch.setattr(pinned, "pin_in_place", lambda t: locked.append((t.data_ptr(), t.numel() * t.element_size())))
+    monkeypatch.setattr(pinned.PinnedTensors, "_unlock", lambda self: None)
+    monkeypatch.setattr(host_cache, "PIN_PIECE_BYTES", 1 << 20)
+    host = HostKVCache(LAYOUT, pin=True)
+    locked.clear()  # the sliding layers' tails (none here)
+    paces = []
+    host.reserve(20_000, [1], pace=lambda: paces.append(len(locked)))
+    assert paces == list(range(1, len(locked) + 1))  # one pause after each piece
+    blocks, step = host.committed[1], growth_step(LAYOUT)
+    counts = []
+    for kind in host._kinds():
+        t = kind[1][:, :blocks]
+        for h in range(t.shape[0] if t.numel() else 0):
+            start, size = t[h].data_ptr(), t[h].numel() * t.element_size()
+            pieces = sorted((p, n) for p, n in locked if start <= p < start + size)
+            assert pieces[0][0] == start and sum(n for _, n in pieces) == size
+            assert all(p + n == q for (p, n), (q, _) in zip(pieces, pieces[1:]))  # no gap, no overlap
+            assert all(p % mmap.PAGESIZE == 0 and n % mmap.PAGESIZE == 0 for p, n in pieces)
+            block = t[h, 0].numel() * t.element_size()
+            assert all(n <= max(1 << 20, step * block) for _, n in pieces)
+            counts.append(len(pieces))
+    assert min(counts[:4]) > 1  # K's and V's heads (5 MiB each) did come in several pieces
+    assert all(torch.count_nonzero(kind[1][:, :blocks]) == 0 for kind in host._kinds())  # zeroed
+    host._pinned._tensors = []  # nothing was locked: nothing to unlock when it goes

@@ -14,12 +14,17 @@ the helper is at most `depth` layers ahead of the one the prefill is in.
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
 from ktlong.kv.host_cache import HostKVCache
 
 DEPTH = 1  # layers the helper may hold ready beyond the one the prefill is in
+# the helper's pause after each piece it page-locks (HostKVCache.reserve's pace): while CUDA locks
+# a range, the prefill's and the decode steps' calls into it wait, and a waiting thread gets its
+# turn only if the helper does not take the lock again at once
+PACE_SECONDS = 0.001
 
 
 class CommitAhead:
@@ -48,7 +53,7 @@ class CommitAhead:
                 self._room.acquire()
                 if self._stop:
                     return
-                self.host.reserve(self.tokens, [layer], ahead=self.tokens)
+                self.host.reserve(self.tokens, [layer], ahead=self.tokens, pace=lambda: time.sleep(PACE_SECONDS))
                 self._ready[layer].set()
         except BaseException as e:  # handed to the prefill at its next wait
             self.error = e

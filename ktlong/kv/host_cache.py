@@ -13,6 +13,7 @@ prefill, a load or a decode step writes past them, so an empty cache costs next 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -37,6 +38,11 @@ GROWTH_BLOCKS = 16
 # zeroed and page-locked inside a step of the batch, so a piece is a short pause for the others
 # (a layer of 8B shapes at q8_0: 70 MB)
 GROWTH_MAX_BLOCKS = 256
+# the most one page-locking call takes of a table (a kv head's range is locked in pieces of this
+# or one growth step): while CUDA locks a range, the other threads' calls into it wait. Locked a
+# head at a time (134 MB a head at 1M tokens, 8B shapes, q8_0), 40 of a 1M prefill's chunks
+# waited 94-164 ms for its layers' helper (H200, .gpu_scripts/chunk_prof.py, session 46)
+PIN_PIECE_BYTES = 16 << 20
 
 
 def reserved_blocks(layout: KVLayout, tokens: int, held: int = 0, ahead: int | None = None) -> int:
@@ -147,35 +153,43 @@ into when the tables are not pinned (maps_files).
         for layer in self.committed:  # the files' pages, page-locked where the cache is
             self._grow(layer, blocks, zero=False)
 
-    def reserve(self, tokens: int, layers: list[int] | None = None, ahead: int | None = None):
+    def reserve(self, tokens: int, layers: list[int] | None = None, ahead: int | None = None,
+                pace: Callable[[], None] = lambda: None):
         """Memory for the first `tokens` tokens of the global layers' tables (all, or `layers`),
         held (and page-locked where pinned) now, with room to grow past them (reserved_blocks;
         ahead: the tokens the caller will write in all). A prefill's layers are reserved whole,
         a layer ahead of it on a helper thread (ktlong/kv/commit_ahead.py); a decoding
         conversation grows in pieces between steps. Anything written past the reserved tokens
-        would land in memory the GPU cannot read."""
+        would land in memory the GPU cannot read. pace(): after each piece is locked (_grow)."""
         assert tokens <= self.layout.capacity, "the KV cache is full; raise max_seq_len"
         blocks = -(-tokens // self.layout.block_size)
         for layer in self.committed if layers is None else layers:
             held = self.committed[layer]
             if blocks > held:
-                self._grow(layer, reserved_blocks(self.layout, tokens, held, ahead), zero=True)
+                self._grow(layer, reserved_blocks(self.layout, tokens, held, ahead), zero=True, pace=pace)
 
-    def _grow(self, layer: int, blocks: int, zero: bool):
+    def _grow(self, layer: int, blocks: int, zero: bool, pace: Callable[[], None] = lambda: None):
         """Each of a global layer's tables' kv-head ranges of blocks committed..blocks: zeroed
-        (which commits them) unless the shared files' pages lie there, and page-locked a head at a
-        time (the heads' ranges between stay unheld)."""
+        (which commits them) unless the shared files' pages lie there, and page-locked in pieces
+        of at most PIN_PIECE_BYTES, or one growth step (whole pages), calling pace() after each
+        (the heads' ranges between stay unheld)."""
         old = self.committed[layer]
         if blocks <= old:
             return
+        step = growth_step(self.layout)
         for kind in self._kinds():
             part = kind[layer][:, old:blocks]
             if not part.numel():
                 continue
-            if zero:
-                part.zero_()
+            block_bytes = part[0, 0].numel() * part.element_size()
+            piece = max(1, PIN_PIECE_BYTES // (block_bytes * step)) * step
             for h in range(part.shape[0]):
-                self._pinned.pin(part[h])
+                for a in range(0, part.shape[1], piece):
+                    rows = part[h, a:a + piece]
+                    if zero:
+                        rows.zero_()
+                    self._pinned.pin(rows)
+                    pace()
         self.committed[layer] = blocks
 
     @property
