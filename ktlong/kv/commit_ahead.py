@@ -7,8 +7,10 @@ decoding answers, inside the slices they wait for (1M tokens at 8B shapes: 36 pi
 up to 55 ms, 0.71 s a layer; at once, 0.14 s). Here a helper thread reserves each layer whole, up
 to the prompt's end, while the prefill computes the layer before: the prefill waits only where
 the helper is behind (its first layer). Zeroing and page-locking release the GIL, so the two
-threads run side by side. Each layer's memory is whole before the prefill writes there, and
-the helper is at most `depth` layers ahead of the one the prefill is in.
+threads run side by side; but CUDA's calls on other threads wait while it locks a range, so it
+locks in bounded pieces and pauses after each (HostKVCache.reserve's pace). Each layer's memory
+is whole before the prefill writes there, and the helper is at most `depth` layers ahead of the
+one the prefill is in.
 """
 
 from __future__ import annotations
