@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
 from ktlong.decode.batch import DecodeBatch
 from ktlong.kv.layout import kv_layout
@@ -19,6 +20,11 @@ PROMPTS = (200, 263, 150)  # tokens: three conversations of different lengths
 STEPS = 12
 # (first step, last step + 1) of each conversation in the batch, in the batch's own steps
 ACTIVE = ((0, STEPS), (3, 10), (0, 6))
+
+# the batch's kernels run here on CPU tensors, in Triton's interpreter, which tests/conftest.py
+# turns on only where there is no GPU; on a GPU, tests/test_gpu_batched_decode.py runs them
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through Triton's interpreter; "
+                                "tests/test_gpu_batched_decode.py covers the batch on a GPU")
 
 
 @pytest.fixture(scope="module")
