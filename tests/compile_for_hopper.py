@@ -56,7 +56,8 @@ def main():
         compile_for_hopper(f"scores, {'shared' if shared else 'per head'}", scores._masked_scores, {
             "q_ptr": "*bf16", "anchors_ptr": "*bf16", "bias_ptr": "*fp32", "params_ptr": "*i64",
             "members_ptr": "*i64", "out_ptr": "*fp32", "width_out": "i32", "selected": "i32", "group": "i32"},
-            {"NUM_KV": 8, "W": 128, "DIM": 128, "QUEST": False, "SHARED": shared, "BLOCKS": scores.BLOCKS,
+            {"NUM_KV": 8, "HEADS": 8, "W": 128, "DIM": 128, "QUEST": False, "SHARED": shared,
+             "BLOCKS": scores.blocks_per_program(8, 128),
              "UNIT": 16})
     for first in (True, False):
         compile_for_hopper(f"top-k chunks{', of scores' if first else ''}", topk._chunk_best, {
