@@ -91,8 +91,9 @@ class DeviceSelection:
         # the Triton kernels (scores, top-k, rows: select_batch) on a GPU where triton is installed
         # and the anchors are linear; else torch's ops, one conversation at a time
         self.kernel = _kernels_apply(anchors, selector, device)
-        # applied to each scoring layer's selection after it is made (j, index, valid), on the
-        # device: the bench's drifting selection (ktlong/bench/device_drift.py); None in use
+        # applied to each scoring layer's selection after it is made, on the device, as
+        # adjust(selections of the batch, j) (the first's, for all): the bench's drifting
+        # selection (ktlong/bench/device_drift.py); None in use
         self.adjust = None
 
     def load_candidates(self):
@@ -141,7 +142,7 @@ class DeviceSelection:
         self.index[j].copy_(torch.where(fresh, self.head_rows + picked, self.index[j]))
         self.valid[j].copy_(torch.where(fresh, count * self.block_size, self.valid[j]))
         if self.adjust is not None:
-            self.adjust(j, self.index[j], self.valid[j])
+            self.adjust([self], j)
         return self.index[j], self.valid[j]
 
     def report(self):
@@ -159,7 +160,7 @@ def select_batch(selections: list[DeviceSelection], j: int, q: torch.Tensor, kno
     role per layer), q [B, H, D] -> each one's (rows [KV, S_b], valid tokens [KV]). Where the
     kernels apply and the layer scores, three launches for the batch: the scores of every
     member's blocks (its anchors as long as its own reach; -inf past them), the top-k of every
-    row together, and each member's rows (then each one's `adjust`, on the lanes); known: the
+    row together, and each member's rows (then the first's `adjust`, for all); known: the
     caller's store of the batch's tables, kept while its graphs live. Otherwise each
     conversation's own `select`, on lanes[b % len(lanes)] when CUDA streams are given (a few
     small kernels each: side by side). Fixed shapes, no sync."""
@@ -183,8 +184,8 @@ def select_batch(selections: list[DeviceSelection], j: int, q: torch.Tensor, kno
     selection_rows(top.view(batch, rows, places), picked.view(batch, rows, places), [s.params for s in selections],
                    [s.index[j] for s in selections], [s.valid[j] for s in selections],
                    [s.table_blocks for s in selections], first.block_size, known)
-    if any(s.adjust is not None for s in selections):  # each one's own small kernels: side by side on the lanes
-        _on_lanes([lambda s=s: s.adjust and s.adjust(j, s.index[j], s.valid[j]) for s in selections], q.device, lanes)
+    if first.adjust is not None:
+        first.adjust(selections, j)
     return [(s.index[j], s.valid[j]) for s in selections]
 
 
