@@ -330,41 +330,38 @@ def _selected_blocks_attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, near_k_ptr, 
 
 @triton.jit
 def _merge_shares(out_ptr, lse_ptr, base_o_ptr, base_lse_ptr, o_ptr, o_lse_ptr, num_heads, group,
-                  SHARES: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, BASE: tl.constexpr):
-    """Conversation b's kv head h's shares (and, with BASE, a state over other keys: the
-    window's) -> its query rows' out [group, DIM] and lse [group], merged by log-sum-exp; 0 and
-    -inf where all are empty."""
-    h, b = tl.program_id(0), tl.program_id(1)
+                  SHARES: tl.constexpr, SLOTS: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
+                  BASE: tl.constexpr):
+    """Conversation b's kv head h's query row g: its SHARES shares (and, with BASE, a state over
+    other keys: the window's) -> its out [DIM] and lse, merged by log-sum-exp; 0 and -inf where
+    all are empty. Every share in one load (SLOTS: SHARES rounded up to a power of two), a
+    program a query row (a program a kv head walked its padded rows' shares one after another:
+    11 us a layer at batch 8, 128K, 8B shapes, on the H200)."""
+    h, b, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_kv = tl.num_programs(0)
-    rows = tl.arange(0, ROWS)
+    shares = tl.arange(0, SLOTS)
+    held_share = shares < SHARES
     dims = tl.arange(0, DIM)
-    real = rows < group
     first = (b * num_kv + h) * SHARES  # this head's first share
-    heads = b * num_heads + h * group  # its first query row
-    top = tl.full((ROWS,), float("-inf"), tl.float32)
-    for share in range(SHARES):
-        top = tl.maximum(top, tl.load(lse_ptr + (first + share) * ROWS + rows))
+    head = b * num_heads + h * group + g  # this query row
+    lses = tl.load(lse_ptr + (first + shares) * ROWS + g, mask=held_share, other=float("-inf"))
+    top = tl.max(lses, 0)
     if BASE:
-        base_lse = tl.load(base_lse_ptr + heads + rows, mask=real, other=float("-inf"))
+        base_lse = tl.load(base_lse_ptr + head)
         top = tl.maximum(top, base_lse)
     top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.zeros((ROWS,), tl.float32)
-    acc = tl.zeros((ROWS, DIM), tl.float32)
-    for share in range(SHARES):
-        w = tl.exp(tl.load(lse_ptr + (first + share) * ROWS + rows) - top)
-        part = tl.load(out_ptr + ((first + share) * ROWS + rows[:, None]) * DIM + dims[None, :])
-        total += w
-        acc += w[:, None] * part
+    w = tl.exp(lses - top)
+    parts = tl.load(out_ptr + ((first + shares[:, None]) * ROWS + g) * DIM + dims[None, :], mask=held_share[:, None],
+                    other=0.0)
+    total = tl.sum(w, 0)
+    acc = tl.sum(w[:, None] * parts, 0)
     if BASE:
-        w = tl.exp(base_lse - top)
-        part = tl.load(base_o_ptr + (heads + rows[:, None]) * DIM + dims[None, :], mask=real[:, None], other=0.0)
-        total += w
-        acc += w[:, None] * part
+        w_base = tl.exp(base_lse - top)
+        total += w_base
+        acc += w_base * tl.load(base_o_ptr + head * DIM + dims)
     held = total > 0
-    o = tl.where(held[:, None], acc / tl.where(held, total, 1.0)[:, None], 0.0)
-    merged = tl.where(held, top + tl.log(tl.where(held, total, 1.0)), float("-inf"))
-    tl.store(o_ptr + (heads + rows[:, None]) * DIM + dims[None, :], o, mask=real[:, None])
-    tl.store(o_lse_ptr + heads + rows, merged, mask=real)
+    tl.store(o_ptr + head * DIM + dims, tl.where(held, acc / tl.where(held, total, 1.0), 0.0))
+    tl.store(o_lse_ptr + head, tl.where(held, top + tl.log(tl.where(held, total, 1.0)), float("-inf")))
 
 
 def precision(head_dim: int) -> str:
@@ -507,6 +504,7 @@ def selected_blocks_attention(q: torch.Tensor, layers: list[LayerPages], scale: 
     merged_lse = torch.empty((batch, num_heads), dtype=torch.float32, device=q.device)
     base = base() if callable(base) else base
     base_o, base_lse = (base[0].float().contiguous(), base[1].float().contiguous()) if base is not None else (part, part_lse)
-    _merge_shares[(num_kv, batch)](part, part_lse, base_o, base_lse, merged, merged_lse, num_heads, group,
-                                   SHARES=every, ROWS=rows, DIM=dim, BASE=base is not None)
+    _merge_shares[(num_kv, batch, group)](part, part_lse, base_o, base_lse, merged, merged_lse, num_heads, group,
+                                          SHARES=every, SLOTS=triton.next_power_of_2(every), ROWS=rows, DIM=dim,
+                                          BASE=base is not None)
     return merged, merged_lse

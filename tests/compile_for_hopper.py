@@ -87,7 +87,8 @@ def main():
                             "PRECISION": selected.precision(128), "SHARING": sharing, "BORROWED": borrowed})
     compile_for_hopper("merged shares", selected._merge_shares, {
         "out_ptr": "*fp32", "lse_ptr": "*fp32", "base_o_ptr": "*fp32", "base_lse_ptr": "*fp32", "o_ptr": "*fp32",
-        "o_lse_ptr": "*fp32", "num_heads": "i32", "group": "i32"}, {"SHARES": 17, "ROWS": 16, "DIM": 128, "BASE": True})
+        "o_lse_ptr": "*fp32", "num_heads": "i32", "group": "i32"}, {"SHARES": 17, "SLOTS": 32, "ROWS": 16, "DIM": 128,
+                                                              "BASE": True})
 
 
 if __name__ == "__main__":
