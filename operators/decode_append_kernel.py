@@ -53,10 +53,11 @@ def _place_row(src_ptr, dst_ptr, data_ptr, scales_ptr, at, groups,
 
 
 @triton.jit
-def _append_token(k_ptr, v_ptr, slot_ptr, wk_ptr, wv_ptr, w_head, w_token, members_ptr, kd_ptr, vd_ptr, ks_ptr,
-                  vs_ptr, stored_ptr, position_ptr, d_head, s_head,
+def _append_token(k_ptr, v_ptr, stride_k, stride_v, slot_ptr, wk_ptr, wv_ptr, w_head, w_token, members_ptr, kd_ptr,
+                  vd_ptr, ks_ptr, vs_ptr, stored_ptr, position_ptr, d_head, s_head,
                   DIM: tl.constexpr, QUANT: tl.constexpr, STORE: tl.constexpr):
-    """Member b's kv head h: its key and value rows into its window at its token slot and into
+    """Member b's kv head h: its key and value rows (member b's at stride_k * b, stride_v * b:
+    views of the layer's products, read in place) into its window at its token slot and into
     its stored tables at its token position; member b's buffers at their offsets from member 0's."""
     h, b = tl.program_id(0), tl.program_id(1)
     num_kv = tl.num_programs(0)
@@ -73,9 +74,10 @@ def _append_token(k_ptr, v_ptr, slot_ptr, wk_ptr, wv_ptr, w_head, w_token, membe
         vs_ptr += tl.load(stored_ptr + 4 * b + 3)
         position = tl.load(position_ptr + b)
         row, scale_row = row + position * DIM, scale_row + position * (DIM // 32)
-    src = (b * num_kv + h) * DIM
-    _place_row(k_ptr + src, wk_ptr + window, kd_ptr + row, ks_ptr + scale_row, at, groups, DIM, QUANT, STORE)
-    _place_row(v_ptr + src, wv_ptr + window, vd_ptr + row, vs_ptr + scale_row, at, groups, DIM, QUANT, STORE)
+    k_ptr += b * stride_k + h * DIM
+    v_ptr += b * stride_v + h * DIM
+    _place_row(k_ptr, wk_ptr + window, kd_ptr + row, ks_ptr + scale_row, at, groups, DIM, QUANT, STORE)
+    _place_row(v_ptr, wv_ptr + window, vd_ptr + row, vs_ptr + scale_row, at, groups, DIM, QUANT, STORE)
 
 
 def kernel_applies(kv_type: str, head_dim: int) -> bool:
@@ -137,7 +139,9 @@ def append_token(k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, keys: tor
                 raise ValueError("the stored scales of keys and values must share one layout with contiguous rows")
     to = stored if stored is not None else StoredRows(keys, values, None, None, slot)  # placeholders, never written
     scales = (to.k_scales, to.v_scales) if quant else (slot, slot)
-    _append_token[(num_kv, batch)](k.contiguous(), v.contiguous(), slot, keys, values, keys.stride(0),
+    # each member's heads one after another (the products' views are): read in place, not copied
+    k, v = (t if t.stride(2) == 1 and t.stride(1) == dim else t.contiguous() for t in (k, v))
+    _append_token[(num_kv, batch)](k, v, k.stride(0), v.stride(0), slot, keys, values, keys.stride(0),
                                    keys.stride(1), members, to.k, to.v, *scales,
                                    stored_members if stored is not None else members, to.position,
                                    to.k.stride(0), scales[0].stride(0) if quant else 0,

@@ -48,7 +48,8 @@ def main():
     compile_for_hopper("window shares", window._sum_shares, {"share_ptr": "*fp32", "out_ptr": "*fp32", "group": "i32",
                                                              "parts": "i32"}, {"ROWS": 16, "DIM": 128, "PARTS": 32})
     compile_for_hopper("append", append._append_token, {
-        "k_ptr": "*bf16", "v_ptr": "*bf16", "slot_ptr": "*i64", "wk_ptr": "*bf16", "wv_ptr": "*bf16", "w_head": "i32",
+        "k_ptr": "*bf16", "v_ptr": "*bf16", "stride_k": "i32", "stride_v": "i32", "slot_ptr": "*i64",
+        "wk_ptr": "*bf16", "wv_ptr": "*bf16", "w_head": "i32",
         "w_token": "i32", "members_ptr": "*i64", "kd_ptr": "*i8", "vd_ptr": "*i8", "ks_ptr": "*i16", "vs_ptr": "*i16",
         "stored_ptr": "*i64", "position_ptr": "*i64", "d_head": "i32", "s_head": "i32"},
         {"DIM": 128, "QUANT": True, "STORE": True})

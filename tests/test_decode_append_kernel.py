@@ -59,8 +59,8 @@ def test_formats_the_kernel_takes():
 @pytest.mark.parametrize("kv_type", ["bf16", "q8_0"])
 def test_one_launch_for_a_batch_writes_each_members_rows(kv_type):
     """Three conversations, separate window buffers and stored tables (as each decoder's are),
-    each with its own slot and position: one call over the batch writes what each member's own
-    call writes, and nothing else."""
+    each with its own slot and position: one call over the batch (its rows views of the layer's
+    product) writes what each member's own call writes, and nothing else."""
     g = torch.Generator().manual_seed(11)
     num_kv, dim, tokens, stored_tokens = 2, 64, 24, 8
     to = dict(device=DEVICE)
@@ -85,7 +85,12 @@ def test_one_launch_for_a_batch_writes_each_members_rows(kv_type):
         alone.append((w, d, s))
     rows = [StoredRows(d[0], d[1], None if s is None else s[0], None if s is None else s[1], positions)
             for _, d, s in batch]
-    append_token(k.to(**to), v.to(**to), slots, batch[0][0][0], batch[0][0][1],
+    # the batch's rows as the layer gives them: views of one product [B, (q, k, v) heads * dim], read in place
+    fused = torch.cat([torch.zeros(3, 4 * dim, dtype=k.dtype), k.reshape(3, -1), v.reshape(3, -1)], 1).to(**to)
+    k_view = fused[:, 4 * dim:(4 + num_kv) * dim].view(3, num_kv, dim)
+    v_view = fused[:, (4 + num_kv) * dim:].view(3, num_kv, dim)
+    assert not k_view.is_contiguous()
+    append_token(k_view, v_view, slots, batch[0][0][0], batch[0][0][1],
                  member_offsets([w[0] for w, _, _ in batch], [w[1] for w, _, _ in batch]), rows[0],
                  stored_offsets(rows, batch[0][0][0].device))
     if DEVICE == "cuda":
