@@ -77,9 +77,10 @@ into when the tables are not pinned (maps_files).
 
     K and V ask for huge pages only where the CPU reads them (not pinned): the CPU's scattered
     block reads miss its TLB on small pages, where the GPU's reads over PCIe do not go through it.
-    And asked for, huge pages make Linux compact memory at every fault once DRAM is nearly full:
-    a 1M prompt's prefill beside four decoding streams on an H200 took 234 s with them (54,313
-    compaction stalls), 107 s without (docs/measurements/2026-12-01-serving.md).
+    And asked for, a huge page may make a fault wait for Linux to compact memory once DRAM is
+    nearly full: a 1M prompt's prefill beside four decoding streams on an H200 took 234 s in a
+    run with 54,313 compaction stalls, 108 s in the next with none, both asking (the second was
+    meant not to: docs/measurements/2026-12-01-serving.md); a small page never waits for that.
     """
 
     def __init__(self, layout: KVLayout, pin: bool, prefix: tuple["HostKVCache", int] | None = None):
