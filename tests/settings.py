@@ -44,3 +44,16 @@ def flashprefill_settings(**options) -> CompactParams:
 def with_anchors(layout: KVLayout, settings: SelectionSettings) -> KVLayout:
     """The layout keeps the anchor keys these decode settings select with (as plan_session does)."""
     return dataclasses.replace(layout, anchor_type=settings.anchor_type, anchor_num=settings.anchor_num)
+
+
+def selection_kernels_as_on_a_gpu(monkeypatch):
+    """The device selection's Triton kernels (scores, rows) where the anchors are linear, as a GPU
+    runs them (Triton's interpreter on the CPU); but torch's top-k: the interpreter takes 1.6 s a
+    call of block_topk's sorts (which tests/test_block_topk_kernel.py holds equal to torch's)."""
+    from ktlong.decode import device_selection
+    from operators import block_topk_kernel
+    from operators.block_scores_kernel import kernel_applies
+
+    monkeypatch.setattr(device_selection, "_kernels_apply", lambda anchors, selector, device: kernel_applies(
+        selector.num_anchors, anchors.quest, selector.host.layout.head_dim))
+    monkeypatch.setattr(block_topk_kernel, "kernel_applies", lambda num_scores, k: False)

@@ -12,7 +12,7 @@ import torch
 from ktlong.decode.batch import DecodeBatch
 from ktlong.kv.layout import kv_layout
 from ktlong.session.long_context import LongContextSession
-from tests.settings import selection, with_anchors
+from tests.settings import selection, selection_kernels_as_on_a_gpu, with_anchors
 from tests.tiny_gguf import TinySpec, tiny_model
 
 B = 16
@@ -76,17 +76,8 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_a_batch_with_joins_and_leaves_equals_each_conversation_alone(tiny, case, monkeypatch):
     kv_type, options = CASES[case]
-    if options.get("context_attention") == "gpu":  # the selection's kernels, as a GPU runs them
-        from ktlong.decode import device_selection
-        from operators.block_scores_kernel import kernel_applies
-
-        monkeypatch.setattr(device_selection, "_kernels_apply", lambda anchors, selector, device: kernel_applies(
-            selector.num_anchors, anchors.quest, selector.host.layout.head_dim))
-        # but torch's top-k: the interpreter takes 1.6 s a call of block_topk's sorts (which
-        # tests/test_block_topk_kernel.py holds equal to torch's), about 110 calls here
-        from operators import block_topk_kernel
-
-        monkeypatch.setattr(block_topk_kernel, "kernel_applies", lambda num_scores, k: False)
+    if options.get("context_attention") == "gpu":  # the selection's kernels, as a GPU runs them (but torch's top-k)
+        selection_kernels_as_on_a_gpu(monkeypatch)
     settings = dataclasses.replace(selection(second_select_num=3, preselect_block=False, dense_layer_num=0),
                                    **options)
     # alone: each conversation decodes its tokens by itself

@@ -134,17 +134,12 @@ def test_a_batch_with_the_drift_on_the_device_path_steps_as_each_conversation_al
     launch for both), each with its own drift, give each one's logits alone with the same drift,
     and the drift did change what was read."""
     from ktlong.bench.device_drift import DeviceDrift
-    from ktlong.decode import device_selection
     from ktlong.decode.batch import DecodeBatch
-    from operators import block_topk_kernel
-    from operators.block_scores_kernel import kernel_applies
+    from tests.settings import selection_kernels_as_on_a_gpu
     from tests.test_dram_blocks import session
     from tests.tiny_gguf import TinySpec, tiny_model
 
-    monkeypatch.setattr(device_selection, "_kernels_apply", lambda anchors, selector, device: kernel_applies(
-        selector.num_anchors, anchors.quest, selector.host.layout.head_dim))
-    # but torch's top-k: the interpreter's sorts are slow
-    monkeypatch.setattr(block_topk_kernel, "kernel_applies", lambda num_scores, k: False)
+    selection_kernels_as_on_a_gpu(monkeypatch)
     calls = []
     batched = DeviceDrift.__call__
     monkeypatch.setattr(DeviceDrift, "__call__", lambda self, selections, j: (calls.append(len(selections)),
