@@ -432,10 +432,12 @@ def _captured(work, device: torch.device, pool=None) -> "torch.cuda.CUDAGraph":
     """work() captured into a CUDA graph (its memory from `pool`, shared with other graphs, if
     given), on a stream of its own with nothing queued. torch.cuda.graph would first synchronise
     the device, collect Python's garbage and empty the allocator's cache: beside a prefill's
-    chunks that made a join into a running batch take 2.1-2.6 s on the H200."""
+    chunks that made a join into a running batch take 2.1-2.6 s on the H200. Only this thread's
+    calls are checked during the capture (thread_local): a prefill's commit helper page-locks
+    DRAM on its own thread meanwhile, which in the global mode invalidates the capture."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(torch.cuda.Stream(device)):
-        graph.capture_begin(*(() if pool is None else (pool,)))
+        graph.capture_begin(pool, capture_error_mode="thread_local")
         try:
             work()
         finally:

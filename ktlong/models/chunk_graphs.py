@@ -106,7 +106,9 @@ class ChunkGraphs:
         for layer in layers:
             for part, graphs in ((before, bucket.before), (after, bucket.after)):
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                # thread_local: the commit helper page-locks DRAM on its own thread meanwhile, which
+                # in the global mode invalidates the capture (a GPU test failed so at 78182e4)
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     part(layer)
                 pool = graph.pool()
                 graphs.append(graph)
