@@ -8,7 +8,7 @@ import contextlib
 import types
 
 import ktlong.session.sliced_prefill as sliced_prefill
-from ktlong.session.sliced_prefill import AHEAD, SlicedPrefill
+from ktlong.session.sliced_prefill import AHEAD, SlicedPrefill, prefill_sms
 
 
 class Device:
@@ -161,3 +161,49 @@ def test_the_prefills_own_time_is_counted_as_work_or_waits_and_never_the_owners(
     assert p.result == "logits"
     assert p.work_seconds >= 0.09
     assert p.work_seconds + p.wait_seconds < 0.09 + 0.1  # none of the owner's 0.3 s
+
+
+def test_the_sms_kept_for_decode_steps_leave_the_prefill_a_multiple_of_eight():
+    """decode_sm_share of a GPU's SMs: the prefill beside decode steps gets the rest, rounded down
+    to a green context's granularity (8), or no partition at all."""
+    assert prefill_sms(0.15, 132) == 112  # the H200: 112.2 -> 112, 20 SMs kept for the steps
+    assert prefill_sms(0.05, 132) == 120  # 125.4 -> 120
+    assert prefill_sms(0.9, 132) == 8  # 13.2 -> 8
+    assert prefill_sms(0.01, 16) == 8  # 15.84 -> 8
+    assert prefill_sms(0.0, 132) == 0  # a share of 0: every SM shared
+    assert prefill_sms(0.15, 8) == 0  # 6.8: fewer than 8 left to the prefill
+
+
+def test_a_prefill_beside_decode_steps_runs_on_the_green_context_and_alone_on_every_sm(monkeypatch, capsys):
+    """The stream is chosen when the prefill is made: the device's green context of `sms` SMs
+    (made once) when the owner has work beside it, a stream on every SM when not or when sms is
+    0; a driver that refuses the green context gives every SM, said once."""
+    device = Device()
+    made = []
+
+    class GreenContext:
+        @staticmethod
+        def create(num_sms, device_id):
+            made.append((num_sms, device_id))
+            if refuse:
+                raise RuntimeError("CUDA driver too old for green contexts\nmore")
+            return types.SimpleNamespace(Stream=lambda: "green")
+
+    device.GreenContext, device.current_device = GreenContext, lambda: 0
+    plain = device.Stream
+    device.Stream = lambda _device=None: ("every SM", plain())
+    monkeypatch.setattr(sliced_prefill, "torch", types.SimpleNamespace(cuda=device))
+    monkeypatch.setattr(sliced_prefill, "_GREEN", {})
+    cuda = types.SimpleNamespace(type="cuda", index=None)
+    refuse = False
+    assert SlicedPrefill(lambda pause: None, 0.0, lambda: True, cuda, 112).stream == "green"
+    assert SlicedPrefill(lambda pause: None, 0.0, lambda: True, cuda, 112).stream == "green"
+    assert made == [(112, 0)]  # one context for the device
+    assert SlicedPrefill(lambda pause: None, 0.0, lambda: False, cuda, 112).stream[0] == "every SM"
+    assert SlicedPrefill(lambda pause: None, 0.0, lambda: True, cuda, 0).stream[0] == "every SM"
+    monkeypatch.setattr(sliced_prefill, "_GREEN", {})
+    refuse = True
+    for _ in range(2):
+        assert SlicedPrefill(lambda pause: None, 0.0, lambda: True, cuda, 112).stream[0] == "every SM"
+    assert capsys.readouterr().err == ("[no green context (CUDA driver too old for green contexts): a prefill beside "
+                                       "decode steps shares every SM]\n")

@@ -261,7 +261,8 @@ class Worker:
             return self.session.prefill(job.prompt_ids, False, should_stop, reply.progress if job.progress else None,
                                         alone=not self.rows, answer_room=answer_room)
 
-        sliced = SlicedPrefill(run, self.slice_seconds, lambda: bool(self.rows), getattr(self.session, "device", None))
+        sliced = SlicedPrefill(run, self.slice_seconds, lambda: bool(self.rows), getattr(self.session, "device", None),
+                               getattr(self.session, "prefill_sms", 0))
         self.prefilling = Prefilling(reply, sliced, cached_from, admitted, time.perf_counter() - admitted)
 
     def _prefill_slice(self):

@@ -46,7 +46,7 @@ class LongContextSession:
                  hidden_on_device: bool, compact: CompactParams | None, selection: SelectionSettings,
                  local_windows_len: int, use_cuda_graph: bool, follow_up_headroom: int | None = None,
                  prefill_headroom: int | None = None, resident_history: bool = True, decoder_bytes: int = 0,
-                 max_seq_len: int | None = None, anchors_pool: int | None = None):
+                 max_seq_len: int | None = None, anchors_pool: int | None = None, prefill_sms: int = 0):
         """max_seq_len: the most tokens a conversation holds (default: the layout's capacity, which
         kv_layout rounds up to whole pages). follow_up_headroom: device bytes the plan leaves
         beside a decoder (its window, anchors and graphs), within which a follow-up's prefill
@@ -57,8 +57,9 @@ class LongContextSession:
         resident_history, layers' history on the device for the next follow-up
         (ktlong/kv/resident.py): the session's conversation's first, then what is left for the
         handed-over ones' own. anchors_pool: the device bytes every decoder's anchors share
-        (ktlong/session/anchors_pool.py; None: no limit). backend and selection: resolved, as
-        the plan resolves them (from_plan)."""
+        (ktlong/session/anchors_pool.py; None: no limit). prefill_sms: the SMs a server's prefill
+        beside decode steps runs on (0: every SM; ktlong/session/sliced_prefill.py). backend and
+        selection: resolved, as the plan resolves them (from_plan)."""
         window = model.config.sliding_window
         assert not window or local_windows_len >= min(window, layout.capacity), "Config.local_window_for"
         assert tuple(layout.sliding) == tuple(model.config.sliding_layers), "use model_kv_layout"
@@ -66,7 +67,7 @@ class LongContextSession:
             layout.capacity, local_windows_len + layout.block_size), "the DRAM tail must cover the device window"
         self.selection, self.local_windows_len = selection, local_windows_len
         self.use_cuda_graph, self.follow_up_headroom = use_cuda_graph, follow_up_headroom
-        self.prefill_headroom = prefill_headroom
+        self.prefill_headroom, self.prefill_sms = prefill_headroom, prefill_sms
         self.model, self.layout = model, layout
         self.max_seq_len = min(max_seq_len or layout.capacity, layout.capacity)
         self.engine = LayerMajorPrefill(model, layout, chunk_size, backend, hidden_on_device, compact, use_cuda_graph)
@@ -100,7 +101,7 @@ class LongContextSession:
                                         if plan.is_gpu else None),
                       resident_history=plan.resident_history,
                       decoder_bytes=plan.memory.decoder, max_seq_len=plan.max_seq_len,
-                      anchors_pool=plan.memory.anchors_pool if plan.is_gpu else None)
+                      anchors_pool=plan.memory.anchors_pool if plan.is_gpu else None, prefill_sms=plan.prefill_sms)
         session.warm_up()
         return session
 

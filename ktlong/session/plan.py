@@ -28,6 +28,7 @@ from ktlong.kv.memory_plan import GIB, MemoryPlan, available_dram_bytes, check_p
 from ktlong.prefill import resolve_backend
 from ktlong.session.chunked import resolve_chunk_size
 from ktlong.session.settings import compact_params, selection_settings, split_arm
+from ktlong.session.sliced_prefill import green_contexts_supported, prefill_sms
 from operators.compact_attention import CompactParams
 from operators.kv_quant import QUANTIZED
 
@@ -55,13 +56,15 @@ class SessionPlan:
     torch_threads: int  # torch's, when threads_num asks for a number; 0: torch's own default
     resident_history: bool
     max_num_seqs: int  # conversations decoded together, each sized by the memory plan
+    prefill_sms: int  # the SMs a prefill runs on beside decode steps (decode_sm_share); 0: every SM
 
     def describe(self) -> str:
         s, c = self.selection, self.compact
         prefill = (f"compact ({c.selector}, keep_blocks {c.keep_blocks}, dense_above {c.dense_above}, "
                    f"{c.prefill_dense_layer_num} dense layers)" if c is not None else "dense")
         lines = [f"[plan for max_seq_len {self.max_seq_len:,} on {self.device} ({str(self.dtype).removeprefix('torch.')})]",
-                 f"  prefill: {prefill}, chunk {self.chunk_size}, attention backend {self.attention_backend}",
+                 f"  prefill: {prefill}, chunk {self.chunk_size}, attention backend {self.attention_backend}"
+                 + (f"; beside decode steps on {self.prefill_sms} SMs" if self.prefill_sms else ""),
                  f"  KV cache: {self.kv_type} in DRAM, block {self.layout.block_size}, device window "
                  f"{self.local_windows_len} tokens",
                  f"  decode: top {s.second_select_num} blocks by {s.anchor_type} anchors ({s.head_select_mode}), "
@@ -123,6 +126,14 @@ def resolve_selection(settings: SelectionSettings, device: torch.device, layout:
                                context_attention=where)
 
 
+def resolve_prefill_sms(share: float, device: torch.device) -> int:
+    """decode_sm_share: the SMs a prefill beside decode steps runs on (ktlong/session/sliced_prefill.py),
+    on a GPU where torch makes green contexts; 0 (every SM) elsewhere."""
+    if device.type != "cuda" or not share or not green_contexts_supported():
+        return 0
+    return prefill_sms(share, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
 def apply_threads(threads: int, torch_threads: int = 0):
     """The start-up step that sets the CPU threads: the decode operator's, and torch's when a
     number was asked for (0 leaves torch's default, every core)."""
@@ -152,4 +163,5 @@ def plan_session(config: Config, model_config: ModelConfig, num_weight_elements:
                        max_seq_len, budget, is_gpu, local_windows_len, chunk_size,
                        resolve_backend(config.attention_backend, device, model_config.head_dim, layout.dtype),
                        compact_params(config, prefill), selection, decode_threads(config.threads_num),
-                       config.threads_num, config.resident_history, config.max_num_seqs)
+                       config.threads_num, config.resident_history, config.max_num_seqs,
+                       resolve_prefill_sms(config.decode_sm_share, device))
