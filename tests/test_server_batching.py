@@ -170,6 +170,12 @@ def test_a_stream_keeps_going_while_a_long_prompt_prefills(server, lm):
         seconds, in_slice, at_work, waits = (int(x) / 1000 for x in step[:4])
         assert in_slice <= seconds + 0.001 and at_work + waits <= in_slice + 0.002
         assert seconds <= max(gaps) + 0.05
+    # and how many steps went over 100 ms, by what most of each was: as many as its parts, and at
+    # least the longest ones named over 100 ms
+    over = re.search(r"; (\d+) over 100 ms((?:, \d+ mostly [a-z' ]+)*)\)", line)
+    parts = [int(n) for n in re.findall(r", (\d+) mostly", over[2])]
+    assert sum(parts) == int(over[1]) <= steps
+    assert int(over[1]) >= sum(int(step[0]) > 100 for step in longest)
 
 
 def test_each_answer_keeps_its_own_options_inside_a_batch(server, lm):

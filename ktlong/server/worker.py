@@ -46,6 +46,7 @@ from ktlong.session.sliced_prefill import SlicedPrefill, decode_first
 
 SETUP_PARTS_FROM = 0.5  # seconds of a decoder's setup from which the log names its parts
 LONGEST = 3  # the longest steps beside a prefill that the log names
+LONG_STEP = 0.1  # a step beside a prefill longer than this is counted by what it was spent on
 
 
 class QueueFull(Exception):
@@ -67,6 +68,9 @@ class Prefilling:
     # the LONGEST steps beside it (what the streams waited between two tokens), each as
     # (seconds, its slice's, the prefill thread's work and waits in it, its chunk boundary at the end)
     longest: list = field(default_factory=list)
+    # steps over LONG_STEP, by the most of their time: the prefill thread's work, its waits for the
+    # device, or the step's own (what the p99 between tokens is made of)
+    long_steps: Counter = field(default_factory=Counter)
 
     def count(self, seconds: float, in_slice: float, work: float, waits: float):
         """One step beside the prefill, of `seconds` in all, `in_slice` of them its slice."""
@@ -75,6 +79,9 @@ class Prefilling:
         self.slice_seconds += in_slice
         self.longest = sorted(self.longest + [(seconds, in_slice, work, waits, self.prefill.boundaries)],
                               reverse=True)[:LONGEST]
+        if seconds > LONG_STEP:
+            parts = {"its thread's work": work, "its thread's waits": waits, "the step's own": seconds - in_slice}
+            self.long_steps[max(parts, key=parts.get)] += 1
 
     def account(self) -> str:
         """How its steps' time went, for the log line of its end."""
@@ -83,7 +90,9 @@ class Prefilling:
         return (f"beside {self.steps} decode steps of {self.step_seconds * 1000 / self.steps:.1f} ms each, its "
                 f"slices {self.slice_seconds * 1000 / self.steps:.1f} ms a step; its thread "
                 f"{self.prefill.work_seconds:.1f} s at work, {self.prefill.wait_seconds:.1f} s waiting for the "
-                f"device; the longest steps {longest}")
+                f"device; the longest steps {longest}; {sum(self.long_steps.values())} over "
+                f"{LONG_STEP * 1000:.0f} ms" + "".join(f", {n} mostly {what}" for what, n in
+                                                      sorted(self.long_steps.items(), key=lambda kv: -kv[1])))
 
 
 @dataclass
