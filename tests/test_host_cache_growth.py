@@ -83,9 +83,44 @@ def test_a_cache_made_on_a_shared_prefix_holds_none_of_its_own_until_it_reserves
     source.reserve(2 * g * LAYOUT.block_size)
     source.advance(2 * g * LAYOUT.block_size)
     made = HostKVCache(LAYOUT, pin=False, prefix=(source, g))
-    assert set(made.committed.values()) == {g} and made.dram_bytes == 0 and made.shared_bytes == g * PER_BLOCK
+    assert set(made.committed.values()) == {0} and made.dram_bytes == 0 and made.shared_bytes == g * PER_BLOCK
     made.reserve(made.num_tokens + 1)  # its own blocks past the prefix
-    assert made.dram_bytes == (made.committed[0] - g) * PER_BLOCK
+    assert made.committed[0] > g and made.dram_bytes == (made.committed[0] - g) * PER_BLOCK
+
+
+def test_sharing_locks_nothing_and_the_caches_next_reservation_locks_the_prefix_without_zeroing_it(monkeypatch):
+    """A join that shares a document maps its pages and returns: page-locking them (1.4-2.0 s for
+    a 128K document at 8B shapes, every stream waiting) is left to the cache's next reservation,
+    a prefill's commit helper: that locks the prefix's pages with its own, in the same bounded
+    pieces, and zeroes only its own blocks."""
+    from ktlong.kv import host_cache, pinned
+
+    locked = []
+    monkeypatch.setattr(pinned, "pin_in_place", lambda t: locked.append((t.data_ptr(), t.numel() * t.element_size())))
+    monkeypatch.setattr(pinned.PinnedTensors, "_unlock", lambda self: None)
+    monkeypatch.setattr(pinned.torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(host_cache, "PIN_PIECE_BYTES", 1 << 20)
+    g = granularity(LAYOUT)
+    source = HostKVCache(LAYOUT, pin=True)
+    source.reserve(3 * g * LAYOUT.block_size)
+    for t in source.shared_tables():
+        t[:, :3 * g] = 7
+    source.advance(3 * g * LAYOUT.block_size)
+    made = HostKVCache(LAYOUT, pin=True)
+    locked.clear()
+    made.share(source, 2 * g)
+    mine = [(p, n) for p, n in locked if any(t.data_ptr() <= p < t.data_ptr() + t.numel() * t.element_size()
+                                             for t in made.shared_tables())]
+    assert mine == [] and set(made.committed.values()) == {0}  # mapped, not locked
+    made.reserve(3 * g * LAYOUT.block_size)
+    for t in made.shared_tables():
+        blocks = made.committed[1]
+        for h in range(t.shape[0]):
+            start, size = t[h].data_ptr(), t[h, :blocks].numel() * t.element_size()
+            pieces = sorted((p, n) for p, n in locked if start <= p < start + size)
+            assert pieces[0][0] == start and sum(n for _, n in pieces) == size  # the prefix's pages too
+        assert (t[:, :2 * g] == 7).all() and not t[:, 2 * g:blocks].any()  # the prefix kept, its own zeroed
+    source._pinned._tensors = made._pinned._tensors = []  # nothing was locked: nothing to unlock
 
 
 def test_a_prefill_reserving_a_chunk_at_a_time_grows_in_bounded_pieces_and_ends_where_one_reservation_would():
