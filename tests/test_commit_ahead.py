@@ -28,10 +28,10 @@ def test_the_prefills_thread_grows_no_table_and_each_layer_grows_once_whole(tiny
     grown, written = [], []  # (layer, blocks, thread) per growth; (layer, committed then) per chunk written
     grow, offload = HostKVCache._grow, LayerMajorPrefill._offload
 
-    def recording_grow(self, layer, blocks, zero, pace):
+    def recording_grow(self, layer, blocks, pace):
         grown.append((layer, blocks, threading.current_thread().name))
         time.sleep(0.02)  # a slow commit: the prefill must still wait for it
-        grow(self, layer, blocks, zero, pace)
+        grow(self, layer, blocks, pace)
 
     def recording_offload(self, layer, q, s, e, run):
         written.append((layer, e, run.host.committed[layer]))

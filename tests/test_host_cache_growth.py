@@ -90,9 +90,9 @@ def test_a_cache_made_on_a_shared_prefix_holds_none_of_its_own_until_it_reserves
 
 def test_sharing_locks_nothing_and_the_caches_next_reservation_locks_the_prefix_without_zeroing_it(monkeypatch):
     """A join that shares a document maps its pages and returns: page-locking them (1.4-2.0 s for
-    a 128K document at 8B shapes, every stream waiting) is left to the cache's next reservation,
-    a prefill's commit helper: that locks the prefix's pages with its own, in the same bounded
-    pieces, and zeroes only its own blocks."""
+    a 128K document at 8B shapes, every stream waiting) is left to the cache's next reservation
+    (its prefill's first, a piece at a time between its slices): that locks the prefix's pages
+    with its own, in the same bounded pieces, and zeroes only its own blocks."""
     from ktlong.kv import host_cache, pinned
 
     locked = []

@@ -140,3 +140,47 @@ def test_a_sharing_conversation_saves_and_loads_as_any_other(tiny, tmp_path):
     for a, b in zip(loaded, saved):
         assert torch.equal(a, b)
     assert torch.equal(one.host.k[0], source_k) and torch.equal(holder.host.k[0][:, :32], source_k[:, :32])
+
+
+def test_a_joined_documents_pages_are_held_before_its_prefill_reads_them_a_piece_at_a_time(tiny, monkeypatch):
+    """Sharing maps the document's pages and holds none of them (HostKVCache._hold: page-locking
+    a 128K document's pages at the join held every stream for seconds); the prefill that follows
+    reserves them first, asking should_stop after each piece (where a sliced prefill hands back
+    to the decode steps), before its engine reads a layer; a stop asked there ends it with the
+    cache forgotten, the source untouched."""
+    from ktlong.errors import Cancelled
+    from ktlong.kv import host_cache
+
+    settings = selection(second_select_num=3, preselect_block=False, dense_layer_num=0)
+    session = session_for(tiny, settings)
+    session.prefill(FIRST)
+    one = session.detach(HostKVCache(session.layout, pin=False))
+    source_k = one.host.k[0].clone()
+    pieces = []
+    grow = host_cache.HostKVCache._grow
+    monkeypatch.setattr(host_cache.HostKVCache, "_grow",
+                        lambda self, layer, blocks, pace: grow(self, layer, blocks, lambda: (pieces.append(layer),
+                                                                                              pace())))
+    for stop_at in (None, 3):
+        if stop_at is not None:  # the last question's conversation leaves: an empty cache again
+            session.detach(HostKVCache(session.layout, pin=False))
+        assert session.share(one, SECOND) == 512
+        assert set(session.host.committed.values()) == {0}  # mapped, nothing held yet
+        pieces.clear()
+        asked, seen = [], {}
+        run = session.engine.run
+
+        def engine_run(*args, **kwargs):
+            seen["committed"], seen["asked"] = dict(session.host.committed), len(asked)
+            return run(*args, **kwargs)
+        monkeypatch.setattr(session.engine, "run", engine_run)
+        should_stop = lambda: asked.append(1) or len(asked) == stop_at  # noqa: E731
+        if stop_at is None:
+            session.prefill(SECOND, should_stop=should_stop)
+            assert min(seen["committed"].values()) >= 32  # the shared blocks held before the engine ran
+            assert seen["asked"] >= len(pieces) > len(session.layout.global_layers)  # asked after each piece
+        else:
+            with pytest.raises(Cancelled):
+                session.prefill(SECOND, should_stop=should_stop)
+            assert "committed" not in seen and session.host.num_tokens == 0 and session.host.shared is None
+        assert torch.equal(one.host.k[0], source_k)

@@ -147,9 +147,10 @@ into when the tables are not pinned (maps_files).
 
     def _hold(self, prefix: SharedPrefix, blocks: int):
         """The files' pages under this cache's leading blocks, mapped now and page-locked where
-        it is reserved next (`reserve`, which never zeroes them): a prefill's commit helper, or a
-        decode step's. Locked here, the 9 GiB of a 128K document at 8B shapes (2.4 M small
-        pages) took 1.4-2.0 s of the server's thread at each join, every stream waiting."""
+        it is reserved next (`reserve`, which never zeroes them): the prefill that follows, a
+        piece at a time (LongContextSession.prefill), or a decode step. Locked here, the 9 GiB
+        of a 128K document at 8B shapes (2.4 M small pages) took 1.4-2.0 s of the server's
+        thread at each join, every stream waiting."""
         # marked first: a remap that fails half-way leaves ranges of the files under this cache,
         # which reset() then maps private again before anything is written there
         self.shared, self.shared_blocks = prefix, blocks

@@ -321,6 +321,10 @@ class LongContextSession:
         progress = _ScaledProgress(bar, 1.0 / layers, should_stop, on_progress)
         self.last_prefill_tokens = len(new)
         try:
+            # a joined document's pages (HostKVCache._hold), page-locked before anything reads
+            # them, a piece at a time: a sliced prefill hands back to the decode steps between pieces
+            self.host.reserve(self.host.shared_blocks * self.layout.block_size, pace=progress.pace)
+            progress.check()
             logits, self.last_stats = self.engine.run(new, self.host, progress, history, prefetch, self.resident)
         except Cancelled:
             self.reset()
@@ -400,10 +404,17 @@ class _ScaledProgress:
     def __init__(self, bar, scale, should_stop=None, on_progress=None):
         self.bar, self.scale, self.done, self.should_stop = bar, scale, 0.0, should_stop
         self.on_progress = on_progress
+        self.stopping = False  # should_stop said so at a `pace`
+
+    def pace(self):
+        """Ask should_stop (a sliced prefill hands back there) inside work that cannot stop half-way;
+        the next `check` raises if it said so."""
+        self.stopping = self.stopping or (self.should_stop is not None and self.should_stop())
 
     def check(self):
-        """Raise Cancelled if should_stop says so."""
-        if self.should_stop is not None and self.should_stop():
+        """Raise Cancelled if should_stop says so (now, or at a pace before)."""
+        self.pace()
+        if self.stopping:
             raise Cancelled
 
     def update(self, n):
