@@ -53,7 +53,7 @@ AHEAD = 3  # chunks of a prefill in flight on the device at most while decode st
 # hand back to its owner instead of waiting for it
 POLL_SECONDS = 0.0002
 GRANULE = 8  # a green context's SMs come in multiples of this (Hopper's granularity)
-_GREEN: dict = {}  # a device's green context for prefills beside decode steps (or None: none), made once
+_GREEN: dict = {}  # (device, SMs) -> the green context for prefills beside decode steps (None: refused), made once
 
 
 def prefill_sms(share: float, total_sms: int) -> int:
@@ -78,15 +78,15 @@ def _stream(device: "torch.device", sms: int) -> "torch.cuda.Stream":
     of them (sms 0, or where the driver refuses the green context: said once)."""
     if not sms:
         return torch.cuda.Stream(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _GREEN:
+    key = (device.index if device.index is not None else torch.cuda.current_device(), sms)
+    if key not in _GREEN:
         try:
-            _GREEN[index] = torch.cuda.GreenContext.create(num_sms=sms, device_id=index)
+            _GREEN[key] = torch.cuda.GreenContext.create(num_sms=sms, device_id=key[0])
         except RuntimeError as e:
-            _GREEN[index] = None
+            _GREEN[key] = None
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
             print(f"[no green context ({reason}): a prefill beside decode steps shares every SM]", file=sys.stderr)
-    green = _GREEN[index]
+    green = _GREEN[key]
     return green.Stream() if green is not None else torch.cuda.Stream(device)
 
 
