@@ -64,7 +64,7 @@ class SessionPlan:
                    f"{c.prefill_dense_layer_num} dense layers)" if c is not None else "dense")
         lines = [f"[plan for max_seq_len {self.max_seq_len:,} on {self.device} ({str(self.dtype).removeprefix('torch.')})]",
                  f"  prefill: {prefill}, chunk {self.chunk_size}, attention backend {self.attention_backend}"
-                 + (f"; beside decode steps on {self.prefill_sms} SMs" if self.prefill_sms else ""),
+                 + (f"; beside decode steps on {self.prefill_sms or 'every'} SMs" if self.is_gpu else ""),
                  f"  KV cache: {self.kv_type} in DRAM, block {self.layout.block_size}, device window "
                  f"{self.local_windows_len} tokens",
                  f"  decode: top {s.second_select_num} blocks by {s.anchor_type} anchors ({s.head_select_mode}), "
@@ -128,7 +128,8 @@ def resolve_selection(settings: SelectionSettings, device: torch.device, layout:
 
 def resolve_prefill_sms(share: float, device: torch.device) -> int:
     """decode_sm_share: the SMs a prefill beside decode steps runs on (ktlong/session/sliced_prefill.py),
-    on a GPU where torch makes green contexts; 0 (every SM) elsewhere."""
+    on a GPU where torch makes green contexts; 0 (every SM) elsewhere, which the plan's prefill
+    line says on a GPU."""
     if device.type != "cuda" or not share or not green_contexts_supported():
         return 0
     return prefill_sms(share, torch.cuda.get_device_properties(device).multi_processor_count)
