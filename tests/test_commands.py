@@ -411,7 +411,7 @@ def test_importing_ktlong_gives_the_gpu_allocator_expandable_segments_unless_set
 
 
 def test_bench_serve_quotes_the_servers_line_for_the_prefill_beside_the_streams(tmp_path):
-    from ktlong.bench.serve import beside_account
+    from ktlong.bench.serve import alone_queued, beside_account
 
     log = tmp_path / "server.log"
     beside = ("[answer: 1 tokens after 1,050,111 prompt tokens (none cached): queued 0.34 s, cache moved 0.00 s, "
@@ -422,8 +422,13 @@ def test_bench_serve_quotes_the_servers_line_for_the_prefill_beside_the_streams(
                    "[answer: 1902 tokens after 60,045 prompt tokens (60,044 cached from the dram): prefill 0.71 s "
                    "(beside 13 decode steps of 14.4 ms each, its slices 40.0 ms a step)]\n")
     assert beside_account(str(log)) == beside
+    # the same document alone: the last line of the longest prompt with nothing beside it
+    log.write_text(log.read_text() + "[answer: 1 tokens after 1,050,118 prompt tokens (none cached): queued 6.69 s, "
+                   "cache moved 0.00 s, prefill 98.19 s]\n")
+    assert alone_queued(str(log)) == 6.69
     log.write_text("[answer: 1 tokens after 12 prompt tokens]\n")
     assert beside_account(str(log)) == "" and beside_account(str(tmp_path / "missing.log")) == ""
+    assert alone_queued(str(log)) == 0.0 and alone_queued(str(tmp_path / "missing.log")) == 0.0
 
 
 def test_decode_bench_profiles_its_own_steps_after_each_rows_figures(monkeypatch, capsys):

@@ -20,8 +20,9 @@ is every client's tokens after its first, over the time from the first client's 
 the last client's last; the time between tokens pools
 every client's gaps between streamed chunks. With --long_chars, one more row: N clients
 decoding while another client sends a new document of that many characters (its prefill runs
-in slices between their steps): its time to the first token beside the same request alone,
-and the others' time between tokens while it prefills (they ask for up to 8,192 tokens and
+in slices between their steps): its time to the first token beside the same request alone
+(compared without the time that one waited in the queue while the first one's DRAM was freed,
+which the server's log gives), and the others' time between tokens while it prefills (they ask for up to 8,192 tokens and
 leave when its first token comes; the summary says how many were still decoding then). With
 --shared_document, every client asks about one document (a line of its own after it): the
 document alone is the cold request, and
@@ -217,6 +218,7 @@ def main(argv=None) -> int:
         finally:
             server.stop()
         account = beside_account(server.log_path) if args.long_chars else ""
+        queued = alone_queued(server.log_path) if args.long_chars else 0.0
     which = "one shared document" if args.shared_document else "each client's document"
     print(f"{model_id}, {' '.join(args.set) or 'defaults'}; {which} {args.chars:,} characters, "
           f"{args.tokens} tokens asked; max_num_seqs {seqs}")
@@ -224,11 +226,25 @@ def main(argv=None) -> int:
                  "cold TTFT s", "between tokens p50 ms", "p99 ms", "prompts cached from", "DRAM GiB"], rows)
     if args.long_chars:
         print(f"the new document's time to the first token: {beside:.2f} s beside {counts[-1]} decoding clients, "
-              f"{alone_ttft:.2f} s alone ({beside / alone_ttft:.2f}x); {through} of the {counts[-1]} clients decoded "
+              f"{alone_ttft:.2f} s alone, {queued:.2f} s of it in the queue while the first one's DRAM was freed "
+              f"({beside / (alone_ttft - queued):.2f}x of the rest); {through} of the {counts[-1]} clients decoded "
               f"until it came")
         if account:
             print(f"the server's log of its prefill: {account}")
     return 0
+
+
+def _answer_lines(log_path: str) -> list[str]:
+    try:
+        with open(log_path, errors="replace") as f:
+            return [line.strip() for line in f if line.startswith("[answer: ")]
+    except OSError:
+        return []
+
+
+def _prompt_tokens(line: str) -> int:
+    words = line.split(" prompt tokens")[0].split()
+    return int(words[-1].replace(",", "")) if words and words[-1].replace(",", "").isdigit() else -1
 
 
 def beside_account(log_path: str) -> str:
@@ -236,14 +252,20 @@ def beside_account(log_path: str) -> str:
     steps, their time and its slices', its decoder's setup: ktlong/server/worker.py), or "" if
     none. The longest: the clients' own answers end after it, and their prompts prefilled beside
     each other too."""
+    lines = [line for line in _answer_lines(log_path) if " decode steps of " in line]
+    return max(reversed(lines), key=_prompt_tokens) if lines else ""
+
+
+def alone_queued(log_path: str) -> float:
+    """Seconds the last prefill of the longest prompt with nothing beside it waited in the queue
+    (the new document sent again alone: it waits while the first one's DRAM is freed); 0 if the
+    log has none."""
+    lines = [line for line in _answer_lines(log_path) if " decode steps of " not in line]
+    if not lines:
+        return 0.0
+    line = max(reversed(lines), key=_prompt_tokens)
+    words = line.split(" queued ")
     try:
-        with open(log_path, errors="replace") as f:
-            lines = [line.strip() for line in f if " decode steps of " in line]
-    except OSError:
-        return ""
-
-    def prompt_tokens(line: str) -> int:
-        words = line.split(" prompt tokens")[0].split()
-        return int(words[-1].replace(",", "")) if words and words[-1].replace(",", "").isdigit() else -1
-
-    return max(reversed(lines), key=prompt_tokens) if lines else ""
+        return float(words[1].split(" s")[0]) if len(words) > 1 else 0.0
+    except ValueError:
+        return 0.0
