@@ -22,8 +22,9 @@ every client's gaps between streamed chunks. With --long_chars, one more row: N 
 decoding while another client sends a new document of that many characters (its prefill runs
 in slices between their steps): its time to the first token beside the same request alone
 (compared without the time that one waited in the queue while the first one's DRAM was freed,
-which the server's log gives), and the others' time between tokens while it prefills (they ask for up to 8,192 tokens and
-leave when its first token comes; the summary says how many were still decoding then). With
+which the server's log gives), and the others' time between tokens while it prefills (they ask
+for up to 8,192 tokens and leave when its first token comes; the summary says how many were
+still decoding then). With
 --shared_document, every client asks about one document (a line of its own after it): the
 document alone is the cold request, and
 the clients that join one that is answering share its blocks in DRAM ("prompts cached from":
