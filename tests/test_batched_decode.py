@@ -17,9 +17,10 @@ from tests.tiny_gguf import TinySpec, tiny_model
 
 B = 16
 PROMPTS = (200, 263, 150)  # tokens: three conversations of different lengths
-STEPS = 12
-# (first step, last step + 1) of each conversation in the batch, in the batch's own steps
-ACTIVE = ((0, STEPS), (3, 10), (0, 6))
+STEPS = 9
+# (first step, last step + 1) of each conversation in the batch, in the batch's own steps: the
+# second joins at step 2, the third leaves at 5 and the second at 7
+ACTIVE = ((0, STEPS), (2, 7), (0, 5))
 
 # the batch's kernels run here on CPU tensors, in Triton's interpreter, which tests/conftest.py
 # turns on only where there is no GPU; on a GPU, tests/test_gpu_batched_decode.py runs them
@@ -65,7 +66,7 @@ CASES = {
                                                                       layer_step=2, dense_layer_num=1)),
     # the selected blocks' kernel and the selection's (scores, top-k, rows: as on a GPU, in
     # Triton's interpreter here): one launch a layer for the batch, each conversation's own
-    # selection, copies and kept slots (80 s here: the one case of it); its dense layer reads every
+    # selection, copies and kept slots (50 s here: the one case of it); its dense layer reads every
     # block each conversation's anchors reach, and its anchors reach as far as its own prompt and
     # answer: selections and scores of different widths
     "q8_0, the device selects and reads": ("q8_0", dict(block_scoring="device", context_attention="gpu",
