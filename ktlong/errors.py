@@ -19,3 +19,10 @@ class ModelNotFoundError(KtlongError):
 
 class Cancelled(Exception):
     """The caller asked a prefill to stop (a client went away); not an error of the user's."""
+
+
+def first_line(e: BaseException, limit: int = 160) -> str:
+    """An exception's first line of text (its type's name where it has none), at most `limit`
+    characters: the reason in a one-line notice of something that fell back."""
+    text = str(e).strip()
+    return text.splitlines()[0][:limit] if text else type(e).__name__

@@ -6,6 +6,7 @@ import ctypes
 import mmap
 import os
 
+import pytest
 import torch
 
 from ktlong.kv.host_cache import GROWTH_BLOCKS, GROWTH_MAX_BLOCKS, HostKVCache, growth_step, reserved_blocks
@@ -88,11 +89,10 @@ def test_a_cache_made_on_a_shared_prefix_holds_none_of_its_own_until_it_reserves
     assert made.committed[0] > g and made.dram_bytes == (made.committed[0] - g) * PER_BLOCK
 
 
-def test_sharing_locks_nothing_and_the_caches_next_reservation_locks_the_prefix_without_zeroing_it(monkeypatch):
-    """A join that shares a document maps its pages and returns: page-locking them (1.4-2.0 s for
-    a 128K document at 8B shapes, every stream waiting) is left to the cache's next reservation
-    (its prefill's first, a piece at a time between its slices): that locks the prefix's pages
-    with its own, in the same bounded pieces, and zeroes only its own blocks."""
+@pytest.fixture
+def page_locks(monkeypatch):
+    """Page-locking simulated (no GPU here): each range a cache would lock, as (address, bytes), in
+    order; nothing is unlocked; pieces of at most 1 MiB (PIN_PIECE_BYTES)."""
     from ktlong.kv import host_cache, pinned
 
     locked = []
@@ -100,6 +100,21 @@ def test_sharing_locks_nothing_and_the_caches_next_reservation_locks_the_prefix_
     monkeypatch.setattr(pinned.PinnedTensors, "_unlock", lambda self: None)
     monkeypatch.setattr(pinned.torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(host_cache, "PIN_PIECE_BYTES", 1 << 20)
+    return locked
+
+
+def pieces_within(locked: list, t: torch.Tensor) -> list:
+    """The locked ranges that start inside tensor t's bytes, in address order."""
+    start, size = t.data_ptr(), t.numel() * t.element_size()
+    return sorted((p, n) for p, n in locked if start <= p < start + size)
+
+
+def test_sharing_locks_nothing_and_the_caches_next_reservation_locks_the_prefix_without_zeroing_it(page_locks):
+    """A join that shares a document maps its pages and returns: page-locking them (1.4-2.0 s for
+    a 128K document at 8B shapes, every stream waiting) is left to the cache's next reservation
+    (its prefill's first, a piece at a time between its slices): that locks the prefix's pages
+    with its own, in the same bounded pieces, and zeroes only its own blocks."""
+    locked = page_locks
     g = granularity(LAYOUT)
     source = HostKVCache(LAYOUT, pin=True)
     source.reserve(3 * g * LAYOUT.block_size)
@@ -109,16 +124,14 @@ def test_sharing_locks_nothing_and_the_caches_next_reservation_locks_the_prefix_
     made = HostKVCache(LAYOUT, pin=True)
     locked.clear()
     made.share(source, 2 * g)
-    mine = [(p, n) for p, n in locked if any(t.data_ptr() <= p < t.data_ptr() + t.numel() * t.element_size()
-                                             for t in made.shared_tables())]
-    assert mine == [] and set(made.committed.values()) == {0}  # mapped, not locked
+    assert not any(pieces_within(locked, t) for t in made.shared_tables())  # mapped, not locked
+    assert set(made.committed.values()) == {0}
     made.reserve(3 * g * LAYOUT.block_size)
     for t in made.shared_tables():
         blocks = made.committed[1]
         for h in range(t.shape[0]):
-            start, size = t[h].data_ptr(), t[h, :blocks].numel() * t.element_size()
-            pieces = sorted((p, n) for p, n in locked if start <= p < start + size)
-            assert pieces[0][0] == start and sum(n for _, n in pieces) == size  # the prefix's pages too
+            pieces = pieces_within(locked, t[h, :blocks])  # the prefix's pages too, from the head's start
+            assert pieces[0][0] == t[h].data_ptr() and sum(n for _, n in pieces) == t[h, :blocks].nbytes
         assert (t[:, :2 * g] == 7).all() and not t[:, 2 * g:blocks].any()  # the prefix kept, its own zeroed
     source._pinned._tensors = made._pinned._tensors = []  # nothing was locked: nothing to unlock
 
@@ -175,17 +188,12 @@ def test_only_a_cache_that_the_cpu_reads_asks_for_huge_pages():
         assert "hg" not in vm_flags(host.key_mean[1])  # side tables: read whole, never asked
 
 
-def test_a_reservation_page_locks_each_heads_range_in_bounded_whole_page_pieces_pausing_after_each(monkeypatch):
+def test_a_reservation_page_locks_each_heads_range_in_bounded_whole_page_pieces_pausing_after_each(page_locks):
     """While CUDA page-locks a range, other threads' calls into it wait (a prefill's chunks and the
     decode steps beside it, behind its layers' helper): each kv head's range of a table is locked
     in pieces of at most PIN_PIECE_BYTES, or one growth step, which tile it on whole pages (no
     page in two ranges: the driver refuses that), and pace() runs after each."""
-    from ktlong.kv import host_cache, pinned
-
-    locked = []
-    monkeypatch.setattr(pinned, "pin_in_place", lambda t: locked.append((t.data_ptr(), t.numel() * t.element_size())))
-    monkeypatch.setattr(pinned.PinnedTensors, "_unlock", lambda self: None)
-    monkeypatch.setattr(host_cache, "PIN_PIECE_BYTES", 1 << 20)
+    locked = page_locks
     host = HostKVCache(LAYOUT, pin=True)
     locked.clear()  # the sliding layers' tails (none here)
     paces = []
@@ -196,9 +204,8 @@ def test_a_reservation_page_locks_each_heads_range_in_bounded_whole_page_pieces_
     for kind in host._kinds():
         t = kind[1][:, :blocks]
         for h in range(t.shape[0] if t.numel() else 0):
-            start, size = t[h].data_ptr(), t[h].numel() * t.element_size()
-            pieces = sorted((p, n) for p, n in locked if start <= p < start + size)
-            assert pieces[0][0] == start and sum(n for _, n in pieces) == size
+            pieces = pieces_within(locked, t[h])
+            assert pieces[0][0] == t[h].data_ptr() and sum(n for _, n in pieces) == t[h].nbytes
             assert all(p + n == q for (p, n), (q, _) in zip(pieces, pieces[1:]))  # no gap, no overlap
             assert all(p % mmap.PAGESIZE == 0 and n % mmap.PAGESIZE == 0 for p, n in pieces)
             block = t[h, 0].numel() * t.element_size()

@@ -40,6 +40,7 @@ import torch
 from ktlong.decode.dram_blocks import DramBlocks, attend
 from ktlong.decode.device_anchors import DeviceAnchors
 from ktlong.decode.window import DeviceWindow
+from ktlong.errors import first_line
 from ktlong.kv.pinned import PinnedTensors
 from ktlong.models.llama import LlamaModel
 from operators.kv_quant import quantize_kv
@@ -347,8 +348,7 @@ class DecodeStep:
         except RuntimeError as e:  # e.g. a collective of tensor parallelism this build cannot capture
             self.graphs, self.window_graphs, self.dram_graphs, self.capturing = [], [], [], False
             torch.cuda.synchronize(self.model.device)
-            reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-            print(f"[CUDA graphs could not be captured ({reason}); decode runs eagerly]", file=sys.stderr)
+            print(f"[CUDA graphs could not be captured ({first_line(e)}); decode runs eagerly]", file=sys.stderr)
 
     def _capture_token(self):
         """One graph for the whole token (after a warm-up run of it)."""

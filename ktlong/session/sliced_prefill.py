@@ -48,6 +48,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from ktlong.errors import first_line
+
 AHEAD = 3  # chunks of a prefill in flight on the device at most while decode steps wait
 # how often the prefill's host asks whether its oldest chunk in flight is done, while it may
 # hand back to its owner instead of waiting for it
@@ -84,8 +86,8 @@ def _stream(device: "torch.device", sms: int) -> "torch.cuda.Stream":
             _GREEN[key] = torch.cuda.GreenContext.create(num_sms=sms, device_id=key[0])
         except RuntimeError as e:
             _GREEN[key] = None
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-            print(f"[no green context ({reason}): a prefill beside decode steps shares every SM]", file=sys.stderr)
+            print(f"[no green context ({first_line(e)}): a prefill beside decode steps shares every SM]",
+                  file=sys.stderr)
     green = _GREEN[key]
     return green.Stream() if green is not None else torch.cuda.Stream(device)
 
