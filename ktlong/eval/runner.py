@@ -68,9 +68,11 @@ WARM_UP_TOKENS = 2048  # an arm's untimed first run: long enough for decode to s
 
 
 def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], depths: list[float],
-             samples: int, attentions: list[str], seed: int, log=sys.stderr, on_result=None) -> list[Result]:
+             samples: int, attentions: list[str], seed: int, log=sys.stderr, on_result=None,
+             warm_up_tokens: int = WARM_UP_TOKENS) -> list[Result]:
     """on_result(results so far) after every sample (the CLI rewrites results.json there, so a
-    run cut short keeps what it measured)."""
+    run cut short keeps what it measured). warm_up_tokens: the length of each arm's untimed first
+    run (where only the answers count, not the speed, it can be short)."""
     conversation = Conversation(lm.tokenizer, lm.chat_template if config.use_chat_template else None)
     count = lambda text: len(conversation.render_ids([], text))
     max_new = MAX_NEW_TOKENS[task]
@@ -95,7 +97,7 @@ def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], dep
         # built per shape and type, not per length; the arm's graphs) is not counted as its speed
         t0 = time.perf_counter()
         session.reset()
-        generate(session, prompt(lengths[0], depths[0], 0)[1][:WARM_UP_TOKENS], 2, Sampler(), lm.tokenizer.stop_ids,
+        generate(session, prompt(lengths[0], depths[0], 0)[1][:warm_up_tokens], 2, Sampler(), lm.tokenizer.stop_ids,
                  lm.tokenizer)
         print(f"[{task} {attention}: warm-up run, not timed ({time.perf_counter() - t0:.1f}s)]", file=log, flush=True)
         for length in lengths:
