@@ -3,6 +3,7 @@ concurrent clients, some of which go away mid-answer, each get the answer the sa
 alone; the decode steps really ran several conversations together; and a stream keeps
 producing tokens while another request's long prompt prefills."""
 
+import gc
 import io
 import json
 import random
@@ -141,6 +142,8 @@ def test_a_stream_keeps_going_while_a_long_prompt_prefills(server, lm):
                                                 extra_body={"return_progress": True}):
         if not chunk.choices and chunk.model_extra.get("prompt_progress"):
             progress.append((time.perf_counter(), chunk.model_extra["prompt_progress"]))
+            if len(progress) == 1:
+                gc.collect()  # a full pass while it prefills: every thread waits for it, and its log counts it
     t.join()
     assert "".join(texts) == alone and len(texts) > 40
     started_at = progress[0][0]
@@ -172,10 +175,13 @@ def test_a_stream_keeps_going_while_a_long_prompt_prefills(server, lm):
         assert seconds <= max(gaps) + 0.05
     # and how many steps went over 100 ms, by what most of each was: as many as its parts, and at
     # least the longest ones named over 100 ms
-    over = re.search(r"; (\d+) over 100 ms((?:, \d+ mostly [a-z' ]+)*)\)", line)
+    over = re.search(r"; (\d+) over 100 ms((?:, \d+ mostly [a-z' ]+)*);", line)
     parts = [int(n) for n in re.findall(r", (\d+) mostly", over[2])]
     assert sum(parts) == int(over[1]) <= steps
     assert int(over[1]) >= sum(int(step[0]) > 100 for step in longest)
+    # and the garbage collector's full passes meanwhile: the one made above at least
+    passes = re.search(r"; the garbage collector's full passes (\d+), (\d+) ms in all\)", line)
+    assert int(passes[1]) >= 1 and int(passes[2]) <= prefill * 1000
 
 
 def test_each_answer_keeps_its_own_options_inside_a_batch(server, lm):

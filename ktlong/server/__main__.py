@@ -126,6 +126,7 @@ def serve(config, started, app, api_key) -> int:
     """Listen until stopped (Ctrl-C, SIGTERM); the running answers end first."""
     import uvicorn
 
+    from ktlong.server.gc_passes import freeze_startup
     from ktlong.server.stopping import StoppingServer
 
     if config.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
@@ -135,6 +136,7 @@ def serve(config, started, app, api_key) -> int:
           f"({config.mode} mode, max_seq_len {started.max_seq_len:,}, {app.state.worker.max_rows} at once, "
           f"queue {config.queue_size})]",
           file=sys.stderr, flush=True)
+    freeze_startup()  # the model, the session and the app: never walked by the garbage collector again
     server = StoppingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                                            timeout_graceful_shutdown=5), app.state.worker.shutdown)
     try:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from ktlong.chat.constrained import SchemaError
 from ktlong.errors import Cancelled, KtlongError
 from ktlong.server.cache_store import CacheStore, Entry
+from ktlong.server.gc_passes import FullPasses
 from ktlong.server.metrics import ServerMetrics
 from ktlong.server.protocol import ApiError, Job
 from ktlong.server.reply import Reply, Ticket
@@ -60,6 +61,10 @@ class Prefilling:
     cached_from: str | None  # where the reused prompt tokens come from (CacheStore.prepare)
     admitted: float  # when it left the queue (perf_counter)
     moved: float  # seconds the cache store took to make the session hold its conversation
+    # the garbage collector's full passes (every thread waits for one): counted on while it runs,
+    # from the count and seconds they had at its start
+    gc: FullPasses
+    gc_from: tuple[int, float]
     # beside decoding answers: the steps that ran while it prefilled, their seconds less its
     # slices', and its slices' seconds inside them (how the device's time went, in the log)
     steps: int = 0
@@ -92,7 +97,9 @@ class Prefilling:
                 f"{self.prefill.work_seconds:.1f} s at work, {self.prefill.wait_seconds:.1f} s waiting for the "
                 f"device; the longest steps {longest}; {sum(self.long_steps.values())} over "
                 f"{LONG_STEP * 1000:.0f} ms" + "".join(f", {n} mostly {what}" for what, n in
-                                                      sorted(self.long_steps.items(), key=lambda kv: -kv[1])))
+                                                      sorted(self.long_steps.items(), key=lambda kv: -kv[1]))
+                + f"; the garbage collector's full passes {self.gc.count - self.gc_from[0]}, "
+                  f"{(self.gc.seconds - self.gc_from[1]) * 1000:.0f} ms in all")
 
 
 @dataclass
@@ -124,6 +131,7 @@ class Worker:
         self.metrics = ServerMetrics(queue_depth=lambda: self.status()["waiting"],
                                      running=lambda: self.status()["running"], dram_bytes=dram, disk_bytes=disk)
         self.log = log or sys.stderr
+        self.gc = FullPasses()  # for the log's account of a prefill beside decoding answers
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
         self.counts: Counter = Counter()  # completed, cancelled, rejected, failed
@@ -192,6 +200,7 @@ class Worker:
             self.stopped = True
             self.wake.notify()
         self.thread.join()
+        self.gc.close()
 
     # ---- the worker's thread ----
 
@@ -272,7 +281,8 @@ class Worker:
 
         sliced = SlicedPrefill(run, self.slice_seconds, lambda: bool(self.rows), getattr(self.session, "device", None),
                                getattr(self.session, "prefill_sms", 0))
-        self.prefilling = Prefilling(reply, sliced, cached_from, admitted, time.perf_counter() - admitted)
+        self.prefilling = Prefilling(reply, sliced, cached_from, admitted, time.perf_counter() - admitted, self.gc,
+                                     (self.gc.count, self.gc.seconds))
 
     def _prefill_slice(self):
         if self.prefilling.prefill.advance():
