@@ -28,7 +28,8 @@ Beside decoding answers the prefill's kernels run on a CUDA green context of `pr
 (the plan's, from `decode_sm_share`), so the steps' kernels always find SMs free: a running
 block of a prefill's kernel is never preempted, and with every SM shared a step's kernels
 queued behind them one after another. On the H200, four streams beside a 1M prefill: p99
-between tokens 269 -> 136 ms, 62 -> 95 tok/s in all, the prefill 131 -> 161 s (112 of 132 SMs).
+between tokens 269 -> 103 ms, 62 -> 97 tok/s in all, the prefill 133 -> 155 s (112 of 132 SMs:
+more than 15% longer, as FlashInfer's fa3 plans its persistent CTAs for every SM of the device).
 A prefill that starts with nothing decoding keeps every SM to its end (its streams are chosen
 once: the prefill records work on the stream it started on).
 The prefill thread's own time is counted as work (its chunks' host part) or waits (for its oldest
