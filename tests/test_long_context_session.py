@@ -4,6 +4,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
 from ktlong.session.dense import DenseSession
 from ktlong.chat.generate import generate
@@ -470,3 +471,44 @@ def test_the_plan_resolves_every_auto_and_its_consumers_refuse_one(tiny, arm):
     unresolved = dataclasses.replace(plan.selection, context_attention="auto")
     with pytest.raises(AssertionError, match="resolve_selection"):
         Decoder(tiny.model, session.host, unresolved, plan.local_windows_len)
+
+
+@pytest.fixture(scope="module")
+def tiny32(tmp_path_factory):  # q8_0 rows: head_dim 32
+    return tiny_model(tmp_path_factory.mktemp("m32"), TinySpec(num_layers=2, hidden=128, head_dim=32), seed=21)
+
+
+@pytest.mark.parametrize("kv_type", ["fp32", "q8_0"])
+def test_the_blocks_an_answer_fills_get_the_tables_and_device_anchors_a_prefill_gives_them(tiny32, kv_type):
+    """Decoder._block_filled: the keys of a block the answer filled cross in one copy for every
+    layer (q8_0: from the device window, which holds them unquantised; fp32: from DRAM), and its
+    device anchors go back in one: each layer's tables are its keys' max, min and mean, and its
+    QUEST anchors those rounded outwards to bf16."""
+    chosen = selection(second_select_num=1000, preselect_block=False, anchor_type="QUEST", block_scoring="device")
+    c = tiny32.config
+
+    def make():
+        layout = with_anchors(kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 128, kv_type), chosen)
+        return LongContextSession(tiny32.model, layout, chunk_size=32, backend="torch", hidden_on_device=True,
+                                  compact=None, selection=chosen, local_windows_len=24, use_cuda_graph=False)
+
+    prompt = [int(t) for t in np.random.default_rng(7).integers(0, 300, size=37)]
+    answering = make()
+    gen = generate(answering, prompt, 30, Sampler(), frozenset(), NO_TEXT)
+    tokens = prompt + gen.token_ids[:-1]  # the last sampled token was never fed
+    assert answering.host.num_tokens == len(tokens) == 66  # blocks 2 and 3 filled while it answered
+    d = answering.decoder
+    assert d.device_anchors is not None and d.times.block_filled > 0
+    start = d.window.window_start
+    assert start <= 32  # the window holds both blocks' keys (in bf16 where DRAM holds q8_0)
+    for layer in range(c.num_layers):
+        keys = d.window.k[layer, :, 32 - start:64 - start].float().view(c.num_kv_heads, 2, 16, c.head_dim)
+        h = d.host
+        assert torch.allclose(h.key_max[layer][:, 2:4], keys.amax(2), rtol=1e-6, atol=1e-6)
+        assert torch.allclose(h.key_min[layer][:, 2:4], keys.amin(2), rtol=1e-6, atol=1e-6)
+        assert torch.allclose(h.key_mean[layer][:, 2:4], keys.mean(2), rtol=1e-5, atol=1e-5)
+        # QUEST's device anchors: the minima rounded down to bf16, the maxima up, within one step
+        low, high = d.device_anchors.anchors[layer][:, 2:4, 0].float(), d.device_anchors.anchors[layer][:, 2:4, 1].float()
+        step = 2 ** -7 * keys.abs().amax(2)
+        assert (low <= keys.amin(2)).all() and (keys.amin(2) - low <= step).all()
+        assert (high >= keys.amax(2)).all() and (high - keys.amax(2) <= step).all()

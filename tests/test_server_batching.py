@@ -401,3 +401,26 @@ def test_a_request_waits_while_its_decoders_anchors_do_not_fit_beside_the_runnin
         assert rows and max(rows) == 1  # never together: the second waited for the first's decoder to go
     finally:
         server.stop()
+
+
+def test_a_long_step_beside_a_prefill_is_counted_by_its_largest_part():
+    """The account's steps over 100 ms: each by the largest of the prefill thread's work, its waits,
+    the parts of the step the worker tells apart, and the rest of the step."""
+    from types import SimpleNamespace
+
+    from ktlong.server.gc_passes import FullPasses
+    from ktlong.server.worker import Prefilling
+
+    passes = FullPasses()
+    try:
+        p = Prefilling(None, SimpleNamespace(boundaries=7, work_seconds=1.0, wait_seconds=0.5), None, 0.0, 0.0,
+                       passes, (passes.count, passes.seconds))
+        p.count(0.30, 0.05, 0.04, 0.01, {"the blocks its answers filled": 0.20, "its answers' tokens": 0.01})
+        p.count(0.30, 0.25, 0.20, 0.05, {"the blocks its answers filled": 0.0, "its answers' tokens": 0.01})
+        p.count(0.30, 0.05, 0.04, 0.00, {"a new batch's graphs": 0.10, "its answers' tokens": 0.01})  # 0.14 the rest
+        p.count(0.09, 0.05, 0.05, 0.00, {"its answers' tokens": 0.01})  # under 100 ms
+        assert p.long_steps == {"the blocks its answers filled": 1, "its thread's work": 1, "the step's own": 1}
+        assert p.steps == 4 and abs(p.slice_seconds - 0.40) < 1e-9 and abs(p.step_seconds - 0.59) < 1e-9
+        assert "; 3 over 100 ms, " in p.account() and "1 mostly the blocks its answers filled" in p.account()
+    finally:
+        passes.close()

@@ -46,6 +46,7 @@ class DecodeTimes:
     cpu_attention: float = 0.0  # the Numba operator (selection excluded)
     selection: float = 0.0
     device_wait: float = 0.0  # waiting for q to reach the host (device work before it)
+    block_filled: float = 0.0  # the side tables and anchors of blocks the answer filled (Decoder._block_filled)
     kv_bytes: int = 0  # K/V bytes of the blocks the CPU operator read
     selected: int = 0  # (kv head, block) pairs selected, beyond the window
     device_read: int = 0  # of them, read by the device (`context_attention: gpu`)
@@ -151,8 +152,8 @@ class Decoder:
         self.selector.build_all(self.host.num_tokens, self.global_layers, first_block)
         if self.device_anchors is not None:  # small copies from pageable memory: before the window's DMA
             last = -(-self.host.num_tokens // self.block_size)
-            for layer in self.global_layers:
-                self.device_anchors.update(layer, first_block, last)
+            for layer in self.global_layers:  # a layer at a time: a long follow-up's rows are many
+                self.device_anchors.update([layer], first_block, last)
         # queued; crosses while the host preselects
         self.window.load_from_host(self.host, self.resident, first_block * self.block_size)
         self._preselect(block_mass)
@@ -215,12 +216,15 @@ class Decoder:
         self.times.total += time.perf_counter() - start
 
     def _block_filled(self, block: int):
-        """A block completed during generation: its side tables and anchors join selection."""
+        """A block completed during generation: its side tables and anchors join selection. Its
+        keys cross from the device in one copy for every global layer, and its device anchors go
+        back in one: beside a prefill, each copy of a step waits for the copy engines the
+        prefill's DRAM writes keep busy."""
+        start = time.perf_counter()
         if self.cuda:
             torch.cuda.current_stream().synchronize()  # the write-through copies must have landed
         h = self.host
-        for layer in self.global_layers:
-            k = self._unquantized_block_keys(layer, block)  # [KV, 1, B, D]
+        for layer, k in zip(self.global_layers, self._unquantized_block_keys(block)):  # k: [KV, 1, B, D]
             mean, kmax, kmin = block_summaries(k, self.block_size)
             h.key_mean[layer][:, block], h.key_max[layer][:, block] = mean[:, 0], kmax[:, 0]
             h.key_min[layer][:, block] = kmin[:, 0]
@@ -229,19 +233,23 @@ class Decoder:
                 h.anchor_keys[layer][:, block] = anchor_keys(k, self.block_size, self.layout.anchor_type,
                                                              self.layout.anchor_num, importance)[:, 0]
             self.selector.update_blocks(layer, block, block + 1)
-            if self.device_anchors is not None:
-                self.device_anchors.update(layer, block, block + 1)
+        if self.device_anchors is not None:
+            self.device_anchors.update(self.global_layers, block, block + 1)
+        self.times.block_filled += time.perf_counter() - start
 
-    def _unquantized_block_keys(self, layer: int, block: int) -> torch.Tensor:
-        """The keys of a block that just filled, as prefill summarises them: unquantised. With q8_0
-        / q4_0 in DRAM they come from the device window, which holds them in its own type, unless
-        the window is shorter than a block; otherwise from DRAM, widened."""
-        B, window = self.block_size, self.window
+    def _unquantized_block_keys(self, block: int) -> torch.Tensor:
+        """The keys of a block that just filled, as prefill summarises them: unquantised, [global
+        layers, KV, 1, B, D]. With q8_0 / q4_0 in DRAM they come from the device window, which
+        holds them in its own type (one gather and one copy), unless the window is shorter than a
+        block; otherwise from DRAM, widened."""
+        B, window, layers = self.block_size, self.window, self.global_layers
         start = block * B
         if self.layout.is_quantized and start >= window.window_start:
-            keys = window.k[layer, :, start - window.window_start:start - window.window_start + B]
-            return keys.to("cpu", torch.float32)[:, None]
+            at = start - window.window_start
+            rows = window.k[torch.tensor(layers, device=window.k.device), :, at:at + B]
+            return rows.to("cpu", torch.float32)[:, :, None]
         if self.layout.is_quantized:
-            return self.host.unquantized(layer, "k", start, start + B, torch.float32)[:, None]
-        return self.host.k[layer][:, block:block + 1]
+            return torch.stack([self.host.unquantized(layer, "k", start, start + B, torch.float32)
+                                for layer in layers])[:, :, None]
+        return torch.stack([self.host.k[layer][:, block:block + 1] for layer in layers])
 

@@ -64,20 +64,24 @@ class DeviceAnchors:
             self.anchors[layer] = torch.zeros((layout.num_kv_heads, self.num_blocks, selector.num_anchors,
                                                layout.head_dim), dtype=torch.bfloat16, device=device)
             for first in range(0, held, BUILD_PIECE):
-                self.update(layer, first, min(first + BUILD_PIECE, held))
+                self.update([layer], first, min(first + BUILD_PIECE, held))
                 between()
 
     @property
     def num_rows(self) -> int:
         return 1 if self.shared else self.selector.num_kv
 
-    def update(self, layer: int, first: int, last: int):
-        """Blocks first..last-1 of the side tables changed: round them again."""
+    def update(self, layers: list[int], first: int, last: int):
+        """Blocks first..last-1 of these layers' side tables changed: round them again (the
+        layers' rows cross to the device in one copy)."""
         assert last <= self.num_blocks, "a conversation grows within the blocks its decoder was sized for"
-        rows = anchor_rows(self.selector.host, layer, first, last, self.selector.s.anchor_type).to(self.device)
-        self.anchors[layer][:, first:last] = (
-            torch.stack([rounded_bf16(rows[:, :, 0], "down"), rounded_bf16(rows[:, :, 1], "up")], 2) if self.quest
-            else rounded_bf16(rows, "nearest"))
+        kind = self.selector.s.anchor_type
+        rows = torch.stack([anchor_rows(self.selector.host, layer, first, last, kind) for layer in layers])
+        rows = rows.to(self.device)
+        for layer, r in zip(layers, rows):
+            self.anchors[layer][:, first:last] = (
+                torch.stack([rounded_bf16(r[:, :, 0], "down"), rounded_bf16(r[:, :, 1], "up")], 2) if self.quest
+                else rounded_bf16(r, "nearest"))
 
     def scores(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q: [H, D] on the device -> float32 [1 or KV, num_blocks], every block the

@@ -77,15 +77,17 @@ class Prefilling:
     # device, or the step's own (what the p99 between tokens is made of)
     long_steps: Counter = field(default_factory=Counter)
 
-    def count(self, seconds: float, in_slice: float, work: float, waits: float):
-        """One step beside the prefill, of `seconds` in all, `in_slice` of them its slice."""
+    def count(self, seconds: float, in_slice: float, work: float, waits: float, own: dict[str, float]):
+        """One step beside the prefill, of `seconds` in all, `in_slice` of them its slice; own: the
+        parts of the rest that the worker tells apart (seconds by what they were)."""
         self.steps += 1
         self.step_seconds += seconds - in_slice
         self.slice_seconds += in_slice
         self.longest = sorted(self.longest + [(seconds, in_slice, work, waits, self.prefill.boundaries)],
                               reverse=True)[:LONGEST]
         if seconds > LONG_STEP:
-            parts = {"its thread's work": work, "its thread's waits": waits, "the step's own": seconds - in_slice}
+            parts = {"its thread's work": work, "its thread's waits": waits, **own,
+                     "the step's own": seconds - in_slice - sum(own.values())}
             self.long_steps[max(parts, key=parts.get)] += 1
 
     def account(self) -> str:
@@ -342,13 +344,16 @@ class Worker:
             in_slice = time.perf_counter() - t0
 
         beside = prefill_slice if p is not None else None
+        own = {}  # parts of the step's own time, by what they were (Prefilling.count)
         try:
             if rows[0].conversation is None:
                 logits = self.session.step(tokens[0])[None]
             else:
                 logits = self.session.step_batch([r.conversation for r in rows], tokens, beside)
+                own["the blocks its answers filled"] = self.session.last_step_filled
                 if (built := self.session.last_batch_build) is not None:
                     self.session.last_batch_build = None
+                    own["a new batch's graphs"] = built
                     print(f"[decoding {len(rows)} conversations together: their new batch's first step {built:.2f} s]",
                           file=self.log, flush=True)
         except Exception as e:  # the whole step failed: every answer in it ends
@@ -357,7 +362,7 @@ class Worker:
                 self._finish(row, e)
             self._prefill_after(ended)
             return
-        going = []
+        going, stepped = [], time.perf_counter()
         for b, row in enumerate(rows):
             try:
                 token = row.reply.answer.next(logits[b])
@@ -371,7 +376,9 @@ class Worker:
                 going.append(row)
         self.rows = going
         if p is not None:
-            p.count(time.perf_counter() - start, in_slice, p.prefill.work_seconds - work, p.prefill.wait_seconds - waits)
+            own["its answers' tokens"] = time.perf_counter() - stepped  # sampled, their text sent
+            p.count(time.perf_counter() - start, in_slice, p.prefill.work_seconds - work, p.prefill.wait_seconds - waits,
+                    own)
         self._prefill_after(ended)
 
     def _prefill_after(self, ended: bool | None):

@@ -87,6 +87,7 @@ class LongContextSession:
         self.last_follow_up = (False, False)  # the last prefill's (decoder kept, history prefetched)
         self._batch = None  # (decoders, DecodeBatch) of the last step_batch of several conversations
         self.last_batch_build: float | None = None  # seconds a new batch's first step took (built, captured)
+        self.last_step_filled = 0.0  # seconds the last step_batch spent on the blocks its answers filled
 
     @classmethod
     def from_plan(cls, model: LlamaModel, plan: SessionPlan) -> "LongContextSession":
@@ -255,6 +256,7 @@ class LongContextSession:
         decoder's batch of one, whose graphs its prefill captured. while_waiting: called once
         while the device runs the step (DecodeBatch.step)."""
         decoders = [c.decoder for c in conversations]
+        filled = sum(d.times.block_filled for d in decoders)
         if len(decoders) == 1:
             self._batch = None  # a batch's device buffers and graphs go with its members
             logits = decoders[0].step(tokens[0], while_waiting)[None]
@@ -269,6 +271,7 @@ class LongContextSession:
                 self.last_batch_build = time.perf_counter() - start
         for conversation, token in zip(conversations, tokens):
             conversation.ids.append(token)
+        self.last_step_filled = sum(d.times.block_filled for d in decoders) - filled
         return logits
 
     def _release_batch(self):
