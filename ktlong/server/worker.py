@@ -74,7 +74,8 @@ class Prefilling:
     # (seconds, its slice's, the prefill thread's work and waits in it, its chunk boundary at the end)
     longest: list = field(default_factory=list)
     # steps over LONG_STEP, by the most of their time: the prefill thread's work, its waits for the
-    # device, or the step's own (what the p99 between tokens is made of)
+    # device, a part of the step the worker tells apart (`count`'s own), or the rest of the step
+    # (what the p99 between tokens is made of)
     long_steps: Counter = field(default_factory=Counter)
 
     def count(self, seconds: float, in_slice: float, work: float, waits: float, own: dict[str, float]):
