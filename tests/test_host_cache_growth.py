@@ -214,3 +214,24 @@ def test_a_reservation_page_locks_each_heads_range_in_bounded_whole_page_pieces_
     assert min(counts[:4]) > 1  # K's and V's heads (5 MiB each) did come in several pieces
     assert all(torch.count_nonzero(kind[1][:, :blocks]) == 0 for kind in host._kinds())  # zeroed
     host._pinned._tensors = []  # nothing was locked: nothing to unlock when it goes
+
+
+def test_a_decoding_conversation_grows_a_layer_a_step_ahead_of_its_tokens():
+    """grow_ahead, called every step after reserve (ktlong/decode/batch.py): once the prompt's
+    reservation runs out, each growth comes one layer a step, before the tokens reach it, so
+    reserve never grows every layer in one step; each layer grows by what reserve would give it."""
+    host = HostKVCache(LAYOUT, pin=False)
+    host.reserve(1000, ahead=1000)  # as a prefill leaves it: the prompt and GROWTH_BLOCKS
+    held = host.committed[0]
+    grown_per_step, reserve_grew = [], 0
+    for pos in range(1000, held * LAYOUT.block_size + 200):  # past the prompt's reservation
+        before = dict(host.committed)
+        host.reserve(pos + 1)
+        reserve_grew += host.committed != before
+        mid = dict(host.committed)
+        host.grow_ahead(pos + 1)
+        grown_per_step.append(sum(host.committed[layer] != mid[layer] for layer in mid))
+        assert all(c * LAYOUT.block_size >= pos + 1 for c in host.committed.values())
+    assert reserve_grew == 0 and max(grown_per_step) == 1
+    assert sum(grown_per_step) == len(host.committed)  # each layer once
+    assert set(host.committed.values()) == {reserved_blocks(LAYOUT, held * LAYOUT.block_size, held)}

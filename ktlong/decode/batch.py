@@ -74,6 +74,7 @@ class DecodeBatch:
         ranges = [s.window.context_blocks for s in sequences]
         for b, (s, token, pos) in enumerate(zip(sequences, tokens, positions)):
             s.host.reserve(pos + 1)  # the token's K/V go to DRAM at pos: memory there first
+            s.host.grow_ahead(pos + 1)  # and the next growth, a layer a step, before it is needed
             body.set_step(b, token, pos)
             if s.selection is not None:
                 s.selection.set_step(s.step_index, *ranges[b])

@@ -172,6 +172,19 @@ into when the tables are not pinned (maps_files).
             if blocks > held:
                 self._grow(layer, reserved_blocks(self.layout, tokens, held, ahead), pace)
 
+    def grow_ahead(self, tokens: int):
+        """A decoding conversation's next growth, a layer at a time: the first global layer whose
+        tables hold fewer than `tokens` tokens and a lookahead of a token per global layer and a
+        block grows as reserve grows it. Called every step with the step's tokens, it grows each
+        layer before reserve would have to grow them all in one step (at 8B shapes, q8_0, a 60K
+        conversation's growth is 534 MB of every layer's tables, zeroed and page-locked; a layer's
+        is 17 MB)."""
+        ahead = min(tokens + len(self.committed) + self.layout.block_size, self.layout.capacity)
+        blocks = -(-ahead // self.layout.block_size)
+        short = next((layer for layer, held in self.committed.items() if held < blocks), None)
+        if short is not None:
+            self.reserve(ahead, [short])
+
     def _grow(self, layer: int, blocks: int, pace: Callable[[], None]):
         """Each of a global layer's tables' kv-head ranges of blocks committed..blocks: zeroed
         (which commits them) past the shared files' pages, and page-locked in pieces of at most
