@@ -139,20 +139,9 @@ def hf_model():
     return _hf_model
 
 
-# The files that take longest on a 2-core machine (seconds of their tests, summed, at a9eda48),
-# longest first. CI runs them first (`--dist loadfile --no-loadscope-reorder`: xdist hands whole
-# files out in this order), so that the last files handed out are short ones: by default xdist
-# orders files by their count of tests, and these few-but-slow ones came last, one of them the run's tail.
-LONGEST_FILES = ("test_server.py", "test_tensor_parallel.py", "test_server_batching.py", "test_dram_blocks.py",
-                 "test_cpu_ops.py", "test_commands.py", "test_eval.py", "test_forward.py", "test_tools.py",
-                 "test_gguf_matmul.py", "test_batched_decode.py", "test_resident_history.py", "test_cache_store.py")
-
-
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))  # stable: the rest as collected
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
