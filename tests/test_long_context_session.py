@@ -508,7 +508,8 @@ def test_the_blocks_an_answer_fills_get_the_tables_and_device_anchors_a_prefill_
         assert torch.allclose(h.key_min[layer][:, 2:4], keys.amin(2), rtol=1e-6, atol=1e-6)
         assert torch.allclose(h.key_mean[layer][:, 2:4], keys.mean(2), rtol=1e-5, atol=1e-5)
         # QUEST's device anchors: the minima rounded down to bf16, the maxima up, within one step
-        low, high = d.device_anchors.anchors[layer][:, 2:4, 0].float(), d.device_anchors.anchors[layer][:, 2:4, 1].float()
+        anchors = d.device_anchors.anchors[layer][:, 2:4].float()
+        low, high = anchors[:, :, 0], anchors[:, :, 1]
         step = 2 ** -7 * keys.abs().amax(2)
         assert (low <= keys.amin(2)).all() and (keys.amin(2) - low <= step).all()
         assert (high >= keys.amax(2)).all() and (high - keys.amax(2) <= step).all()

@@ -163,8 +163,8 @@ into when the tables are not pinned (maps_files).
         held (and page-locked where pinned) now, with room to grow past them (reserved_blocks;
         ahead: the tokens the caller will write in all). A prefill's layers are reserved whole,
         a layer ahead of it on a helper thread (ktlong/kv/commit_ahead.py); a decoding
-        conversation a layer a step, ahead of its tokens (grow_ahead). Anything written past the reserved tokens
-        would land in memory the GPU cannot read. pace(): after each piece is locked (_grow)."""
+        conversation a layer a step, ahead of its tokens (grow_ahead). Anything written past the
+        reserved tokens would land in memory the GPU cannot read. pace(): after each piece is locked (_grow)."""
         assert tokens <= self.layout.capacity, "the KV cache is full; raise max_seq_len"
         blocks = -(-tokens // self.layout.block_size)
         for layer in self.committed if layers is None else layers:

@@ -378,8 +378,8 @@ class Worker:
         self.rows = going
         if p is not None:
             own["its answers' tokens"] = time.perf_counter() - stepped  # sampled, their text sent
-            p.count(time.perf_counter() - start, in_slice, p.prefill.work_seconds - work, p.prefill.wait_seconds - waits,
-                    own)
+            p.count(time.perf_counter() - start, in_slice, p.prefill.work_seconds - work,
+                    p.prefill.wait_seconds - waits, own)
         self._prefill_after(ended)
 
     def _prefill_after(self, ended: bool | None):
