@@ -88,6 +88,8 @@ class Decoder:
         self.reach_tokens = layout.capacity if reach_tokens is None else min(reach_tokens, layout.capacity)
         reach_blocks = -(-self.reach_tokens // layout.block_size)
         self.window = DeviceWindow(layout, local_windows_len, SINK_BLOCKS * layout.block_size, model.device)
+        # the global layers' rows of the window's buffers: a filled block's keys in one gather
+        self._global_rows = torch.tensor(layout.global_layers, device=model.device)
         self.resident = resident
         self.window.load_from_host(host, resident)
         done("window")
@@ -246,7 +248,7 @@ class Decoder:
         start = block * B
         if self.layout.is_quantized and start >= window.window_start:
             at = start - window.window_start
-            rows = window.k[torch.tensor(layers, device=window.k.device), :, at:at + B]
+            rows = window.k[self._global_rows, :, at:at + B]
             return rows.to("cpu", torch.float32)[:, :, None]
         if self.layout.is_quantized:
             return torch.stack([self.host.unquantized(layer, "k", start, start + B, torch.float32)

@@ -76,8 +76,9 @@ class DeviceAnchors:
         layers' rows cross to the device in one copy)."""
         assert last <= self.num_blocks, "a conversation grows within the blocks its decoder was sized for"
         kind = self.selector.s.anchor_type
-        rows = torch.stack([anchor_rows(self.selector.host, layer, first, last, kind) for layer in layers])
-        rows = rows.to(self.device)
+        parts = [anchor_rows(self.selector.host, layer, first, last, kind) for layer in layers]
+        # one layer (the setup's pieces): its rows go as they lie, with no copy on the host first
+        rows = (parts[0][None] if len(parts) == 1 else torch.stack(parts)).to(self.device)
         for layer, r in zip(layers, rows):
             self.anchors[layer][:, first:last] = (
                 torch.stack([rounded_bf16(r[:, :, 0], "down"), rounded_bf16(r[:, :, 1], "up")], 2) if self.quest
