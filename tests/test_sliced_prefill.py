@@ -8,7 +8,9 @@ import contextlib
 import types
 
 import ktlong.session.sliced_prefill as sliced_prefill
-from ktlong.session.sliced_prefill import AHEAD, SlicedPrefill, prefill_sms
+import pytest
+
+from ktlong.session.sliced_prefill import AHEAD, TURNS_AHEAD, SlicedPrefill, prefill_sms
 
 
 class Device:
@@ -37,19 +39,35 @@ class Device:
         return Event()
 
     def current_stream(self, _device=None):
-        return "owner"
+        device = self
+        if not hasattr(self, "owner"):
+            class Owner:
+                def wait_stream(self, other):  # the owner's next step waits for the chunks queued so far
+                    assert other is not self
+                    device.step_waits_for.append(device.queued)
+            self.owner, self.step_waits_for = Owner(), []
+        return self.owner
 
     def Stream(self, _device=None):  # noqa: N802
         device = self
 
         class Stream:
             def wait_stream(self, other):
-                assert other == "owner"
+                assert other is device.owner
                 device.owner_work_done = True
+                device.chunks_wait_from.append(device.queued)  # the chunks queued after this wait for the step
 
             def synchronize(self):
                 device.done = device.queued
+        self.chunks_wait_from = []
         return Stream()
+
+    def green(self, monkeypatch):
+        """A green context's streams for the prefill (sms > 0): it runs beside the steps."""
+        self.GreenContext = types.SimpleNamespace(create=lambda num_sms, device_id: types.SimpleNamespace(
+            Stream=lambda: self.Stream()))
+        self.current_device = lambda: 0
+        monkeypatch.setattr(sliced_prefill, "_GREEN", {})
 
     @contextlib.contextmanager
     def stream(self, _stream):
@@ -69,24 +87,30 @@ def run_chunks(device: Device, chunks: int, seen: list):
     return run
 
 
-def test_a_prefill_keeps_at_most_a_few_chunks_in_flight_on_its_own_stream_while_others_wait(monkeypatch):
+@pytest.mark.parametrize("sms", [112, 0])
+def test_a_prefill_keeps_at_most_a_few_chunks_in_flight_on_its_own_stream_while_others_wait(monkeypatch, sms):
+    """On a green context (sms 112) AHEAD chunks, which run beside the steps; taking turns with
+    them on every SM (sms 0), TURNS_AHEAD, which the next step waits for."""
     device = Device()
+    device.green(monkeypatch)
     monkeypatch.setattr(sliced_prefill, "torch", types.SimpleNamespace(cuda=device))
-    cuda = types.SimpleNamespace(type="cuda")
+    cuda = types.SimpleNamespace(type="cuda", index=None)
+    ahead_most = AHEAD if sms else TURNS_AHEAD
     # a slice of 0 s: every boundary hands back at once; the chunks queued keep running meanwhile
     ahead, handed_back = [], []
-    p = SlicedPrefill(run_chunks(device, 6, ahead), 0.0, lambda: True, cuda)
+    p = SlicedPrefill(run_chunks(device, 6, ahead), 0.0, lambda: True, cuda, sms)
+    assert p.turns == (not sms)
     while not p.advance():
         handed_back.append(device.queued - device.done)
-    assert p.result == "logits" and handed_back == [1, 2, 3, 3, 3, 3]
+    assert p.result == "logits" and handed_back == [min(k, ahead_most) for k in range(1, 7)]
     assert device.done == device.queued == 6  # complete before the owner reads the result
-    # a long slice: the host waits for the chunk AHEAD boundaries back
+    # a long slice: the host waits for the chunk `ahead_most` boundaries back
     device.reset()
     ahead.clear()
-    p = SlicedPrefill(run_chunks(device, 6, ahead), 3600.0, lambda: True, cuda)
+    p = SlicedPrefill(run_chunks(device, 6, ahead), 3600.0, lambda: True, cuda, sms)
     while not p.advance():
         pass
-    assert ahead == [min(k, AHEAD) for k in range(1, 7)]
+    assert ahead == [min(k, ahead_most) for k in range(1, 7)]
     # nothing waits: no fence, the host runs ahead as far as it likes
     device.reset()
     ahead.clear()
@@ -125,11 +149,12 @@ def test_a_prefill_waiting_for_its_oldest_chunk_hands_back_once_the_step_is_done
     another; if the owner's step is done meanwhile (and slice_seconds passed), it hands back at
     once, not at that chunk's end, and waits on for it at its next slice (the bound holds)."""
     device = Device()
+    device.green(monkeypatch)
     monkeypatch.setattr(sliced_prefill, "torch", types.SimpleNamespace(cuda=device))
     monkeypatch.setattr(sliced_prefill, "POLL_SECONDS", 0.0)
-    cuda = types.SimpleNamespace(type="cuda")
+    cuda = types.SimpleNamespace(type="cuda", index=None)
     seen = []
-    p = SlicedPrefill(run_chunks(device, 6, seen), 0.0, lambda: True, cuda)
+    p = SlicedPrefill(run_chunks(device, 6, seen), 0.0, lambda: True, cuda, 112)
     device.runs = False  # the chunks run for long: none ends while the host asks
     asks = iter([False] * 5 + [True] * 100)  # the step's event: done at the sixth ask
     assert not p.advance(lambda: next(asks))
@@ -141,6 +166,26 @@ def test_a_prefill_waiting_for_its_oldest_chunk_hands_back_once_the_step_is_done
     while not p.advance(lambda: True):
         assert device.queued - device.done <= AHEAD + 1
     assert p.result == "logits" and device.done == device.queued == 6
+
+
+def test_taking_turns_each_step_waits_for_the_chunks_queued_before_it_and_the_next_chunks_for_it(monkeypatch):
+    """On every SM beside decode steps: at each hand-back the owner's stream waits for every
+    chunk queued so far, and at each resume the prefill's stream waits for the owner's step
+    before its next chunk; on a green context neither waits (they run side by side)."""
+    for sms in (0, 112):
+        device = Device()
+        device.green(monkeypatch)
+        monkeypatch.setattr(sliced_prefill, "torch", types.SimpleNamespace(cuda=device))
+        cuda = types.SimpleNamespace(type="cuda", index=None)
+        p = SlicedPrefill(run_chunks(device, 4, []), 0.0, lambda: True, cuda, sms)
+        queued_at_hand_back = []
+        while not p.advance():
+            queued_at_hand_back.append(device.queued)
+        if sms:  # only the first chunk waits, for what the owner queued before the prefill
+            assert device.step_waits_for == [] and device.chunks_wait_from == [0]
+        else:
+            assert queued_at_hand_back == [1, 2, 3, 4] and device.step_waits_for == [1, 2, 3, 4]
+            assert device.chunks_wait_from == [0, 1, 2, 3, 4]  # the first, then after each step
 
 
 def test_the_prefills_own_time_is_counted_as_work_or_waits_and_never_the_owners():
@@ -206,4 +251,4 @@ def test_a_prefill_beside_decode_steps_runs_on_the_green_context_and_alone_on_ev
     for _ in range(2):
         assert SlicedPrefill(lambda pause: None, 0.0, lambda: True, cuda, 112).stream[0] == "every SM"
     assert capsys.readouterr().err == ("[no green context (CUDA driver too old for green contexts): a prefill beside "
-                                       "decode steps shares every SM]\n")
+                                       "decode steps takes turns with them on every SM]\n")

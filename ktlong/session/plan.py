@@ -64,7 +64,8 @@ class SessionPlan:
                    f"{c.prefill_dense_layer_num} dense layers)" if c is not None else "dense")
         lines = [f"[plan for max_seq_len {self.max_seq_len:,} on {self.device} ({str(self.dtype).removeprefix('torch.')})]",
                  f"  prefill: {prefill}, chunk {self.chunk_size}, attention backend {self.attention_backend}"
-                 + (f"; beside decode steps on {self.prefill_sms or 'every'} SMs" if self.is_gpu else ""),
+                 + ((f"; beside decode steps on {self.prefill_sms} SMs" if self.prefill_sms
+                    else "; beside decode steps in turns with them") if self.is_gpu else ""),
                  f"  KV cache: {self.kv_type} in DRAM, block {self.layout.block_size}, device window "
                  f"{self.local_windows_len} tokens",
                  f"  decode: top {s.second_select_num} blocks by {s.anchor_type} anchors ({s.head_select_mode}), "

@@ -30,6 +30,10 @@ block of a prefill's kernel is never preempted, and with every SM shared a step'
 queued behind them one after another. On the H200, four streams beside a 1M prefill: p99
 between tokens 269 -> 103 ms, 62 -> 97 tok/s in all, the prefill 133 -> 155 s (112 of 132 SMs:
 more than 15% longer, as FlashInfer's fa3 plans its persistent CTAs for every SM of the device).
+Without a green context (`prefill_sms` 0, or the driver's refusal) the two take turns on the
+device instead: a slice's chunks wait for the step it ran beside, and the next step for the
+chunks the slice queued (TURNS_AHEAD of them in flight at most), so a step runs on every SM with
+no prefill kernel in its way, and the prefill on every SM between the steps.
 A prefill that starts with nothing decoding keeps every SM to its end (its streams are chosen
 once: the prefill records work on the stream it started on).
 The prefill thread's own time is counted as work (its chunks' host part) or waits (for its oldest
@@ -52,6 +56,8 @@ import torch
 from ktlong.errors import first_line
 
 AHEAD = 3  # chunks of a prefill in flight on the device at most while decode steps wait
+# the same where the prefill and the steps take turns on the device: the next step waits for them
+TURNS_AHEAD = 1
 # how often the prefill's host asks whether its oldest chunk in flight is done, while it may
 # hand back to its owner instead of waiting for it
 POLL_SECONDS = 0.0002
@@ -76,21 +82,21 @@ def green_contexts_supported() -> bool:
     return bool(green_contexts.SUPPORTED)
 
 
-def _stream(device: "torch.device", sms: int) -> "torch.cuda.Stream":
-    """A stream for a prefill's kernels: on sms SMs of the device (its green context), or on all
-    of them (sms 0, or where the driver refuses the green context: said once)."""
+def _stream(device: "torch.device", sms: int) -> tuple["torch.cuda.Stream", bool]:
+    """A stream for a prefill's kernels, and whether it is a green context's: on sms SMs of the
+    device, or on all of them (sms 0, or where the driver refuses the green context: said once)."""
     if not sms:
-        return torch.cuda.Stream(device)
+        return torch.cuda.Stream(device), False
     key = (device.index if device.index is not None else torch.cuda.current_device(), sms)
     if key not in _GREEN:
         try:
             _GREEN[key] = torch.cuda.GreenContext.create(num_sms=sms, device_id=key[0])
         except RuntimeError as e:
             _GREEN[key] = None
-            print(f"[no green context ({first_line(e)}): a prefill beside decode steps shares every SM]",
-                  file=sys.stderr)
+            print(f"[no green context ({first_line(e)}): a prefill beside decode steps takes turns with them on "
+                  "every SM]", file=sys.stderr)
     green = _GREEN[key]
-    return green.Stream() if green is not None else torch.cuda.Stream(device)
+    return (green.Stream(), True) if green is not None else (torch.cuda.Stream(device), False)
 
 
 @contextlib.contextmanager
@@ -118,7 +124,11 @@ class SlicedPrefill:
         self.run, self.slice_seconds, self.more_work = run, slice_seconds, more_work
         cuda = device is not None and device.type == "cuda"
         self.owner_stream = torch.cuda.current_stream(device) if cuda else None
-        self.stream = _stream(device, sms if more_work() else 0) if cuda else None
+        beside = more_work()
+        self.stream, green = _stream(device, sms if beside else 0) if cuda else (None, False)
+        # the prefill and the owner's steps take turns on the device (every SM, beside decoding)
+        self.turns = cuda and beside and not green
+        self.ahead = TURNS_AHEAD if self.turns else AHEAD
         self._fences: list = []  # the device work queued up to each boundary still in flight
         self.result, self.error, self.done = None, None, False
         self._go, self._back = threading.Semaphore(0), threading.Semaphore(0)
@@ -178,7 +188,7 @@ class SlicedPrefill:
             fence = torch.cuda.Event()
             fence.record()
             self._fences.append(fence)
-            while len(self._fences) > AHEAD:  # the oldest chunk's end, handing back meanwhile when the slice is over
+            while len(self._fences) > self.ahead:  # the oldest chunk's end, handing back meanwhile when the slice is over
                 if self._fences[0].query():
                     self._fences.pop(0)
                 elif self._slice_over():
@@ -203,6 +213,10 @@ class SlicedPrefill:
 
     def _hand_back(self):
         self._spent("wait")
+        if self.turns:  # the owner's next step after the chunks queued so far
+            self.owner_stream.wait_stream(self.stream)
         self._back.release()
         self._go.acquire()
+        if self.turns:  # the next chunks after the step the owner queued meanwhile
+            self.stream.wait_stream(self.owner_stream)
         self._since = self._mark = time.perf_counter()
