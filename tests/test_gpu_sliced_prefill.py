@@ -2,6 +2,8 @@
 every SM the two take turns (no chunk of the prefill runs while a step does), on a green context
 they run side by side. Steps and chunks are sleeping kernels, timed by events."""
 
+import functools
+
 import pytest
 import torch
 
@@ -12,23 +14,31 @@ pytestmark = pytest.mark.gpu
 STEP_MS, CHUNK_MS = 20.0, 5.0
 
 
+@functools.lru_cache(maxsize=None)
+def cycles_a_ms() -> int:
+    return int(torch.cuda.clock_rate() * 1e3)  # MHz (NVML's, asked once: its first call is slow)
+
+
 def sleep_ms(ms: float) -> tuple:
     """A kernel that spins for about ms on one SM, between two timed events."""
+    cycles = int(ms * cycles_a_ms())
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    torch.cuda._sleep(int(ms * 1e-3 * torch.cuda.clock_rate() * 1e6))
+    torch.cuda._sleep(cycles)
     end.record()
     return start, end
 
 
 def timeline(sms: int) -> tuple[list, list]:
-    """Four steps with a slice of the prefill (three chunks in all, a chunk a slice) beside each
-    -> the steps' and the chunks' (start, end) in ms from the first step's start."""
+    """Steps with slices of the prefill (six chunks in all) beside them, as the server's worker
+    runs them: each step queued, a slice run while the device works on it (on until the step is
+    done), then the owner waits for the step -> the steps' and the chunks' (start, end) in ms from
+    the first step's start."""
     device = torch.device("cuda", torch.cuda.current_device())
     steps, chunks = [], []
 
     def run(pause):
-        for _ in range(3):
+        for _ in range(6):
             chunks.append(sleep_ms(CHUNK_MS))
             pause()
         return "done"
@@ -37,7 +47,9 @@ def timeline(sms: int) -> tuple[list, list]:
         p = SlicedPrefill(run, 0.0, lambda: True, device, sms)
         while True:
             steps.append(sleep_ms(STEP_MS))
-            if p.advance():
+            ended = p.advance(steps[-1][1].query)
+            steps[-1][1].synchronize()
+            if ended:
                 break
         torch.cuda.synchronize(device)
     assert p.error is None and p.result == "done"
@@ -51,9 +63,8 @@ def test_on_every_sm_the_prefills_chunks_and_the_steps_take_turns():
     spans = sorted(steps + chunks)
     # no two overlap: each starts once the one before has ended
     assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:])), spans
-    # the chunk of each slice runs after the step it was queued beside, before the next step
-    for (step, nxt), chunk in zip(zip(steps, steps[1:]), chunks):
-        assert step[1] <= chunk[0] and chunk[1] <= nxt[0]
+    # and the chunks ran between the steps, not after them all
+    assert chunks[0][1] <= steps[1][0] and len(steps) > 2, (steps, chunks)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not green_contexts_supported(),
@@ -61,7 +72,8 @@ def test_on_every_sm_the_prefills_chunks_and_the_steps_take_turns():
 def test_on_a_green_context_the_prefills_chunks_run_beside_the_steps():
     sms = prefill_sms(0.15, torch.cuda.get_device_properties(0).multi_processor_count)
     steps, chunks = timeline(sms)
-    # the first chunk waits for what the owner queued before the prefill (the first step); each
-    # later slice's chunk starts while the step it was queued beside still runs
+    # the first chunk waits for what the owner queued before the prefill (the first step); the
+    # rest run while the steps do (here five of the six chunks whole)
     assert chunks[0][0] >= steps[0][1]
-    assert all(step[0] <= chunk[0] < step[1] for step, chunk in zip(steps[1:], chunks[1:])), (steps, chunks)
+    beside = sum(max(0.0, min(c[1], s[1]) - max(c[0], s[0])) for c in chunks for s in steps)
+    assert beside >= 0.5 * len(chunks) * CHUNK_MS, (steps, chunks)
