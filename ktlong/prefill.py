@@ -14,6 +14,7 @@ history loads into the other pages on a stream of its own while this layer compu
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from contextlib import contextmanager, nullcontext
@@ -43,6 +44,13 @@ from operators.observation_scores import observation_block_mass
 
 IMPORTANCE_QUERIES = 64  # last queries of each chunk that score its keys for DYNAMIC anchors
 OBSERVATION_QUERIES = 32  # last prompt queries that score blocks for decode-time preselection
+# the most query-key pairs (over every query head) one dense attention launch takes where a
+# prefill takes turns with decode steps on the device (ktlong/session/sliced_prefill.py), which wait
+# for its launches: 16e9 is about 16 ms of FlashInfer's fa3 on an H200 (a chunk of 4,096 queries
+# over 256K keys at 8B shapes, 3.4e10 pairs: 33 ms); a chunk's queries over more keys than that go
+# in pieces, a boundary between each
+LAUNCH_PAIRS = 16_000_000_000
+PIECE_ROWS = 128  # a piece's queries come in multiples of this (fa3's query tile), and of the block size
 JOINT_QUANTIZE_TOKENS = 1024  # a chunk this short (a follow-up's question) quantises K and V in one pass
 
 
@@ -103,6 +111,21 @@ class _Run:
     # last layer (fetching each as it is made would sync the host with the device every layer)
     masses: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     resident: ResidentHistory | None = None  # layers whose rows also go to device copies
+    # the most query-key pairs of a dense attention launch (0: a chunk's in one), and what runs
+    # between two of them (a boundary: a sliced prefill may hand back there)
+    launch_pairs: int = 0
+    between: Callable[[], None] | None = None
+
+
+def launch_pieces(s: int, e: int, num_heads: int, launch_pairs: int, align: int) -> list[tuple[int, int]]:
+    """The chunk s..e's queries split into pieces (a, b) of equal rows (a multiple of align, the
+    last shorter), as few as keep each piece's query-key pairs, (b - a) * b * num_heads, within
+    launch_pairs; [(s, e)] where one launch keeps within it or launch_pairs is 0."""
+    if not launch_pairs or (e - s) * e * num_heads <= launch_pairs:
+        return [(s, e)]
+    n = -(-(e - s) * e * num_heads // launch_pairs)
+    rows = max(align, -(-(e - s) // n) // align * align)
+    return [(a, min(a + rows, e)) for a in range(s, e, rows)]
 
 
 class _Timer:
@@ -166,17 +189,22 @@ class LayerMajorPrefill:
 
     @torch.inference_mode()
     def run(self, token_ids: list[int], host: HostKVCache, progress=None, history: int = 0,
-            prefetch_history: bool = False, resident: ResidentHistory | None = None) -> tuple[torch.Tensor, PrefillStats]:
+            prefetch_history: bool = False, resident: ResidentHistory | None = None,
+            short_launches: bool = False) -> tuple[torch.Tensor, PrefillStats]:
         """Prefill token_ids at positions history.. into `host`, which holds the first `history`
         tokens (0: a new prompt; more: a follow-up over the cache). Returns the last token's
         logits [vocab] and stats. prefetch_history: a follow-up loads layer l+1's history into
         a second set of pages while layer l computes (one more layer of pages on the device).
-        resident: layers whose history the device keeps between turns (ktlong/kv/resident.py)."""
+        resident: layers whose history the device keeps between turns (ktlong/kv/resident.py).
+        short_launches: decode steps wait for its launches (it takes turns with them), so a
+        chunk's dense attention goes in pieces of at most LAUNCH_PAIRS, progress.pace() between."""
         num_tokens = history + len(token_ids)
         assert history < num_tokens <= self.layout.capacity and host.num_tokens == history
         assert not (history and self.layout.sliding), "sliding-window layers keep only a tail: re-prefill"
         stats = PrefillStats(num_tokens=len(token_ids))
         run = _Run(num_tokens, host, stats, resident=resident)
+        if short_launches and progress is not None:
+            run.launch_pairs, run.between = LAUNCH_PAIRS, progress.pace
         if not history:
             host.place_tails(num_tokens)
         if self.cuda:
@@ -350,11 +378,24 @@ class LayerMajorPrefill:
                     return self.compact.attend(q, self.pages.k, self.pages.v, pages, what, s, e, run.num_tokens)
             run.densities.append(1.0)  # kept nearly everything: dense is cheaper (dense_above)
             run.stats.dense_chunks += 1
-        with timed():
-            if self.dense_paged is not None and paged:
-                return self.dense_paged(q, self.pages.k, self.pages.v, self.pooled_keys, s, e)[0]
-            keys, values = self.pages.tokens(self.pages.k)[:, :e], self.pages.tokens(self.pages.v)[:, :e]
-            return chunk_attention(q, keys, values, self.model.scale, self.backend)
+        pieces = launch_pieces(s, e, q.shape[1], run.launch_pairs, math.lcm(PIECE_ROWS, self.layout.block_size))
+        if len(pieces) == 1:
+            with timed():
+                return self._dense(q, s, e, paged)
+        o = torch.empty_like(q)
+        for i, (a, b) in enumerate(pieces):
+            if i:
+                run.between()
+            with timed():
+                o[a - s:b - s] = self._dense(q[a - s:b - s], a, b, paged)
+        return o
+
+    def _dense(self, q, s, e, paged: bool) -> torch.Tensor:
+        """Queries s..e over every key up to each (causal)."""
+        if self.dense_paged is not None and paged:
+            return self.dense_paged(q, self.pages.k, self.pages.v, self.pooled_keys, s, e)[0]
+        keys, values = self.pages.tokens(self.pages.k)[:, :e], self.pages.tokens(self.pages.v)[:, :e]
+        return chunk_attention(q, keys, values, self.model.scale, self.backend)
 
     def _offload(self, layer, q, s, e, run: _Run):
         """Summarise the chunk's blocks and copy its K/V and side tables to DRAM. Sliding-window

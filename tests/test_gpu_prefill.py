@@ -195,3 +195,28 @@ def test_hidden_states_in_dram_are_locked_for_the_call_only_and_a_stop_leaves_no
     (device_logits, device_rows), (dram_logits, dram_rows) = results
     assert torch.equal(dram_logits, device_logits)
     assert all(torch.equal(a, b) for a, b in zip(dram_rows, device_rows))
+
+
+@pytest.mark.skipif(not flashinfer_available(), reason="FlashInfer is not installed")
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_dense_attention_in_short_launches_equals_one_launch_a_chunk(backend, monkeypatch):
+    """A chunk's dense attention in pieces of its queries (short_launches, LAUNCH_PAIRS made
+    small: the paged route fa3 takes, the plain kernel fa2's) equals one launch a chunk within
+    bf16 noise, and the same cache; a boundary between two pieces."""
+    import ktlong.prefill as prefill_module
+
+    model = random_model("tiny", torch.device("cuda"), torch.bfloat16)
+    c = model.config
+    monkeypatch.setattr(prefill_module, "LAUNCH_PAIRS", 256 * 1500 * c.num_heads)
+    ids = torch.randint(0, 1000, (1500,), generator=torch.Generator().manual_seed(3)).tolist()
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 128, len(ids), "bf16")
+    paces, out = [], []
+    for short in (False, True):
+        progress = type("P", (), {"update": lambda self, n: None, "pace": lambda self: paces.append(short)})()
+        host = HostKVCache(layout, pin=True)
+        logits, _ = LayerMajorPrefill(model, layout, 512, backend, True).run(ids, host, progress, short_launches=short)
+        out.append((logits, host.k[0].clone()))
+    assert rel(out[1][0], out[0][0]) < 1e-2 and torch.equal(out[0][1], out[1][1])
+    # chunks (0,512) (512,1024) (1024,1500): 512*512, 512*1024, 476*1500 rows x keys against
+    # 256*1500: 1, 2 (256 rows), 2 (256 rows: 1,024 + 256, then 1,280-1,500) pieces
+    assert paces == [True] * 2 * c.num_layers

@@ -356,3 +356,66 @@ def test_quantising_k_and_v_in_one_pass_stores_the_bytes_of_one_pass_each(tiny32
     for (data_a, scales_a), (data_b, scales_b) in zip(*tables):
         assert torch.equal(data_a, data_b) and torch.equal(scales_a, scales_b)
     assert any(bool(data.any()) for data, _ in tables[0])
+
+
+def test_launch_pieces_cover_the_chunk_each_within_the_pairs():
+    from ktlong.prefill import launch_pieces
+
+    assert launch_pieces(0, 4096, 32, 0, 128) == [(0, 4096)]  # no bound: one launch
+    assert launch_pieces(0, 4096, 32, 16_000_000_000, 128) == [(0, 4096)]  # 5.4e8 pairs fit
+    # the last chunk of a 1M prompt at 8B shapes: 1.37e11 pairs, 9 launches' worth; 456 rows
+    # each, down to 384 (3 x 128): 10 pieces of 384 and one of 256
+    s, e = 255 * 4096, 256 * 4096
+    pieces = launch_pieces(s, e, 32, 16_000_000_000, 128)
+    assert pieces == [(a, min(a + 384, e)) for a in range(s, e, 384)] and len(pieces) == 11
+    for s, e, heads, pairs, align in [(0, 4096, 32, 10**9, 128), (4096, 8192, 8, 3 * 10**7, 16), (64, 200, 4, 9000, 16)]:
+        pieces = launch_pieces(s, e, heads, pairs, align)
+        assert pieces[0][0] == s and pieces[-1][1] == e and all(b == c for (_, b), (c, _) in zip(pieces, pieces[1:]))
+        assert all((a - s) % align == 0 for a, _ in pieces)
+        rows = pieces[0][1] - pieces[0][0]
+        assert rows == align or all((b - a) * b * heads <= pairs for a, b in pieces)
+
+
+class Boundaries:
+    """What a prefill reports: chunks done (update) and boundaries inside them (pace)."""
+
+    def __init__(self):
+        self.paces = 0
+
+    def update(self, n):
+        pass
+
+    def pace(self):
+        self.paces += 1
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_dense_attention_in_short_launches_equals_one_launch_a_chunk(tiny, monkeypatch, paged):
+    """short_launches: a chunk's dense attention over more query-key pairs than LAUNCH_PAIRS goes
+    in pieces of its queries, a boundary (progress.pace) between two; the logits and the cache
+    equal those of one launch a chunk, and the dense forward's (the plain kernel, and the paged
+    route fa3 takes, its torch twin standing in)."""
+    import ktlong.prefill as prefill_module
+    from operators.compact_attention import CompactAttention, CompactParams
+
+    monkeypatch.setattr(prefill_module, "PIECE_ROWS", 16)
+    monkeypatch.setattr(prefill_module, "LAUNCH_PAIRS", 32 * 200 * tiny.config.num_heads)  # 32 rows over 200 keys
+    ids = list(np.random.default_rng(5).integers(0, 300, size=200))
+    expected, _ = dense(tiny, ids)
+    c = tiny.config
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 200, "fp32")
+    results = []
+    for short in (False, True):
+        engine = LayerMajorPrefill(tiny.model, layout, 64, "torch", True)
+        if paged:
+            engine.dense_paged = CompactAttention(CompactParams.keep_all(), c.num_heads, c.num_kv_heads, 16,
+                                                  tiny.model.scale, "torch", tiny.model.device)
+        host, boundaries = HostKVCache(layout, pin=False), Boundaries()
+        logits, _ = engine.run(ids, host, boundaries, short_launches=short)
+        results.append((logits, host.k[0].clone(), boundaries.paces))
+        assert float((logits - expected).abs().max() / expected.abs().max()) < 1e-4
+    (one, k_one, paces_one), (pieces, k_pieces, paces) = results
+    assert float((pieces - one).abs().max() / one.abs().max()) < 1e-5 and torch.equal(k_one, k_pieces)
+    # chunks (0,64) (64,128) (128,192) (192,200): 64*64, 64*128, 64*192, 8*200 rows x keys against
+    # 32*200 -> 1, 2, 2 (32 rows each), 1 pieces: a boundary in each of two chunks of each layer
+    assert paces_one == 0 and paces == 2 * c.num_layers

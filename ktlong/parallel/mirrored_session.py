@@ -41,7 +41,7 @@ class MirroredSession:
 
     def prefill(self, prompt_ids: list[int], show_progress: bool = False,
                 should_stop: Callable[[], bool] | None = None, on_progress=None, alone: bool = True,
-                answer_room: int | None = None):
+                answer_room: int | None = None, short_launches: bool = False):
         self._tell({"op": "prefill", "ids": list(prompt_ids), "alone": alone, "answer_room": answer_room})
 
         def agreed() -> bool:  # asked after every chunk of every layer, on every rank alike

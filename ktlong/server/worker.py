@@ -280,7 +280,7 @@ class Worker:
                 pause()
                 return stop()
             return self.session.prefill(job.prompt_ids, False, should_stop, reply.progress if job.progress else None,
-                                        alone=not self.rows, answer_room=answer_room)
+                                        alone=not self.rows, answer_room=answer_room, short_launches=sliced.turns)
 
         sliced = SlicedPrefill(run, self.slice_seconds, lambda: bool(self.rows), getattr(self.session, "device", None),
                                getattr(self.session, "prefill_sms", 0))

@@ -50,11 +50,11 @@ class ChunkedSession:
     def prefill(self, prompt_ids: list[int], show_progress: bool = False,
                 should_stop: Callable[[], bool] | None = None,
                 on_progress: Callable[[int, int], None] | None = None, alone: bool = True,
-                answer_room: int | None = None):
+                answer_room: int | None = None, short_launches: bool = False):
         """Make the cache hold exactly prompt_ids; return the last token's logits [vocab].
         should_stop is asked between chunks; when it says so, Cancelled is raised and the cache
         holds the chunks done so far. alone: always, here (a dense session decodes one
-        conversation); answer_room: nothing here is sized by it."""
+        conversation); answer_room, short_launches: nothing here depends on them."""
         assert len(prompt_ids) <= self.max_seq_len
         reuse = self.reusable(prompt_ids)
         todo = prompt_ids[reuse:]

@@ -287,7 +287,7 @@ class LongContextSession:
     def prefill(self, prompt_ids: list[int], show_progress: bool = False,
                 should_stop: Callable[[], bool] | None = None,
                 on_progress: Callable[[int, int], None] | None = None, alone: bool = True,
-                answer_room: int | None = None) -> torch.Tensor:
+                answer_room: int | None = None, short_launches: bool = False) -> torch.Tensor:
         """Prefill what the cache does not hold yet: all of a new prompt, or the new tokens of a
         follow-up (the conversation so far, extended) over the history in DRAM. should_stop is
         asked after every chunk of every layer and between the parts of the decoder's setup; when
@@ -295,7 +295,9 @@ class LongContextSession:
         conversation will decode by itself, so its decoder's graphs are captured now; otherwise
         (it joins a batch, whose own graphs serve it) on its first step alone, if it ever takes
         one. answer_room: the most tokens its answer adds (None: up to max_seq_len), which its
-        decoder's device anchors are sized for (ktlong/session/anchors_pool.py)."""
+        decoder's device anchors are sized for (ktlong/session/anchors_pool.py). short_launches:
+        decode steps wait for its device work (a sliced prefill taking turns with them), so its
+        long attention launches go in pieces (LayerMajorPrefill.run)."""
         history = self.reusable(prompt_ids)
         reach = self.max_seq_len if answer_room is None else min(len(prompt_ids) + answer_room, self.max_seq_len)
         # a follow-up that fits beside the decoder keeps it (and its graphs); otherwise the
@@ -328,7 +330,8 @@ class LongContextSession:
             # them, a piece at a time: a sliced prefill hands back to the decode steps between pieces
             self.host.reserve(self.host.shared_blocks * self.layout.block_size, pace=progress.pace)
             progress.check()
-            logits, self.last_stats = self.engine.run(new, self.host, progress, history, prefetch, self.resident)
+            logits, self.last_stats = self.engine.run(new, self.host, progress, history, prefetch, self.resident,
+                                                         short_launches)
         except Cancelled:
             self.reset()
             raise

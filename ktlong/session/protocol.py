@@ -39,13 +39,15 @@ class Session(Protocol):
     def prefill(self, prompt_ids: list[int], show_progress: bool = False,
                 should_stop: Callable[[], bool] | None = None,
                 on_progress: Callable[[int, int], None] | None = None,
-                alone: bool = True, answer_room: int | None = None) -> "torch.Tensor | np.ndarray":
+                alone: bool = True, answer_room: int | None = None,
+                short_launches: bool = False) -> "torch.Tensor | np.ndarray":
         """Make the cache hold prompt_ids; the last token's logits [vocab]. should_stop is asked
         between chunks; when it says so, Cancelled is raised. on_progress(done, total): the
         prompt tokens prefilled so far of those this prefill computes, after every chunk.
         alone: no other conversation decodes beside this one (its decode may get ready for that).
         answer_room: the most tokens the answer adds before the next prefill (None: up to
-        max_seq_len), where the decode state is sized by it."""
+        max_seq_len), where the decode state is sized by it. short_launches: decode steps wait
+        for its device work, so it keeps each launch short where it can."""
 
     def step(self, token_id: int) -> "torch.Tensor | np.ndarray":
         """Append one token; its logits [vocab]."""
