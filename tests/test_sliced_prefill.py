@@ -42,9 +42,8 @@ class Device:
         device = self
         if not hasattr(self, "owner"):
             class Owner:
-                def wait_stream(self, other):  # the owner's next step waits for the chunks queued so far
-                    assert other is not self
-                    device.step_waits_for.append(device.queued)
+                def wait_event(self, event):  # the owner's next step waits for the chunks queued up to it
+                    device.step_waits_for.append(event.upto)
             self.owner, self.step_waits_for = Owner(), []
         return self.owner
 
@@ -59,6 +58,11 @@ class Device:
 
             def synchronize(self):
                 device.done = device.queued
+
+            def record_event(self):
+                event = device.Event()
+                event.record()
+                return event
         self.chunks_wait_from = []
         return Stream()
 
@@ -169,9 +173,10 @@ def test_a_prefill_waiting_for_its_oldest_chunk_hands_back_once_the_step_is_done
 
 
 def test_taking_turns_each_step_waits_for_the_chunks_queued_before_it_and_the_next_chunks_for_it(monkeypatch):
-    """On every SM beside decode steps: at each hand-back the owner's stream waits for every
-    chunk queued so far, and at each resume the prefill's stream waits for the owner's step
-    before its next chunk; on a green context neither waits (they run side by side)."""
+    """On every SM beside decode steps: the owner's stream waits, before each step (before_step),
+    for every chunk queued up to the last hand-back, and at each resume the prefill's stream
+    waits for the owner's step before its next chunk; on a green context neither waits (they run
+    side by side)."""
     for sms in (0, 112):
         device = Device()
         device.green(monkeypatch)
@@ -179,11 +184,14 @@ def test_taking_turns_each_step_waits_for_the_chunks_queued_before_it_and_the_ne
         cuda = types.SimpleNamespace(type="cuda", index=None)
         p = SlicedPrefill(run_chunks(device, 4, []), 0.0, lambda: True, cuda, sms)
         queued_at_hand_back = []
-        while not p.advance():
+        while True:
+            p.before_step()  # as the worker does, then its step
+            if p.advance():
+                break
             queued_at_hand_back.append(device.queued)
         if sms:  # only the first chunk waits, for what the owner queued before the prefill
             assert device.step_waits_for == [] and device.chunks_wait_from == [0]
-        else:
+        else:  # the first step waits for nothing; each later one for the chunks before it
             assert queued_at_hand_back == [1, 2, 3, 4] and device.step_waits_for == [1, 2, 3, 4]
             assert device.chunks_wait_from == [0, 1, 2, 3, 4]  # the first, then after each step
 

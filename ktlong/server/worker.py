@@ -346,6 +346,8 @@ class Worker:
 
         beside = prefill_slice if p is not None else None
         own = {}  # parts of the step's own time, by what they were (Prefilling.count)
+        if p is not None:  # where the two take turns on the device: the step after the chunks queued so far
+            p.prefill.before_step()
         try:
             if rows[0].conversation is None:
                 logits = self.session.step(tokens[0])[None]
