@@ -118,9 +118,10 @@ class _Run:
 
 
 def launch_pieces(s: int, e: int, num_heads: int, launch_pairs: int, align: int) -> list[tuple[int, int]]:
-    """The chunk s..e's queries split into pieces (a, b) of equal rows (a multiple of align, the
-    last shorter), as few as keep each piece's query-key pairs, (b - a) * b * num_heads, within
-    launch_pairs; [(s, e)] where one launch keeps within it or launch_pairs is 0."""
+    """The chunk s..e's queries split into pieces (a, b) of equal rows (the last shorter): the
+    fewest that keep each piece's query-key pairs, (b - a) * b * num_heads, within launch_pairs,
+    their rows then rounded down to a multiple of align (align rows at least); [(s, e)] where one
+    launch keeps within it or launch_pairs is 0."""
     if not launch_pairs or (e - s) * e * num_heads <= launch_pairs:
         return [(s, e)]
     n = -(-(e - s) * e * num_heads // launch_pairs)
