@@ -7,9 +7,9 @@ the chunks queued so far, and each time the host asks whether they are done one 
 import contextlib
 import types
 
-import ktlong.session.sliced_prefill as sliced_prefill
 import pytest
 
+import ktlong.session.sliced_prefill as sliced_prefill
 from ktlong.session.sliced_prefill import AHEAD, TURNS_AHEAD, SlicedPrefill, prefill_sms
 
 
@@ -21,6 +21,14 @@ class Device:
         self.owner_work_done = False
         self.on_prefill_stream = False
         self.runs = True  # while the host asks, the device finishes a chunk at each ask
+        self.step_waits_for = []  # the chunks queued up to each event the owner's next step waits for
+        self.chunks_wait_from = []  # the chunks queued when the prefill's stream waited for the owner's
+        device = self
+
+        class Owner:
+            def wait_event(self, event):
+                device.step_waits_for.append(event.upto)
+        self.owner = Owner()
 
     def reset(self):
         self.queued = self.done = 0
@@ -39,12 +47,6 @@ class Device:
         return Event()
 
     def current_stream(self, _device=None):
-        device = self
-        if not hasattr(self, "owner"):
-            class Owner:
-                def wait_event(self, event):  # the owner's next step waits for the chunks queued up to it
-                    device.step_waits_for.append(event.upto)
-            self.owner, self.step_waits_for = Owner(), []
         return self.owner
 
     def Stream(self, _device=None):  # noqa: N802
@@ -54,7 +56,7 @@ class Device:
             def wait_stream(self, other):
                 assert other is device.owner
                 device.owner_work_done = True
-                device.chunks_wait_from.append(device.queued)  # the chunks queued after this wait for the step
+                device.chunks_wait_from.append(device.queued)
 
             def synchronize(self):
                 device.done = device.queued
@@ -63,7 +65,6 @@ class Device:
                 event = device.Event()
                 event.record()
                 return event
-        self.chunks_wait_from = []
         return Stream()
 
     def green(self, monkeypatch):

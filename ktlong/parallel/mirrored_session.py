@@ -47,6 +47,8 @@ class MirroredSession:
         def agreed() -> bool:  # asked after every chunk of every layer, on every rank alike
             return self._tp.broadcast_flag(bool(should_stop()) if should_stop is not None else False)
 
+        # short_launches stays off: its pieces would ask `agreed` between them on this rank only
+        # (and nothing prefills beside decode steps here: step_batch)
         return self._session.prefill(prompt_ids, show_progress, agreed, on_progress, alone, answer_room)
 
     def step(self, token_id: int) -> torch.Tensor:
