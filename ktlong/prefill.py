@@ -48,7 +48,8 @@ OBSERVATION_QUERIES = 32  # last prompt queries that score blocks for decode-tim
 # prefill takes turns with decode steps on the device (ktlong/session/sliced_prefill.py), which wait
 # for its launches: 16e9 is about 16 ms of FlashInfer's fa3 on an H200 (a chunk of 4,096 queries
 # over 256K keys at 8B shapes, 3.4e10 pairs: 33 ms); a chunk's queries over more keys than that go
-# in pieces, a boundary between each
+# in pieces (whole waves of the SMs: over 1M keys a wave of 4 tiles of 128 rows, ~17e9 pairs, is the
+# least), a boundary between each
 LAUNCH_PAIRS = 16_000_000_000
 PIECE_ROWS = 128  # a piece's queries come in multiples of this (fa3's query tile), and of the block size
 JOINT_QUANTIZE_TOKENS = 1024  # a chunk this short (a follow-up's question) quantises K and V in one pass
@@ -117,15 +118,18 @@ class _Run:
     between: Callable[[], None] | None = None
 
 
-def launch_pieces(s: int, e: int, num_heads: int, launch_pairs: int, align: int) -> list[tuple[int, int]]:
-    """The chunk s..e's queries split into pieces (a, b) of equal rows (the last shorter): the
-    fewest that keep each piece's query-key pairs, (b - a) * b * num_heads, within launch_pairs,
-    their rows then rounded down to a multiple of align (align rows at least); [(s, e)] where one
-    launch keeps within it or launch_pairs is 0."""
+def launch_pieces(s: int, e: int, num_heads: int, launch_pairs: int, align: int, slots: int = 1) -> list[tuple[int, int]]:
+    """The chunk s..e's queries split into pieces (a, b) of equal rows (the last shorter), each
+    piece's query-key pairs, (b - a) * e * num_heads, within launch_pairs; [(s, e)] where one
+    launch keeps within it or launch_pairs is 0. A piece's rows come in tiles of align rows, each
+    tile num_heads programs of the kernel, and in whole waves of `slots` programs (the SMs, that
+    run them at once; at least one wave, even past launch_pairs): a launch of a part of a wave
+    takes a wave's time and leaves the other SMs idle."""
     if not launch_pairs or (e - s) * e * num_heads <= launch_pairs:
         return [(s, e)]
-    n = -(-(e - s) * e * num_heads // launch_pairs)
-    rows = max(align, -(-(e - s) // n) // align * align)
+    wave = max(1, slots // num_heads)  # the tiles of one wave
+    tiles = max(wave, launch_pairs // (align * e * num_heads) // wave * wave)
+    rows = tiles * align
     return [(a, min(a + rows, e)) for a in range(s, e, rows)]
 
 
@@ -176,6 +180,7 @@ class LayerMajorPrefill:
         self.pooled_keys = torch.zeros((layout.num_kv_heads, layout.num_blocks, layout.head_dim),
                                        dtype=torch.float32, device=self.device)
         self.cuda = self.device.type == "cuda"
+        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.cuda else 1
         # the block summaries in Triton kernels (operators/block_summary_kernel.py) where they run
         self.summary_kernel = False
         if self.cuda and triton_installed():
@@ -379,7 +384,8 @@ class LayerMajorPrefill:
                     return self.compact.attend(q, self.pages.k, self.pages.v, pages, what, s, e, run.num_tokens)
             run.densities.append(1.0)  # kept nearly everything: dense is cheaper (dense_above)
             run.stats.dense_chunks += 1
-        pieces = launch_pieces(s, e, q.shape[1], run.launch_pairs, math.lcm(PIECE_ROWS, self.layout.block_size))
+        pieces = launch_pieces(s, e, q.shape[1], run.launch_pairs, math.lcm(PIECE_ROWS, self.layout.block_size),
+                               self.sms)
         if len(pieces) == 1:
             with timed():
                 return self._dense(q, s, e, paged)

@@ -358,22 +358,30 @@ def test_quantising_k_and_v_in_one_pass_stores_the_bytes_of_one_pass_each(tiny32
     assert any(bool(data.any()) for data, _ in tables[0])
 
 
-def test_launch_pieces_cover_the_chunk_each_within_the_pairs():
+def test_launch_pieces_cover_the_chunk_in_whole_waves_each_within_the_pairs():
     from ktlong.prefill import launch_pieces
 
     assert launch_pieces(0, 4096, 32, 0, 128) == [(0, 4096)]  # no bound: one launch
-    assert launch_pieces(0, 4096, 32, 16_000_000_000, 128) == [(0, 4096)]  # 5.4e8 pairs fit
-    # the last chunk of a 1M prompt at 8B shapes: 1.37e11 pairs, 9 launches' worth; 456 rows
-    # each, down to 384 (3 x 128): 10 pieces of 384 and one of 256
+    assert launch_pieces(0, 4096, 32, 16_000_000_000, 128, 132) == [(0, 4096)]  # 5.4e8 pairs fit
+    # the last chunk of a 1M prompt at 8B shapes: 1.37e11 pairs; 16e9 holds 3.7 tiles of 128
+    # rows over 1M keys (32 heads): 3 tiles a piece where a program runs at a time, 10 of 384
+    # rows and one of 256; on an H200's 132 SMs a wave is 4 tiles (128 programs), and a piece
+    # at least a wave: 8 pieces of 512 rows
     s, e = 255 * 4096, 256 * 4096
-    pieces = launch_pieces(s, e, 32, 16_000_000_000, 128)
-    assert pieces == [(a, min(a + 384, e)) for a in range(s, e, 384)] and len(pieces) == 11
-    for s, e, heads, pairs, align in [(0, 4096, 32, 10**9, 128), (4096, 8192, 8, 3 * 10**7, 16), (64, 200, 4, 9000, 16)]:
-        pieces = launch_pieces(s, e, heads, pairs, align)
+    assert launch_pieces(s, e, 32, 16_000_000_000, 128) == [(a, min(a + 384, e)) for a in range(s, e, 384)]
+    assert launch_pieces(s, e, 32, 16_000_000_000, 128, 132) == [(a, a + 512) for a in range(s, e, 512)]
+    # at 256K keys 14.9 tiles fit: 3 waves of 4, 1,536 rows (the last piece 1,024)
+    s, e = 63 * 4096, 64 * 4096
+    assert launch_pieces(s, e, 32, 16_000_000_000, 128, 132) == [(s, s + 1536), (s + 1536, s + 3072), (s + 3072, e)]
+    for s, e, heads, pairs, align, slots in [(0, 4096, 32, 10**8, 128, 1), (4096, 8192, 8, 3 * 10**7, 16, 1),
+                                             (64, 200, 4, 9000, 16, 1), (4096, 8192, 8, 3 * 10**7, 16, 20),
+                                             (0, 4096, 40, 10**8, 128, 132)]:
+        pieces = launch_pieces(s, e, heads, pairs, align, slots)
         assert pieces[0][0] == s and pieces[-1][1] == e and all(b == c for (_, b), (c, _) in zip(pieces, pieces[1:]))
-        assert all((a - s) % align == 0 for a, _ in pieces)
+        wave = max(1, slots // heads) * align
         rows = pieces[0][1] - pieces[0][0]
-        assert rows == align or all((b - a) * b * heads <= pairs for a, b in pieces)
+        assert len(pieces) > 1 and rows % wave == 0 and all(b - a == rows for a, b in pieces[:-1])
+        assert rows == wave or all((b - a) * b * heads <= pairs for a, b in pieces)
 
 
 class Boundaries:
