@@ -12,19 +12,20 @@ import torch
 
 
 def block_summaries(k: torch.Tensor, num_valid: int):
-    """k: [KV, num_blocks, block_size, D] holding num_valid tokens (the rest is padding).
+    """k: [KV, num_blocks, block_size, D] holding num_valid tokens, every block but the last full
+    (the rest is padding).
 
-    Returns mean, kmax, kmin: [KV, num_blocks, D] in float32.
+    Returns mean, kmax, kmin: [KV, num_blocks, D] in float32. The whole blocks are reduced as they
+    lie, the last alone where it is partial (masking every block costs several passes more).
     """
     num_kv, num_blocks, block_size, dim = k.shape
-    assert 0 < num_valid <= num_blocks * block_size
-    valid = (torch.arange(num_blocks * block_size, device=k.device) < num_valid).view(
-        1, num_blocks, block_size, 1)
+    tail = num_valid - (num_blocks - 1) * block_size  # the last block's valid tokens
+    assert 0 < tail <= block_size
     k32 = k.float()
-    count = valid.sum(2).clamp(min=1)  # [1, num_blocks, 1]
-    mean = (k32 * valid).sum(2) / count
-    kmax = k32.masked_fill(~valid, float("-inf")).amax(2)
-    kmin = k32.masked_fill(~valid, float("inf")).amin(2)
+    mean, kmax, kmin = k32.mean(2), k32.amax(2), k32.amin(2)
+    if tail < block_size:
+        last = k32[:, -1, :tail]
+        mean[:, -1], kmax[:, -1], kmin[:, -1] = last.mean(1), last.amax(1), last.amin(1)
     return mean, kmax, kmin
 
 

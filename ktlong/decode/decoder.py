@@ -225,15 +225,18 @@ class Decoder:
         start = time.perf_counter()
         if self.cuda:
             torch.cuda.current_stream().synchronize()  # the write-through copies must have landed
-        h = self.host
-        for layer, k in zip(self.global_layers, self._unquantized_block_keys(block)):  # k: [KV, 1, B, D]
-            mean, kmax, kmin = block_summaries(k, self.block_size)
-            h.key_mean[layer][:, block], h.key_max[layer][:, block] = mean[:, 0], kmax[:, 0]
-            h.key_min[layer][:, block] = kmin[:, 0]
-            if self.layout.anchor_keys:  # DYNAMIC ranks generated keys by their norm (no prompt query saw them)
-                importance = k[:, 0].float().norm(dim=-1) if self.layout.anchor_type == "DYNAMIC" else None
-                h.anchor_keys[layer][:, block] = anchor_keys(k, self.block_size, self.layout.anchor_type,
-                                                             self.layout.anchor_num, importance)[:, 0]
+        h, layers = self.host, self.global_layers
+        k = self._unquantized_block_keys(block).flatten(0, 1)  # every layer's heads as heads: [L * KV, 1, B, D]
+        mean, kmax, kmin = (t.view(len(layers), -1, t.shape[-1]) for t in block_summaries(k, self.block_size))
+        anchors = None
+        if self.layout.anchor_keys:  # DYNAMIC ranks generated keys by their norm (no prompt query saw them)
+            importance = k[:, 0].float().norm(dim=-1) if self.layout.anchor_type == "DYNAMIC" else None
+            anchors = anchor_keys(k, self.block_size, self.layout.anchor_type, self.layout.anchor_num, importance)
+            anchors = anchors.view(len(layers), -1, *anchors.shape[2:])
+        for i, layer in enumerate(layers):
+            h.key_mean[layer][:, block], h.key_max[layer][:, block], h.key_min[layer][:, block] = mean[i], kmax[i], kmin[i]
+            if anchors is not None:
+                h.anchor_keys[layer][:, block] = anchors[i]
             self.selector.update_blocks(layer, block, block + 1)
         if self.device_anchors is not None:
             self.device_anchors.update(self.global_layers, block, block + 1)

@@ -78,11 +78,11 @@ class DeviceAnchors:
         kind = self.selector.s.anchor_type
         parts = [anchor_rows(self.selector.host, layer, first, last, kind) for layer in layers]
         # one layer (the setup's pieces): its rows go as they lie, with no copy on the host first
-        rows = (parts[0][None] if len(parts) == 1 else torch.stack(parts)).to(self.device)
+        rows = (parts[0][None] if len(parts) == 1 else torch.stack(parts)).to(self.device)  # [layers, KV, n, A, D]
+        rows = (torch.stack([rounded_bf16(rows[:, :, :, 0], "down"), rounded_bf16(rows[:, :, :, 1], "up")], 3)
+                if self.quest else rounded_bf16(rows, "nearest"))  # every layer's at once
         for layer, r in zip(layers, rows):
-            self.anchors[layer][:, first:last] = (
-                torch.stack([rounded_bf16(r[:, :, 0], "down"), rounded_bf16(r[:, :, 1], "up")], 2) if self.quest
-                else rounded_bf16(r, "nearest"))
+            self.anchors[layer][:, first:last] = r
 
     def scores(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q: [H, D] on the device -> float32 [1 or KV, num_blocks], every block the
