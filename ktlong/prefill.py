@@ -313,8 +313,9 @@ class LayerMajorPrefill:
         at their own size, for the block only (torch's pinned allocator would round 8.01 GiB, 1M
         tokens at 8B shapes, up to 16 and keep it cached after), a chunk at a time with a boundary
         after each (progress.update(0): a sliced prefill hands back there; locked at once, 1M
-        tokens' took 3.4 s on the H200, a step of 3.9 s for the streams decoding beside it). No
-        copy into them is left in flight when it ends (a stop mid-way)."""
+        tokens' took 3.4 s on the H200, a step of 3.9 s for the streams decoding beside it), and
+        unlocked so at the end (progress.pace() after each). No copy into them is left in flight
+        when it ends (a stop mid-way)."""
         ids = torch.tensor(token_ids, device=self.device)
         if self.hidden_on_device:
             yield [self.model.embed(ids[a:b]) for a, b in spans]
@@ -331,7 +332,7 @@ class LayerMajorPrefill:
             yield hidden
         finally:
             torch.cuda.synchronize(self.device)
-            pinned.close()
+            pinned.close(progress.pace if progress is not None else None)
 
     def _store_hidden(self, rows, x, stats):
         """A chunk's hidden states x into its rows (on the device, or queued on the copy stream)."""

@@ -142,8 +142,9 @@ def test_short_follow_ups_through_chunk_graphs_equal_eager_ones(hidden_on_device
 def test_hidden_states_in_dram_are_locked_for_the_call_only_and_a_stop_leaves_nothing_in_flight():
     """Hidden states in DRAM (a prompt too long for the device's room) give the logits and rows
     of hidden states on the device, exactly; they are page-locked for the call, a chunk's at a
-    time at its own size (torch's pinned allocator is not used: it would round up and keep them),
-    and a prefill stopped mid-way leaves the engine and a new cache whole."""
+    time at its own size (torch's pinned allocator is not used: it would round up and keep them)
+    and unlocked so, a boundary after each, and a prefill stopped mid-way leaves the engine and a
+    new cache whole."""
     from ktlong.errors import Cancelled
     from ktlong.kv import pinned
     from tests.settings import gpu_backend
@@ -170,19 +171,25 @@ def test_hidden_states_in_dram_are_locked_for_the_call_only_and_a_stop_leaves_no
             rows = [256, 256, 256, 132]  # the hidden states: each chunk's at its own size
             assert not Counter(n * c.hidden_size * 2 for n in rows) - Counter(locked)
 
-            class Seen(list):  # the engine's progress: a boundary after each chunk's rows are made, then each chunk
-                def update(self, n):
+            class Seen(list):  # the engine's progress: a boundary after each chunk's rows are made, then
+                def update(self, n):  # each chunk, and after each chunk's rows are unlocked at the end
                     self.append(n)
+
+                def pace(self):
+                    self.append("unlocked")
 
             seen = Seen()
             assert torch.equal(engine.run(doc, HostKVCache(layout, pin=True), seen)[0], logits)
-            assert seen == [0] * 4 + rows * c.num_layers
+            assert seen == [0] * 4 + rows * c.num_layers + ["unlocked"] * 4
             stops = iter(range(5))
 
             class StopSoon:  # the engine's progress: a stop after a few chunks
                 def update(self, n):
                     if next(stops) == 4:
                         raise Cancelled
+
+                def pace(self):
+                    pass
 
             stopped = HostKVCache(layout, pin=True)
             with pytest.raises(Cancelled):

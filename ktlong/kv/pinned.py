@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import sys
+from typing import Callable
 
 import numpy as np
 import torch
@@ -86,10 +87,14 @@ class PinnedTensors:
             for t in self._tensors:
                 pin_in_place(t)
 
-    def close(self):
-        """Unlock every tensor and let them go (their memory too, if nothing else holds them)."""
-        self._unlock()
-        self._tensors = []
+    def close(self, between: Callable[[], None] | None = None):
+        """Unlock every tensor and let them go (their memory too, if nothing else holds them),
+        between() after each: a prefill's 8 GiB of hidden states (1M tokens at 8B shapes) took
+        1.1 s to unlock at once on the H200, a step as long for the streams decoding beside it."""
+        while self._tensors:
+            torch.cuda.cudart().cudaHostUnregister(self._tensors.pop().data_ptr())
+            if between is not None:
+                between()
 
     def _unlock(self):
         for t in self._tensors:
