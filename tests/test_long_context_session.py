@@ -513,3 +513,32 @@ def test_the_blocks_an_answer_fills_get_the_tables_and_device_anchors_a_prefill_
         step = 2 ** -7 * keys.abs().amax(2)
         assert (low <= keys.amin(2)).all() and (keys.amin(2) - low <= step).all()
         assert (high >= keys.amax(2)).all() and (high - keys.amax(2) <= step).all()
+
+
+def test_the_blocks_an_answer_fills_get_the_dynamic_anchors_of_their_longest_keys(tiny32):
+    """Decoder._block_filled with DYNAMIC anchors (every layer's blocks summarised at once): a
+    generated block's anchors are its anchor_num keys of the largest norm (within float32's
+    rounding of the norms: near ties may go either way), per layer and kv head, from the DRAM
+    cache's own keys (fp32), and its tables their max, min and mean."""
+    chosen = selection(second_select_num=1000, preselect_block=False, anchor_type="DYNAMIC", anchor_num=2,
+                       block_scoring="cpu")
+    c = tiny32.config
+    layout = with_anchors(kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 16, 128, "fp32"), chosen)
+    session = LongContextSession(tiny32.model, layout, chunk_size=32, backend="torch", hidden_on_device=True,
+                                 compact=None, selection=chosen, local_windows_len=24, use_cuda_graph=False)
+    prompt = [int(t) for t in np.random.default_rng(8).integers(0, 300, size=37)]
+    generate(session, prompt, 30, Sampler(), frozenset(), NO_TEXT)
+    h = session.decoder.host
+    assert h.num_tokens == 66 and session.decoder.times.block_filled > 0  # blocks 2 and 3 filled while it answered
+    for layer in range(c.num_layers):
+        keys = h.k[layer][:, 2:4].double().numpy()  # [KV, 2 blocks, 16, D]
+        norms = np.linalg.norm(keys, axis=-1)
+        second = np.sort(norms, axis=-1)[..., -2]  # the second largest norm of each block
+        anchors = h.anchor_keys[layer][:, 2:4].double().numpy()  # [KV, 2 blocks, 2, D]
+        for kv, b in np.ndindex(*keys.shape[:2]):
+            picked = [next(i for i in range(16) if np.array_equal(keys[kv, b, i], a)) for a in anchors[kv, b]]
+            assert len(set(picked)) == 2, (layer, kv, b)  # two of the block's keys, as stored
+            assert (norms[kv, b, picked] >= second[kv, b] * (1 - 1e-6)).all(), (layer, kv, b)
+        np.testing.assert_array_equal(h.key_max[layer][:, 2:4].numpy(), keys.max(2))
+        np.testing.assert_array_equal(h.key_min[layer][:, 2:4].numpy(), keys.min(2))
+        np.testing.assert_allclose(h.key_mean[layer][:, 2:4].numpy(), keys.mean(2), rtol=1e-6, atol=1e-6)
