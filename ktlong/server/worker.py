@@ -77,6 +77,7 @@ class Prefilling:
     # device, a part of the step the worker tells apart (`count`'s own), or the rest of the step
     # (what the p99 between tokens is made of)
     long_steps: Counter = field(default_factory=Counter)
+    own_seconds: Counter = field(default_factory=Counter)  # the parts the worker tells apart, over every step
 
     def count(self, seconds: float, in_slice: float, work: float, waits: float, own: dict[str, float]):
         """One step beside the prefill, of `seconds` in all, `in_slice` of them its slice; own: the
@@ -84,6 +85,7 @@ class Prefilling:
         self.steps += 1
         self.step_seconds += seconds - in_slice
         self.slice_seconds += in_slice
+        self.own_seconds.update(own)
         self.longest = sorted(self.longest + [(seconds, in_slice, work, waits, self.prefill.boundaries)],
                               reverse=True)[:LONGEST]
         if seconds > LONG_STEP:
@@ -95,8 +97,10 @@ class Prefilling:
         """How its steps' time went, for the log line of its end."""
         longest = ", ".join(f"{s * 1000:.0f} ms (slice {sl * 1000:.0f}: {w * 1000:.0f} at work, {wt * 1000:.0f} "
                             f"waiting; at chunk {at:,})" for s, sl, w, wt, at in self.longest)
-        return (f"beside {self.steps} decode steps of {self.step_seconds * 1000 / self.steps:.1f} ms each, its "
-                f"slices {self.slice_seconds * 1000 / self.steps:.1f} ms a step; its thread "
+        own = ", ".join(f"{what} {s:.2f} s" for what, s in sorted(self.own_seconds.items(), key=lambda kv: -kv[1]))
+        return (f"beside {self.steps} decode steps of {self.step_seconds * 1000 / self.steps:.1f} ms each"
+                f"{f' (in all: {own})' if own else ''}, its slices {self.slice_seconds * 1000 / self.steps:.1f} ms "
+                f"a step; its thread "
                 f"{self.prefill.work_seconds:.1f} s at work, {self.prefill.wait_seconds:.1f} s waiting for the "
                 f"device; the longest steps {longest}; {sum(self.long_steps.values())} over "
                 f"{LONG_STEP * 1000:.0f} ms" + "".join(f", {n} mostly {what}" for what, n in
