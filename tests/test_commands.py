@@ -410,6 +410,15 @@ def test_importing_ktlong_gives_the_gpu_allocator_expandable_segments_unless_set
     assert out == (given or "expandable_segments:True")
 
 
+@pytest.mark.parametrize("name", ["serve", "cache-hits"])
+def test_a_bench_of_servers_refuses_a_missing_model_in_one_sentence_before_one_starts(tmp_path, capsys, name):
+    missing = tmp_path / "r8b.gguf"
+    assert bench([name, "--model", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"--model {missing}: no such GGUF file" in err and "random-gguf" in err
+    assert err.count("error:") == 1 and "Traceback" not in err and "while starting" not in err
+
+
 def test_bench_serve_quotes_the_servers_line_for_the_prefill_beside_the_streams(tmp_path):
     from ktlong.bench.serve import alone_queued, beside_account
 

@@ -66,6 +66,18 @@ def documents(count: int, chars: int) -> list[tuple[str, int, str]]:
     return docs
 
 
+def served_model(name: str) -> str:
+    """The GGUF file a bench's servers load (a path, or a packaged model's name), refused in one
+    sentence before a server starts where there is none."""
+    from ktlong.gguf.registry import resolve_model_path
+
+    model = str(resolve_model_path(name))
+    if not os.path.isfile(model):
+        raise KtlongError(f"--model {name}: no such GGUF file; give a file, a packaged model's name, or random 8B "
+                          f"weights written by `python -m ktlong.bench random-gguf --out r8b.gguf`.")
+    return model
+
+
 class Server:
     """`python -m ktlong.server` in a process of its own, its output in a log file."""
 
@@ -205,9 +217,7 @@ def main(argv=None) -> int:
         import openai
     except ImportError:
         raise KtlongError("The cache-hits bench asks through the official openai client; pip install openai.") from None
-    from ktlong.gguf.registry import resolve_model_path
-
-    model = str(resolve_model_path(args.model))
+    model = served_model(args.model)
     model_id = os.path.basename(model).removesuffix(".gguf")
     options = [item for pair in (("--set", s) for s in args.set) for item in pair]
     docs, results = documents(args.docs, args.chars), []

@@ -43,7 +43,7 @@ import threading
 import time
 from collections import Counter
 
-from ktlong.bench.cache_hits import Server, documents
+from ktlong.bench.cache_hits import Server, documents, served_model
 from ktlong.bench.common import median
 from ktlong.cli import print_table
 from ktlong.config import parse_set
@@ -173,13 +173,11 @@ def main(argv=None) -> int:
     if "max_num_seqs" in given or "mode" in given:
         raise KtlongError("The serve bench sets mode and max_num_seqs itself (from --clients); drop them "
                           "from --set.")
+    model = served_model(args.model)
     try:
         import openai
     except ImportError:
         raise KtlongError("The serve bench asks through the official openai client; pip install openai.") from None
-    from ktlong.gguf.registry import resolve_model_path
-
-    model = str(resolve_model_path(args.model))
     model_id = os.path.basename(model).removesuffix(".gguf")
     docs = [text for _, _, text in documents(counts[-1] + 1, args.chars)]
     if args.shared_document:  # the first document, a line of each client's own after it
