@@ -213,11 +213,11 @@ def main(argv=None) -> int:
         raise KtlongError(f"--docs must be 2 to {len(NAMES)}, --rounds 1 to {len(QUESTIONS) - 2} and --chars at "
                           "least 1000.")
     parse_set(args.set)  # refused here in one sentence, before any server starts
+    model = served_model(args.model)
     try:
         import openai
     except ImportError:
         raise KtlongError("The cache-hits bench asks through the official openai client; pip install openai.") from None
-    model = served_model(args.model)
     model_id = os.path.basename(model).removesuffix(".gguf")
     options = [item for pair in (("--set", s) for s in args.set) for item in pair]
     docs, results = documents(args.docs, args.chars), []
