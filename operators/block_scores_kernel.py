@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from operators.checks import expect
-from operators.member_tables import device_table, gaps
+from operators.member_tables import MemberTables, member_table
 
 TILE = 8192  # anchor values a program holds: [heads, blocks, W] (8 kv heads of 128: 8 blocks a program)
 MAX_BLOCKS = 32  # blocks a program scores at most
@@ -91,12 +91,12 @@ def _masked_scores(q_ptr, anchors_ptr, bias_ptr, params_ptr, members_ptr, out_pt
 
 def masked_block_scores(q: torch.Tensor, anchors: list[torch.Tensor], bias: list[torch.Tensor],
                         params: list[torch.Tensor], selected: int, shared: bool, quest: bool,
-                        known: dict | None = None) -> torch.Tensor:
+                        tables: MemberTables | None = None) -> torch.Tensor:
     """A batch's q [B, H, D]; member b's anchors [KV, NB_b, W] bfloat16 (contiguous; W = D, or 2 D
     for QUEST's (min, max)), bias [1 or KV, NB_b] float32 (0, or -inf for a block preselection
     left out), params: device int64 [first, last, ...] -> scores float32 [B, 1 if shared else KV,
     max NB_b], -inf past a member's own blocks. One launch for the batch; fixed shapes, no sync.
-    known: the caller's store of the batch's tables (member_tables.device_table), needed to capture a CUDA graph."""
+    tables: the batch's store of its tables (member_tables.MemberTables), needed to capture a CUDA graph."""
     expect("q", q, ndim=3)
     batch, num_heads, dim = q.shape
     if not len(anchors) == len(bias) == len(params) == batch:
@@ -114,13 +114,14 @@ def masked_block_scores(q: torch.Tensor, anchors: list[torch.Tensor], bias: list
                          f"{' (QUEST)' if quest else ''}")
     unit = 16 if all((a.data_ptr() - anchors[0].data_ptr()) % (16 * a.element_size()) == 0 for a in anchors) else 1
     counts = [a.shape[1] for a in anchors]
-    members = device_table([gaps(anchors, unit), gaps(bias), gaps(params), counts], q.device, known,
-                           ("scores", *(t.data_ptr() for t in (*anchors, *bias, *params)), *counts))
     most = max(counts)
+    (anchors_at, bias_at, params_at), members = member_table(
+        tables, "scores", [(anchors, unit, "anchors"), (bias, 1, "bias"), (params, 1, "params")], [counts], q.device,
+        (unit, most, tuple(anchors[0].shape[::2]), rows, selected, shared, quest))
     out = torch.empty((batch, rows, most), dtype=torch.float32, device=q.device)
     heads = triton.next_power_of_2(num_kv)
     blocks = blocks_per_program(heads, width)
-    _masked_scores[(triton.cdiv(most, blocks), batch)](q.contiguous(), anchors[0], bias[0], params[0], members, out,
+    _masked_scores[(triton.cdiv(most, blocks), batch)](q.contiguous(), anchors_at, bias_at, params_at, members, out,
                                                       most, selected, num_heads // num_kv, NUM_KV=num_kv, HEADS=heads,
                                                       W=width, DIM=dim, QUEST=quest, SHARED=shared, BLOCKS=blocks,
                                                       UNIT=unit)
@@ -151,7 +152,8 @@ def _selection_rows(top_ptr, picked_ptr, params_ptr, index_ptr, valid_ptr, membe
 
 
 def selection_rows(top: torch.Tensor, picked: torch.Tensor, params: list[torch.Tensor], index: list[torch.Tensor],
-                   valid: list[torch.Tensor], table_blocks: list[int], block_size: int, known: dict | None = None):
+                   valid: list[torch.Tensor], table_blocks: list[int], block_size: int,
+                   tables: MemberTables | None = None):
     """A batch's top-k (top, picked) [B, 1 or KV, P] (best first) -> member b's index [KV, P_b]
     (page rows of its head-major DRAM table of table_blocks[b] blocks a head, its first P_b <= P
     places) and valid [KV] (tokens that count), written in place when its params[2] (the step
@@ -171,10 +173,10 @@ def selection_rows(top: torch.Tensor, picked: torch.Tensor, params: list[torch.T
                              f"(got {tuple(i.shape)})")
     if rows not in (1, num_kv):
         raise ValueError(f"top {tuple(top.shape)} must hold one row or one per kv head of each index")
-    members = device_table([gaps(params), gaps(index), gaps(valid), [i.shape[1] for i in index], table_blocks],
-                           top.device, known, ("rows", *(t.data_ptr() for t in (*params, *index, *valid)),
-                                               *table_blocks))
-    _selection_rows[(num_kv, batch)](top.contiguous(), picked.contiguous(), params[0], index[0], valid[0], members,
+    (params_at, index_at, valid_at), members = member_table(
+        tables, "rows", [(params, 1, "params"), (index, 1, "index"), (valid, 1, "valid")],
+        [[i.shape[1] for i in index], table_blocks], top.device, (rows, places, block_size, num_kv))
+    _selection_rows[(num_kv, batch)](top.contiguous(), picked.contiguous(), params_at, index_at, valid_at, members,
                                      places, block_size, ROWS=rows, WIDTH=triton.next_power_of_2(places))
 
 

@@ -97,24 +97,29 @@ class StoredRows(NamedTuple):
     position: torch.Tensor
 
 
-def stored_offsets(rows: list[StoredRows], device: torch.device) -> torch.Tensor:
+def stored_offsets(rows: list[StoredRows], device: torch.device, at: tuple | None = None) -> torch.Tensor:
     """[B, 4] int64 on the device: where each member's stored k, v, k_scales and v_scales lie, in
-    elements from member 0's (append_token's `stored_members`; made once, outside any capture)."""
+    elements from member 0's, or from the addresses `at` (append_token's `stored_at`) when given
+    (append_token's `stored_members`; made outside any capture)."""
     for r in rows:
         for mine, first in zip(r[:4], rows[0][:4]):
             if (mine is None) != (first is None) or (mine is not None and (
                     mine.shape != first.shape or mine.stride() != first.stride() or mine.dtype != first.dtype)):
                 raise ValueError("every member's stored rows must share one layout")
-    return device_table([gaps([r[i] for r in rows]) for i in range(4)], device)
+    return device_table([gaps([r[i] for r in rows], base=None if at is None or at[i] is None else at[i].data_ptr())
+                         for i in range(4)], device)
 
 
 def append_token(k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                 members: torch.Tensor, stored: StoredRows | None = None, stored_members: torch.Tensor | None = None):
+                 members: torch.Tensor, stored: StoredRows | None = None, stored_members: torch.Tensor | None = None,
+                 at: tuple | None = None, stored_at: tuple | None = None):
     """A batch's new rows k, v [B, KV, D] -> member b's window buffers (like member 0's keys,
     values [KV, N, D], at members[b] units of 16 elements from them: window_attention_kernel.member_offsets)
     at slot[b] ([B] int64 device tensor), and with `stored` (member 0's, its position [B]) each
-    member's stored rows (at stored_members[b]: stored_offsets) at its position. One launch for
-    the batch; fixed shapes, no sync."""
+    member's stored rows (at stored_members[b]: stored_offsets) at its position. at, stored_at:
+    the addresses the offsets count from (keys', values'; stored k, v, k_scales, v_scales':
+    member_tables.Address), in place of those tensors. One launch for the batch; fixed shapes,
+    no sync."""
     batch, num_kv, dim = k.shape
     expect("v", v, shape=(batch, num_kv, dim), dtype=k.dtype, device=k.device)
     expect("slot", slot, shape=(batch,), dtype=torch.int64, device=k.device)
@@ -141,8 +146,13 @@ def append_token(k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, keys: tor
     scales = (to.k_scales, to.v_scales) if quant else (slot, slot)
     # each member's heads one after another (the products' views are): read in place, not copied
     k, v = (t if t.stride(2) == 1 and t.stride(1) == dim else t.contiguous() for t in (k, v))
-    _append_token[(num_kv, batch)](k, v, k.stride(0), v.stride(0), slot, keys, values, keys.stride(0),
-                                   keys.stride(1), members, to.k, to.v, *scales,
+    keys_at, values_at = at or (keys, values)
+    stored_k, stored_v, *stored_scales = to.k, to.v, *scales
+    if stored is not None and stored_at is not None:
+        stored_k, stored_v = stored_at[:2]
+        stored_scales = stored_at[2:] if quant else stored_scales
+    _append_token[(num_kv, batch)](k, v, k.stride(0), v.stride(0), slot, keys_at, values_at, keys.stride(0),
+                                   keys.stride(1), members, stored_k, stored_v, *stored_scales,
                                    stored_members if stored is not None else members, to.position,
                                    to.k.stride(0), scales[0].stride(0) if quant else 0,
                                    DIM=dim, QUANT=quant, STORE=stored is not None)

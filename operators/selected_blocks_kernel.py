@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from operators.checks import expect
-from operators.member_tables import device_table, gaps
+from operators.member_tables import MemberTables, Pointers, member_table
 
 SHARES = 16  # programs per kv head: a share of its hit blocks each
 BORROW_SHARES = 4  # programs per kv head and conversation for the blocks it borrows (few of them: most are skipped)
@@ -379,19 +379,16 @@ def kernel_applies(kv_type: str, block_size: int, head_dim: int) -> bool:
     return kv_type in ("bf16", "fp16", "fp32", "q8_0") and power_of_two(block_size) and power_of_two(head_dim)
 
 
-def _offsets(tensors: list[tuple], extras: list[list[int]], device: torch.device, known: dict | None) -> torch.Tensor:
+def _offsets(tensors: list[tuple], extras: list[list[int]], device: torch.device, tables: MemberTables | None,
+             signature: tuple) -> tuple[Pointers, torch.Tensor]:
     """Each conversation's tensors (TABLES then SCALARS; None: not read) and numbers (its share
-    group, shared blocks, table blocks and selection's width) -> [B, WIDTH] int64 on the device:
-    how far each tensor lies from the first conversation's, in ALIGN elements for the tables,
-    then the numbers. known: the tables made before, by their tensors' addresses
-    (member_tables.device_table)."""
-    key = tuple((*(None if t is None else t.data_ptr() for t in row), *numbers)
-                for row, numbers in zip(tensors, extras))
-    if known is not None and key in known:
-        return known[key]
+    group, shared blocks, table blocks and selection's width) -> (each column's base, [B, WIDTH]
+    int64 on the device: how far each tensor lies from its column's base, in ALIGN elements for
+    the tables, then the numbers). tables: the batch's store (member_tables.MemberTables)."""
     names = TABLES + SCALARS
-    columns = [gaps([row[i] for row in tensors], ALIGN if i < len(TABLES) else 1, names[i]) for i in range(len(names))]
-    return device_table(columns + [list(numbers) for numbers in zip(*extras)], device, known, key)
+    columns = [([row[i] for row in tensors], ALIGN if i < len(TABLES) else 1, names[i]) for i in range(len(names))]
+    return member_table(tables, "selected blocks", columns, [list(numbers) for numbers in zip(*extras)], device,
+                        signature)
 
 
 def _check(layer: LayerPages, first: LayerPages, device: torch.device, heads: int):
@@ -428,15 +425,15 @@ def _check(layer: LayerPages, first: LayerPages, device: torch.device, heads: in
 
 
 def selected_blocks_attention(q: torch.Tensor, layers: list[LayerPages], scale: float, base=None,
-                              out: torch.Tensor | None = None, known: dict | None = None
+                              out: torch.Tensor | None = None, tables: MemberTables | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, H, D] (float32, or a narrower float widened here): conversation b's queries over its
     selected blocks, layers[b] -> out [B, H, D], lse [B, H] float32 (natural log; -inf and 0 for a
     head that holds nothing). base: a state (out [B, H, D], lse [B, H] float32) over other keys to
     merge in, e.g. the windows', or a function that returns one, called after the shares' kernel
     is queued (another stream's work to join: it then runs beside the reads). out: a [B, H, D]
-    float32 tensor to write the result into. known: the caller's store of the batch's offsets
-    tables (`_offsets`), needed to capture a CUDA graph. Fixed shapes, no sync; a layer's kept
+    float32 tensor to write the result into. tables: the batch's store of its tables
+    (member_tables.MemberTables), needed to capture a CUDA graph. Fixed shapes, no sync; a layer's kept
     slots are updated (the blocks read from DRAM join them)."""
     expect("q", q, ndim=3, dtype=(torch.float32, torch.bfloat16, torch.float16))
     batch, num_heads, dim = q.shape
@@ -462,23 +459,27 @@ def selected_blocks_attention(q: torch.Tensor, layers: list[LayerPages], scale: 
     # after the offsets: each one's shared document, its blocks, its table's blocks per head, its width
     extras = [[layer.share_group, layer.shared_blocks, layer.k.shape[0] // num_kv, layer.index.shape[1]]
               for layer in layers]
-    offsets = _offsets([tensors(layer) for layer in layers], extras, q.device, known)
     groups = [layer.share_group for layer in layers if layer.share_group >= 0 and layer.shared_blocks > 0]
     sharing = kept and len(groups) > len(set(groups))  # two or more of one group: their blocks read once
+    signature = (quant, near, kept, sharing, num_blocks, max_selected, tuple(first.k.shape), first.k.stride(),
+                 None if first.k_scales is None else first.k_scales.stride())
+    at, offsets = _offsets([tensors(layer) for layer in layers], extras, q.device, tables, signature)
+    k_at, v_at, ks_at, vs_at, nk, nv, nks, nvs, ck, cv, cks, cvs, count, index, valid, rows_at, plan = at
     # tensors that are not read stand in for their pointers (a placeholder keeps its own alignment)
-    ks, vs = (first.k_scales, first.v_scales) if quant else (first.index, first.index)
-    n = first.near or NearPages(first.valid, 1, first.k, first.v, ks, vs)
-    c = first.kept or KeptBlocks(first.k, first.v, ks, vs, first.index, first.valid)
+    ks_at, vs_at = (ks_at, vs_at) if quant else (index, index)
+    ks = first.k_scales if quant else first.index
+    n = NearPages(count, num_blocks, nk, nv, nks, nvs) if near else NearPages(valid, 1, k_at, v_at, ks_at, vs_at)
+    c = KeptBlocks(ck, cv, cks, cvs, rows_at, plan) if kept else KeptBlocks(k_at, v_at, ks_at, vs_at, index, valid)
     merged = torch.empty((batch, num_heads, dim), dtype=torch.float32, device=q.device) if out is None else out
     expect("out", merged, shape=(batch, num_heads, dim), dtype=torch.float32, device=q.device)
     if not merged.is_contiguous():
         raise ValueError("out must be contiguous")
     if kept:
-        _plan_kept[(num_kv, batch)](first.index, first.valid, n.count, c.rows, c.plan, offsets, num_blocks,
+        _plan_kept[(num_kv, batch)](index, valid, n.count, c.rows, c.plan, offsets, num_blocks,
                                     BLOCK=first.k.shape[1], SLOTS=triton.next_power_of_2(max_selected),
                                     NEAR=near, WIDTH=WIDTH)
     if sharing:
-        _plan_shared[(num_kv, batch - 1)](first.index, first.valid, n.count, c.plan, offsets, batch, BLOCK=first.k.shape[1],
+        _plan_shared[(num_kv, batch - 1)](index, valid, n.count, c.plan, offsets, batch, BLOCK=first.k.shape[1],
                                 SLOTS=triton.next_power_of_2(max_selected), NEAR=near, WIDTH=WIDTH)
     group = num_heads // num_kv
     rows = max(16, triton.next_power_of_2(group))
@@ -494,8 +495,8 @@ def selected_blocks_attention(q: torch.Tensor, layers: list[LayerPages], scale: 
             ((shares, borrow_shares, -(-max_selected // max(borrow_shares, 1)), True),) if sharing else ()
     ):  # the borrowed after the lenders' reads
         _selected_blocks_attention[(num_kv, programs, batch)](
-            q.contiguous(), first.k, first.v, ks, vs, n.k, n.v, n.k_scales, n.v_scales, c.k, c.v, c.k_scales,
-            c.v_scales, n.count, first.index, first.valid, c.plan, offsets, part, part_lse,
+            q.contiguous(), k_at, v_at, ks_at, vs_at, n.k, n.v, n.k_scales, n.v_scales, c.k, c.v, c.k_scales,
+            c.v_scales, n.count, index, valid, c.plan, offsets, part, part_lse,
             num_heads, group, num_blocks, scale, first_share, every, first.k.stride(0), first.k.stride(1),
             ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
             BLOCK=first.k.shape[1], DIM=dim, ROWS=rows, KEYS=min(KEYS, first.k.shape[1], 4096 // dim),

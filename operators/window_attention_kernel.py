@@ -129,28 +129,30 @@ def kernel_applies(dtype: torch.dtype, head_dim: int) -> bool:
     return dtype == torch.bfloat16 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def member_offsets(keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+def member_offsets(keys: list[torch.Tensor], values: list[torch.Tensor], at: tuple | None = None) -> torch.Tensor:
     """[B, 2] int64 on the members' device: where each member's keys and values lie, in units of
-    ALIGN elements from member 0's (window_attention's `members`; made once, outside any graph
-    capture)."""
+    ALIGN elements from member 0's, or from the addresses `at` (keys', values'; window_attention's
+    `at`) when given (window_attention's `members`; made outside any graph capture)."""
     for name, t in (("keys", keys), ("values", values)):
         for x in t:
             expect(name, x, shape=tuple(keys[0].shape), dtype=keys[0].dtype, device=keys[0].device)
             if x.stride() != keys[0].stride():
                 raise ValueError("every member's keys and values must share strides")
-    return device_table([gaps(keys, ALIGN, "the window's keys"), gaps(values, ALIGN, "the window's values")],
-                        keys[0].device)
+    base = (None, None) if at is None else (at[0].data_ptr(), at[1].data_ptr())
+    return device_table([gaps(keys, ALIGN, "the window's keys", base[0]),
+                         gaps(values, ALIGN, "the window's values", base[1])], keys[0].device)
 
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, members: torch.Tensor, lo: torch.Tensor,
                      hi: torch.Tensor, scale: float, last: int = 0, out: torch.Tensor | None = None,
-                     lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     lse: torch.Tensor | None = None, at: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch's queries q [B, H, D], member b's over its window buffer (bfloat16 [KV, N, D] like
     member 0's k and v, at members[b] ALIGN units from them: member_offsets), of which keys
     lo[b]..hi[b]-1 count ([B] int64 device tensors; with last > 0 only the last `last` of them)
     -> out [B, H, D], lse [B, H] float32, as masked_window_attention gives each member's, into
-    `out` and `lse` when given (contiguous float32). One launch of each kernel for the batch;
-    fixed shapes, no sync."""
+    `out` and `lse` when given (contiguous float32). at: the addresses the offsets count from
+    (k's, v's: member_tables.Address), in place of k and v. One launch of each kernel for the
+    batch; fixed shapes, no sync."""
     expect("k", k, ndim=3, dtype=torch.bfloat16)
     num_kv, n, dim = k.shape
     expect("v", v, shape=tuple(k.shape), dtype=k.dtype, device=k.device)
@@ -179,9 +181,10 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, members:
     if not (out.is_contiguous() and lse.is_contiguous()):
         raise ValueError("out and lse must be contiguous")
     q = q.to(k.dtype).contiguous()
-    _logits[(num_kv, parts, batch)](q, k, members, lo, hi, logits, tops, sums, n, group, last, scale, k.stride(0),
+    k_at, v_at = at or (k, v)
+    _logits[(num_kv, parts, batch)](q, k_at, members, lo, hi, logits, tops, sums, n, group, last, scale, k.stride(0),
                                        k.stride(1), ROWS=rows, DIM=dim, KEYS=KEYS, TILES=TILES)
-    _values[(num_kv, parts, batch)](v, members, logits, tops, sums, share, lse, n, group, k.stride(0), k.stride(1),
+    _values[(num_kv, parts, batch)](v_at, members, logits, tops, sums, share, lse, n, group, k.stride(0), k.stride(1),
                                     parts, ROWS=rows, DIM=dim, KEYS=KEYS, TILES=TILES,
                                     PARTS=triton.next_power_of_2(parts))
     _sum_shares[(batch * num_kv, group)](share, out, group, parts, ROWS=rows, DIM=dim,

@@ -19,8 +19,10 @@ B = 16
 PROMPTS = (200, 263, 150)  # tokens: three conversations of different lengths
 STEPS = 9
 # (first step, last step + 1) of each conversation in the batch, in the batch's own steps: the
-# second joins at step 2, the third leaves at 5 and the second at 7
-ACTIVE = ((0, STEPS), (2, 7), (0, 5))
+# first joins at step 2, the third leaves at 5 and the second at 7; the batch of two at step 5
+# (the first and second) takes the body of the one before (the second and third), each row
+# another conversation's
+ACTIVE = ((2, STEPS), (0, 7), (0, 5))
 
 # the batch's kernels run here on CPU tensors, in Triton's interpreter, which tests/conftest.py
 # turns on only where there is no GPU; on a GPU, tests/test_gpu_batched_decode.py runs them
@@ -109,17 +111,28 @@ def test_a_batch_with_joins_and_leaves_equals_each_conversation_alone(tiny, case
     passes = []
     tiny.model.logits = lambda x: passes.append(x.shape[0]) or heads(x)
     try:
-        batch, members = None, None
+        batch, members, bodies, rebound = None, None, {}, []
         for step in range(STEPS):
             active = [i for i, (first, stop) in enumerate(ACTIVE) if first <= step < stop]
-            if active != members:
-                members = active
-                batch = DecodeBatch(tiny.model, [decoders[i] for i in active], use_cuda_graph=False)
+            if active != members:  # as the session does: the last batch of as many takes them where it can
+                if batch is not None:
+                    batch.release()
+                    bodies[len(members)] = batch
+                members, batch = active, bodies.pop(len(active), None)
+                if batch is not None and batch.rebind([decoders[i] for i in active]):
+                    rebound.append(step)
+                else:
+                    batch = DecodeBatch(tiny.model, [decoders[i] for i in active], use_cuda_graph=False)
             out = batch.step([decoders[i] for i in active], [tokens_of(i)[step - ACTIVE[i][0]] for i in active])
+            if step in rebound:  # every kernel call found the launch its table was made for: rewritten in place
+                assert batch.body.tables.matches and batch.body.tables.sites
             for row, i in enumerate(active):
                 logits[i].append(out[row].clone())
     finally:
         tiny.model.logits = heads
+    # the device selecting, the batch of two at step 5 stepped with the body of the one before,
+    # its kernels' tables written from the addresses of that one's members
+    assert rebound == ([5] if options.get("context_attention") == "gpu" else [])
     # one pass over the output head per step, with every member's row in it
     assert passes == [sum(first <= s < stop for first, stop in ACTIVE) for s in range(STEPS)]
     assert max(passes) == 3
@@ -145,7 +158,7 @@ def test_the_window_parts_of_a_batch_in_one_launch_equal_each_members_torch_ops(
     attention states as each conversation's masked torch ops (Triton's interpreter here)."""
     import torch
 
-    from operators.window_attention_kernel import member_offsets, window_attention
+    from operators.window_attention_kernel import window_attention
 
     settings = selection(second_select_num=3, preselect_block=False, dense_layer_num=0, block_scoring="cpu")
     sessions = [conversation(tiny, settings, "bf16", length) for length in PROMPTS]
@@ -157,9 +170,8 @@ def test_the_window_parts_of_a_batch_in_one_launch_equal_each_members_torch_ops(
     q = torch.randn(len(PROMPTS), c.num_heads, c.head_dim, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     layer = body.global_layers[1]
     o_ops, lse_ops = body._windows(layer, q)  # torch's masked ops, conversation by conversation
-    buffers = [s.decoder.window.layer_buffers(0) for s in sessions]
     body.window_kernel = window_attention
-    body.window_members = member_offsets([k for k, _ in buffers], [v for _, v in buffers])
+    body._bind_members()  # the kernels' tables of these members
     o_one, lse_one = body._windows(layer, q)
     torch.testing.assert_close(lse_one, lse_ops, rtol=1e-5, atol=1e-5)
     # rounded to bfloat16 as the torch ops round: equal but where a float32 sum's order moves a
@@ -178,7 +190,6 @@ def test_a_batchs_new_rows_in_one_launch_land_where_the_torch_ops_put_them(tiny,
     import torch
 
     from operators.decode_append_kernel import append_token
-    from operators.window_attention_kernel import member_offsets
 
     settings = selection(second_select_num=3, preselect_block=False, dense_layer_num=0, block_scoring="cpu")
     sessions = [conversation(tiny, settings, kv_type, length) for length in PROMPTS]
@@ -199,10 +210,8 @@ def test_a_batchs_new_rows_in_one_launch_land_where_the_torch_ops_put_them(tiny,
         w.buf_v.copy_(v)
     body.kv_host.zero_()
     body.kv_scales_host.zero_()
-    buffers = [w.layer_buffers(0) for w in body.windows]
     body.append_kernel = append_token
-    body.window_members = member_offsets([k for k, _ in buffers], [v for _, v in buffers])
-    body.stored_rows = [body._stored_rows(j) for j in range(len(body.global_layers))]
+    body._bind_members()  # the kernels' tables of these members
     body._append(layer, 1)
     windows, kv, scales = torch_rows
     for w, (k, v), (k0, _) in zip(body.windows, windows, before):

@@ -81,9 +81,11 @@ class DeviceDrift:
         index, valid = [s.index[j] for s in selections], [s.valid[j] for s in selections]
         previous, counters = [d.previous[j] for d in drifts], [d.counter for d in drifts]
         widths = [i.shape[1] for i in index]
-        members = device_table([gaps(index), gaps(valid), gaps(previous), gaps(counters), [d.seed for d in drifts],
-                                widths], index[0].device, self.tables,
-                               ("drift", *(t.data_ptr() for t in (*index, *valid, *previous, *counters))))
+        key = tuple(t.data_ptr() for t in (*index, *valid, *previous, *counters))
+        if key not in self.tables:  # made in the warm-up run before a capture, which cannot copy to the device
+            self.tables[key] = device_table([gaps(index), gaps(valid), gaps(previous), gaps(counters),
+                                             [d.seed for d in drifts], widths], index[0].device)
+        members = self.tables[key]
         _drift[(index[0].shape[0], len(selections))](members, index[0], valid[0], previous[0], counters[0],
                                                      self.share, j, len(self.selection.role),
                                                      BLOCK=self.selection.block_size,

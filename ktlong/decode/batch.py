@@ -7,8 +7,11 @@ A step: each sequence's token and position go to the body; the device runs segme
 segment, and between segments the host does each sequence's part of the global layer (writes
 its new K/V through to DRAM, selects its blocks, and the context attention reads them,
 ktlong/decode/context_attention.py); or, where the device selects too, the token is one piece of
-device work. Conversations join and leave between steps: a batch of other members is another
-DecodeBatch (with CUDA graphs, its own, captured on its first step).
+device work. Conversations join and leave between steps: a batch of as many other members takes the body
+of the last batch of that size, and its graphs, where every part the graphs run finds a member
+through the kernels' tables (`rebind`: the first step of the new members runs eagerly and writes
+their places into the tables); otherwise it is another DecodeBatch, whose graphs are captured on
+its first step.
 """
 
 from __future__ import annotations
@@ -41,6 +44,19 @@ class DecodeBatch:
         self.scores = ([t.numpy() for t in body.scores_host] if body.scores_blocks and not body.device_selects
                        else None)
         self._while_waiting: WhileWaiting | None = None  # `step`'s, until its first wait
+
+    def rebind(self, sequences: list["Decoder"]) -> bool:
+        """Step these members from now on, with this batch's body and graphs, if it can
+        (DecodeStep.rebindable: then its next step writes their tables and keeps the graphs)
+        -> whether it did; the batch is left as it was otherwise."""
+        if not self.body.rebindable(sequences):
+            return False
+        self.body.rebind(sequences)
+        return True
+
+    def release(self):
+        """Let the members go until `rebind` names the next ones (the body's buffers and graphs stay)."""
+        self.body.release()
 
     def _check(self, sequences: list["Decoder"]):
         assert len(sequences) == self.body.batch and all(
@@ -115,16 +131,17 @@ class DecodeBatch:
         body = self.body
         body.replay_token()
         self._wait(sequences)
+        selected_tokens, kept = body.selected_host.numpy(), body.kept_host.numpy()
         for b, (s, pos, (_, last)) in enumerate(zip(sequences, positions, ranges)):
             if not body.writes_dram:
                 for j, layer in enumerate(self.global_layers):
                     s.write_through(layer, pos, self.new_kv[b, j], self.new_kv_scales[b, j])
-            per_layer = s.selection.selected()
+            per_layer = selected_tokens[b].sum(1) // self.body.layout.block_size  # (kv head, block) pairs a layer
             selected = int(per_layer.sum())
             s.times.selected += selected
             s.times.device_read += selected
             s.times.near_read += sum(int(n) for j, n in enumerate(per_layer) if s.dram_blocks.covers(j, last))
-            s.times.kept_read += s.dram_blocks.kept_read()
+            s.times.kept_read += int(kept[b]) if body.plans_dev is not None else 0
 
     def _context_part(self, j: int, layer: int, sequences: list["Decoder"], ranges: list[tuple[int, int]]):
         """Global layer j's context blocks of each sequence in its [first, last): selected by the

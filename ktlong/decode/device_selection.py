@@ -37,6 +37,7 @@ from ktlong.decode.device_anchors import DeviceAnchors
 from ktlong.decode.selection import DecodeBlockSelector
 from ktlong.kv.pinned import PinnedTensors
 from operators import triton_installed
+from operators.member_tables import MemberTables
 
 
 def selects_on_device(selector: DecodeBlockSelector, anchors: DeviceAnchors | None, global_layers: list[int]) -> bool:
@@ -86,7 +87,6 @@ class DeviceSelection:
         self._pinned = pinned = PinnedTensors(device.type == "cuda")  # unpinned when this goes
         self._params_host = pinned.pin(torch.zeros(3, dtype=torch.int64))
         self.params = torch.zeros(3, dtype=torch.int64, device=device)
-        self.selected_host = pinned.pin(torch.zeros((len(global_layers), self.num_kv), dtype=torch.int64))
         self.has_selection = False
         # the Triton kernels (scores, top-k, rows: select_batch) on a GPU where triton is installed
         # and the anchors are linear; else torch's ops, one conversation at a time
@@ -145,23 +145,15 @@ class DeviceSelection:
             self.adjust([self], j)
         return self.index[j], self.valid[j]
 
-    def report(self):
-        """Queue the copy of the step's token counts to the host (read after the step: `selected`)."""
-        self.selected_host.copy_(self.valid, non_blocking=True)
 
-    def selected(self) -> np.ndarray:
-        """(kv head, block) pairs the last step read per global layer, after the device finished it."""
-        return self.selected_host.numpy().sum(1) // self.block_size
-
-
-def select_batch(selections: list[DeviceSelection], j: int, q: torch.Tensor, known: dict | None = None,
+def select_batch(selections: list[DeviceSelection], j: int, q: torch.Tensor, tables: MemberTables | None = None,
                  lanes: list = ()) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Global layer j's selection of every conversation of a batch (one selection plan: the same
     role per layer), q [B, H, D] -> each one's (rows [KV, S_b], valid tokens [KV]). Where the
     kernels apply and the layer scores, three launches for the batch: the scores of every
     member's blocks (its anchors as long as its own reach; -inf past them), the top-k of every
-    row together, and each member's rows (then the first's `adjust`, for all); known: the
-    caller's store of the batch's tables, kept while its graphs live. Otherwise each
+    row together, and each member's rows (then the first's `adjust`, for all); tables: the
+    batch's store of its tables (operators/member_tables.py). Otherwise each
     conversation's own `select`, on lanes[b % len(lanes)] when CUDA streams are given (a few
     small kernels each: side by side). Fixed shapes, no sync."""
     first = selections[0]
@@ -173,7 +165,7 @@ def select_batch(selections: list[DeviceSelection], j: int, q: torch.Tensor, kno
     layer = first.layers[j]
     scores = masked_block_scores(q, [s.anchors.anchors[layer].view(s.num_kv, s.num_blocks, -1) for s in selections],
                                  [s.bias[j] for s in selections], [s.params for s in selections], first.k,
-                                 first.anchors.shared, first.anchors.quest, known)  # [B, R, most blocks]
+                                 first.anchors.shared, first.anchors.quest, tables)  # [B, R, most blocks]
     if first.anchors.shared and first.selector.tp is not None:  # every rank's heads: the same blocks on each
         first.selector.tp.all_reduce(scores)
     batch, rows, most = scores.shape
@@ -183,7 +175,7 @@ def select_batch(selections: list[DeviceSelection], j: int, q: torch.Tensor, kno
                    else torch.topk(flat, places, dim=1))
     selection_rows(top.view(batch, rows, places), picked.view(batch, rows, places), [s.params for s in selections],
                    [s.index[j] for s in selections], [s.valid[j] for s in selections],
-                   [s.table_blocks for s in selections], first.block_size, known)
+                   [s.table_blocks for s in selections], first.block_size, tables)
     if first.adjust is not None:
         first.adjust(selections, j)
     return [(s.index[j], s.valid[j]) for s in selections]

@@ -34,6 +34,7 @@ from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.pinned import PinnedTensors
 from ktlong.kv.resident import ResidentHistory
 from operators import triton_installed
+from operators.member_tables import MemberTables
 
 
 def resolve_context_attention(setting: str, device: torch.device, layout) -> str:
@@ -107,7 +108,6 @@ class DramBlocks:
             for i, j in enumerate(sparse):
                 self.kept[j] = KeptBlocks(*(None if t is None else t[i] for t in tables), self.kept_rows[i],
                                           self.plans[i])
-        self.kept_host = self._pinned.pin(torch.zeros(1, dtype=torch.int64))  # blocks the last step read from slots
 
     def use_resident(self, resident: ResidentHistory | None):
         """Read each global layer's leading blocks from the device's copy of its rows, as far as
@@ -127,16 +127,6 @@ class DramBlocks:
         self.near_addresses = () if resident is None else tuple(
             tuple(t.data_ptr() for t in resident.rows[layer].values()) if layer in resident.rows else ()
             for layer in self.layers)
-
-    def report(self):
-        """Queue the copy of how many (kv head, block) pairs the step read from kept slots (its
-        own, or those of a conversation sharing its document that read the block this step) to
-        the host (read after the step: `kept_read`)."""
-        if self.plans is not None:
-            self.kept_host.copy_((self.plans[:, 0] != -1).sum().view(1), non_blocking=True)
-
-    def kept_read(self) -> int:
-        return int(self.kept_host[0])
 
     def forget_kept(self):
         """The DRAM blocks changed under the kept slots (a follow-up's prefill rewrote them): none
@@ -199,22 +189,22 @@ class DramBlocks:
                                 share_group=-1 if shared is None else id(shared), shared_blocks=self.host.shared_blocks)
 
 
-def attend(drams: list[DramBlocks], j: int, q: torch.Tensor, known: dict, base=None,
+def attend(drams: list[DramBlocks], j: int, q: torch.Tensor, tables: MemberTables | None, base=None,
            out: torch.Tensor | None = None, lanes: list = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch's global layer j: q [B, H, D], conversation b's over its selected blocks in DRAM
     (or the device's copies), one kernel for all -> (out [B, H, D], lse [B, H]) float32, into
     `out` when given; base: a state (out, lse) over other keys merged in by the same kernel, or a
-    function that returns one once the reads are queued; known: the batch's store of the
-    kernels' tables (the selection's and the reads'), kept while its graphs live. lanes: CUDA
+    function that returns one once the reads are queued; tables: the batch's store of the
+    kernels' tables (the selection's and the reads': operators/member_tables.py). lanes: CUDA
     streams for selections made one conversation at a time (device_selection.select_batch)."""
     from operators.selected_blocks_kernel import selected_blocks_attention
 
     if drams[0].selection is not None:
-        rows = select_batch([dram.selection for dram in drams], j, q, known, lanes)
+        rows = select_batch([dram.selection for dram in drams], j, q, tables, lanes)
     else:
         rows = [dram.hits.load(j) for dram in drams]
     layers = [dram.pages_of(j, r) for dram, r in zip(drams, rows)]
-    return selected_blocks_attention(q, _keeping(drams, j, layers), drams[0].scale, base, out, known)
+    return selected_blocks_attention(q, _keeping(drams, j, layers), drams[0].scale, base, out, tables)
 
 
 def _keeping(drams: list[DramBlocks], j: int, layers: list) -> list:

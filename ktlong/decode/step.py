@@ -44,6 +44,7 @@ from ktlong.errors import first_line
 from ktlong.kv.pinned import PinnedTensors
 from ktlong.models.llama import LlamaModel
 from operators.kv_quant import quantize_kv
+from operators.member_tables import MemberTables, address_of
 from operators import triton_installed
 from operators.merge_state import merge_states
 from operators.window_attention import attention_with_lse, masked_window_attention
@@ -68,6 +69,7 @@ class DecodeStep:
         self.reads_dram = first.dram_blocks is not None
         # the device selects too (ktlong/decode/device_selection.py): a token is one body, `_token`
         self.device_selects = self.reads_dram and first.dram_blocks.selection is not None
+        self.roles = first.dram_blocks.selection.role if self.device_selects else None  # each global layer's
         self.global_layers = global_layers = first.global_layers
         c, layout, dev = model.config, first.layout, model.device
         self.layout = layout
@@ -81,12 +83,12 @@ class DecodeStep:
             self.append_kernel = append_token if kernel_applies(layout.kv_type, c.head_dim) else None
             if window_attention_kernel.kernel_applies(layout.dtype, c.head_dim):
                 self.window_kernel = window_attention_kernel.window_attention
-            if self.append_kernel is not None or self.window_kernel is not None:
-                # where each sequence's window buffers lie from the first's (one launch for the batch)
-                buffers = [s.window.layer_buffers(0) for s in sequences]
-                self.window_members = window_attention_kernel.member_offsets([k for k, _ in buffers],
-                                                                             [v for _, v in buffers])
         self.num_layers = c.num_layers
+        # where the kernels find each sequence's window buffers of a layer: its offset (in
+        # window_members, one launch for the batch) from the first member's buffers of that layer
+        # when the body was made (window_at: their addresses, which the body keeps, not the buffers)
+        self.window_at: list[tuple] = []
+        self.window_members = None
         # with the device selecting on a GPU, a global layer's window parts run on a stream of their
         # own (one launch for the batch; else each sequence's on one of its own), beside the
         # selections and the DRAM reads, which need only the same q (`_token`); where the
@@ -122,7 +124,11 @@ class DecodeStep:
         row, groups = layout.stored_row
         self.kv_host = None if self.writes_dram else self._host((B, n, 2, c.num_kv_heads, row), layout.stored_dtype)
         self.kv_scales_host = None if self.writes_dram else self._host((B, n, 2, c.num_kv_heads, groups), torch.int16)
-        self.stored_rows = [self._stored_rows(j) for j in range(n)] if self.append_kernel is not None else []
+        # the stored rows of each global layer as the append kernel finds them: the first member's
+        # addresses when the body was made (stored_at), each member's offsets from them (stored_rows)
+        self.stored_at: list[tuple] = []
+        self.stored_rows: list[tuple] = []
+        self._bind_members()
         self.o_host = self._host((n, B, c.num_heads, c.head_dim), torch.float32)
         self.lse_host = self._host((n, B, c.num_heads), torch.float32)
         if self.scores_blocks:  # per sequence [global layer, rows, the blocks it can reach]
@@ -146,28 +152,99 @@ class DecodeStep:
         self.rope = None  # the step's cos and sin (segment 0 computes them; later segments read them)
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self._captured_near: list = []  # the DRAM reads' device copies the graphs hold addresses of
-        self.offsets: dict = {}  # the DRAM reads' kernel's tables of where each sequence's tensors lie
+        # the kernels' tables of where each sequence's tensors lie (operators/member_tables.py)
+        self.tables = MemberTables()
+        self.rebound = False  # members changed since the last step: its next token runs eagerly, rewriting the tables
+        if self.device_selects:  # what each sequence's step read, gathered for the host (one launch each)
+            first_dram = first.dram_blocks
+            self.selected_dev = torch.zeros((B, n * c.num_kv_heads), dtype=torch.int64, device=dev)
+            self.selected_host = self._host((B, n, c.num_kv_heads), torch.int64)
+            plans = first_dram.plans
+            self.plans_dev = None if plans is None else torch.zeros((B, plans.numel()), dtype=plans.dtype, device=dev)
+            self.kept_host = self._host((B,), torch.int64)
         self.replays = 0
 
     def _host(self, shape, dtype) -> torch.Tensor:
         return self._pinned.pin(torch.zeros(shape, dtype=dtype))
 
-    def _stored_rows(self, j: int):
-        """Where the append kernel puts every sequence's new K/V of global layer j -> (the first
-        sequence's StoredRows, each sequence's offsets from them): each one's DRAM tables at its
-        token's position, or its exchange rows (one row, position 0)."""
-        from operators.decode_append_kernel import StoredRows, stored_offsets
+    def _stored_rows(self, j: int) -> list:
+        """Where the append kernel puts every sequence's new K/V of global layer j: each one's
+        StoredRows, its DRAM tables at its token's position, or its exchange rows (one row,
+        position 0)."""
+        from operators.decode_append_kernel import StoredRows
 
         if self.writes_dram:
-            rows = [StoredRows(*dram.token_rows(j), self.position) for dram in self.dram]
-        else:
-            quant = self.layout.is_quantized
-            rows = []
-            for b in range(self.batch):
-                kv, scales = self.kv_host[b, j][:, :, None], self.kv_scales_host[b, j][:, :, None]  # [2, KV, 1, R]
-                rows.append(StoredRows(kv[0], kv[1], scales[0] if quant else None, scales[1] if quant else None,
-                                       self.zeros))
-        return rows[0], stored_offsets(rows, self.model.device)
+            return [StoredRows(*dram.token_rows(j), self.position) for dram in self.dram]
+        quant = self.layout.is_quantized
+        rows = []
+        for b in range(self.batch):
+            kv, scales = self.kv_host[b, j][:, :, None], self.kv_scales_host[b, j][:, :, None]  # [2, KV, 1, R]
+            rows.append(StoredRows(kv[0], kv[1], scales[0] if quant else None, scales[1] if quant else None,
+                                   self.zeros))
+        return rows
+
+    def _bind_members(self):
+        """The window kernels' and the append kernel's tables of the current members, counted
+        from the addresses the body keeps (its first members'); written in place when the tables
+        exist, so the graphs that read them serve the new members."""
+        from operators.decode_append_kernel import stored_offsets
+        from operators.window_attention_kernel import member_offsets
+
+        device = self.model.device
+        if not self.window_at and (self.append_kernel is not None or self.window_kernel is not None):
+            self.window_at = [tuple(address_of(t) for t in self.windows[0].layer_buffers(layer))
+                              for layer in range(self.num_layers)]
+        if self.window_at:
+            buffers = [w.layer_buffers(0) for w in self.windows]
+            table = member_offsets([k for k, _ in buffers], [v for _, v in buffers], self.window_at[0])
+            self.window_members = _rewritten(self.window_members, table)
+        if self.append_kernel is None:
+            return
+        for j in range(len(self.global_layers)):
+            rows = self._stored_rows(j)
+            if len(self.stored_at) <= j:
+                self.stored_at.append(tuple(None if t is None else address_of(t) for t in rows[0][:4]))
+                self.stored_rows.append(None)
+            table = stored_offsets(rows, device, self.stored_at[j])
+            # the first member's rows stand for the layout (shapes, strides) the launch checks
+            self.stored_rows[j] = (rows[0], _rewritten(None if self.stored_rows[j] is None else self.stored_rows[j][1],
+                                                       table))
+
+    def rebindable(self, sequences: list) -> bool:
+        """Whether this body can step these members in place of its own: as many, with one KV
+        layout and selection plan, the device selecting. Run eagerly, every step finds its
+        members anew; with graphs, every part they run must find a member's tensors through the
+        tables: the append and window kernels, the selection's batch kernels at every global
+        layer, which scores its own blocks, and no bench drift."""
+        if len(sequences) != self.batch or not self.device_selects:
+            return False
+        def fits(s) -> bool:
+            selection = s.dram_blocks.selection if s.dram_blocks is not None else None
+            if s.layout != self.layout or s.global_layers != self.global_layers or selection is None:
+                return False
+            if selection.role != self.roles:
+                return False
+            return not self.capturing or (self.append_kernel is not None and self._one_launch and selection.kernel
+                                          and selection.adjust is None and all(r == "score" for r in selection.role))
+        return all(fits(s) for s in sequences)
+
+    def rebind(self, sequences: list):
+        """Step these members from now on (rebindable): the tables that the body makes once are
+        rewritten now, the others by the next token, which runs eagerly; the graphs stay, unless
+        that token finds a part they baked in changed (MemberTables.matches)."""
+        assert self.rebindable(sequences)
+        self.windows = [s.window for s in sequences]
+        self.anchors = [s.device_anchors for s in sequences]
+        self.dram = [s.dram_blocks for s in sequences]
+        self._bind_members()
+        self._captured_near = self._near_addresses()  # the rebound token writes their copies' places too
+        self.rebound = True
+
+    def release(self):
+        """Let the members go (the body keeps their addresses in its tables, not their tensors)
+        until `rebind` names the next ones."""
+        self.windows, self.anchors, self.dram = [], [], []
+        self.stored_rows = [(None, table) for _, table in self.stored_rows]
 
     # ---- the device work, as captured ----------------------------------------------------
     def _segment(self, j: int):
@@ -229,7 +306,7 @@ class DecodeStep:
         if self._one_launch:
             keys, values = self.windows[0].layer_buffers(layer)
             return self.window_kernel(q, keys, values, self.window_members, self.lo, self.hi, self.model.scale, last,
-                                      *(out or (None, None)))
+                                      *(out or (None, None)), at=self.window_at[layer])
         states = [self._window_attention(b, layer, q[b], last, None if out is None else (out[0][b], out[1][b]))
                   for b in range(self.batch)]
         return out or (torch.stack([o for o, _ in states]), torch.stack([lse for _, lse in states]))
@@ -237,14 +314,21 @@ class DecodeStep:
     def _token(self):
         """A whole token when the device selects: every segment with its layer's window and
         context parts, no host work in between; then the selections' counts to the host."""
+        from operators.member_gather_kernel import gather_members
+
         for j in range(len(self.global_layers) + 1):
             self._segment(j)
             if j < len(self.global_layers):  # the windows' states merged into the selected blocks'
-                attend(self.dram, j, self.q_dev[j], self.offsets, base=self._windows_beside(j), out=self.o_hit[j],
+                attend(self.dram, j, self.q_dev[j], self.tables, base=self._windows_beside(j), out=self.o_hit[j],
                        lanes=self.lanes)
-        for dram in self.dram:
-            dram.selection.report()
-            dram.report()
+        # what each read: its tokens per global layer and kv head, and the (kv head, block) pairs
+        # read from kept slots (its own, or a conversation's sharing its document that read it)
+        gather_members([d.selection.valid for d in self.dram], self.selected_dev, self.tables)
+        self.selected_host.view(self.batch, -1).copy_(self.selected_dev, non_blocking=True)
+        if self.plans_dev is not None:
+            gather_members([d.plans for d in self.dram], self.plans_dev, self.tables)
+            plans = self.plans_dev.view(self.batch, self.dram[0].plans.shape[0], 2, -1)
+            self.kept_host.copy_((plans[:, :, 0] != -1).sum((1, 2)), non_blocking=True)
 
     def _windows_beside(self, j: int):
         """Global layer j's window parts, each sequence's queued on its own stream when there are
@@ -267,7 +351,7 @@ class DecodeStep:
 
     def _dram_part(self, j: int):
         """Global layer j's selected blocks, read from DRAM, for every sequence."""
-        _, lse = attend(self.dram, j, self.q_dev[j], self.offsets, out=self.o_hit[j])
+        _, lse = attend(self.dram, j, self.q_dev[j], self.tables, out=self.o_hit[j])
         self.lse_hit[j].copy_(lse)
 
     def _append(self, layer: int, j: int | None = None) -> torch.Tensor:
@@ -280,7 +364,8 @@ class DecodeStep:
         if self.append_kernel is not None:  # one launch: the window's rows and, for a global layer, the stored ones
             keys, values = self.windows[0].layer_buffers(layer)
             self.append_kernel(k, v, self.slot, keys, values, self.window_members,
-                               *((None, None) if j is None else self.stored_rows[j]))
+                               *((None, None) if j is None else self.stored_rows[j]), at=self.window_at[layer],
+                               stored_at=None if j is None else self.stored_at[j])
             return q
         for b, window in enumerate(self.windows):
             keys, values = window.layer_buffers(layer)
@@ -320,14 +405,16 @@ class DecodeStep:
     # ---- capture and replay -------------------------------------------------------------
     def capture(self):
         """Capture every segment. The inputs must hold the current step (warm-up runs execute
-        it; replaying the same step again is idempotent)."""
+        it; replaying the same step again is idempotent). The tables are made anew by the warm-up."""
         self._captured_near = self._near_addresses()
+        self.tables, self.rebound = MemberTables(), False
         if self.device_selects:
             self._capture_token()
             return
         stream = torch.cuda.Stream(self.model.device)
         stream.wait_stream(torch.cuda.current_stream(self.model.device))
         with torch.cuda.stream(stream):
+            self.tables.start()
             for j in range(len(self.global_layers) + 1):  # warm-up: allocations, kernel choice
                 self._segment(j)
                 if j < len(self.global_layers):
@@ -336,6 +423,7 @@ class DecodeStep:
                         self._dram_part(j)
         torch.cuda.current_stream(self.model.device).wait_stream(stream)
         pool = None
+        self.tables.start()
         try:
             for j in range(len(self.global_layers) + 1):
                 graph = _captured(lambda: self._segment(j), self.model.device, pool)
@@ -347,6 +435,7 @@ class DecodeStep:
                         self.dram_graphs.append(_captured(lambda: self._dram_part(j), self.model.device, pool))
         except RuntimeError as e:  # e.g. a collective of tensor parallelism this build cannot capture
             self.graphs, self.window_graphs, self.dram_graphs, self.capturing = [], [], [], False
+            self.tables = MemberTables()
             torch.cuda.synchronize(self.model.device)
             print(f"[CUDA graphs could not be captured ({first_line(e)}); decode runs eagerly]", file=sys.stderr)
 
@@ -356,8 +445,10 @@ class DecodeStep:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
+            self.tables.start()
             self._token()
         torch.cuda.current_stream(device).wait_stream(stream)
+        self.tables.start()
         self.graphs = [_captured(self._token, device)]
 
     def _near_addresses(self) -> list:
@@ -379,8 +470,9 @@ class DecodeStep:
         """Graphs captured (or none wanted) over device copies of the history that are still
         where they were: captured parts hold the copies' addresses (ktlong/kv/resident.py), and
         a copy that moved between turns drops them, to be captured again."""
-        if self.graphs and self._near_addresses() != self._captured_near:
-            self.graphs, self.window_graphs, self.dram_graphs, self.offsets = [], [], [], {}
+        if self._near_addresses() != self._captured_near:  # the tables name the copies too: made anew
+            self.graphs, self.window_graphs, self.dram_graphs = [], [], []
+            self.tables, self._captured_near = MemberTables(), self._near_addresses()
         return bool(self.graphs) or not self.capturing
 
     def done(self) -> bool:
@@ -402,11 +494,17 @@ class DecodeStep:
             self._dram_part(j)
 
     def replay_token(self):
-        """The whole token when the device selects; the host waits for it (`wait`) once."""
-        if self.capturing:
+        """The whole token when the device selects; the host waits for it (`wait`) once. After
+        `rebind` it runs eagerly, writing the new members' tables in place; the graph stays
+        if every part found the launch it baked in."""
+        if self.capturing and not self.rebound:
             self.graphs[0].replay()
         else:
+            self.tables.start(rebinding=self.rebound)
             self._token()
+            if self.rebound and not self.tables.matches:
+                self.graphs, self.tables = [], MemberTables()
+            self.rebound = False
         if self.copied is not None:
             self.copied.record()
         self.replays += 1
@@ -418,6 +516,8 @@ class DecodeStep:
         if self.capturing:
             self.graphs[j].replay()
         else:
+            if j == 0:
+                self.tables.start()
             self._segment(j)
         if self.copied is not None:
             self.copied.record()
@@ -443,3 +543,11 @@ def _captured(work, device: torch.device, pool=None) -> "torch.cuda.CUDAGraph":
         finally:
             graph.capture_end()
     return graph
+
+
+def _rewritten(table: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    """`new`'s values in `table` (in place: graphs read it), or `new` where there is none yet."""
+    if table is None:
+        return new
+    table.copy_(new)
+    return table

@@ -86,6 +86,7 @@ class LongContextSession:
         self.last_decode_setup_parts: dict[str, float] = {}  # of it, a new decoder's parts (Decoder.setup_seconds)
         self.last_follow_up = (False, False)  # the last prefill's (decoder kept, history prefetched)
         self._batch = None  # (decoders, DecodeBatch) of the last step_batch of several conversations
+        self._bodies: dict = {}  # batch size -> the last DecodeBatch of that many, its members let go
         self.last_batch_build: float | None = None  # seconds a new batch's first step took (built, captured)
         self.last_step_filled = 0.0  # seconds the last step_batch spent on the blocks its answers filled
 
@@ -258,14 +259,18 @@ class LongContextSession:
         decoders = [c.decoder for c in conversations]
         filled = sum(d.times.block_filled for d in decoders)
         if len(decoders) == 1:
-            self._batch = None  # a batch's device buffers and graphs go with its members
+            self._let_go()
             logits = decoders[0].step(tokens[0], while_waiting)[None]
         else:
             start = time.perf_counter()
             new = self._batch is None or len(self._batch[0]) != len(decoders) or any(
                 a is not b for a, b in zip(self._batch[0], decoders))
-            if new:
-                self._batch = (decoders, DecodeBatch(self.model, decoders, self.use_cuda_graph))
+            if new:  # the last batch of as many takes them where it can (DecodeBatch.rebind), else a new one
+                self._let_go()
+                batch = self._bodies.pop(len(decoders), None)
+                if batch is None or not batch.rebind(decoders):
+                    batch = DecodeBatch(self.model, decoders, self.use_cuda_graph)
+                self._batch = (decoders, batch)
             logits = self._batch[1].step(decoders, tokens, while_waiting)  # a new batch's graphs captured first
             if new:
                 self.last_batch_build = time.perf_counter() - start
@@ -274,9 +279,20 @@ class LongContextSession:
         self.last_step_filled = sum(d.times.block_filled for d in decoders) - filled
         return logits
 
+    def _let_go(self):
+        """The running batch of several conversations lets its members go, and waits for the next
+        ones of its size (with its body's buffers and graphs)."""
+        if self._batch is not None:
+            decoders, batch = self._batch
+            batch.release()
+            if batch.body.device_selects:  # the bodies whose graphs may serve other members
+                self._bodies[len(decoders)] = batch
+            self._batch = None
+
     def _release_batch(self):
-        """The last batch of several conversations goes, with the device buffers its body holds."""
+        """Every batch of several conversations goes, with the device buffers and graphs its body holds."""
         self._batch = None
+        self._bodies.clear()
 
     def reusable(self, prompt_ids: list[int]) -> int:
         """How many leading tokens of prompt_ids the cache already holds: the common prefix
