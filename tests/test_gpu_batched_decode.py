@@ -1,6 +1,7 @@
 """On the GPU: conversations decoded together, replayed from CUDA graphs, follow each
 conversation decoded alone while they join and leave, with the device reading (and, with
-device scoring, selecting) each one's blocks in DRAM; and the batch's step is one graph."""
+device scoring, selecting) each one's blocks in DRAM; the batch's step is one graph, which a
+later batch of as many other conversations replays (DecodeBatch.rebind)."""
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ pytestmark = pytest.mark.gpu
 
 PROMPTS = (700, 900, 560)
 STEPS = 40
-ACTIVE = ((0, STEPS), (10, 34), (0, 22))  # (first step, last step + 1) in the batch's steps
+# (first step, last step + 1) in the batch's steps: the batch of two at step 22 (the first and
+# second) takes the body and graph of the one before (the second and third), each row another's
+ACTIVE = ((10, STEPS), (0, 34), (0, 22))
 
 
 def session(model, chosen, length):
@@ -44,18 +47,29 @@ def test_a_graphed_batch_with_joins_and_leaves_follows_each_conversation_alone(c
     sessions = [session(model, chosen, length) for length in PROMPTS]
     decoders = [s.decoder for s in sessions]
     together = [[] for _ in PROMPTS]
-    batch, members = None, None
+    batch, members, bodies, kept = None, None, {}, []
     for step in range(STEPS):
         active = [i for i, (first, stop) in enumerate(ACTIVE) if first <= step < stop]
-        if active != members:
-            members = active
-            batch = DecodeBatch(model, [decoders[i] for i in active], use_cuda_graph=True)
+        graph = None
+        if active != members:  # as the session does: the last batch of as many takes them where it can
+            if batch is not None:
+                batch.release()
+                bodies[len(members)] = batch
+            members, batch = active, bodies.pop(len(active), None)
+            if batch is not None and batch.rebind([decoders[i] for i in active]):
+                graph = batch.body.graphs[0]
+            else:
+                batch = DecodeBatch(model, [decoders[i] for i in active], use_cuda_graph=True)
         out = batch.step([decoders[i] for i in active], [tokens_of(i)[step - ACTIVE[i][0]] for i in active])
         for row, i in enumerate(active):
             together[i].append(out[row].float())
         assert batch.body.capturing and batch.body.graphs  # replayed, not run eagerly
+        if graph is not None:  # rebound: its first step ran eagerly, rewriting the tables, and kept the graph
+            assert batch.body.graphs[0] is graph and batch.body.tables.matches
+            kept.append(step)
     if context_attention == "gpu":
         assert len(batch.body.graphs) == 1  # the device selects: the batch's token is one graph
+    assert kept == ([22] if context_attention == "gpu" else [])  # the host selects: each batch captures its own
     for i in range(len(PROMPTS)):
         agree = 0
         for step, (a, b) in enumerate(zip(together[i], alone[i])):

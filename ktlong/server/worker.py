@@ -361,8 +361,10 @@ class Worker:
                 if (built := self.session.last_batch_build) is not None:
                     self.session.last_batch_build = None
                     own["a new batch's graphs"] = built
-                    print(f"[decoding {len(rows)} conversations together: their new batch's first step {built:.2f} s]",
-                          file=self.log, flush=True)
+                    how = ("the body and graphs of the last batch of as many, rebound" if self.session.last_batch_rebound
+                           else "a body of its own, its graphs captured first where there are any")
+                    print(f"[decoding {len(rows)} conversations together: their new batch's first step {built:.2f} s "
+                          f"({how})]", file=self.log, flush=True)
         except Exception as e:  # the whole step failed: every answer in it ends
             self.rows = []
             for row in rows:

@@ -88,6 +88,7 @@ class LongContextSession:
         self._batch = None  # (decoders, DecodeBatch) of the last step_batch of several conversations
         self._bodies: dict = {}  # batch size -> the last DecodeBatch of that many, its members let go
         self.last_batch_build: float | None = None  # seconds a new batch's first step took (built, captured)
+        self.last_batch_rebound = False  # whether that batch took the body and graphs of the last one of as many
         self.last_step_filled = 0.0  # seconds the last step_batch spent on the blocks its answers filled
 
     @classmethod
@@ -268,7 +269,8 @@ class LongContextSession:
             if new:  # the last batch of as many takes them where it can (DecodeBatch.rebind), else a new one
                 self._let_go()
                 batch = self._bodies.pop(len(decoders), None)
-                if batch is None or not batch.rebind(decoders):
+                self.last_batch_rebound = batch is not None and batch.rebind(decoders)
+                if not self.last_batch_rebound:
                     batch = DecodeBatch(self.model, decoders, self.use_cuda_graph)
                 self._batch = (decoders, batch)
             logits = self._batch[1].step(decoders, tokens, while_waiting)  # a new batch's graphs captured first
