@@ -70,9 +70,10 @@ CASES = {
     # Triton's interpreter here): one launch a layer for the batch, each conversation's own
     # selection, copies and kept slots (50 s here: the one case of it); its dense layer reads every
     # block each conversation's anchors reach, and its anchors reach as far as its own prompt and
-    # answer: selections and scores of different widths
+    # answer: selections and scores of different widths (12 blocks, but the shortest reaches 10:
+    # its top-k and kept slots are narrower)
     "q8_0, the device selects and reads": ("q8_0", dict(block_scoring="device", context_attention="gpu",
-                                                        dense_layer_num=1)),
+                                                        dense_layer_num=1, second_select_num=12)),
 }
 
 
@@ -102,6 +103,7 @@ def test_a_batch_with_joins_and_leaves_equals_each_conversation_alone(tiny, case
     decoders = [s.decoder for s in sessions]
     if options.get("context_attention") == "gpu":
         assert all(d.selection.kernel for d in decoders)
+        assert [d.selection.places for d in decoders] == [12, 12, 10]  # the shortest's top-k is narrower
     if options["block_scoring"] == "device":
         assert [d.device_anchors.num_blocks for d in decoders] == [-(-(n + STEPS) // B) for n in PROMPTS]
         assert [d.anchor_bytes for d in decoders] == [sessions[0].anchors.bytes_for(n + STEPS) for n in PROMPTS]

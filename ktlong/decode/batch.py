@@ -141,7 +141,7 @@ class DecodeBatch:
             s.times.selected += selected
             s.times.device_read += selected
             s.times.near_read += sum(int(n) for j, n in enumerate(per_layer) if s.dram_blocks.covers(j, last))
-            s.times.kept_read += int(kept[b]) if body.plans_dev is not None else 0
+            s.times.kept_read += int(kept[b]) if body.kept_dev is not None else 0
 
     def _context_part(self, j: int, layer: int, sequences: list["Decoder"], ranges: list[tuple[int, int]]):
         """Global layer j's context blocks of each sequence in its [first, last): selected by the

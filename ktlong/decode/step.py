@@ -159,8 +159,7 @@ class DecodeStep:
             first_dram = first.dram_blocks
             self.selected_dev = torch.zeros((B, n * c.num_kv_heads), dtype=torch.int64, device=dev)
             self.selected_host = self._host((B, n, c.num_kv_heads), torch.int64)
-            plans = first_dram.plans
-            self.plans_dev = None if plans is None else torch.zeros((B, plans.numel()), dtype=plans.dtype, device=dev)
+            self.kept_dev = None if first_dram.plans is None else torch.zeros(B, dtype=torch.int64, device=dev)
             self.kept_host = self._host((B,), torch.int64)
         self.replays = 0
 
@@ -314,7 +313,7 @@ class DecodeStep:
     def _token(self):
         """A whole token when the device selects: every segment with its layer's window and
         context parts, no host work in between; then the selections' counts to the host."""
-        from operators.member_gather_kernel import gather_members
+        from operators.member_gather_kernel import gather_members, kept_reads
 
         for j in range(len(self.global_layers) + 1):
             self._segment(j)
@@ -325,10 +324,9 @@ class DecodeStep:
         # read from kept slots (its own, or a conversation's sharing its document that read it)
         gather_members([d.selection.valid for d in self.dram], self.selected_dev, self.tables)
         self.selected_host.view(self.batch, -1).copy_(self.selected_dev, non_blocking=True)
-        if self.plans_dev is not None:
-            gather_members([d.plans for d in self.dram], self.plans_dev, self.tables)
-            plans = self.plans_dev.view(self.batch, self.dram[0].plans.shape[0], 2, -1)
-            self.kept_host.copy_((plans[:, :, 0] != -1).sum((1, 2)), non_blocking=True)
+        if self.kept_dev is not None:
+            kept_reads([d.plans for d in self.dram], self.kept_dev, self.tables)
+            self.kept_host.copy_(self.kept_dev, non_blocking=True)
 
     def _windows_beside(self, j: int):
         """Global layer j's window parts, each sequence's queued on its own stream when there are
