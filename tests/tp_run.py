@@ -51,7 +51,7 @@ def run_arm(gguf: str, arm: str, world: int, device: str = "cpu", dtype: str = "
         logits.append(session.step(token).float().cpu().numpy())
     selected = 0
     if started.session is not None and session.decoder.selection is not None:  # the device's: blocks per kv head
-        selected = int(session.decoder.selection.selected_host.max()) // LONG["block_size"]
+        selected = int(session.decoder.body.selected_host.max()) // LONG["block_size"]  # its last step's report
     elif started.session is not None:  # how many blocks the last step's CPU attention read (per kv head)
         selected = max(int(c.max()) for _, c, _ in session.decoder.selector.cache.values())
     return np.stack(logits), np.array(tokens), selected, started

@@ -2,7 +2,9 @@
 (`use_cuda_graph`), as one model path serves both. The body is batch-first: it steps every
 sequence of a batch (ktlong/decode/batch.py) together, one row each through the weights' products,
 while each sequence's attention reads its own window, anchors and DRAM blocks; one sequence is a
-batch of one. With graphs, a body is captured for its members (their buffers' addresses).
+batch of one. With graphs, a body is captured for its members; where the device selects, every
+part finds a member's tensors through the kernels' tables (operators/member_tables.py), so the
+body and its graphs serve as many other members after `rebind`.
 
 A decode step alternates device work and CPU attention, once per global layer, so it is
 written (and, with graphs, captured) as segments that end where the CPU takes over: segment 0 is the embedding and the
