@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ktlong.decode.batch import DecodeBatch
+from ktlong.decode.batch import Batches, DecodeBatch
 from ktlong.kv.layout import kv_layout
 from ktlong.session.long_context import LongContextSession
 from tests.settings import selection, selection_kernels_as_on_a_gpu, with_anchors
@@ -113,18 +113,12 @@ def test_a_batch_with_joins_and_leaves_equals_each_conversation_alone(tiny, case
     passes = []
     tiny.model.logits = lambda x: passes.append(x.shape[0]) or heads(x)
     try:
-        batch, members, bodies, rebound = None, None, {}, []
+        batches, rebound = Batches(tiny.model, use_cuda_graph=False), []
         for step in range(STEPS):
             active = [i for i, (first, stop) in enumerate(ACTIVE) if first <= step < stop]
-            if active != members:  # as the session does: the last batch of as many takes them where it can
-                if batch is not None:
-                    batch.release()
-                    bodies[len(members)] = batch
-                members, batch = active, bodies.pop(len(active), None)
-                if batch is not None and batch.rebind([decoders[i] for i in active]):
-                    rebound.append(step)
-                else:
-                    batch = DecodeBatch(tiny.model, [decoders[i] for i in active], use_cuda_graph=False)
+            batch, how = batches.of([decoders[i] for i in active])  # as the session steps them
+            if how == "rebound":
+                rebound.append(step)
             out = batch.step([decoders[i] for i in active], [tokens_of(i)[step - ACTIVE[i][0]] for i in active])
             if step in rebound:  # every kernel call found the launch its table was made for: rewritten in place
                 assert batch.body.tables.matches and batch.body.tables.sites

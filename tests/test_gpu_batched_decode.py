@@ -6,7 +6,7 @@ later batch of as many other conversations replays (DecodeBatch.rebind)."""
 import pytest
 import torch
 
-from ktlong.decode.batch import DecodeBatch
+from ktlong.decode.batch import Batches
 from ktlong.kv.layout import kv_layout
 from ktlong.models.random_model import random_model
 from ktlong.session.long_context import LongContextSession
@@ -47,19 +47,11 @@ def test_a_graphed_batch_with_joins_and_leaves_follows_each_conversation_alone(c
     sessions = [session(model, chosen, length) for length in PROMPTS]
     decoders = [s.decoder for s in sessions]
     together = [[] for _ in PROMPTS]
-    batch, members, bodies, kept = None, None, {}, []
+    batches, kept = Batches(model, use_cuda_graph=True), []
     for step in range(STEPS):
         active = [i for i, (first, stop) in enumerate(ACTIVE) if first <= step < stop]
-        graph = None
-        if active != members:  # as the session does: the last batch of as many takes them where it can
-            if batch is not None:
-                batch.release()
-                bodies[len(members)] = batch
-            members, batch = active, bodies.pop(len(active), None)
-            if batch is not None and batch.rebind([decoders[i] for i in active]):
-                graph = batch.body.graphs[0]
-            else:
-                batch = DecodeBatch(model, [decoders[i] for i in active], use_cuda_graph=True)
+        batch, how = batches.of([decoders[i] for i in active])  # as the session steps them
+        graph = batch.body.graphs[0] if how == "rebound" else None
         out = batch.step([decoders[i] for i in active], [tokens_of(i)[step - ACTIVE[i][0]] for i in active])
         for row, i in enumerate(active):
             together[i].append(out[row].float())

@@ -168,3 +168,42 @@ class DecodeBatch:
             s.times.device_read += selected - by_cpu
             if s.dram_blocks is not None and not by_cpu and s.dram_blocks.covers(j, last):
                 s.times.near_read += selected
+
+
+class Batches:
+    """The batch of the members stepping now, and the last batch of each other size with its
+    members let go: its body and graphs wait for as many other members (DecodeBatch.rebind)."""
+
+    def __init__(self, model, use_cuda_graph: bool):
+        self.model, self.use_cuda_graph = model, use_cuda_graph
+        self.members: list | None = None
+        self.batch: DecodeBatch | None = None
+        self._idle: dict[int, DecodeBatch] = {}
+
+    def of(self, sequences: list["Decoder"]) -> tuple[DecodeBatch, str | None]:
+        """The batch that steps these members -> (it, how it came: None for the last step's,
+        "rebound" for the last of as many, "new" for one made for them)."""
+        if self.members is not None and len(self.members) == len(sequences) and all(
+                a is b for a, b in zip(self.members, sequences)):
+            return self.batch, None
+        self.let_go()
+        batch = self._idle.pop(len(sequences), None)
+        how = "rebound" if batch is not None and batch.rebind(sequences) else "new"
+        if how == "new":
+            batch = DecodeBatch(self.model, sequences, self.use_cuda_graph)
+        self.members, self.batch = list(sequences), batch
+        return batch, how
+
+    def let_go(self):
+        """The running batch lets its members go; kept for as many others where its graphs may
+        serve them (the device selects)."""
+        if self.batch is not None:
+            self.batch.release()
+            if self.batch.body.device_selects:
+                self._idle[len(self.members)] = self.batch
+            self.members, self.batch = None, None
+
+    def clear(self):
+        """Every batch goes, with the device buffers and graphs its body holds."""
+        self.members, self.batch = None, None
+        self._idle.clear()

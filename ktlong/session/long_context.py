@@ -26,7 +26,7 @@ from cpu_ops.anchors import anchors_per_block
 from ktlong.models.llama import LlamaModel
 from ktlong.prefill import LayerMajorPrefill
 from ktlong.decode.selection import SelectionSettings
-from ktlong.decode.batch import DecodeBatch, WhileWaiting
+from ktlong.decode.batch import Batches, WhileWaiting
 from ktlong.decode.decoder import Decoder
 from ktlong.decode.device_anchors import scores_on_device
 from ktlong.decode.warm_up import compile_decode_kernels
@@ -85,8 +85,7 @@ class LongContextSession:
         self.last_decode_setup_seconds = 0.0  # after the last prefill: the decoder built, its graphs captured
         self.last_decode_setup_parts: dict[str, float] = {}  # of it, a new decoder's parts (Decoder.setup_seconds)
         self.last_follow_up = (False, False)  # the last prefill's (decoder kept, history prefetched)
-        self._batch = None  # (decoders, DecodeBatch) of the last step_batch of several conversations
-        self._bodies: dict = {}  # batch size -> the last DecodeBatch of that many, its members let go
+        self._batches = Batches(model, self.use_cuda_graph)  # of several conversations, stepped together
         self.last_batch_build: float | None = None  # seconds a new batch's first step took (built, captured)
         self.last_batch_rebound = False  # whether that batch took the body and graphs of the last one of as many
         self.last_step_filled = 0.0  # seconds the last step_batch spent on the blocks its answers filled
@@ -260,41 +259,22 @@ class LongContextSession:
         decoders = [c.decoder for c in conversations]
         filled = sum(d.times.block_filled for d in decoders)
         if len(decoders) == 1:
-            self._let_go()
+            self._batches.let_go()
             logits = decoders[0].step(tokens[0], while_waiting)[None]
         else:
             start = time.perf_counter()
-            new = self._batch is None or len(self._batch[0]) != len(decoders) or any(
-                a is not b for a, b in zip(self._batch[0], decoders))
-            if new:  # the last batch of as many takes them where it can (DecodeBatch.rebind), else a new one
-                self._let_go()
-                batch = self._bodies.pop(len(decoders), None)
-                self.last_batch_rebound = batch is not None and batch.rebind(decoders)
-                if not self.last_batch_rebound:
-                    batch = DecodeBatch(self.model, decoders, self.use_cuda_graph)
-                self._batch = (decoders, batch)
-            logits = self._batch[1].step(decoders, tokens, while_waiting)  # a new batch's graphs captured first
-            if new:
-                self.last_batch_build = time.perf_counter() - start
+            batch, how = self._batches.of(decoders)  # the last batch of as many where it can take them
+            logits = batch.step(decoders, tokens, while_waiting)  # a new batch's graphs captured first
+            if how is not None:
+                self.last_batch_build, self.last_batch_rebound = time.perf_counter() - start, how == "rebound"
         for conversation, token in zip(conversations, tokens):
             conversation.ids.append(token)
         self.last_step_filled = sum(d.times.block_filled for d in decoders) - filled
         return logits
 
-    def _let_go(self):
-        """The running batch of several conversations lets its members go, and waits for the next
-        ones of its size (with its body's buffers and graphs)."""
-        if self._batch is not None:
-            decoders, batch = self._batch
-            batch.release()
-            if batch.body.device_selects:  # the bodies whose graphs may serve other members
-                self._bodies[len(decoders)] = batch
-            self._batch = None
-
     def _release_batch(self):
         """Every batch of several conversations goes, with the device buffers and graphs its body holds."""
-        self._batch = None
-        self._bodies.clear()
+        self._batches.clear()
 
     def reusable(self, prompt_ids: list[int]) -> int:
         """How many leading tokens of prompt_ids the cache already holds: the common prefix
