@@ -112,7 +112,8 @@ def masked_block_scores(q: torch.Tensor, anchors: list[torch.Tensor], bias: list
     if width != dim * (2 if quest else 1) or num_heads % num_kv:
         raise ValueError(f"anchors {tuple(anchors[0].shape)} do not fit q {tuple(q.shape)}"
                          f"{' (QUEST)' if quest else ''}")
-    unit = 16 if all((a.data_ptr() - anchors[0].data_ptr()) % (16 * a.element_size()) == 0 for a in anchors) else 1
+    # offsets in 16 elements where every member's anchors lie so (as the bases they count from do)
+    unit = 16 if all(a.data_ptr() % (16 * a.element_size()) == 0 for a in anchors) else 1
     counts = [a.shape[1] for a in anchors]
     most = max(counts)
     (anchors_at, bias_at, params_at), members = member_table(

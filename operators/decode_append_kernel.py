@@ -99,7 +99,7 @@ class StoredRows(NamedTuple):
 
 def stored_offsets(rows: list[StoredRows], device: torch.device, at: tuple | None = None) -> torch.Tensor:
     """[B, 4] int64 on the device: where each member's stored k, v, k_scales and v_scales lie, in
-    elements from member 0's, or from the addresses `at` (append_token's `stored_at`) when given
+    elements from member 0's, or from the tensors `at` (append_token's `stored_at`) when given
     (append_token's `stored_members`; made outside any capture)."""
     for r in rows:
         for mine, first in zip(r[:4], rows[0][:4]):
@@ -117,9 +117,9 @@ def append_token(k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, keys: tor
     values [KV, N, D], at members[b] units of 16 elements from them: window_attention_kernel.member_offsets)
     at slot[b] ([B] int64 device tensor), and with `stored` (member 0's, its position [B]) each
     member's stored rows (at stored_members[b]: stored_offsets) at its position. at, stored_at:
-    the addresses the offsets count from (keys', values'; stored k, v, k_scales, v_scales':
-    member_tables.Address), in place of those tensors. One launch for the batch; fixed shapes,
-    no sync."""
+    the tensors the offsets count from (keys', values'; stored k, v, k_scales, v_scales': a
+    batch's bases, member_tables.Bases), in place of those tensors. One launch for the batch;
+    fixed shapes, no sync."""
     batch, num_kv, dim = k.shape
     expect("v", v, shape=(batch, num_kv, dim), dtype=k.dtype, device=k.device)
     expect("slot", slot, shape=(batch,), dtype=torch.int64, device=k.device)

@@ -6,37 +6,35 @@ loads their vector width (operators/window_attention_kernel.py: counted in singl
 window parts of a batch of 8 at 128K read K and V two bytes a load, 273 tok/s against 367).
 
 Called alone, a kernel's base is its first member's tensor. A batch's step (ktlong/decode/step.py)
-keeps its tables in a `MemberTables`: each kernel call of the step has a site, in call order, whose
-bases are the addresses its first members had when the site was made. A CUDA graph captured
-over those bases and tables serves other members too: their offsets from the same bases are
-written into the same tables (`rebind`), and the graph reads them at replay."""
+counts from bases of its own (`Bases`: a small tensor of each dtype, on the device or in page-locked
+host memory, as the members' tensors lie), which live as long as it does, whoever its members
+are. It keeps its tables in a `MemberTables`: a site for each kernel call of the step, in call
+order. A CUDA graph captured over those bases and tables serves other members too: their offsets
+from the same bases are written into the same tables (`rebind`), and the graph reads them at
+replay."""
 
 from __future__ import annotations
-
-import ctypes
 
 import torch
 
 
-class Address:
-    """A fixed address standing in for a tensor as a kernel's pointer argument (Triton reads a
-    pointer argument's data_ptr() and dtype); it holds no memory."""
+class Bases:
+    """A batch step's own tensors that its kernels' offsets count from: one of each dtype and
+    place (the device, or host memory, page-locked where CUDA is), made when first asked for."""
 
-    def __init__(self, ptr: int, dtype: torch.dtype):
-        self.ptr, self.dtype = ptr, dtype
+    ELEMENTS = 64  # each base's size: 512-byte aligned on a GPU, 64 on the CPU
 
-    def data_ptr(self) -> int:
-        return self.ptr
+    def __init__(self):
+        self._made: dict = {}
 
-
-def address_of(t: torch.Tensor) -> "Address | torch.Tensor":
-    """t's address, to stand in for it as a kernel's pointer argument after it may have gone: an
-    Address on a GPU; on the CPU (Triton's interpreter, which reads its arguments' storages) a
-    one-element tensor over the same address that owns nothing (never read: offsets count from it)."""
-    if t.is_cuda or not t.is_cpu:
-        return Address(t.data_ptr(), t.dtype)
-    cell = (ctypes.c_uint8 * t.element_size()).from_address(t.data_ptr())
-    return torch.frombuffer(cell, dtype=t.dtype, count=1)
+    def like(self, t: torch.Tensor) -> torch.Tensor:
+        key = (t.dtype, t.device)
+        if key not in self._made:
+            base = torch.empty(self.ELEMENTS, dtype=t.dtype, device=t.device)
+            if t.device.type == "cpu" and torch.cuda.is_available():
+                base = base.pin_memory()  # host memory the GPU reads: counted from host memory it can read
+            self._made[key] = base
+        return self._made[key]
 
 
 def gaps(tensors: list, unit: int = 1, name: str = "each tensor", base: int | None = None) -> list[int]:
@@ -53,7 +51,7 @@ def gaps(tensors: list, unit: int = 1, name: str = "each tensor", base: int | No
         gap = 0 if t is None else t.data_ptr() - base
         if gap % size:
             raise ValueError(f"{name} of each conversation must lie a whole multiple of {size} bytes from the "
-                             f"first conversation's")
+                             f"first conversation's (or the batch's base)")
         found.append(gap // size)
     return found
 
@@ -64,7 +62,7 @@ def device_table(columns: list[list[int]], device: torch.device) -> torch.Tensor
 
 
 class Pointers(list):
-    """Per column of a table, the tensor (or Address) a kernel gets as that column's base."""
+    """Per column of a table, the tensor a kernel gets as that column's base."""
 
 
 def member_table(tables: "MemberTables | None", kind: str, columns: list[tuple[list, int, str]],
@@ -90,7 +88,8 @@ class MemberTables:
     run found the launch it was made for (kind and signature): if not, graphs captured before
     do not fit the new members."""
 
-    def __init__(self):
+    def __init__(self, bases: Bases):
+        self.bases = bases
         self.sites: list[list] = []  # [kind, bases, table, values, signature, the members' addresses]
         self.cursor = 0
         self.rebinding = False
@@ -126,15 +125,16 @@ class MemberTables:
         return self._made(at, kind, columns, numbers, signature, device, keep=not self.rebinding)
 
     def _made(self, at: int, kind: str, columns, numbers, signature, device: torch.device, keep: bool):
-        """A new table of these members from their first ones' tensors, kept as site `at` (and
+        """A new table of these members, counted from the step's bases, kept as site `at` (and
         the sites after it dropped: the step's calls went another way) when `keep`."""
-        bases = Pointers(None if col[0] is None else address_of(col[0]) for col, _, _ in columns)
-        found = [gaps(col, unit, name) for col, unit, name in columns] + numbers
+        bases = Pointers(None if col[0] is None else self.bases.like(col[0]) for col, _, _ in columns)
+        found = [gaps(col, unit, name, None if b is None else b.data_ptr())
+                 for (col, unit, name), b in zip(columns, bases)] + numbers
         table = device_table(found, device)
         if keep:
             del self.sites[at:]
             self.sites.append([kind, bases, table, found, signature, _named(columns, numbers)])
-        return Pointers(col[0] for col, _, _ in columns), table
+        return bases, table
 
 
 def _named(columns: list[tuple[list, int, str]], numbers: list[list[int]]) -> tuple:

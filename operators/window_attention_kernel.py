@@ -131,7 +131,7 @@ def kernel_applies(dtype: torch.dtype, head_dim: int) -> bool:
 
 def member_offsets(keys: list[torch.Tensor], values: list[torch.Tensor], at: tuple | None = None) -> torch.Tensor:
     """[B, 2] int64 on the members' device: where each member's keys and values lie, in units of
-    ALIGN elements from member 0's, or from the addresses `at` (keys', values'; window_attention's
+    ALIGN elements from member 0's, or from the tensors `at` (keys', values'; window_attention's
     `at`) when given (window_attention's `members`; made outside any graph capture)."""
     for name, t in (("keys", keys), ("values", values)):
         for x in t:
@@ -150,9 +150,9 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, members:
     member 0's k and v, at members[b] ALIGN units from them: member_offsets), of which keys
     lo[b]..hi[b]-1 count ([B] int64 device tensors; with last > 0 only the last `last` of them)
     -> out [B, H, D], lse [B, H] float32, as masked_window_attention gives each member's, into
-    `out` and `lse` when given (contiguous float32). at: the addresses the offsets count from
-    (k's, v's: member_tables.Address), in place of k and v. One launch of each kernel for the
-    batch; fixed shapes, no sync."""
+    `out` and `lse` when given (contiguous float32). at: the tensors the offsets count from (k's,
+    v's: a batch's bases, member_tables.Bases), in place of k and v. One launch of each kernel
+    for the batch; fixed shapes, no sync."""
     expect("k", k, ndim=3, dtype=torch.bfloat16)
     num_kv, n, dim = k.shape
     expect("v", v, shape=tuple(k.shape), dtype=k.dtype, device=k.device)

@@ -46,7 +46,7 @@ from ktlong.errors import first_line
 from ktlong.kv.pinned import PinnedTensors
 from ktlong.models.llama import LlamaModel
 from operators.kv_quant import quantize_kv
-from operators.member_tables import MemberTables, address_of
+from operators.member_tables import Bases, MemberTables
 from operators import triton_installed
 from operators.merge_state import merge_states
 from operators.window_attention import attention_with_lse, masked_window_attention
@@ -86,11 +86,12 @@ class DecodeStep:
             if window_attention_kernel.kernel_applies(layout.dtype, c.head_dim):
                 self.window_kernel = window_attention_kernel.window_attention
         self.num_layers = c.num_layers
-        # where the kernels find each sequence's window buffers of a layer: its offset (in
-        # window_members, one launch for the batch) from the first member's buffers of that layer
-        # when the body was made (window_at: their addresses, which the body keeps, not the buffers)
-        self.window_at: list[tuple] = []
-        self.window_members = None
+        # the body's own tensors that the kernels' offsets count from, whoever the members are
+        self.bases = Bases()
+        # where the kernels find each sequence's window buffers: per layer, its offsets (one launch
+        # for the batch) from the body's base of the buffers' dtype (window_at)
+        self.window_at: tuple | None = None
+        self.window_members = None  # [layers, B, 2]
         # with the device selecting on a GPU, a global layer's window parts run on a stream of their
         # own (one launch for the batch; else each sequence's on one of its own), beside the
         # selections and the DRAM reads, which need only the same q (`_token`); where the
@@ -126,8 +127,8 @@ class DecodeStep:
         row, groups = layout.stored_row
         self.kv_host = None if self.writes_dram else self._host((B, n, 2, c.num_kv_heads, row), layout.stored_dtype)
         self.kv_scales_host = None if self.writes_dram else self._host((B, n, 2, c.num_kv_heads, groups), torch.int16)
-        # the stored rows of each global layer as the append kernel finds them: the first member's
-        # addresses when the body was made (stored_at), each member's offsets from them (stored_rows)
+        # the stored rows of each global layer as the append kernel finds them: the body's bases
+        # (stored_at), each member's offsets from them (stored_rows)
         self.stored_at: list[tuple] = []
         self.stored_rows: list[tuple] = []
         self._bind_members()
@@ -155,7 +156,7 @@ class DecodeStep:
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self._captured_near: list = []  # the DRAM reads' device copies the graphs hold addresses of
         # the kernels' tables of where each sequence's tensors lie (operators/member_tables.py)
-        self.tables = MemberTables()
+        self.tables = MemberTables(self.bases)
         self.rebound = False  # members changed since the last step: its next token runs eagerly, rewriting the tables
         if self.device_selects:  # what each sequence's step read, gathered for the host (one launch each)
             first_dram = first.dram_blocks
@@ -192,19 +193,20 @@ class DecodeStep:
         from operators.window_attention_kernel import member_offsets
 
         device = self.model.device
-        if not self.window_at and (self.append_kernel is not None or self.window_kernel is not None):
-            self.window_at = [tuple(address_of(t) for t in self.windows[0].layer_buffers(layer))
-                              for layer in range(self.num_layers)]
-        if self.window_at:
-            buffers = [w.layer_buffers(0) for w in self.windows]
-            table = member_offsets([k for k, _ in buffers], [v for _, v in buffers], self.window_at[0])
-            self.window_members = _rewritten(self.window_members, table)
+        if self.append_kernel is not None or self.window_kernel is not None:
+            base = self.bases.like(self.windows[0].layer_buffers(0)[0])
+            self.window_at = (base, base)
+            tables = []
+            for layer in range(self.num_layers):
+                buffers = [w.layer_buffers(layer) for w in self.windows]
+                tables.append(member_offsets([k for k, _ in buffers], [v for _, v in buffers], self.window_at))
+            self.window_members = _rewritten(self.window_members, torch.stack(tables))
         if self.append_kernel is None:
             return
         for j in range(len(self.global_layers)):
             rows = self._stored_rows(j)
             if len(self.stored_at) <= j:
-                self.stored_at.append(tuple(None if t is None else address_of(t) for t in rows[0][:4]))
+                self.stored_at.append(tuple(None if t is None else self.bases.like(t) for t in rows[0][:4]))
                 self.stored_rows.append(None)
             table = stored_offsets(rows, device, self.stored_at[j])
             # the first member's rows stand for the layout (shapes, strides) the launch checks
@@ -306,8 +308,8 @@ class DecodeStep:
         batch where the kernel runs, otherwise sequence by sequence."""
         if self._one_launch:
             keys, values = self.windows[0].layer_buffers(layer)
-            return self.window_kernel(q, keys, values, self.window_members, self.lo, self.hi, self.model.scale, last,
-                                      *(out or (None, None)), at=self.window_at[layer])
+            return self.window_kernel(q, keys, values, self.window_members[layer], self.lo, self.hi, self.model.scale,
+                                      last, *(out or (None, None)), at=self.window_at)
         states = [self._window_attention(b, layer, q[b], last, None if out is None else (out[0][b], out[1][b]))
                   for b in range(self.batch)]
         return out or (torch.stack([o for o, _ in states]), torch.stack([lse for _, lse in states]))
@@ -363,8 +365,8 @@ class DecodeStep:
             self.q_host[j].copy_(q.float(), non_blocking=True)
         if self.append_kernel is not None:  # one launch: the window's rows and, for a global layer, the stored ones
             keys, values = self.windows[0].layer_buffers(layer)
-            self.append_kernel(k, v, self.slot, keys, values, self.window_members,
-                               *((None, None) if j is None else self.stored_rows[j]), at=self.window_at[layer],
+            self.append_kernel(k, v, self.slot, keys, values, self.window_members[layer],
+                               *((None, None) if j is None else self.stored_rows[j]), at=self.window_at,
                                stored_at=None if j is None else self.stored_at[j])
             return q
         for b, window in enumerate(self.windows):
@@ -407,7 +409,7 @@ class DecodeStep:
         """Capture every segment. The inputs must hold the current step (warm-up runs execute
         it; replaying the same step again is idempotent). The tables are made anew by the warm-up."""
         self._captured_near = self._near_addresses()
-        self.tables, self.rebound = MemberTables(), False
+        self.tables, self.rebound = MemberTables(self.bases), False
         if self.device_selects:
             self._capture_token()
             return
@@ -435,7 +437,7 @@ class DecodeStep:
                         self.dram_graphs.append(_captured(lambda: self._dram_part(j), self.model.device, pool))
         except RuntimeError as e:  # e.g. a collective of tensor parallelism this build cannot capture
             self.graphs, self.window_graphs, self.dram_graphs, self.capturing = [], [], [], False
-            self.tables = MemberTables()
+            self.tables = MemberTables(self.bases)
             torch.cuda.synchronize(self.model.device)
             print(f"[CUDA graphs could not be captured ({first_line(e)}); decode runs eagerly]", file=sys.stderr)
 
@@ -472,7 +474,7 @@ class DecodeStep:
         a copy that moved between turns drops them, to be captured again."""
         if self._near_addresses() != self._captured_near:  # the tables name the copies too: made anew
             self.graphs, self.window_graphs, self.dram_graphs = [], [], []
-            self.tables, self._captured_near = MemberTables(), self._near_addresses()
+            self.tables, self._captured_near = MemberTables(self.bases), self._near_addresses()
         return bool(self.graphs) or not self.capturing
 
     def done(self) -> bool:
@@ -503,7 +505,7 @@ class DecodeStep:
             self.tables.start(rebinding=self.rebound)
             self._token()
             if self.rebound and not self.tables.matches:
-                self.graphs, self.tables = [], MemberTables()
+                self.graphs, self.tables = [], MemberTables(self.bases)
             self.rebound = False
         if self.copied is not None:
             self.copied.record()
