@@ -187,8 +187,8 @@ class DecodeStep:
 
     def _bind_members(self):
         """The window kernels' and the append kernel's tables of the current members, counted
-        from the addresses the body keeps (its first members'); written in place when the tables
-        exist, so the graphs that read them serve the new members."""
+        from the body's bases; written in place when the tables exist, so the graphs that read
+        them serve the new members."""
         from operators.decode_append_kernel import stored_offsets
         from operators.window_attention_kernel import member_offsets
 
@@ -221,6 +221,7 @@ class DecodeStep:
         layer, which scores its own blocks, and no bench drift."""
         if len(sequences) != self.batch or not self.device_selects:
             return False
+
         def fits(s) -> bool:
             selection = s.dram_blocks.selection if s.dram_blocks is not None else None
             if s.layout != self.layout or s.global_layers != self.global_layers or selection is None:
@@ -244,8 +245,8 @@ class DecodeStep:
         self.rebound = True
 
     def release(self):
-        """Let the members go (the body keeps their addresses in its tables, not their tensors)
-        until `rebind` names the next ones."""
+        """Let the members go (the body keeps its tables, not their tensors) until `rebind`
+        names the next ones."""
         self.windows, self.anchors, self.dram = [], [], []
         self.stored_rows = [(None, table) for _, table in self.stored_rows]
 
