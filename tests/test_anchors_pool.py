@@ -89,10 +89,10 @@ def test_a_batch_of_parked_conversations_lets_its_anchors_go_when_a_new_decoder_
         session.prefill(prompt(150, seed), answer_room=16)
         held.append(session.detach(HostKVCache(session.layout, pin=False)))
     session.step_batch(held, [5, 6])  # their batch: one body over both
-    assert session._batch is not None
+    assert session._batches.batch is not None
     for conversation in held:
         session.park(conversation)
     assert session.anchors.in_use() == 2 * session.anchors.bytes_for(166)
     session.prefill(prompt(300, 9))  # reaches max_seq_len: the pool's whole
-    assert session._batch is None and all(c.decoder is None for c in held)
+    assert session._batches.batch is None and all(c.decoder is None for c in held)
     assert session.anchors.in_use() == session.anchors.bytes_for(MAX)
