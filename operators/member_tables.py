@@ -61,32 +61,34 @@ def device_table(columns: list[list[int]], device: torch.device) -> torch.Tensor
     return torch.tensor(list(zip(*columns)), dtype=torch.int64).to(device)
 
 
-class Pointers(list):
-    """Per column of a table, the tensor a kernel gets as that column's base."""
-
-
 def member_table(tables: "MemberTables | None", kind: str, columns: list[tuple[list, int, str]],
                  numbers: list[list[int]], device: torch.device, signature: tuple = ()
-                 ) -> tuple[Pointers, torch.Tensor]:
+                 ) -> tuple[list, torch.Tensor]:
     """A kernel call's members -> (each column's base for the launch, [B, columns + numbers] int64
     table: each member's tensor of a column in units from its base, then its numbers). columns:
     (each member's tensor or None, unit, name for an error). tables: the batch's store (its site
     for this call, `MemberTables.site`), or None: the first member's tensors are the bases.
     signature: what else the launch bakes in (shapes, flags), compared when the site is rebound."""
     if tables is None:
-        bases = Pointers(col[0] for col, _, _ in columns)
-        return bases, device_table([gaps(col, unit, name) for col, unit, name in columns] + numbers, device)
+        bases = [col[0] for col, _, _ in columns]
+        return bases, device_table(_offsets(columns, bases, numbers), device)
     return tables.site(kind, columns, numbers, signature, device)
+
+
+def _offsets(columns: list[tuple[list, int, str]], bases: list, numbers: list[list[int]]) -> list[list[int]]:
+    """A table's columns: each member's tensor of a column in units from the column's base, then the numbers."""
+    return [gaps(col, unit, name, None if base is None else base.data_ptr())
+            for (col, unit, name), base in zip(columns, bases)] + numbers
 
 
 class MemberTables:
     """A batch step's tables, one site per kernel call in the step's call order (`start` before
-    each run of the step). A site keeps its bases (its first members' addresses when made) and
-    its table; later runs with the same members return them unchanged (a graph's capture may not
-    copy to the device), and a run after `rebind` writes the new members' offsets from the same
-    bases into the same tables, outside any capture. `matches` says whether every site of that
-    run found the launch it was made for (kind and signature): if not, graphs captured before
-    do not fit the new members."""
+    each run of the step). A site keeps its columns' bases (the step's `Bases`) and its table;
+    later runs with the same members return them unchanged (a graph's capture may not copy to
+    the device), and a run after `rebind` writes the new members' offsets from the same bases
+    into the same tables, outside any capture. `matches` says whether every site of that run
+    found the launch it was made for (kind and signature): if not, graphs captured before do
+    not fit the new members."""
 
     def __init__(self, bases: Bases):
         self.bases = bases
@@ -101,7 +103,7 @@ class MemberTables:
             self.matches = True
 
     def site(self, kind: str, columns: list[tuple[list, int, str]], numbers: list[list[int]],
-             signature: tuple, device: torch.device) -> tuple[Pointers, torch.Tensor]:
+             signature: tuple, device: torch.device) -> tuple[list, torch.Tensor]:
         at, self.cursor = self.cursor, self.cursor + 1
         named = _named(columns, numbers)
         if at < len(self.sites) and self.sites[at][0] == kind:
@@ -111,11 +113,10 @@ class MemberTables:
             # other members: rebound, or (run eagerly, no graph) a step whose calls went another way
             assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
                 "a captured call found other members than its table's"
-            if signature != made_for or len(columns[0][0]) != table.shape[0]:
+            if signature != made_for:
                 self.matches = False
                 return self._made(at, kind, columns, numbers, signature, device, keep=not self.rebinding)
-            found = [gaps(col, unit, name, None if b is None else b.data_ptr())
-                     for (col, unit, name), b in zip(columns, bases)] + numbers
+            found = _offsets(columns, bases, numbers)
             if found != values:
                 table.copy_(torch.tensor(list(zip(*found)), dtype=torch.int64))
             self.sites[at][3:] = [found, made_for, named]
@@ -127,9 +128,8 @@ class MemberTables:
     def _made(self, at: int, kind: str, columns, numbers, signature, device: torch.device, keep: bool):
         """A new table of these members, counted from the step's bases, kept as site `at` (and
         the sites after it dropped: the step's calls went another way) when `keep`."""
-        bases = Pointers(None if col[0] is None else self.bases.like(col[0]) for col, _, _ in columns)
-        found = [gaps(col, unit, name, None if b is None else b.data_ptr())
-                 for (col, unit, name), b in zip(columns, bases)] + numbers
+        bases = [None if col[0] is None else self.bases.like(col[0]) for col, _, _ in columns]
+        found = _offsets(columns, bases, numbers)
         table = device_table(found, device)
         if keep:
             del self.sites[at:]

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from operators.checks import expect
-from operators.member_tables import MemberTables, Pointers, member_table
+from operators.member_tables import MemberTables, member_table
 
 SHARES = 16  # programs per kv head: a share of its hit blocks each
 BORROW_SHARES = 4  # programs per kv head and conversation for the blocks it borrows (few of them: most are skipped)
@@ -380,7 +380,7 @@ def kernel_applies(kv_type: str, block_size: int, head_dim: int) -> bool:
 
 
 def _offsets(tensors: list[tuple], extras: list[list[int]], device: torch.device, tables: MemberTables | None,
-             signature: tuple) -> tuple[Pointers, torch.Tensor]:
+             signature: tuple) -> tuple[list, torch.Tensor]:
     """Each conversation's tensors (TABLES then SCALARS; None: not read) and numbers (its share
     group, shared blocks, table blocks and selection's width) -> (each column's base, [B, WIDTH]
     int64 on the device: how far each tensor lies from its column's base, in ALIGN elements for

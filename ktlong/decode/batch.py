@@ -136,7 +136,7 @@ class DecodeBatch:
             if not body.writes_dram:
                 for j, layer in enumerate(self.global_layers):
                     s.write_through(layer, pos, self.new_kv[b, j], self.new_kv_scales[b, j])
-            per_layer = selected_tokens[b].sum(1) // self.body.layout.block_size  # (kv head, block) pairs a layer
+            per_layer = selected_tokens[b].sum(1) // body.layout.block_size  # (kv head, block) pairs a layer
             selected = int(per_layer.sum())
             s.times.selected += selected
             s.times.device_read += selected

@@ -410,7 +410,7 @@ class DecodeStep:
         """Capture every segment. The inputs must hold the current step (warm-up runs execute
         it; replaying the same step again is idempotent). The tables are made anew by the warm-up."""
         self._captured_near = self._near_addresses()
-        self.tables, self.rebound = MemberTables(self.bases), False
+        self._drop_graphs()
         if self.device_selects:
             self._capture_token()
             return
@@ -437,8 +437,8 @@ class DecodeStep:
                     if self.reads_dram:
                         self.dram_graphs.append(_captured(lambda: self._dram_part(j), self.model.device, pool))
         except RuntimeError as e:  # e.g. a collective of tensor parallelism this build cannot capture
-            self.graphs, self.window_graphs, self.dram_graphs, self.capturing = [], [], [], False
-            self.tables = MemberTables(self.bases)
+            self._drop_graphs()
+            self.capturing = False
             torch.cuda.synchronize(self.model.device)
             print(f"[CUDA graphs could not be captured ({first_line(e)}); decode runs eagerly]", file=sys.stderr)
 
@@ -474,9 +474,15 @@ class DecodeStep:
         where they were: captured parts hold the copies' addresses (ktlong/kv/resident.py), and
         a copy that moved between turns drops them, to be captured again."""
         if self._near_addresses() != self._captured_near:  # the tables name the copies too: made anew
-            self.graphs, self.window_graphs, self.dram_graphs = [], [], []
-            self.tables, self._captured_near = MemberTables(self.bases), self._near_addresses()
+            self._drop_graphs()
+            self._captured_near = self._near_addresses()
         return bool(self.graphs) or not self.capturing
+
+    def _drop_graphs(self):
+        """No graphs, and no tables for them (the next capture's warm-up, or eager run, makes
+        them anew); the members are the body's current ones."""
+        self.graphs, self.window_graphs, self.dram_graphs = [], [], []
+        self.tables, self.rebound = MemberTables(self.bases), False
 
     def done(self) -> bool:
         """Whether what `wait` waits for is done already."""
@@ -506,7 +512,7 @@ class DecodeStep:
             self.tables.start(rebinding=self.rebound)
             self._token()
             if self.rebound and not self.tables.matches:
-                self.graphs, self.tables = [], MemberTables(self.bases)
+                self._drop_graphs()
             self.rebound = False
         if self.copied is not None:
             self.copied.record()
