@@ -66,6 +66,7 @@ SECTIONS: list[tuple[str, list[Option]]] = [
         Option('selector', 'topk', 'compact block selector: topk (the keep_blocks best blocks; docs/decisions.md) | flashprefill (alpha of the best score) | xattention (softmax mass)', choices=('flashprefill', 'xattention', 'topk')),
         Option('alpha', 0.1, 'flashprefill: keep a kv block scoring at least alpha x the best; 0 keeps all', low=0, high=1),
         Option('keep_blocks', 128, "topk: history blocks every query-head group keeps (sinks and window included), ranked as flashprefill scores them; a fixed count makes each chunk's attention cost the same at any length, so prefill grows close to linearly, and lets one attention plan serve every chunk and layer", low=1),
+        Option('topk_rank', 'margin', "topk: what orders the history blocks: margin (a block's best score against each pooled query block's best, FlashPrefill's) | mass (its estimated attention share: each pooled query block's softmax over the history's pooled keys, averaged over the group; measured in docs/measurements/2026-12-03-selection-mass.md)", choices=('margin', 'mass')),
         Option('threshold', 0.9, 'xattention: keep blocks until this softmax mass is covered; 1.0 keeps all', low=0, high=1, low_exclusive=True),
         Option('stride', 8, 'xattention: antidiagonal scoring stride in tokens', low=1),
         Option('sink_blocks', 1, 'compact: first blocks always kept', low=0),

@@ -7,8 +7,9 @@ Scores are computed tile by tile over history blocks in two passes (max, then th
 so memory is [H, query blocks, tile] floats, never [H, chunk, history].
 
 The `topk` variant keeps the same number of blocks for every execution group: each block's
-score is its best margin to the row's best over the group's pooled query blocks, and each
-group keeps its num_keep best. Equal page counts let one FlashInfer plan serve every full chunk
+score is its best margin to the row's best over the group's pooled query blocks (or, with
+topk_rank "mass", its estimated attention share: the rows' softmax, averaged), and each group
+keeps its num_keep best. Equal page counts let one FlashInfer plan serve every full chunk
 of every layer, and no host sync is needed to learn the counts.
 
 A block mean dilutes what a few queries ask for: a question at the end of a prompt is a
@@ -148,14 +149,22 @@ def flashprefill_group_keep(q: torch.Tensor, pooled_keys: torch.Tensor, block_si
 
 
 def topk_group_blocks(q: torch.Tensor, pooled_keys: torch.Tensor, block_size: int, scale: float, num_keep: int,
-                      sink_blocks: int, window_blocks: int, group_size: int) -> torch.Tensor:
+                      sink_blocks: int, window_blocks: int, group_size: int, rank: str = "margin") -> torch.Tensor:
     """The num_keep history blocks each execution group (group_size consecutive heads) reads:
-    the sinks, the window, then the blocks that score best by group_margin -> [H / group_size,
-    num_keep] int64 block ids, in no particular order."""
+    the sinks, the window, then the blocks that score best by group_margin (rank "margin") or
+    group_mass ("mass") -> [H / group_size, num_keep] int64 block ids, in no particular order."""
     num_hist = pooled_keys.shape[1]
     assert sink_blocks + window_blocks <= num_keep <= num_hist or num_keep == num_hist, (num_keep, num_hist)
-    margin = group_margin(q, pooled_keys, block_size, scale, sink_blocks, window_blocks, group_size)
-    return margin.topk(num_keep, dim=1, sorted=False).indices
+    score = RANKS[rank](q, pooled_keys, block_size, scale, sink_blocks, window_blocks, group_size)
+    return score.topk(num_keep, dim=1, sorted=False).indices
+
+
+def _pooled_scores(q: torch.Tensor, pooled_keys: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    """[KV, group * nqb, num_hist] float32: each pooled query block's score of each pooled key
+    (the rows of one kv head's query heads side by side, head-major)."""
+    num_kv, num_hist, dim = pooled_keys.shape
+    rows = pool_query_blocks(q, block_size).reshape(num_kv, -1, dim)
+    return torch.bmm(rows, pooled_keys.float().transpose(1, 2)) * scale
 
 
 def group_margin(q: torch.Tensor, pooled_keys: torch.Tensor, block_size: int, scale: float, sink_blocks: int,
@@ -164,10 +173,22 @@ def group_margin(q: torch.Tensor, pooled_keys: torch.Tensor, block_size: int, sc
     score comes to the best score of some pooled query block of one of the group's heads
     (FlashPrefill's margin, ranked instead of cut at alpha); +inf for the sinks and the window.
     q: [T, H, D]; pooled_keys: [KV, num_hist, D] -> [H / group_size, num_hist] float32."""
-    num_heads = q.shape[1]
-    num_kv, num_hist, dim = pooled_keys.shape
-    rows = pool_query_blocks(q, block_size).reshape(num_kv, -1, dim)  # [KV, group * nqb, D]
-    scores = torch.bmm(rows, pooled_keys.float().transpose(1, 2)) * scale  # [KV, group * nqb, num_hist]
+    scores = _pooled_scores(q, pooled_keys, block_size, scale)
     margin = scores - scores.amax(-1, keepdim=True)  # <= 0; 0 at each row's best block
-    per_group = margin.view(num_heads // group_size, -1, num_hist).amax(1)  # [G, num_hist]
+    per_group = margin.view(q.shape[1] // group_size, -1, pooled_keys.shape[1]).amax(1)  # [G, num_hist]
     return set_always_kept(per_group, sink_blocks, window_blocks, float("inf"))
+
+
+def group_mass(q: torch.Tensor, pooled_keys: torch.Tensor, block_size: int, scale: float, sink_blocks: int,
+               window_blocks: int, group_size: int) -> torch.Tensor:
+    """What topk ranks history blocks by with topk_rank "mass", per execution group: each block's
+    estimated share of the attention, the mean over the group's pooled query blocks of each one's
+    softmax over the history's pooled keys; +inf for the sinks and the window. Where the margin
+    ranks a block by one row's best case, the mass counts every row that reads it, and how much.
+    q: [T, H, D]; pooled_keys: [KV, num_hist, D] -> [H / group_size, num_hist] float32."""
+    share = _pooled_scores(q, pooled_keys, block_size, scale).softmax(-1)
+    per_group = share.view(q.shape[1] // group_size, -1, pooled_keys.shape[1]).mean(1)
+    return set_always_kept(per_group, sink_blocks, window_blocks, float("inf"))
+
+
+RANKS = {"margin": group_margin, "mass": group_mass}  # topk_rank: what topk orders the history blocks by

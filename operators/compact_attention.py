@@ -42,6 +42,7 @@ class CompactParams:
     selector: str  # flashprefill | xattention | topk | all (keep every block: dense)
     alpha: float
     keep_blocks: int  # topk: history blocks every group keeps
+    topk_rank: str  # topk: what orders the history blocks: margin | mass (block_selector.RANKS)
     threshold: float
     stride: int
     sink_blocks: int
@@ -59,7 +60,7 @@ class CompactParams:
     def keep_all(cls) -> "CompactParams":
         """Every block kept: dense attention through the paged path. With nothing selected the
         heads of a kv group share one page list, so each group is one request."""
-        return cls(selector="all", alpha=0.0, keep_blocks=1 << 30, threshold=1.0, stride=1, sink_blocks=0,
+        return cls(selector="all", alpha=0.0, keep_blocks=1 << 30, topk_rank="margin", threshold=1.0, stride=1, sink_blocks=0,
                    window_blocks=0, subgroup_size=1 << 30, dense_above=1.0, tail_queries=0, dense_tail=0,
                    prefill_dense_layer_num=0)
 
@@ -201,9 +202,9 @@ class CompactAttention:
 
             return topk_page_indices(q, pooled_keys, num_hist, self.block_size, self.scale, num_keep, group_size,
                                      p.sink_blocks, p.window_blocks, self.num_kv_heads, blocks_per_head,
-                                     chunk_tokens, out)
+                                     chunk_tokens, out, p.topk_rank)
         ids = topk_group_blocks(q, pooled_keys[:, :num_hist], self.block_size, self.scale, num_keep,
-                                p.sink_blocks, p.window_blocks, group_size)
+                                p.sink_blocks, p.window_blocks, group_size, p.topk_rank)
         return fixed_page_indices(ids, self.num_kv_heads, blocks_per_head, num_hist, chunk_tokens, self.block_size,
                                   out)
 

@@ -6,9 +6,11 @@ group maxima, the sink and window slices, the page arithmetic). On a small model
 cost is a fifth of the attention they save. Here:
 
 1. the query blocks' means, one reduction in torch ([nqb, H, D] float32, read through strides);
-2. `_row_best`: each (head, query block) row's best score over a stretch of the history blocks;
+2. `_row_best`: each (head, query block) row's best score over a stretch of the history blocks
+   (and, to rank by mass, the row's sum of exp(score - best) there);
 3. `_group_margin`: each execution group's best margin (score minus its row's best) per history
-   block, with the sinks and the window at +inf, so top-k always takes them;
+   block, or with MASS its mean share of the rows' softmax (block_selector.group_mass), with the
+   sinks and the window at +inf, so top-k always takes them;
 4. torch.topk;
 5. `_page_indices`: each group's page list, its kept blocks then the chunk's own blocks.
 
@@ -32,11 +34,12 @@ SPAN = 256  # page indices a program of _page_indices writes a step (fixed: one 
 
 
 @triton.jit(do_not_specialize=["num_qb", "num_hist"])  # one build for every chunk's lengths
-def _row_best(pq_ptr, pk_ptr, best_ptr, num_qb, num_hist, scale, s_pq_b, s_pq_h, s_pk_h, s_pk_b,
+def _row_best(pq_ptr, pk_ptr, best_ptr, total_ptr, num_qb, num_hist, scale, s_pq_b, s_pq_h, s_pk_h, s_pk_b,
               HEADS_PER_KV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCKS: tl.constexpr,
-              SPLIT: tl.constexpr):
+              SPLIT: tl.constexpr, MASS: tl.constexpr):
     """Program (head h, row tile, split s): best[s, h, rows] = max over the history blocks
-    s * SPLIT .. (s + 1) * SPLIT of scale * pq[rows, h] . pk[kv(h), j]."""
+    s * SPLIT .. (s + 1) * SPLIT of scale * pq[rows, h] . pk[kv(h), j]; with MASS, total[s, h,
+    rows] = the sum over those blocks of exp(score - best[s, h, rows])."""
     h, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_heads = tl.num_programs(0)
     rows = tile * ROWS + tl.arange(0, ROWS)
@@ -44,29 +47,41 @@ def _row_best(pq_ptr, pk_ptr, best_ptr, num_qb, num_hist, scale, s_pq_b, s_pq_h,
     pq = tl.load(pq_ptr + rows[:, None] * s_pq_b + h * s_pq_h + cols[None, :], mask=rows[:, None] < num_qb, other=0.0)
     kv = h // HEADS_PER_KV
     best = tl.full((ROWS,), float("-inf"), tl.float32)
+    total = tl.zeros((ROWS,), tl.float32)
     for j0 in range(split * SPLIT, tl.minimum((split + 1) * SPLIT, num_hist), BLOCKS):
         blocks = j0 + tl.arange(0, BLOCKS)
         pk = tl.load(pk_ptr + kv * s_pk_h + blocks[:, None] * s_pk_b + cols[None, :],
                      mask=blocks[:, None] < num_hist, other=0.0)
         s = tl.dot(pq, tl.trans(pk), input_precision="ieee") * scale
         s = tl.where(blocks[None, :] < num_hist, s, float("-inf"))
-        best = tl.maximum(best, tl.max(s, 1))
-    tl.store(best_ptr + (split * num_heads + h) * num_qb + rows, best, mask=rows < num_qb)
+        now = tl.maximum(best, tl.max(s, 1))
+        if MASS:  # every stretch holds a block, so now is finite
+            total = total * tl.exp(best - now) + tl.sum(tl.exp(s - now[:, None]), 1)
+        best = now
+    at = (split * num_heads + h) * num_qb + rows
+    tl.store(best_ptr + at, best, mask=rows < num_qb)
+    if MASS:
+        tl.store(total_ptr + at, total, mask=rows < num_qb)
 
 
 @triton.jit(do_not_specialize=["num_qb", "num_hist", "num_splits", "sink_blocks", "window_blocks"])
-def _group_margin(pq_ptr, pk_ptr, best_ptr, out_ptr, num_qb, num_hist, num_splits, num_heads, scale, sink_blocks,
-                  window_blocks, s_pq_b, s_pq_h, s_pk_h, s_pk_b, GROUP: tl.constexpr, HEADS_PER_KV: tl.constexpr,
-                  D: tl.constexpr, ROWS: tl.constexpr, BLOCKS: tl.constexpr):
+def _group_margin(pq_ptr, pk_ptr, best_ptr, total_ptr, out_ptr, num_qb, num_hist, num_splits, num_heads, scale,
+                  sink_blocks, window_blocks, s_pq_b, s_pq_h, s_pk_h, s_pk_b, GROUP: tl.constexpr,
+                  HEADS_PER_KV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCKS: tl.constexpr,
+                  MASS: tl.constexpr):
     """Program (group g, block tile): out[g, blocks] = max over the group's rows of (score - the
-    row's best, the maximum of _row_best's splits); the sinks and the window +inf."""
+    row's best, the maximum of _row_best's splits); with MASS, the mean over the group's rows of
+    exp(score - best) / the row's total (its softmax); the sinks and the window +inf."""
     g, tile = tl.program_id(0), tl.program_id(1)
     blocks = tile * BLOCKS + tl.arange(0, BLOCKS)
     cols = tl.arange(0, D)
     real = blocks < num_hist
     kv = (g * GROUP) // HEADS_PER_KV
     pk = tl.load(pk_ptr + kv * s_pk_h + blocks[:, None] * s_pk_b + cols[None, :], mask=real[:, None], other=0.0)
-    margin = tl.full((BLOCKS,), float("-inf"), tl.float32)
+    if MASS:
+        margin = tl.zeros((BLOCKS,), tl.float32)
+    else:
+        margin = tl.full((BLOCKS,), float("-inf"), tl.float32)
     for i in range(GROUP):
         h = g * GROUP + i
         for r0 in range(0, num_qb, ROWS):
@@ -78,8 +93,19 @@ def _group_margin(pq_ptr, pk_ptr, best_ptr, out_ptr, num_qb, num_hist, num_split
                 best = tl.maximum(best, tl.load(best_ptr + (split * num_heads + h) * num_qb + rows, mask=inside,
                                                 other=0.0))
             s = tl.dot(pq, tl.trans(pk), input_precision="ieee") * scale - best[:, None]
-            s = tl.where(inside[:, None], s, float("-inf"))
-            margin = tl.maximum(margin, tl.max(s, 0))
+            if MASS:
+                total = tl.zeros((ROWS,), tl.float32)
+                for split in range(num_splits):  # each split's sum, rescaled to the row's best
+                    at = (split * num_heads + h) * num_qb + rows
+                    total += tl.load(total_ptr + at, mask=inside, other=0.0) * tl.exp(
+                        tl.load(best_ptr + at, mask=inside, other=0.0) - best)
+                share = tl.exp(s) / tl.where(inside, total, 1.0)[:, None]
+                margin += tl.sum(tl.where(inside[:, None] & real[None, :], share, 0.0), 0)
+            else:
+                s = tl.where(inside[:, None], s, float("-inf"))
+                margin = tl.maximum(margin, tl.max(s, 0))
+    if MASS:
+        margin = margin / (GROUP * num_qb)
     always = (blocks < sink_blocks) | (blocks >= num_hist - window_blocks)
     margin = tl.where(always, float("inf"), margin)
     tl.store(out_ptr + g * num_hist + blocks, margin, mask=real)
@@ -113,9 +139,10 @@ def pooled_query_blocks(q: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def group_margins(q: torch.Tensor, pooled_keys: torch.Tensor, num_hist: int, block_size: int, scale: float,
-                  group_size: int, sink_blocks: int, window_blocks: int) -> torch.Tensor:
+                  group_size: int, sink_blocks: int, window_blocks: int, rank: str = "margin") -> torch.Tensor:
     """q [T, H, D]; pooled_keys [KV, >= num_hist, D] float32 -> [H / group_size, num_hist] float32:
-    each group's best margin per history block, the sinks and the window +inf (what
+    each group's best margin per history block (rank "margin": block_selector.group_margin) or its
+    mean softmax share ("mass": block_selector.group_mass), the sinks and the window +inf (what
     block_selector.topk_group_blocks ranks)."""
     expect("q", q, ndim=3)
     expect("pooled_keys", pooled_keys, ndim=3, dtype=torch.float32, device=q.device)
@@ -132,25 +159,28 @@ def group_margins(q: torch.Tensor, pooled_keys: torch.Tensor, num_hist: int, blo
     heads_per_kv = num_heads // num_kv
     strides = (pq.stride(0), pq.stride(1), pooled_keys.stride(0), pooled_keys.stride(1))
     num_splits = triton.cdiv(num_hist, SPLIT)
-    best = torch.empty((num_splits, num_heads, num_qb), dtype=torch.float32, device=q.device)
+    mass = {"margin": False, "mass": True}[rank]
+    best = torch.empty((2 if mass else 1, num_splits, num_heads, num_qb), dtype=torch.float32, device=q.device)
     _row_best[(num_heads, triton.cdiv(num_qb, BEST_ROWS), num_splits)](
-        pq, pooled_keys, best, num_qb, num_hist, scale, *strides,
-        HEADS_PER_KV=heads_per_kv, D=dim, ROWS=BEST_ROWS, BLOCKS=BLOCKS, SPLIT=SPLIT)
+        pq, pooled_keys, best[0], best[-1], num_qb, num_hist, scale, *strides,
+        HEADS_PER_KV=heads_per_kv, D=dim, ROWS=BEST_ROWS, BLOCKS=BLOCKS, SPLIT=SPLIT, MASS=mass)
     out = torch.empty((num_heads // group_size, num_hist), dtype=torch.float32, device=q.device)
     _group_margin[(out.shape[0], triton.cdiv(num_hist, MARGIN_BLOCKS))](
-        pq, pooled_keys, best, out, num_qb, num_hist, num_splits, num_heads, scale, sink_blocks, window_blocks,
-        *strides,
-        GROUP=group_size, HEADS_PER_KV=heads_per_kv, D=dim, ROWS=MARGIN_ROWS, BLOCKS=MARGIN_BLOCKS)
+        pq, pooled_keys, best[0], best[-1], out, num_qb, num_hist, num_splits, num_heads, scale, sink_blocks,
+        window_blocks, *strides,
+        GROUP=group_size, HEADS_PER_KV=heads_per_kv, D=dim, ROWS=MARGIN_ROWS, BLOCKS=MARGIN_BLOCKS, MASS=mass)
     return out
 
 
 def topk_page_indices(q: torch.Tensor, pooled_keys: torch.Tensor, num_hist: int, block_size: int, scale: float,
                       num_keep: int, group_size: int, sink_blocks: int, window_blocks: int, num_kv_heads: int,
-                      blocks_per_head: int, chunk_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                      blocks_per_head: int, chunk_tokens: int, out: torch.Tensor | None = None,
+                      rank: str = "margin") -> torch.Tensor:
     """The int32 page indices of block_union.fixed_page_lists for the blocks topk_group_blocks
-    keeps: each group's num_keep best history blocks (in no particular order), then the chunk's
-    blocks. out: an int32 tensor of G * (num_keep + chunk blocks) to write them into."""
-    margins = group_margins(q, pooled_keys, num_hist, block_size, scale, group_size, sink_blocks, window_blocks)
+    keeps: each group's num_keep best history blocks by rank (in no particular order), then the
+    chunk's blocks. out: an int32 tensor of G * (num_keep + chunk blocks) to write them into."""
+    margins = group_margins(q, pooled_keys, num_hist, block_size, scale, group_size, sink_blocks, window_blocks,
+                            rank)
     ids = margins.topk(num_keep, dim=1, sorted=False).indices.contiguous()  # [G, num_keep] int64
     num_groups = margins.shape[0]
     chunk_blocks = -(-chunk_tokens // block_size)

@@ -6,13 +6,20 @@ python -m ktlong.bench kept-keys --task multikey --model qwen2.5-coder-0.5b --le
 For an evaluation prompt (ktlong/eval/tasks.py), the blocks that hold its answer are found in
 the prompt's tokens; the prefill then records, for every layer and every chunk after such a
 block, whether each execution group's page list kept it, and the block's rank among the
-chunk's history blocks by the margin the topk selector ranks them by
-(operators/block_selector.group_margin: the blocks strictly ahead of it, the sinks and the
-window among them, and the blocks tied with it: each query row's best block has margin 0, and
-top-k breaks ties as it will). Per layer it prints the share of (chunk, group) pairs that kept
+chunk's history blocks by what the topk selector ranks them by (topk_rank:
+operators/block_selector.group_margin or group_mass: the blocks strictly ahead of it, the sinks
+and the window among them, and the blocks tied with it: each query row's best block has margin
+0, and top-k breaks ties as it will). Per layer it prints the share of (chunk, group) pairs that kept
 an answer block, and where the dropped ones ranked against the count kept, then each sample's
 greedy answer. A chunk
 that ran dense (`dense_above`, the first `prefill_dense_layer_num` layers) keeps everything.
+
+With --masses FILE.npz it also writes, for every selected chunk, layer and group, three values
+per history block: the share of the exact attention of the chunk's sampled queries (every
+--mass_stride-th, causal, over history and chunk) that falls on the block, the topk margin, and
+the block-mean estimate of that share (each pooled query row's softmax over the history's pooled
+keys); and whether the group kept it. From these an adaptive budget can be judged offline: how
+much exact mass a rule keeps, at what density.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ from ktlong.cli import parse_lengths, print_table
 from ktlong.bench.common import long_context_config
 from ktlong.config import greedy_session_options
 from ktlong.errors import KtlongError
-from operators.block_selector import group_margin
+from operators.block_selector import RANKS, group_margin, pool_query_blocks
+from operators.compact_attention import token_rows
 
 READS = greedy_session_options()
 
@@ -64,7 +72,7 @@ def answer_blocks(tokenizer, ids: list[int], answers: list[str], block_size: int
 class KeyWatch:
     """Wraps a prefill engine's CompactAttention select, recording what happened to key_blocks."""
 
-    def __init__(self, engine, key_blocks: list[int], scale: float):
+    def __init__(self, engine, key_blocks: list[int], scale: float, masses: "Masses | None" = None):
         self.key_blocks, self.scale, self.records, self.layer = key_blocks, scale, [], -1
         self.compact, self.block_size = engine.compact, engine.layout.block_size
         select = self.compact.select
@@ -77,6 +85,8 @@ class KeyWatch:
         def watched(q, k_pages, pooled_keys, start, end, prompt_end=None):
             pages, what = select(q, k_pages, pooled_keys, start, end, prompt_end)
             self._record(q, pooled_keys, start, pages, k_pages.shape[1])
+            if masses is not None and pages is not None and start:
+                masses.add(self.layer, q, k_pages, pooled_keys, start, end, pages, self.compact)
             return pages, what
 
         engine.attention_hook, self.compact.select = on_layer, watched
@@ -91,7 +101,7 @@ class KeyWatch:
             self.records += [Kept(self.layer, start, g, b, True, None, 0, num_hist) for b in keys for g in range(groups)]
             return
         p = self.compact.params
-        margin = group_margin(q, pooled_keys[:, :num_hist], self.block_size, self.scale, p.sink_blocks,
+        margin = RANKS[p.topk_rank](q, pooled_keys[:, :num_hist], self.block_size, self.scale, p.sink_blocks,
                               p.window_blocks, self.compact.groups.shape[1])
         indptr, indices = pages.indptr.tolist(), pages.indices.cpu().numpy()
         for g in range(groups):
@@ -99,6 +109,60 @@ class KeyWatch:
             for b in keys:
                 rank, tied = int((margin[g] > margin[g, b]).sum()), int((margin[g] == margin[g, b]).sum()) - 1
                 self.records.append(Kept(self.layer, start, g, b, b in held, rank, tied, int(pages.num_hist_kept[g])))
+
+
+class Masses:
+    """Per selected (chunk, layer, group): each history block's exact attention share (mean over
+    the group's heads and the chunk's sampled queries), topk margin, block-mean estimate of the
+    share, and whether the group kept it; written flat with offsets (no pickle)."""
+
+    def __init__(self, stride: int, scale: float):
+        self.answers: list[tuple[int, int]] = []  # (sample, answer block)
+        self.stride, self.scale, self.rows, self.arrays = stride, scale, [], {"exact": [], "margin": [],
+                                                                             "estimate": [], "kept": []}
+
+    def add(self, layer: int, q, k_pages, pooled_keys, start: int, end: int, pages, compact) -> None:
+        import torch
+
+        block, (num_kv, blocks_per_head) = compact.block_size, k_pages.shape[:2]
+        num_hist, (num_q, num_heads, dim) = start // block, q.shape
+        group = num_heads // num_kv
+        keys = token_rows(k_pages)[:, :end]
+        at = torch.arange(0, num_q, self.stride, device=q.device)
+        exact = torch.empty((num_heads, num_hist), device=q.device)
+        for kv in range(num_kv):  # one kv head's query heads at a time: [group * rows, end] scores
+            rows = q[at, kv * group:(kv + 1) * group].transpose(0, 1).reshape(-1, dim)
+            s = (rows.float() @ keys[kv].float().T) * self.scale
+            s.view(group, len(at), end).masked_fill_(torch.arange(end, device=q.device) > (start + at)[:, None],
+                                                     float("-inf"))
+            share = s.softmax(-1)[:, :num_hist * block].view(group, len(at), num_hist, block).sum(-1)
+            exact[kv * group:(kv + 1) * group] = share.mean(1)
+        pooled = pool_query_blocks(q, block)  # [H, nqb, D]
+        est = torch.einsum("hqd,hbd->hqb", pooled, pooled_keys[:, :num_hist].float().repeat_interleave(group, 0))
+        estimate = (est * self.scale).softmax(-1).mean(1)  # [H, num_hist]
+        p = compact.params
+        margin = group_margin(q, pooled_keys[:, :num_hist], block, self.scale, p.sink_blocks, p.window_blocks,
+                              compact.groups.shape[1])
+        heads = compact.groups.to(q.device)  # [G, group size]
+        indptr, indices = pages.indptr.tolist(), pages.indices.cpu().numpy()
+        for g in range(heads.shape[0]):
+            kept = np.zeros(num_hist, np.int8)
+            held = indices[indptr[g]:indptr[g + 1]] % blocks_per_head
+            kept[held[held < num_hist]] = 1
+            self.rows.append((layer, start, g, num_hist))
+            self.arrays["exact"].append(exact[heads[g]].mean(0).cpu().numpy().astype(np.float16))
+            self.arrays["estimate"].append(estimate[heads[g]].mean(0).cpu().numpy().astype(np.float16))
+            self.arrays["margin"].append(margin[g].clamp(max=1.0).cpu().numpy().astype(np.float16))
+            self.arrays["kept"].append(kept)
+
+    def save(self, path: str, sample_rows: list[int]) -> None:
+        """rows: [n, 5] (sample, layer, chunk start, group, history blocks); answers: [m, 2] (sample,
+        answer block); each array flat, the
+        n-th record's values at offsets[n]:offsets[n + 1]."""
+        rows = np.array([(s,) + r for s, r in zip(sample_rows, self.rows)], np.int64).reshape(-1, 5)
+        offsets = np.concatenate([[0], np.cumsum(rows[:, 4])])
+        np.savez_compressed(path, rows=rows, offsets=offsets, answers=np.array(self.answers, np.int64).reshape(-1, 2),
+                            **{k: np.concatenate(v) if v else np.zeros(0) for k, v in self.arrays.items()})
 
 
 def layer_rows(records: list[Kept]) -> list[list]:
@@ -125,6 +189,9 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=1, help="prompts, seeds 0.. (default: %(default)s)")
     p.add_argument("--device", default=None, help="auto, cpu, cuda")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config option")
+    p.add_argument("--masses", default=None, metavar="FILE.npz",
+                   help="also write each selected block's exact and estimated attention share there")
+    p.add_argument("--mass_stride", type=int, default=32, help="--masses: every Nth query of a chunk (default: %(default)s)")
     args = p.parse_args(argv)
     from ktlong.chat.conversation import Conversation
     from ktlong.chat.generate import generate
@@ -133,8 +200,10 @@ def main(argv=None) -> int:
     from ktlong.eval.tasks import make_sample, references, score
     from ktlong.session.startup import start
 
-    if not 0 <= args.depth <= 1 or not 1 <= args.samples <= 1000:
-        raise KtlongError("--depth must lie in 0..1 and --samples in 1..1000.")
+    if not 0 <= args.depth <= 1 or not 1 <= args.samples <= 1000 or not 1 <= args.mass_stride <= 4096:
+        raise KtlongError("--depth must lie in 0..1, --samples in 1..1000 and --mass_stride in 1..4096.")
+    if args.masses and not args.masses.endswith(".npz"):
+        raise KtlongError(f"--masses {args.masses}: name a file ending in .npz.")
     config = long_context_config(args, READS, "kept-keys",
                                  "records CompactAttention's selection of the answer's blocks in long-context prefill")
     length = parse_lengths(args.length)[0]
@@ -148,14 +217,18 @@ def main(argv=None) -> int:
     conversation = Conversation(lm.tokenizer, lm.chat_template if config.use_chat_template else None)
     count = lambda text: len(conversation.render_ids([], text))  # noqa: E731
     records, answers = [], []
+    masses, mass_samples = (Masses(args.mass_stride, lm.model.scale) if args.masses else None), []
     for seed in range(args.samples):
         sample = make_sample(args.task, length, args.depth, seed, count)
         ids = conversation.render_ids([], sample.prompt)
         blocks = answer_blocks(lm.tokenizer, ids, references(args.task, sample.answer), config.block_size)
         session.reset()
-        watch = KeyWatch(session.engine, blocks, lm.model.scale)
+        watch = KeyWatch(session.engine, blocks, lm.model.scale, masses)
         gen = generate(session, ids, MAX_NEW_TOKENS[args.task], Sampler(), lm.tokenizer.stop_ids, lm.tokenizer)
         records += watch.records
+        if masses is not None:
+            mass_samples += [seed] * (len(masses.rows) - len(mass_samples))
+            masses.answers += [(seed, b) for b in blocks]
         answers.append([seed, len(ids), " ".join(map(str, blocks)), "right" if score(args.task, sample.answer, gen.text)
                         else "wrong", sample.answer[:40], gen.text.strip()[:40]])
     c = session.engine.compact.params
@@ -165,4 +238,7 @@ def main(argv=None) -> int:
     print_table(["layer", "(chunk, group) pairs after an answer block", "kept it", "dropped: median rank",
                  "dropped: worst rank", "dropped: median tied", "blocks kept"], layer_rows(records))
     print_table(["sample", "tokens", "answer blocks", "answer", "expected", "got"], answers)
+    if masses is not None:
+        masses.save(args.masses, mass_samples)
+        print(f"wrote {len(masses.rows):,} (chunk, layer, group) records to {args.masses}")
     return 0
