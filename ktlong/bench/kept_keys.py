@@ -90,6 +90,11 @@ class KeyWatch:
             return pages, what
 
         engine.attention_hook, self.compact.select = on_layer, watched
+        self.engine, self.select = engine, select
+
+    def close(self) -> None:
+        """Unwrap, so that the next prompt's watch wraps the original select (not this one too)."""
+        self.engine.attention_hook, self.compact.select = None, self.select
 
     def _record(self, q, pooled_keys, start: int, pages, blocks_per_head: int = 0):
         num_hist = start // self.block_size
@@ -225,6 +230,7 @@ def main(argv=None) -> int:
         session.reset()
         watch = KeyWatch(session.engine, blocks, lm.model.scale, masses)
         gen = generate(session, ids, MAX_NEW_TOKENS[args.task], Sampler(), lm.tokenizer.stop_ids, lm.tokenizer)
+        watch.close()
         records += watch.records
         if masses is not None:
             mass_samples += [seed] * (len(masses.rows) - len(mass_samples))
