@@ -162,8 +162,7 @@ class Masses:
 
     def save(self, path: str, sample_rows: list[int]) -> None:
         """rows: [n, 5] (sample, layer, chunk start, group, history blocks); answers: [m, 2] (sample,
-        answer block); each array flat, the
-        n-th record's values at offsets[n]:offsets[n + 1]."""
+        answer block); each array flat, the n-th record's values at offsets[n]:offsets[n + 1]."""
         rows = np.array([(s,) + r for s, r in zip(sample_rows, self.rows)], np.int64).reshape(-1, 5)
         offsets = np.concatenate([[0], np.cumsum(rows[:, 4])])
         np.savez_compressed(path, rows=rows, offsets=offsets, answers=np.array(self.answers, np.int64).reshape(-1, 2),
