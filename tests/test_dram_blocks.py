@@ -115,12 +115,14 @@ def test_auto_puts_context_attention_on_the_gpu_where_it_can():
     assert resolve_context_attention("gpu", cpu, bf16) == resolve_context_attention("auto", cpu, bf16) == "cpu"
 
 
-def test_selecting_more_blocks_than_the_cache_holds_reads_them_all(tmp_path):
-    """second_select_num above the cache's block count (the evaluation's dense decode): the
-    device reads every context block, as the CPU operator does."""
+@pytest.mark.parametrize("settings", [dict(second_select_num=1000), dict(second_select_num=1 << 30, dense_layer_num=2)])
+def test_selecting_more_blocks_than_the_cache_holds_reads_them_all(tmp_path, settings):
+    """second_select_num above the cache's block count, and the evaluation's dense arm (every
+    layer dense, ktlong/session/settings.selection_settings): the device reads every context
+    block, as the CPU operator does."""
     lm = tiny_model(tmp_path, TinySpec(num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16), seed=5)
     prompt = [int(t) for t in np.random.default_rng(4).integers(0, 298, size=200)]
-    cpu, gpu = (session(lm, "fp32", where, second_select_num=1000, block_scoring="device") for where in ("cpu", "gpu"))
+    cpu, gpu = (session(lm, "fp32", where, block_scoring="device", **settings) for where in ("cpu", "gpu"))
     a, b = cpu.prefill(prompt), gpu.prefill(prompt)
     assert gpu.decoder.selection is not None
     for _ in range(6):
@@ -128,3 +130,22 @@ def test_selecting_more_blocks_than_the_cache_holds_reads_them_all(tmp_path):
         token = int(a.argmax())
         a, b = cpu.step(token), gpu.step(token)
     assert gpu.decoder.times.selected == cpu.decoder.times.selected > 0
+
+
+def test_the_dense_arm_reads_on_the_device_where_context_attention_does():
+    """The evaluation's dense arm (ktlong/session/settings.ARMS) reads every block of every layer
+    where the session's context_attention reads: on a GPU the device (its step one graph, as the
+    test above reads them all), on the CPU the operator; its plan keeps no slots for the last
+    tokens' blocks, which the decoder makes for sparse layers only."""
+    from ktlong.config import default_config
+    from ktlong.kv.layout import kv_layout
+    from ktlong.session.plan import kept_blocks, resolve_selection
+    from ktlong.session.settings import selection_settings
+
+    layout = kv_layout(4, 2, 64, 16, 512, "bf16")
+    for device, where in ((torch.device("cuda"), "gpu"), (torch.device("cpu"), "cpu")):
+        dense = resolve_selection(selection_settings(default_config(), 4, "dense"), device, layout)
+        assert dense.context_attention == where and dense.dense_layer_num == 4 and not dense.preselect_block
+        assert dense.second_select_num >= layout.num_blocks and kept_blocks(dense, 4) == 0
+    sparse = resolve_selection(selection_settings(default_config(), 4), torch.device("cuda"), layout)
+    assert kept_blocks(sparse, 4) == sparse.second_select_num > 0

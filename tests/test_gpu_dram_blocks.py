@@ -39,3 +39,21 @@ def test_replayed_decode_reading_dram_on_the_gpu_follows_the_cpu_operator(kv_typ
     assert same >= 0.95 * compared, (same, compared)
     times = decoder.times
     assert times.selected == cpu.decoder.times.selected > 0 and times.kv_bytes == 0
+
+
+@pytest.mark.parametrize("kv_type", ["bf16", "q8_0"])
+def test_the_dense_arm_on_the_device_follows_the_cpu_operator(kv_type):
+    """The evaluation's dense arm (every layer reads every block: ktlong/session/settings) with the
+    device reading DRAM, replayed from one graph a token, against the CPU operator reading all
+    of them eagerly: the same logits within bf16 rounding, past a window slide."""
+    model = random_model("tiny", torch.device("cuda"), torch.bfloat16)
+    dense = dict(second_select_num=1 << 30, dense_layer_num=model.config.num_layers)
+    ids = torch.randint(0, 1000, (700,), generator=torch.Generator().manual_seed(9)).tolist()
+    cpu = session(model, False, kv_type, **dense)
+    gpu = session(model, True, kv_type, block_scoring="auto", context_attention="gpu", **dense)
+    a, b = cpu.prefill(ids), gpu.prefill(ids)
+    assert gpu.decoder.selection is not None and len(gpu.decoder.body.graphs) == 1
+    for i in range(60):
+        assert float((b - a).norm() / a.norm()) < 3e-2, i
+        token = int(a.argmax())
+        a, b = cpu.step(token), gpu.step(token)

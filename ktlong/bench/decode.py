@@ -101,7 +101,7 @@ def resident_copies(model, host: HostKVCache, config, settings, budget: int, loc
     anchors = anchors_per_block(config.anchor_type, config.anchor_num) if scores_on_device(settings) else 0
     chunk = resolve_chunk_size(config.chunk_size, config.block_size, model.device)
     memory = plan_memory(c, num_weight_elements(c), model.dtype.itemsize, layout, chunk, budget, True,
-                         local, anchors, kept_blocks=kept_blocks(settings))
+                         local, anchors, kept_blocks=kept_blocks(settings, c.num_layers))
     resident = ResidentHistory(layout, model.device)
     resident.fit(budget - memory.prefill_device - RESIDENT_MARGIN)
     n = host.num_tokens
@@ -301,7 +301,9 @@ def main(argv=None) -> int:
                                  context_attention="cpu")  # gpu: its own mode
     sparse = resolve_selection(sparse, device, None)
     local = config.local_windows_len
-    settings = {"dense": (selection_settings(config, c.num_layers, "dense"), local, False),
+    dense = dataclasses.replace(selection_settings(config, c.num_layers, "dense"), block_scoring="cpu",
+                                context_attention="cpu")  # this mode's row: the CPU operator over every block
+    settings = {"dense": (dense, local, False),
                 "cpu": (sparse, 0, False), "hybrid": (sparse, local, False), "graphs": (sparse, local, True),
                 "graphs-gpu-context": (dataclasses.replace(sparse, context_attention="gpu"), local, True),
                 "graphs-cpu-scoring": (dataclasses.replace(sparse, block_scoring="cpu"), local, True)}

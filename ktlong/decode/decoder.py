@@ -123,7 +123,9 @@ class Decoder:
             if selects_on_device(self.selector, self.device_anchors, self.global_layers):
                 self.selection = DeviceSelection(self.selector, self.device_anchors, self.global_layers, model.device)
                 self.selection.load_candidates()
-            self.dram_blocks = DramBlocks(host, self.global_layers, settings.second_select_num, model.scale,
+            # a step names at most every block the cache holds (the evaluation's dense arm asks for more)
+            self.dram_blocks = DramBlocks(host, self.global_layers, min(settings.second_select_num,
+                                                                        host.layout.num_blocks), model.scale,
                                           model.device, self.selection)
         done("device selection")
         self._resident_seen = None  # the resident.version the selected blocks' reads follow

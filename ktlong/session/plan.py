@@ -112,10 +112,13 @@ def resolve_block_scoring(block_scoring: str, device: torch.device) -> str:
     return "device" if device.type == "cuda" else "cpu"
 
 
-def kept_blocks(selection: SelectionSettings) -> int:
+def kept_blocks(selection: SelectionSettings, num_layers: int) -> int:
     """Blocks per kv head and layer the device keeps from the last tokens (ktlong/decode/dram_blocks.py):
-    those it reads, where it reads the selected blocks."""
-    return selection.second_select_num if selection.context_attention == "gpu" else 0
+    those it reads, where it reads the selected blocks; none where every layer is dense (the
+    evaluation's dense arm), which keeps slots for sparse layers only."""
+    if selection.context_attention != "gpu" or selection.dense_layer_num >= num_layers:
+        return 0
+    return selection.second_select_num
 
 
 def resolve_selection(settings: SelectionSettings, device: torch.device, layout: KVLayout | None) -> SelectionSettings:
@@ -160,7 +163,8 @@ def plan_session(config: Config, model_config: ModelConfig, num_weight_elements:
     anchors = anchors_per_block(config.anchor_type, config.anchor_num) if scores_on_device(selection) else 0
     chunk_size = resolve_chunk_size(config.chunk_size, config.block_size, device)
     memory = plan_memory(model_config, num_weight_elements, dtype.itemsize, layout, chunk_size, budget,
-                         is_gpu, local_windows_len, anchors, config.max_num_seqs, kept_blocks(selection))
+                         is_gpu, local_windows_len, anchors, config.max_num_seqs,
+                         kept_blocks(selection, model_config.num_layers))
     return SessionPlan(device, dtype, layout, memory, kv_type, resolve_cuda_graph(config.use_cuda_graph, device),
                        max_seq_len, budget, is_gpu, local_windows_len, chunk_size,
                        resolve_backend(config.attention_backend, device, model_config.head_dim, layout.dtype),

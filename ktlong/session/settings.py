@@ -39,7 +39,6 @@ def compact_params(config: Config, attention: str | None = None) -> CompactParam
 
 def selection_settings(config: Config, num_layers: int, attention: str = "sparse") -> SelectionSettings:
     options = options_of(SelectionSettings, config)
-    if attention == "dense":  # every block, every layer
-        options.update(second_select_num=1 << 30, dense_layer_num=num_layers, preselect_block=False,
-                       block_scoring="cpu", context_attention="cpu")
+    if attention == "dense":  # every block, every layer, read where context_attention reads them (a GPU's: the device)
+        options.update(second_select_num=1 << 30, dense_layer_num=num_layers, preselect_block=False)
     return SelectionSettings(**options)
