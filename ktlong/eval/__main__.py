@@ -1,10 +1,13 @@
-"""python -m ktlong.eval TASK --model NAME_OR_GGUF --lengths 2k,4k,8k --samples N
+"""python -m ktlong.eval TASK[,TASK...]|all --model NAME_OR_GGUF --lengths 2k,4k,8k --samples N
     --attention dense,sparse [--depths 0,0.25,0.5,0.75,1] [--seed S] [--out DIR] [--set key=value]
 
 Runs TASK (passkey, needle, kvretrieval, multikey; RULER's multivalue, multiquery, vartrack,
 commonwords, freqwords and qa) through the long-context path of
 local_chat.py --mode long_context: layer-major prefill (CompactAttention when sparse) and
-sparse decode, with the model's chat template, dense and sparse on the same prompts.
+sparse decode, with the model's chat template, dense and sparse on the same prompts. Several
+tasks (or all) run one after another on the model loaded once, each into DIR/TASK/results.json,
+and end with the grid: every (task, length) cell per arm, and each arm against dense (no cell
+more than 2 below it, the sum over the cells at least dense's less 3%).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ WHY_OPTIONS = "runs each task greedily in long-context mode at the --lengths giv
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m ktlong.eval", description=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("task", choices=sorted(TASKS))
+    p.add_argument("tasks", metavar="TASK[,TASK...]|all", help=f"what to ask: {', '.join(sorted(TASKS))}; several "
+                   "comma-separated, or all")
     p.add_argument("--model", default=None, help="packaged model name or GGUF path (default: smollm2-135m)")
     p.add_argument("--lengths", default="2k,4k,8k", help="target prompt lengths in the model's tokens, comma-separated: a count, or with k (1024) "
                    "or m (1048576), e.g. 4096,32k,1m (default: %(default)s)")
@@ -47,8 +51,8 @@ def main(argv=None) -> int:
     from ktlong.device import resolve_device, resolve_dtype
     from ktlong.errors import KtlongError
     from ktlong.gguf.chat_template import configured_template
-    from ktlong.eval.report import needle_heatmap, prefill_rows, summary_rows
-    from ktlong.eval.runner import as_dicts, run_task, same_answers, split_variant, variant_config, write_json
+    from ktlong.eval.report import grid_rows
+    from ktlong.eval.runner import as_dicts, run_task, split_variant, variant_config, write_json
     from ktlong.models.loader import load_model, open_model
     from ktlong.gguf.model_config import RopeOptions
     from ktlong.gguf.weights import CpuWeights
@@ -68,6 +72,11 @@ def main(argv=None) -> int:
         if args.tensor_parallel is not None:
             overrides["tensor_parallel"] = (args.tensor_parallel, "--tensor_parallel")
         config = load_config(overrides=overrides)
+        tasks = sorted(TASKS) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",")]
+        unknown = [t for t in tasks if t not in TASKS]
+        if unknown or len(set(tasks)) < len(tasks):
+            raise KtlongError(f"{args.tasks!r}: name tasks of {', '.join(sorted(TASKS))} once each, comma-separated, "
+                              "or all.")
         attentions = [a.strip() for a in args.attention.split(",")]
         arms = [split_variant(a) for a in attentions]
         if not {arm for arm, _ in arms} <= set(ARMS) | {"transformers"}:
@@ -82,12 +91,12 @@ def main(argv=None) -> int:
             refuse_unread({k: (v, f"--attention {attention}") for k, (v, _) in arm_options.items()},
                           greedy_session_options(), "python -m ktlong.eval", WHY_OPTIONS)
             variant_config(config, attention)  # a bad option is refused before the model loads
-        default_depths = "0,0.25,0.5,0.75,1" if args.task == "needle" else "0.5"
         try:
-            depths = [float(d) for d in (args.depths or default_depths).split(",")]
+            depths = {t: [float(d) for d in (args.depths or ("0,0.25,0.5,0.75,1" if t == "needle" else "0.5")).split(",")]
+                      for t in tasks}
         except ValueError:
-            depths = [-1.0]
-        if not all(0 <= d <= 1 for d in depths):
+            depths = {None: [-1.0]}
+        if not all(0 <= d <= 1 for ds in depths.values() for d in ds):
             raise KtlongError(f"--depths {args.depths!r}: give numbers in [0, 1], e.g. --depths 0,0.5,1.")
         if args.samples < 1:
             raise KtlongError(f"--samples {args.samples}: use at least 1.")
@@ -112,20 +121,41 @@ def main(argv=None) -> int:
             raise KtlongError(f"cannot make --out {args.out} ({e.strerror}); give a folder you can write.") from None
         main_rank = tp is None or tp.is_main
 
-        def save(results):  # after every sample: a run cut short keeps what it measured
-            if main_rank:
-                write_json(out / "results.json", {"task": args.task, "model": lm.path.name, "device": str(device),
-                                                  "results": as_dicts(results)})
+        folders = {t: out if len(tasks) == 1 else out / t for t in tasks}  # several: a folder each
 
-        results = run_task(lm, config, args.task, lengths, depths, args.samples, attentions, args.seed,
-                           on_result=save)
+        def saver(task):
+            def save(results):  # after every sample: a run cut short keeps what it measured
+                if main_rank:
+                    folders[task].mkdir(exist_ok=True)
+                    write_json(folders[task] / "results.json", {"task": task, "model": lm.path.name,
+                                                                "device": str(device), "results": as_dicts(results)})
+            return save
+
+        by_task = {t: run_task(lm, config, t, lengths, depths[t], args.samples, attentions, args.seed,
+                               on_result=saver(t)) for t in tasks}
     except KtlongError as e:
         print_error(e)
         return 2
     if tp is not None and not tp.is_main:
         return 0  # rank 0 reports
+    for task, results in by_task.items():
+        report(task, results, attentions, args.samples, lm.path.name, device, folders[task])
+    if len(tasks) > 1:
+        headers, rows, verdicts = grid_rows([r for results in by_task.values() for r in results])
+        print(f"the grid: right answers of {args.samples} per cell")
+        print_table(headers, rows)
+        print("\n".join(verdicts))
+    return 0
+
+
+def report(task, results, attentions, samples, model_name, device, out) -> None:
+    """A task's tables: accuracy and speeds per cell, prefill against dense, agreement with
+    transformers, the needle's heatmaps."""
+    from ktlong.eval.report import needle_heatmap, prefill_rows, summary_rows
+    from ktlong.eval.runner import same_answers
+
     headers, rows = summary_rows(results)
-    print(f"{args.task} on {lm.path.name} ({device}), {args.samples} samples per cell")
+    print(f"{task} on {model_name} ({device}), {samples} samples per cell")
     print_table(headers, rows)
     if "dense" in attentions and len(attentions) > 1:
         print("prefill, medians per cell (seconds; attention alone from CUDA events, or wall clock on the CPU):")
@@ -133,12 +163,11 @@ def main(argv=None) -> int:
     if {"dense", "transformers"} <= set(attentions):
         for length, (same, total) in same_answers(results, "dense", "transformers").items():
             print(f"dense and transformers gave the same answer on {same}/{total} prompts at {length:,} tokens")
-    if args.task == "needle":
+    if task == "needle":
         for attention in attentions:
             name = re.sub(r"[^A-Za-z0-9_.-]", "_", attention)  # sparse@selector=xattention: sparse_selector_xattention
             needle_heatmap(results, attention, str(out / f"needle_{name}.png"))
     print(f"wrote {out / 'results.json'}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -31,6 +31,35 @@ def summary_rows(results) -> list[list]:
     return headers, rows
 
 
+GRID_CELL_SLACK = 2  # issue 62's grid: no cell more than this many samples below the base arm
+GRID_SUM_SLACK = 0.03  # and each arm's sum over the cells at least the base's sum less this share of it
+
+
+def grid_rows(results, base: str = "dense") -> tuple[list[str], list[list], list[str]]:
+    """The grid over tasks and lengths: one row per (task, length), each arm's right answers of
+    its samples; then per arm against `base`, the cells more than GRID_CELL_SLACK below it and
+    the sums over the cells (at least the base's less GRID_SUM_SLACK of it)."""
+    cells = defaultdict(list)
+    for r in results:
+        cells[(r.task, r.length, r.attention)].append(r.correct)
+    arms = sorted({r.attention for r in results}, key=lambda m: (m != base, m))
+    keys = sorted({(r.task, r.length) for r in results})
+    rows = [[task, length] + [f"{sum(cells[(task, length, a)])}/{len(cells[(task, length, a)])}"
+                              if cells.get((task, length, a)) else "-" for a in arms] for task, length in keys]
+    verdicts = []
+    if base in arms:
+        base_sum = sum(sum(cells[(t, n, base)]) for t, n in keys)
+        for arm in arms[1:]:
+            below = [f"{t} {n:,} ({sum(cells[(t, n, arm)])} against {sum(cells[(t, n, base)])})" for t, n in keys
+                     if sum(cells[(t, n, base)]) - sum(cells[(t, n, arm)]) > GRID_CELL_SLACK]
+            total = sum(sum(cells[(t, n, arm)]) for t, n in keys)
+            holds = not below and total >= (1 - GRID_SUM_SLACK) * base_sum
+            verdicts.append(f"{arm}: {total} right against {base}'s {base_sum} (at least {(1 - GRID_SUM_SLACK) * base_sum:.1f} "
+                            f"asked); cells more than {GRID_CELL_SLACK} below {base}: {', '.join(below) or 'none'}: "
+                            f"{'holds' if holds else 'does not hold'}")
+    return ["task", "length"] + arms, rows, verdicts
+
+
 def prefill_rows(results, base: str = "dense") -> tuple[list[str], list[list]]:
     """Per length and arm against `base`: median prefill seconds end to end and of attention
     (its block selection included), their speedups over the base arm, the seconds that building
