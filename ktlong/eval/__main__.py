@@ -91,13 +91,14 @@ def main(argv=None) -> int:
             refuse_unread({k: (v, f"--attention {attention}") for k, (v, _) in arm_options.items()},
                           greedy_session_options(), "python -m ktlong.eval", WHY_OPTIONS)
             variant_config(config, attention)  # a bad option is refused before the model loads
+        bad_depths = KtlongError(f"--depths {args.depths!r}: give numbers in [0, 1], e.g. --depths 0,0.5,1.")
         try:
             depths = {t: [float(d) for d in (args.depths or ("0,0.25,0.5,0.75,1" if t == "needle" else "0.5")).split(",")]
                       for t in tasks}
         except ValueError:
-            depths = {None: [-1.0]}
+            raise bad_depths from None
         if not all(0 <= d <= 1 for ds in depths.values() for d in ds):
-            raise KtlongError(f"--depths {args.depths!r}: give numbers in [0, 1], e.g. --depths 0,0.5,1.")
+            raise bad_depths
         if args.samples < 1:
             raise KtlongError(f"--samples {args.samples}: use at least 1.")
         lengths = parse_lengths(args.lengths)
