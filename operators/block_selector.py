@@ -179,16 +179,22 @@ def group_margin(q: torch.Tensor, pooled_keys: torch.Tensor, block_size: int, sc
     return set_always_kept(per_group, sink_blocks, window_blocks, float("inf"))
 
 
-def group_mass(q: torch.Tensor, pooled_keys: torch.Tensor, block_size: int, scale: float, sink_blocks: int,
-               window_blocks: int, group_size: int) -> torch.Tensor:
-    """What topk ranks history blocks by with topk_rank "mass", per execution group: each block's
-    estimated share of the attention, the mean over the group's pooled query blocks of each one's
-    softmax over the history's pooled keys; +inf for the sinks and the window. Where the margin
-    ranks a block by one row's best case, the mass counts every row that reads it, and how much.
+def group_share(q: torch.Tensor, pooled_keys: torch.Tensor, block_size: int, scale: float,
+                group_size: int) -> torch.Tensor:
+    """Each history block's estimated share of the attention, per execution group: the mean over
+    the group's pooled query blocks of each one's softmax over the history's pooled keys.
     q: [T, H, D]; pooled_keys: [KV, num_hist, D] -> [H / group_size, num_hist] float32."""
     share = _pooled_scores(q, pooled_keys, block_size, scale).softmax(-1)
-    per_group = share.view(q.shape[1] // group_size, -1, pooled_keys.shape[1]).mean(1)
-    return set_always_kept(per_group, sink_blocks, window_blocks, float("inf"))
+    return share.view(q.shape[1] // group_size, -1, pooled_keys.shape[1]).mean(1)
+
+
+def group_mass(q: torch.Tensor, pooled_keys: torch.Tensor, block_size: int, scale: float, sink_blocks: int,
+               window_blocks: int, group_size: int) -> torch.Tensor:
+    """What topk ranks history blocks by with topk_rank "mass": group_share, +inf for the sinks
+    and the window. Where the margin ranks a block by one row's best case, the mass counts every
+    row that reads it, and how much. -> [H / group_size, num_hist] float32."""
+    return set_always_kept(group_share(q, pooled_keys, block_size, scale, group_size), sink_blocks, window_blocks,
+                           float("inf"))
 
 
 RANKS = {"margin": group_margin, "mass": group_mass}  # topk_rank: what topk orders the history blocks by

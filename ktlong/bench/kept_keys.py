@@ -33,7 +33,7 @@ from ktlong.cli import parse_lengths, print_table
 from ktlong.bench.common import long_context_config
 from ktlong.config import greedy_session_options
 from ktlong.errors import KtlongError
-from operators.block_selector import RANKS, group_margin, pool_query_blocks
+from operators.block_selector import RANKS, group_margin, group_share
 from operators.compact_attention import token_rows
 
 READS = greedy_session_options()
@@ -142,12 +142,10 @@ class Masses:
                                                      float("-inf"))
             share = s.softmax(-1)[:, :num_hist * block].view(group, len(at), num_hist, block).sum(-1)
             exact[kv * group:(kv + 1) * group] = share.mean(1)
-        pooled = pool_query_blocks(q, block)  # [H, nqb, D]
-        est = torch.einsum("hqd,hbd->hqb", pooled, pooled_keys[:, :num_hist].float().repeat_interleave(group, 0))
-        estimate = (est * self.scale).softmax(-1).mean(1)  # [H, num_hist]
-        p = compact.params
+        p, group_size = compact.params, compact.groups.shape[1]
+        estimate = group_share(q, pooled_keys[:, :num_hist], block, self.scale, group_size)  # [G, num_hist]
         margin = group_margin(q, pooled_keys[:, :num_hist], block, self.scale, p.sink_blocks, p.window_blocks,
-                              compact.groups.shape[1])
+                              group_size)
         heads = compact.groups.to(q.device)  # [G, group size]
         indptr, indices = pages.indptr.tolist(), pages.indices.cpu().numpy()
         for g in range(heads.shape[0]):
@@ -156,7 +154,7 @@ class Masses:
             kept[held[held < num_hist]] = 1
             self.rows.append((layer, start, g, num_hist))
             self.arrays["exact"].append(exact[heads[g]].mean(0).cpu().numpy().astype(np.float16))
-            self.arrays["estimate"].append(estimate[heads[g]].mean(0).cpu().numpy().astype(np.float16))
+            self.arrays["estimate"].append(estimate[g].cpu().numpy().astype(np.float16))
             self.arrays["margin"].append(margin[g].clamp(max=1.0).cpu().numpy().astype(np.float16))
             self.arrays["kept"].append(kept)
 
