@@ -41,6 +41,11 @@ def main(argv=None) -> int:
     p.add_argument("--depths", default=None, help="needle depths in [0, 1]; default 0.5 (needle: 0,.25,.5,.75,1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the samples' texts and needles (default: %(default)s)")
     p.add_argument("--out", default="results", help="folder for results.json (and heatmaps) (default: %(default)s)")
+    p.add_argument("--resume", action="store_true",
+                   help="go on with the results.json already in --out (a run cut short, or one split over processes "
+                        "or machines, each with its own tasks or arms): its samples are kept, not run again, when it "
+                        "was measured with the same model, seed and options; without it, a results.json there is "
+                        "refused rather than overwritten")
     p.add_argument("--device", default=None, help="auto, cpu, cuda (default: the config's device)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config option that changes a greedy session (repeatable)")
     p.add_argument("--tensor_parallel", type=int, default=None, metavar="N",
@@ -52,7 +57,8 @@ def main(argv=None) -> int:
     from ktlong.errors import KtlongError
     from ktlong.gguf.chat_template import configured_template
     from ktlong.eval.report import grid_rows
-    from ktlong.eval.runner import as_dicts, run_task, split_variant, variant_config, write_json
+    from ktlong.eval.results_file import read_earlier, run_settings, save
+    from ktlong.eval.runner import run_task, split_variant, variant_config
     from ktlong.models.loader import load_model, open_model
     from ktlong.gguf.model_config import RopeOptions
     from ktlong.gguf.weights import CpuWeights
@@ -105,6 +111,11 @@ def main(argv=None) -> int:
         out = Path(args.out)
         if out.exists() and not out.is_dir():
             raise KtlongError(f"--out {args.out} is a file; give a folder for results.json (it is made if missing).")
+        folders = {t: out if len(tasks) == 1 else out / t for t in tasks}  # several: a folder each
+        for t in tasks:
+            if (folders[t] / "results.json").exists() and not args.resume:
+                raise KtlongError(f"{folders[t] / 'results.json'} holds an earlier run; give another --out, or "
+                                  "--resume to go on with it.")
         device = resolve_device(config.device)
         if config.tensor_parallel > 1 and "transformers" in attentions:
             raise KtlongError("The transformers arm runs in one process; leave it out of --attention "
@@ -122,18 +133,19 @@ def main(argv=None) -> int:
             raise KtlongError(f"cannot make --out {args.out} ({e.strerror}); give a folder you can write.") from None
         main_rank = tp is None or tp.is_main
 
-        folders = {t: out if len(tasks) == 1 else out / t for t in tasks}  # several: a folder each
+        settings = run_settings(config, lm.path.name, args.seed)
+        earlier = {t: read_earlier(folders[t] / "results.json", t, settings) if args.resume else []
+                   for t in tasks}  # every file checked before any sample runs
 
         def saver(task):
-            def save(results):  # after every sample: a run cut short keeps what it measured
+            def on_result(results):  # after every sample: a run cut short keeps what it measured
                 if main_rank:
                     folders[task].mkdir(exist_ok=True)
-                    write_json(folders[task] / "results.json", {"task": task, "model": lm.path.name,
-                                                                "device": str(device), "results": as_dicts(results)})
-            return save
+                    save(folders[task] / "results.json", task, settings, str(device), results)
+            return on_result
 
         by_task = {t: run_task(lm, config, t, lengths, depths[t], args.samples, attentions, args.seed,
-                               on_result=saver(t)) for t in tasks}
+                               on_result=saver(t), earlier=earlier[t]) for t in tasks}
     except KtlongError as e:
         print_error(e)
         return 2

@@ -37,26 +37,35 @@ GRID_SUM_SLACK = 0.03  # and each arm's sum over the cells at least the base's s
 
 def grid_rows(results, base: str = "dense") -> tuple[list[str], list[list], list[str]]:
     """The grid over tasks and lengths: one row per (task, length), each arm's right answers of
-    its samples; then per arm against `base`, the cells more than GRID_CELL_SLACK below it and
-    the sums over the cells (at least the base's less GRID_SUM_SLACK of it)."""
-    cells = defaultdict(list)
+    its samples; then per arm against `base`, on the prompts both ran: the cells more than
+    GRID_CELL_SLACK below it and the sums over the cells (at least the base's less
+    GRID_SUM_SLACK of it). An arm that has not run every prompt the base ran does not hold: its
+    verdict names the cells it lacks (a run split over processes, or cut short)."""
+    cells = defaultdict(dict)  # (task, length, arm) -> {(depth, sample): right}
     for r in results:
-        cells[(r.task, r.length, r.attention)].append(r.correct)
+        cells[(r.task, r.length, r.attention)][(r.depth, r.sample)] = r.correct
     arms = sorted({r.attention for r in results}, key=lambda m: (m != base, m))
     keys = sorted({(r.task, r.length) for r in results})
-    rows = [[task, length] + [f"{sum(cells[(task, length, a)])}/{len(cells[(task, length, a)])}"
+    rows = [[task, length] + [f"{sum(cells[(task, length, a)].values())}/{len(cells[(task, length, a)])}"
                               if cells.get((task, length, a)) else "-" for a in arms] for task, length in keys]
     verdicts = []
     if base in arms:
-        base_sum = sum(sum(cells[(t, n, base)]) for t, n in keys)
         for arm in arms[1:]:
-            below = [f"{t} {n:,} ({sum(cells[(t, n, arm)])} against {sum(cells[(t, n, base)])})" for t, n in keys
-                     if sum(cells[(t, n, base)]) - sum(cells[(t, n, arm)]) > GRID_CELL_SLACK]
-            total = sum(sum(cells[(t, n, arm)]) for t, n in keys)
-            holds = not below and total >= (1 - GRID_SUM_SLACK) * base_sum
+            below, lacking, total, base_sum = [], [], 0, 0
+            for t, n in keys:
+                ours, theirs = cells.get((t, n, arm), {}), cells.get((t, n, base), {})
+                common = ours.keys() & theirs.keys()
+                right, base_right = sum(ours[k] for k in common), sum(theirs[k] for k in common)
+                total, base_sum = total + right, base_sum + base_right
+                if base_right - right > GRID_CELL_SLACK:
+                    below.append(f"{t} {n:,} ({right} against {base_right})")
+                if theirs.keys() - ours.keys():
+                    lacking.append(f"{t} {n:,} ({len(common)} of {len(theirs)})")
+            holds = not below and not lacking and total >= (1 - GRID_SUM_SLACK) * base_sum
             verdicts.append(f"{arm}: {total} right against {base}'s {base_sum} (at least {(1 - GRID_SUM_SLACK) * base_sum:.1f} "
-                            f"asked); cells more than {GRID_CELL_SLACK} below {base}: {', '.join(below) or 'none'}: "
-                            f"{'holds' if holds else 'does not hold'}")
+                            f"asked); cells more than {GRID_CELL_SLACK} below {base}: {', '.join(below) or 'none'}"
+                            + (f"; prompts of {base}'s not run: {', '.join(lacking)}" if lacking else "")
+                            + f": {'holds' if holds else 'does not hold'}")
     return ["task", "length"] + arms, rows, verdicts
 
 

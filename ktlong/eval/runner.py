@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from ktlong.config import Config, parse_set
 from ktlong.chat.conversation import Conversation
@@ -69,14 +64,18 @@ WARM_UP_TOKENS = 2048  # an arm's untimed first run: long enough for decode to s
 
 def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], depths: list[float],
              samples: int, attentions: list[str], seed: int, log=sys.stderr, on_result=None,
-             warm_up_tokens: int = WARM_UP_TOKENS) -> list[Result]:
+             warm_up_tokens: int = WARM_UP_TOKENS, earlier: list[Result] = ()) -> list[Result]:
     """on_result(results so far) after every sample (the CLI rewrites results.json there, so a
     run cut short keeps what it measured). warm_up_tokens: the length of each arm's untimed first
-    run (where only the answers count, not the speed, it can be short)."""
+    run (where only the answers count, not the speed, it can be short). earlier: results of this
+    run measured before (the same model, seed and options; a run cut short, or one split over
+    processes), kept first in what it returns: their samples are not run again, and an arm with
+    none left to run loads no session."""
     conversation = Conversation(lm.tokenizer, lm.chat_template if config.use_chat_template else None)
     count = lambda text: len(conversation.render_ids([], text))
     max_new = MAX_NEW_TOKENS[task]
-    results = []
+    results = list(earlier)
+    measured = {(r.attention, r.length, r.depth, r.sample) for r in earlier}
     prompts = {}  # (length, depth, i) -> (sample, ids): every arm gets the same prompts, built once
 
     def prompt(length: int, depth: float, i: int):
@@ -86,6 +85,10 @@ def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], dep
         return prompts[length, depth, i]
 
     for attention in attentions:
+        todo = [(length, depth, i) for length in lengths for depth in depths for i in range(samples)
+                if (attention, length, depth, i) not in measured]
+        if not todo:
+            continue
         max_seq_len = max(lengths) + max_new + 1
         if attention == "transformers":
             from ktlong.eval.transformers_session import TransformersSession
@@ -97,33 +100,31 @@ def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], dep
         # built per shape and type, not per length; the arm's graphs) is not counted as its speed
         t0 = time.perf_counter()
         session.reset()
-        generate(session, prompt(lengths[0], depths[0], 0)[1][:warm_up_tokens], 2, Sampler(), lm.tokenizer.stop_ids,
+        generate(session, prompt(*todo[0])[1][:warm_up_tokens], 2, Sampler(), lm.tokenizer.stop_ids,
                  lm.tokenizer)
         print(f"[{task} {attention}: warm-up run, not timed ({time.perf_counter() - t0:.1f}s)]", file=log, flush=True)
-        for length in lengths:
-            for depth in depths:
-                for i in range(samples):
-                    sample, ids = prompt(length, depth, i)
-                    session.reset()
-                    t0 = time.perf_counter()
-                    gen = generate(session, ids, max_new, Sampler(), lm.tokenizer.stop_ids, lm.tokenizer)
-                    stats = session.last_stats
-                    densities = stats.density_per_layer if stats else []
-                    # the prefill itself, as the prefill bench times it; the rest of the session's
-                    # prefill call builds the decoder (its graphs), before the first token too
-                    prefill = stats.seconds if stats else gen.prefill_seconds
-                    r = Result(task, attention, length, depth, i, len(ids), sample.answer, gen.text,
-                               score(task, sample.answer, gen.text), len(ids) / max(prefill, 1e-9),
-                               gen.decode_tokens_per_second,
-                               sum(densities) / len(densities) if densities else 1.0, prefill,
-                               stats.attention_seconds + stats.selection_seconds if stats else 0.0,
-                               gen.prefill_seconds - prefill)
-                    results.append(r)
-                    if on_result is not None:
-                        on_result(results)
-                    print(f"[{task} {attention} {length} depth {depth:.2f} #{i}] {'ok ' if r.correct else 'MISS'} "
-                          f"expected {r.answer!r} got {gen.text.strip()[:60]!r} ({time.perf_counter() - t0:.1f}s)",
-                          file=log, flush=True)
+        for length, depth, i in todo:
+            sample, ids = prompt(length, depth, i)
+            session.reset()
+            t0 = time.perf_counter()
+            gen = generate(session, ids, max_new, Sampler(), lm.tokenizer.stop_ids, lm.tokenizer)
+            stats = session.last_stats
+            densities = stats.density_per_layer if stats else []
+            # the prefill itself, as the prefill bench times it; the rest of the session's
+            # prefill call builds the decoder (its graphs), before the first token too
+            prefill = stats.seconds if stats else gen.prefill_seconds
+            r = Result(task, attention, length, depth, i, len(ids), sample.answer, gen.text,
+                       score(task, sample.answer, gen.text), len(ids) / max(prefill, 1e-9),
+                       gen.decode_tokens_per_second,
+                       sum(densities) / len(densities) if densities else 1.0, prefill,
+                       stats.attention_seconds + stats.selection_seconds if stats else 0.0,
+                       gen.prefill_seconds - prefill)
+            results.append(r)
+            if on_result is not None:
+                on_result(results)
+            print(f"[{task} {attention} {length} depth {depth:.2f} #{i}] {'ok ' if r.correct else 'MISS'} "
+                  f"expected {r.answer!r} got {gen.text.strip()[:60]!r} ({time.perf_counter() - t0:.1f}s)",
+                  file=log, flush=True)
     return results
 
 
@@ -142,19 +143,3 @@ def same_answers(results: list[Result], a: str, b: str) -> dict[int, tuple[int, 
         same, total = out.get(length, (0, 0))
         out[length] = (same + (answer(r) == answer(other)), total + 1)
     return out
-
-
-def as_dicts(results: list[Result]) -> list[dict]:
-    return [dataclasses.asdict(r) for r in results]
-
-
-def write_json(path: Path, value) -> None:
-    """Written to a temporary file beside path and renamed over it: a reader never sees half a file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(value, f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
