@@ -156,6 +156,30 @@ def test_capture_keeps_the_chunks_q_and_the_layers_keys(no_user_file, tmp_path, 
     assert captured["layer01_q"].shape == (200 - 128, c.num_heads, c.head_dim)
 
 
+def test_capture_refuses_what_it_cannot_do_in_one_sentence(no_user_file, tmp_path, capsys):
+    """A missing text, a bad --layers or --out, layers the model lacks: one sentence each, exit 2,
+    and an existing --out is left as it was."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, TinySpec(num_layers=2), seed=3)
+    text = tmp_path / "doc.txt"
+    text.write_text("the quick brown fox " * 20)
+    kept = tmp_path / "kept.npz"
+    kept.write_bytes(b"earlier")
+    base = ["capture", "--model", str(path), "--tokens", "200", "--chunk_size", "128"]
+    for argv, needles in [
+        (["--text_file", str(tmp_path / "none.txt"), "--out", str(tmp_path / "a.npz")], ["cannot read --text_file"]),
+        (["--text_file", str(text), "--out", str(tmp_path / "a.txt")], ["ending in .npz"]),
+        (["--text_file", str(text), "--out", str(kept)], ["exists", "never overwrites"]),
+        (["--text_file", str(text), "--out", str(tmp_path / "no" / "a.npz")], ["does not exist"]),
+        (["--text_file", str(text), "--out", str(tmp_path / "a.npz"), "--layers", "1,x"], ["--layers", "5,15,25"]),
+        (["--text_file", str(text), "--out", str(tmp_path / "a.npz"), "--layers", "2"], ["layers 0 to 1"]),
+        (["--text_file", str(text), "--out", str(tmp_path / "a.npz"), "--chunk_size", "100"], ["multiple of 128"]),
+    ]:
+        assert bench(base + argv) == 2
+        one_sentence_error(capsys, *needles)
+    assert kept.read_bytes() == b"earlier" and not (tmp_path / "a.npz").exists()
+
+
 def test_selection_drift_counts_blocks_kept_from_earlier_tokens():
     from ktlong.bench.selection_drift import drift
 

@@ -7,10 +7,14 @@ python -m ktlong.bench capture --model smollm2-135m --text_file F --tokens 8192 
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from ktlong.errors import KtlongError
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import kv_layout
 from ktlong.models.loader import load_model
@@ -29,28 +33,64 @@ def capture_hook(layers: set[int], capture_start: int, block_size: int, captured
     return hook
 
 
+MAX_TEXT_BYTES = 64 << 20  # a text file past this is refused before it is read
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m ktlong.bench capture", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--text_file", required=True)
-    p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--chunk_size", type=int, default=1024)
-    p.add_argument("--layers", default="5,15,25")
-    p.add_argument("--out", required=True)
+    p.add_argument("--model", default="smollm2-135m", help="packaged model name or GGUF path (default: %(default)s)")
+    p.add_argument("--text_file", required=True, help="UTF-8 text to prefill, repeated up to --tokens")
+    p.add_argument("--tokens", type=int, default=8192, help="prompt tokens (default: %(default)s)")
+    p.add_argument("--chunk_size", type=int, default=1024, help="prefill chunk; the last chunk is captured, a "
+                   "multiple of 128 (default: %(default)s)")
+    p.add_argument("--layers", default="5,15,25", help="layers to capture, comma-separated (default: %(default)s)")
+    p.add_argument("--out", required=True, help="the .npz file to write; an existing file is refused")
     args = p.parse_args(argv)
+    block_size = 128
+    if args.chunk_size < block_size or args.chunk_size % block_size:
+        raise KtlongError(f"--chunk_size {args.chunk_size}: use a positive multiple of {block_size}.")
+    if args.tokens < 2:
+        raise KtlongError(f"--tokens {args.tokens}: use at least 2.")
+    out = Path(args.out)
+    if out.suffix != ".npz":
+        raise KtlongError(f"--out {args.out}: name a file ending in .npz.")
+    if not out.resolve().parent.is_dir():
+        raise KtlongError(f"--out {args.out}: its folder does not exist; make it first.")
+    if out.exists():
+        raise KtlongError(f"--out {args.out} exists; give a new file name (a capture never overwrites one).")
+    try:
+        layers = sorted({int(x) for x in args.layers.split(",")})
+    except ValueError:
+        raise KtlongError(f"--layers {args.layers!r}: give layer numbers, comma-separated, e.g. 5,15,25.") from None
+    try:
+        if Path(args.text_file).stat().st_size > MAX_TEXT_BYTES:
+            raise KtlongError(f"--text_file {args.text_file} is over {MAX_TEXT_BYTES >> 20} MiB; give a shorter text.")
+        text = Path(args.text_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise KtlongError(f"cannot read --text_file {args.text_file} as UTF-8 text ({e}).") from None
     lm = load_model(args.model)
-    text = open(args.text_file, encoding="utf-8").read()
-    ids = lm.tokenizer.encode(text, parse_special=False)
-    while len(ids) < args.tokens:
-        ids = ids + ids
-    ids = ids[:args.tokens]
     c = lm.config
-    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 128, len(ids), "fp32")
+    if layers[0] < 0 or layers[-1] >= c.num_layers:
+        raise KtlongError(f"--layers {args.layers}: {lm.path.name} has layers 0 to {c.num_layers - 1}.")
+    if args.tokens > c.context_length:
+        raise KtlongError(f"--tokens {args.tokens} exceeds {lm.path.name}'s context of {c.context_length} tokens.")
+    ids = lm.tokenizer.encode(text, parse_special=False)
+    if not ids:
+        raise KtlongError(f"--text_file {args.text_file} holds no tokens; give a text to prefill.")
+    ids = (ids * -(-args.tokens // len(ids)))[:args.tokens]
+    layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, len(ids), "fp32")
     start = (len(ids) - 1) // args.chunk_size * args.chunk_size
     engine = LayerMajorPrefill(lm.model, layout, args.chunk_size, "torch", True)
     captured = {}
-    engine.attention_hook = capture_hook({int(x) for x in args.layers.split(",")}, start, layout.block_size, captured)
+    engine.attention_hook = capture_hook(set(layers), start, layout.block_size, captured)
     engine.run(ids, HostKVCache(layout, pin=False))
-    np.savez(args.out, **captured)
-    print(f"captured layers {args.layers} of {lm.path.name}: chunk at {start}..{len(ids)} -> {args.out}")
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".npz", dir=out.resolve().parent)
+    try:  # written beside --out and renamed: never half a file under its name
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **captured)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    print(f"captured layers {','.join(map(str, layers))} of {lm.path.name}: chunk at {start}..{len(ids)} -> {out}")
     return 0

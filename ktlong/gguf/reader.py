@@ -33,9 +33,9 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         if not self.path.exists():
-            raise GGUFError(f"GGUF file {self.path} does not exist; check --gguf_path.")
+            raise GGUFError(f"GGUF file {self.path} does not exist; check the path given to --gguf_path or --model.")
         if not self.path.is_file():
-            raise GGUFError(f"{self.path} is not a file; pass the .gguf file itself to --gguf_path.")
+            raise GGUFError(f"{self.path} is not a file; give the .gguf file itself to --gguf_path or --model.")
         self.file_size = self.path.stat().st_size
         with open(self.path, "rb") as f:
             magic = f.read(4)
