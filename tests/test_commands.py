@@ -154,6 +154,15 @@ def test_capture_keeps_the_chunks_q_and_the_layers_keys(no_user_file, tmp_path, 
     keys = captured["layer01_k"].reshape(c.num_kv_heads, -1, c.head_dim)[:, :200].astype(np.float32)
     np.testing.assert_allclose(keys, cache.k[1, :, :200].numpy(), rtol=2e-3, atol=2e-3)
     assert captured["layer01_q"].shape == (200 - 128, c.num_heads, c.head_dim)
+    from ktlong.bench.attention import read_captured
+
+    (q, k, v, start), = read_captured(str(out)).values()  # what the attention bench reads back
+    assert start == 128 and np.array_equal(q, captured["layer01_q"]) and np.array_equal(v, captured["layer01_v"])
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, layer01_q=q, layer01_k=k, layer01_v=v[:, :1], layer01_start=np.array(128))
+    for wrong, needle in [(bad, "do not fit one another"), (text, "not a file that"), (tmp_path / "none.npz", "capture")]:
+        assert bench(["attention", "--captured", str(wrong)]) == 2  # refused before the GPU is asked
+        one_sentence_error(capsys, f"--captured {wrong}", needle)
 
 
 def test_capture_refuses_what_it_cannot_do_in_one_sentence(no_user_file, tmp_path, capsys):

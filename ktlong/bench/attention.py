@@ -17,6 +17,7 @@ plan's time over that many; in a prefill every chunk of that length shares it to
 from __future__ import annotations
 
 import argparse
+import zipfile
 
 import numpy as np
 import torch
@@ -128,14 +129,34 @@ def synthetic_rows(args, device):
     return rows
 
 
-def captured_rows(path, device, backend):
-    data = np.load(path, allow_pickle=False)
+def read_captured(path: str) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
+    """`bench capture`'s file -> {layer: (q [T, H, D], k, v [KV, NB, B, D], chunk start)}, every
+    array checked against the others before any is used; no pickle."""
+    bad = f"--captured {path} is not a file that `python -m ktlong.bench capture` wrote"
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            names = sorted({n.split("_")[0] for n in data.files if n.startswith("layer")})
+            layers = {name: tuple(data[f"{name}_{part}"] for part in ("q", "k", "v", "start")) for name in names}
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+        raise KtlongError(f"{bad} ({e}); capture one again.") from None
+    if not layers:
+        raise KtlongError(f"{bad} (it holds no layer); capture one again.")
+    out = {}
+    for name, (q, k, v, start) in layers.items():
+        if not (q.ndim == 3 and k.ndim == 4 and k.shape == v.shape and k.shape[2] == B and q.shape[2] == k.shape[3]
+                and q.shape[1] % k.shape[0] == 0 and start.shape == () and np.issubdtype(start.dtype, np.integer)
+                and 0 <= int(start) and int(start) % B == 0 and int(start) + q.shape[0] <= k.shape[1] * B):
+            raise KtlongError(f"{bad} ({name}'s arrays do not fit one another); capture one again.")
+        out[name] = (q, k, v, int(start))
+    return out
+
+
+def captured_rows(layers: dict, device, backend):
     rows = []
-    for name in sorted({n.split("_")[0] for n in data.files if n.startswith("layer")}):
-        q = torch.from_numpy(data[f"{name}_q"]).to(device, torch.bfloat16)  # [T, H, D]
-        k = torch.from_numpy(data[f"{name}_k"]).to(device, torch.bfloat16)  # [KV, NB, B, D]
-        v = torch.from_numpy(data[f"{name}_v"]).to(device, torch.bfloat16)
-        start = int(data[f"{name}_start"])
+    for name, (q, k, v, start) in layers.items():
+        q = torch.from_numpy(q).to(device, torch.bfloat16)  # [T, H, D]
+        k = torch.from_numpy(k).to(device, torch.bfloat16)  # [KV, NB, B, D]
+        v = torch.from_numpy(v).to(device, torch.bfloat16)
         num_heads, num_kv, dim = q.shape[1], k.shape[0], q.shape[2]
         pooled = k.float().mean(2)
         for params in (compact_params(default_config(prefill_attention="compact")),
@@ -163,6 +184,7 @@ def main(argv=None) -> int:
                    help="the attention heads of this model (qwen2.5-0.5b: the evaluation's model)")
     p.add_argument("--captured", help="npz of q/k/v captured by `python -m ktlong.bench capture`")
     args = p.parse_args(argv)
+    captured = read_captured(args.captured) if args.captured else None  # refused before the GPU is asked
     require_cuda("the attention benchmark")
     if not flashinfer_available():
         raise KtlongError("the attention benchmark measures FlashInfer, which is not installed; "
@@ -177,5 +199,5 @@ def main(argv=None) -> int:
     if args.captured:
         print(f"\nselectors on q/k/v captured from a real prefill ({args.captured}), fa2, default settings")
         print_table(["layer", "selector", "history", "dense", "density", "compact total", "speedup"],
-                    captured_rows(args.captured, device, "fa2"))
+                    captured_rows(captured, device, "fa2"))
     return 0
