@@ -213,6 +213,8 @@ class LayerMajorPrefill:
             run.launch_pairs, run.between = LAUNCH_PAIRS, progress.pace
         if not history:
             host.place_tails(num_tokens)
+        if self.compact is not None:
+            self.compact.new_prompt()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.compute_stream = torch.cuda.current_stream(self.device)  # asked once: each ask costs host time
@@ -377,7 +379,7 @@ class LayerMajorPrefill:
                 run.densities.append(1.0)
         elif self.compact is not None and paged:
             with timed("selection_seconds"):
-                pages, what = self.compact.select(q, self.pages.k, self.pooled_keys, s, e, prompt_end=run.num_tokens)
+                pages, what = self.compact.select(q, self.pages.k, self.pooled_keys, s, e, run.num_tokens, layer)
             if pages is not None:
                 if pages.num_hist:
                     run.densities.append(pages.density)

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from operators.block_selector import flashprefill_group_keep, topk_group_blocks
+from operators.block_selector import RANKS, flashprefill_group_keep, topk_group_blocks
 from operators.chunk_attention import chunk_attention
 from operators import triton_installed
 from operators.block_union import (PageLists, build_page_lists, every_page_lists, execution_groups,
                                    fixed_page_indices, fixed_page_lists, union_groups, union_query_blocks)
+from operators.layer_budget import SAMPLE_STRIDE, LayerBudgets, blocks_to_hold, sampled_share
 from operators.paged_attention_reference import paged_attention_reference
 from operators.xattention_selector import select_blocks_xattention
 
@@ -43,6 +44,8 @@ class CompactParams:
     alpha: float
     keep_blocks: int  # topk: history blocks every group keeps
     topk_rank: str  # topk: what orders the history blocks: margin | mass (block_selector.RANKS)
+    layer_budget: str  # topk: fixed (keep_blocks every layer) | attention (a count per layer: layer_keep)
+    budget_mass: float  # layer_budget attention: the share of the sampled attention a layer's count must hold
     threshold: float
     stride: int
     sink_blocks: int
@@ -60,7 +63,8 @@ class CompactParams:
     def keep_all(cls) -> "CompactParams":
         """Every block kept: dense attention through the paged path. With nothing selected the
         heads of a kv group share one page list, so each group is one request."""
-        return cls(selector="all", alpha=0.0, keep_blocks=1 << 30, topk_rank="margin", threshold=1.0, stride=1, sink_blocks=0,
+        return cls(selector="all", alpha=0.0, keep_blocks=1 << 30, topk_rank="margin", layer_budget="fixed",
+                   budget_mass=1.0, threshold=1.0, stride=1, sink_blocks=0,
                    window_blocks=0, subgroup_size=1 << 30, dense_above=1.0, tail_queries=0, dense_tail=0,
                    prefill_dense_layer_num=0)
 
@@ -79,6 +83,12 @@ class CompactAttention:
         self.plans: dict[bool, OrderedDict[tuple, tuple[int, PageLists]]] = {False: OrderedDict(), True: OrderedDict()}
         # topk's selection and page lists in a few Triton kernels (operators/topk_selection_kernel.py)
         self.topk_kernel = device.type == "cuda" and triton_installed()
+        # layer_budget attention: the prompt's count per layer (new_prompt() forgets them)
+        self.budgets = LayerBudgets(params.keep_blocks, params.sink_blocks + params.window_blocks)
+
+    def new_prompt(self):
+        """A prefill begins: the layers' counts are measured again (layer_budget attention)."""
+        self.budgets.reset()
 
     def num_keep(self, num_hist: int) -> int:
         """topk: history blocks every group keeps (at least the sinks and the window)."""
@@ -162,13 +172,40 @@ class CompactAttention:
                 return plans[what][1]
         return None
 
+    def layer_keep(self, layer: int, q, k_pages, pooled_keys, num_hist: int) -> int:
+        """topk: the history blocks every group of this layer keeps: keep_blocks, or with
+        layer_budget attention the layer's own count, measured at its first chunk that selects
+        (operators/layer_budget.py: one host sync a layer)."""
+        p = self.params
+        if p.layer_budget == "fixed":
+            return self.num_keep(num_hist)
+        if layer not in self.budgets.counts:
+            sample = q[::SAMPLE_STRIDE]
+            share = sampled_share(sample, token_rows(k_pages)[:, :num_hist * self.block_size], self.block_size,
+                                  self.scale, self.groups.shape[1])
+            need = blocks_to_hold(share, self.rank_scores(q, pooled_keys, num_hist), p.budget_mass)
+            self.budgets.decide(layer, float(need.float().mean()))
+        return min(num_hist, self.budgets.counts[layer])
+
+    def rank_scores(self, q, pooled_keys, num_hist: int) -> torch.Tensor:
+        """[G, num_hist] float32: what topk ranks the history blocks by (topk_rank), the sinks and
+        the window +inf; the Triton kernels' where topk_indices uses them."""
+        p, group_size = self.params, self.groups.shape[1]
+        if self.topk_kernel and q.shape[-1] >= 16 and q.shape[-1] & (q.shape[-1] - 1) == 0:
+            from operators.topk_selection_kernel import group_margins
+
+            return group_margins(q, pooled_keys, num_hist, self.block_size, self.scale, group_size, p.sink_blocks,
+                                 p.window_blocks, p.topk_rank)
+        return RANKS[p.topk_rank](q, pooled_keys[:, :num_hist], self.block_size, self.scale, p.sink_blocks,
+                                  p.window_blocks, group_size)
+
     def select(self, q, k_pages, pooled_keys, start: int, end: int,
-               prompt_end: int | None = None) -> tuple[PageLists | None, tuple | None]:
+               prompt_end: int | None = None, layer: int = 0) -> tuple[PageLists | None, tuple | None]:
         """The page lists of the chunk's queries (positions start..end) and the key of their
         lengths for the executor's plan (None: plan anew), or (None, None) when the selection
         keeps more than dense_above of the history: the caller runs the chunk dense.
         prompt_end: where the prompt ends (its last tail_queries queries score history tokens);
-        None: not in this chunk's prompt."""
+        None: not in this chunk's prompt. layer: whose count topk keeps (layer_budget)."""
         assert start % self.block_size == 0 and q.shape[0] == end - start
         p, num_hist = self.params, start // self.block_size
         if p.selector == "all" or start == 0:  # nothing to select: no host sync
@@ -179,7 +216,9 @@ class CompactAttention:
             return every_page_lists(self.groups.shape[0], self.num_kv_heads, k_pages.shape[1], num_hist,
                                     end - start, self.block_size, q.device), what
         if p.selector == "topk":
-            num_keep = self.num_keep(num_hist)
+            if self.num_keep(num_hist) > p.dense_above * num_hist:  # the fixed count's chunks run dense
+                return None, None
+            num_keep = self.layer_keep(layer, q, k_pages, pooled_keys, num_hist)
             if num_keep > p.dense_above * num_hist:
                 return None, None
             # the lengths, not the chunk's place: every full chunk of every layer past keep_blocks shares one plan
@@ -222,10 +261,11 @@ class CompactAttention:
             out[-dense:] = chunk_attention(q[-dense:], keys, values, self.scale, self.backend)
         return out
 
-    def __call__(self, q, k_pages, v_pages, pooled_keys, start: int, end: int, prompt_end: int | None = None):
+    def __call__(self, q, k_pages, v_pages, pooled_keys, start: int, end: int, prompt_end: int | None = None,
+                 layer: int = 0):
         """select() then attend() -> (out [T, H, D], page lists), or (None, None) where the
         caller runs the chunk dense."""
-        pages, what = self.select(q, k_pages, pooled_keys, start, end, prompt_end)
+        pages, what = self.select(q, k_pages, pooled_keys, start, end, prompt_end, layer)
         if pages is None:
             return None, None
         return self.attend(q, k_pages, v_pages, pages, what, start, end, prompt_end), pages

@@ -82,8 +82,8 @@ class KeyWatch:
             if layer < self.compact.params.prefill_dense_layer_num:
                 self._record(q, None, start, None)
 
-        def watched(q, k_pages, pooled_keys, start, end, prompt_end=None):
-            pages, what = select(q, k_pages, pooled_keys, start, end, prompt_end)
+        def watched(q, k_pages, pooled_keys, start, end, prompt_end=None, layer=0):
+            pages, what = select(q, k_pages, pooled_keys, start, end, prompt_end, layer)
             self._record(q, pooled_keys, start, pages, k_pages.shape[1])
             if masses is not None and pages is not None and start:
                 masses.add(self.layer, q, k_pages, pooled_keys, start, end, pages, self.compact)
