@@ -355,9 +355,11 @@ def test_the_grid_holds_each_arm_to_dense_cell_by_cell_and_in_sum():
     results = [_result(task, arm, length, i, i < n) for (task, length), arms in right.items()
                for arm, n in arms.items() for i in range(4)]
     headers, rows, verdicts = grid_rows(results)
-    assert headers == ["task", "length", "dense", "other", "sparse"]
-    assert rows == [["multikey", 1024, "4/4", "3/4", "1/4"], ["multikey", 2048, "4/4", "4/4", "4/4"],
-                    ["qa", 1024, "2/4", "2/4", "3/4"]]
+    assert headers == ["task", "length", "dense", "other", "sparse", "other = dense", "sparse = dense"]
+    # the last two columns: the prompts on which the arm answered as dense did (right or wrong)
+    assert rows == [["multikey", 1024, "4/4", "3/4", "1/4", "3/4", "1/4"],
+                    ["multikey", 2048, "4/4", "4/4", "4/4", "4/4", "4/4"],
+                    ["qa", 1024, "2/4", "2/4", "3/4", "4/4", "3/4"]]
     other, sparse = verdicts
     assert other.startswith("other: 9 right against dense's 10 (at least 9.7 asked)") and "below dense: none" in other
     assert other.endswith("does not hold")
@@ -528,6 +530,21 @@ def test_the_grid_compares_the_prompts_both_arms_ran():
                + [_result("qa", "sparse", 1024, i, i != 1) for i in range(2)]
                + [_result("multikey", "dense", 1024, i, True) for i in range(4)])
     headers, rows, (verdict,) = grid_rows(results)
-    assert rows == [["multikey", 1024, "4/4", "-"], ["qa", 1024, "4/4", "1/2"]]
+    assert rows == [["multikey", 1024, "4/4", "-", "-"], ["qa", 1024, "4/4", "1/2", "1/2"]]
     assert verdict.startswith("sparse: 1 right against dense's 2 ") and "below dense: none" in verdict
     assert "not run: multikey 1,024 (0 of 4), qa 1,024 (2 of 4)" in verdict and not _holds(verdict)
+
+
+def test_the_grid_counts_answers_like_dense_even_where_both_are_wrong():
+    """Two arms wrong on a prompt in different ways score alike but did not answer alike; the
+    same wrong answer counts as the same (passkey compares first integers)."""
+    from ktlong.eval.report import grid_rows
+    from ktlong.eval.runner import Result
+
+    def result(arm, sample, output):
+        return Result("passkey", arm, 1024, 0.5, sample, 1024, "1", output, output.startswith("1"), 1.0, 1.0, 1.0)
+
+    results = [result("dense", 0, "7"), result("sparse", 0, "8"), result("dense", 1, "The key is 5."),
+               result("sparse", 1, "5, I think")]
+    headers, rows, _ = grid_rows(results)
+    assert rows == [["passkey", 1024, "0/2", "0/2", "1/2"]]

@@ -128,12 +128,15 @@ def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], dep
     return results
 
 
-def same_answers(results: list[Result], a: str, b: str) -> dict[int, tuple[int, int]]:
-    """Per length: (prompts on which arms a and b gave the same answer, prompts run by both).
-    The answer is the first integer of the output for passkey, the stripped output otherwise."""
-    def answer(r: Result) -> str:
-        return (first_integer(r.output) or "") if r.task == "passkey" else r.output.strip()
+def answer_of(r: Result) -> str:
+    """What two arms' answers are compared by: the first integer of the output for passkey, the
+    stripped output otherwise."""
+    return (first_integer(r.output) or "") if r.task == "passkey" else r.output.strip()
 
+
+def same_answers(results: list[Result], a: str, b: str) -> dict[int, tuple[int, int]]:
+    """Per length: (prompts on which arms a and b gave the same answer_of, prompts run by both)."""
+    answer = answer_of
     by_key = {(r.attention, r.length, r.depth, r.sample): r for r in results}
     out: dict[int, tuple[int, int]] = {}
     for (arm, length, depth, sample), r in sorted(by_key.items(), key=lambda kv: kv[0][1:]):
