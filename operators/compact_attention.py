@@ -187,11 +187,17 @@ class CompactAttention:
             self.budgets.decide(layer, float(need.float().mean()))
         return min(num_hist, self.budgets.counts[layer])
 
+    def topk_kernels_take(self, q) -> bool:
+        """Whether topk's Triton kernels select for q: on a GPU with Triton, a head_dim that is a
+        power of two of at least 16 (the torch path elsewhere)."""
+        dim = q.shape[-1]
+        return self.topk_kernel and dim >= 16 and dim & (dim - 1) == 0
+
     def rank_scores(self, q, pooled_keys, num_hist: int) -> torch.Tensor:
         """[G, num_hist] float32: what topk ranks the history blocks by (topk_rank), the sinks and
         the window +inf; the Triton kernels' where topk_indices uses them."""
         p, group_size = self.params, self.groups.shape[1]
-        if self.topk_kernel and q.shape[-1] >= 16 and q.shape[-1] & (q.shape[-1] - 1) == 0:
+        if self.topk_kernels_take(q):
             from operators.topk_selection_kernel import group_margins
 
             return group_margins(q, pooled_keys, num_hist, self.block_size, self.scale, group_size, p.sink_blocks,
@@ -236,7 +242,7 @@ class CompactAttention:
                      out: torch.Tensor | None) -> torch.Tensor:
         """The page indices of the num_keep best history blocks of every group, then the chunk's."""
         p, group_size = self.params, self.groups.shape[1]
-        if self.topk_kernel and q.shape[-1] >= 16 and q.shape[-1] & (q.shape[-1] - 1) == 0:
+        if self.topk_kernels_take(q):
             from operators.topk_selection_kernel import topk_page_indices
 
             return topk_page_indices(q, pooled_keys, num_hist, self.block_size, self.scale, num_keep, group_size,

@@ -41,9 +41,8 @@ def grid_rows(results, base: str = "dense") -> tuple[list[str], list[list], list
     """The grid over tasks and lengths: one row per (task, length), each arm's right answers of
     its samples, and how often each other arm gave the base's own answer (runner.answer_of: a
     measure of fidelity that a weak model's wrong answers do not blur); then per arm against
-    `base`, on the prompts both ran: the cells more than
-    GRID_CELL_SLACK below it and the sums over the cells (at least the base's less
-    GRID_SUM_SLACK of it). An arm that has not run every prompt the base ran does not hold: its
+    `base`, on the prompts both ran: the cells more than GRID_CELL_SLACK below it and the sums
+    over the cells (at least the base's less GRID_SUM_SLACK of it). An arm that has not run every prompt the base ran does not hold: its
     verdict names the cells it lacks (a run split over processes, or cut short)."""
     cells = defaultdict(dict)  # (task, length, arm) -> {(depth, sample): right}
     answers = defaultdict(dict)  # the same -> {(depth, sample): answer_of}

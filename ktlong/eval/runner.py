@@ -136,7 +136,6 @@ def answer_of(r: Result) -> str:
 
 def same_answers(results: list[Result], a: str, b: str) -> dict[int, tuple[int, int]]:
     """Per length: (prompts on which arms a and b gave the same answer_of, prompts run by both)."""
-    answer = answer_of
     by_key = {(r.attention, r.length, r.depth, r.sample): r for r in results}
     out: dict[int, tuple[int, int]] = {}
     for (arm, length, depth, sample), r in sorted(by_key.items(), key=lambda kv: kv[0][1:]):
@@ -144,5 +143,5 @@ def same_answers(results: list[Result], a: str, b: str) -> dict[int, tuple[int, 
         if arm != a or other is None:
             continue
         same, total = out.get(length, (0, 0))
-        out[length] = (same + (answer(r) == answer(other)), total + 1)
+        out[length] = (same + (answer_of(r) == answer_of(other)), total + 1)
     return out
