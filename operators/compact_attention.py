@@ -181,8 +181,8 @@ class CompactAttention:
             return self.num_keep(num_hist)
         if layer not in self.budgets.counts:
             sample = q[::SAMPLE_STRIDE]
-            share = sampled_share(sample, token_rows(k_pages)[:, :num_hist * self.block_size], self.block_size,
-                                  self.scale, self.groups.shape[1])
+            share = sampled_share(sample, token_rows(k_pages)[:, :num_hist * self.block_size], num_hist,
+                                  self.block_size, self.scale, self.groups.shape[1])
             need = blocks_to_hold(share, self.rank_scores(q, pooled_keys, num_hist), p.budget_mass)
             self.budgets.decide(layer, float(need.float().mean()))
         return min(num_hist, self.budgets.counts[layer])

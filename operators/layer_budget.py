@@ -22,25 +22,32 @@ BUDGET_STEP = 16  # counts are multiples of this: few distinct plans
 TILE_TOKENS = 8192  # history keys scored at once: [sampled rows, TILE_TOKENS] floats
 
 
-def sampled_share(q: torch.Tensor, keys: torch.Tensor, block_size: int, scale: float, group_size: int) -> torch.Tensor:
-    """Each history block's share of the exact attention of q's rows over the history (softmax
-    over the history's keys, no chunk), averaged over the rows and the heads of each execution
-    group. q: [S, H, D]; keys: [KV, num_hist * block_size, D] -> [H / group_size, num_hist]
-    float32. Two passes over tiles of the history (row log-sum-exp, then per-block sums), so
-    memory stays [S * heads per kv head, TILE_TOKENS] whatever the history's length."""
+def sampled_share(q: torch.Tensor, keys: torch.Tensor, num_hist: int, block_size: int, scale: float,
+                  group_size: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Each history block's share of the exact attention of q's rows, averaged over the rows and
+    the heads of each execution group. q: [S, H, D]; keys: [KV, N, D], the history's
+    num_hist * block_size keys first; positions: [S] each row's position, which sees the keys up
+    to it (causal: the chunk's own keys after the history count in its softmax), or None: every
+    row sees all N keys -> [H / group_size, num_hist] float32. Two passes over tiles of the keys
+    (row log-sum-exp, then per-block sums), so memory stays [S * heads per kv head, TILE_TOKENS]
+    whatever their number."""
     num_rows, num_heads, dim = q.shape
     num_kv, num_tokens = keys.shape[0], keys.shape[1]
     per_kv = num_heads // num_kv
-    num_hist = num_tokens // block_size
     tile = max(block_size, TILE_TOKENS // block_size * block_size)
+    tiles = lambda end: [(a, min(a + tile, end)) for a in range(0, end, tile)]
+    seen = None if positions is None else positions.repeat(per_kv)[:, None]  # rows are head-major
     share = torch.empty((num_heads, num_hist), dtype=torch.float32, device=q.device)
     for h in range(num_kv):
         rows = q[:, h * per_kv:(h + 1) * per_kv].transpose(0, 1).reshape(-1, dim).float()  # [per_kv * S, D]
-        tiles = [(a, min(a + tile, num_tokens)) for a in range(0, num_tokens, tile)]
-        scores = lambda a, b: rows @ keys[h, a:b].float().T * scale
-        lse = torch.stack([torch.logsumexp(scores(a, b), dim=1) for a, b in tiles], dim=1).logsumexp(dim=1)
+
+        def scores(a, b):
+            s = rows @ keys[h, a:b].float().T * scale
+            return s if seen is None else s.masked_fill_(torch.arange(a, b, device=q.device) > seen, float("-inf"))
+
+        lse = torch.stack([torch.logsumexp(scores(a, b), dim=1) for a, b in tiles(num_tokens)], dim=1).logsumexp(1)
         per_block = torch.cat([(scores(a, b) - lse[:, None]).exp().view(rows.shape[0], -1, block_size).sum(-1)
-                               for a, b in tiles], dim=1)  # [per_kv * S, num_hist]; each row sums to 1
+                               for a, b in tiles(num_hist * block_size)], dim=1)  # [per_kv * S, num_hist]
         share[h * per_kv:(h + 1) * per_kv] = per_block.view(per_kv, num_rows, num_hist).mean(1)
     return share.view(num_heads // group_size, group_size, num_hist).mean(1)
 

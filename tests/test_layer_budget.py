@@ -14,29 +14,35 @@ from tests.settings import compact_settings
 B = 16
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("tile_tokens", [B, 3 * B, 8192])
 @pytest.mark.parametrize("num_heads,num_kv,group", [(8, 2, 4), (8, 2, 2), (4, 4, 1)])
 def test_the_sampled_share_is_each_blocks_softmax_share_averaged_over_a_group(monkeypatch, tile_tokens, num_heads,
-                                                                               num_kv, group):
-    """Per row, softmax over the history's keys, summed per block; averaged over the rows and
-    the group's heads. Tiles of the history (down to one block) give the same shares."""
+                                                                               num_kv, group, causal):
+    """Per row, softmax over the keys it sees (every key, or causal: the history and the chunk's
+    keys up to its position), summed per history block; averaged over the rows and the group's
+    heads. Tiles of the keys (down to one block) give the same shares."""
     monkeypatch.setattr(layer_budget, "TILE_TOKENS", tile_tokens)
-    g = torch.Generator().manual_seed(num_heads * 7 + group + tile_tokens)
-    num_hist, dim, rows = 10, 16, 5
+    g = torch.Generator().manual_seed(num_heads * 7 + group + tile_tokens + causal)
+    num_hist, dim, rows, chunk = 10, 16, 5, 3 * B if causal else 0
     q = torch.randn(rows, num_heads, dim, generator=g)
-    keys = torch.randn(num_kv, num_hist * B, dim, generator=g) * 2
-    share = sampled_share(q, keys, B, 0.3, group)
+    keys = torch.randn(num_kv, num_hist * B + chunk, dim, generator=g) * 2
+    positions = num_hist * B + torch.tensor([0, 7, 16, 30, 47]) if causal else None
+    share = sampled_share(q, keys, num_hist, B, 0.3, group, positions)
     qd, kd = q.double().numpy(), keys.double().numpy()
     per_kv = num_heads // num_kv
     expected = np.zeros((num_heads, num_hist))
     for h in range(num_heads):
         s = np.einsum("rd,td->rt", qd[:, h], kd[h // per_kv]) * 0.3
+        if causal:
+            s[np.arange(s.shape[1])[None, :] > positions.numpy()[:, None]] = -np.inf
         p = np.exp(s - s.max(1, keepdims=True))
         p /= p.sum(1, keepdims=True)
-        expected[h] = p.reshape(rows, num_hist, B).sum(-1).mean(0)
+        expected[h] = p[:, :num_hist * B].reshape(rows, num_hist, B).sum(-1).mean(0)
     expected = expected.reshape(num_heads // group, group, num_hist).mean(1)
     np.testing.assert_allclose(share.double().numpy(), expected, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(share.sum(1).numpy(), 1.0, rtol=1e-5)
+    if not causal:  # each row's whole softmax is over the history
+        np.testing.assert_allclose(share.sum(1).numpy(), 1.0, rtol=1e-5)
 
 
 def test_blocks_to_hold_counts_in_rank_order_until_the_mass_is_held():

@@ -35,6 +35,7 @@ from ktlong.config import greedy_session_options
 from ktlong.errors import KtlongError
 from operators.block_selector import RANKS, group_margin, group_share
 from operators.compact_attention import token_rows
+from operators.layer_budget import sampled_share
 
 READS = greedy_session_options()
 
@@ -129,31 +130,22 @@ class Masses:
     def add(self, layer: int, q, k_pages, pooled_keys, start: int, end: int, pages, compact) -> None:
         import torch
 
-        block, (num_kv, blocks_per_head) = compact.block_size, k_pages.shape[:2]
-        num_hist, (num_q, num_heads, dim) = start // block, q.shape
-        group = num_heads // num_kv
-        keys = token_rows(k_pages)[:, :end]
-        at = torch.arange(0, num_q, self.stride, device=q.device)
-        exact = torch.empty((num_heads, num_hist), device=q.device)
-        for kv in range(num_kv):  # one kv head's query heads at a time: [group * rows, end] scores
-            rows = q[at, kv * group:(kv + 1) * group].transpose(0, 1).reshape(-1, dim)
-            s = (rows.float() @ keys[kv].float().T) * self.scale
-            s.view(group, len(at), end).masked_fill_(torch.arange(end, device=q.device) > (start + at)[:, None],
-                                                     float("-inf"))
-            share = s.softmax(-1)[:, :num_hist * block].view(group, len(at), num_hist, block).sum(-1)
-            exact[kv * group:(kv + 1) * group] = share.mean(1)
+        block, blocks_per_head = compact.block_size, k_pages.shape[1]
+        num_hist = start // block
+        at = torch.arange(0, q.shape[0], self.stride, device=q.device)
         p, group_size = compact.params, compact.groups.shape[1]
+        exact = sampled_share(q[at], token_rows(k_pages)[:, :end], num_hist, block, self.scale, group_size,
+                              positions=start + at)  # [G, num_hist], causal over history and chunk
         estimate = group_share(q, pooled_keys[:, :num_hist], block, self.scale, group_size)  # [G, num_hist]
         margin = group_margin(q, pooled_keys[:, :num_hist], block, self.scale, p.sink_blocks, p.window_blocks,
                               group_size)
-        heads = compact.groups.to(q.device)  # [G, group size]
         indptr, indices = pages.indptr.tolist(), pages.indices.cpu().numpy()
-        for g in range(heads.shape[0]):
+        for g in range(exact.shape[0]):
             kept = np.zeros(num_hist, np.int8)
             held = indices[indptr[g]:indptr[g + 1]] % blocks_per_head
             kept[held[held < num_hist]] = 1
             self.rows.append((layer, start, g, num_hist))
-            self.arrays["exact"].append(exact[heads[g]].mean(0).cpu().numpy().astype(np.float16))
+            self.arrays["exact"].append(exact[g].cpu().numpy().astype(np.float16))
             self.arrays["estimate"].append(estimate[g].cpu().numpy().astype(np.float16))
             self.arrays["margin"].append(margin[g].clamp(max=1.0).cpu().numpy().astype(np.float16))
             self.arrays["kept"].append(kept)
