@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from statistics import median
 
-from ktlong.eval.runner import answer_of
+from ktlong.eval.runner import same_answers
 
 
 def summary_rows(results) -> list[list]:
@@ -39,25 +39,24 @@ GRID_SUM_SLACK = 0.03  # and each arm's sum over the cells at least the base's s
 
 def grid_rows(results, base: str = "dense") -> tuple[list[str], list[list], list[str]]:
     """The grid over tasks and lengths: one row per (task, length), each arm's right answers of
-    its samples, and how often each other arm gave the base's own answer (runner.answer_of: a
+    its samples, and how often each other arm gave the base's own answer (runner.same_answers: a
     measure of fidelity that a weak model's wrong answers do not blur); then per arm against
     `base`, on the prompts both ran: the cells more than GRID_CELL_SLACK below it and the sums
     over the cells (at least the base's less GRID_SUM_SLACK of it). An arm that has not run every prompt the base ran does not hold: its
     verdict names the cells it lacks (a run split over processes, or cut short)."""
     cells = defaultdict(dict)  # (task, length, arm) -> {(depth, sample): right}
-    answers = defaultdict(dict)  # the same -> {(depth, sample): answer_of}
     for r in results:
         cells[(r.task, r.length, r.attention)][(r.depth, r.sample)] = r.correct
-        answers[(r.task, r.length, r.attention)][(r.depth, r.sample)] = answer_of(r)
     arms = sorted({r.attention for r in results}, key=lambda m: (m != base, m))
     keys = sorted({(r.task, r.length) for r in results})
+    others = arms[1:] if base in arms else []
+    agreed = {(task, arm): same_answers([r for r in results if r.task == task], arm, base)
+              for task in {t for t, _ in keys} for arm in others}  # per length: (same, both ran)
 
     def same(task, length, arm) -> str:  # the prompts on which arm answered as base did, of those both ran
-        ours, theirs = answers.get((task, length, arm), {}), answers.get((task, length, base), {})
-        common = ours.keys() & theirs.keys()
-        return f"{sum(ours[k] == theirs[k] for k in common)}/{len(common)}" if common else "-"
+        both = agreed[(task, arm)].get(length)
+        return f"{both[0]}/{both[1]}" if both else "-"
 
-    others = arms[1:] if base in arms else []
     rows = [[task, length] + [f"{sum(cells[(task, length, a)].values())}/{len(cells[(task, length, a)])}"
                               if cells.get((task, length, a)) else "-" for a in arms]
             + [same(task, length, a) for a in others] for task, length in keys]
