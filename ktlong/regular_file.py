@@ -1,12 +1,14 @@
 """Opening a file a user names, which must be a regular file: a pipe would block the open or the
-read, a device (/dev/zero) would never end, a folder cannot be read as one."""
+read, a device (/dev/zero) would never end, a folder cannot be read as one. Writing one whole:
+beside it, then renamed over it."""
 
 from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 
 class NotRegularFile(Exception):
@@ -28,3 +30,16 @@ def open_regular(path: str | os.PathLike) -> tuple[BinaryIO, int]:
         os.close(fd)
         raise NotRegularFile("is a folder" if stat.S_ISDIR(st.st_mode) else "is not a regular file (a pipe or a device)")
     return os.fdopen(fd, "rb"), st.st_size
+
+
+def write_replacing(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """write(f) to a temporary file beside path, renamed over it: a reader never sees half a file,
+    and a failed write leaves what was there."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.resolve().parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

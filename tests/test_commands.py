@@ -176,7 +176,8 @@ def test_capture_refuses_what_it_cannot_do_in_one_sentence(no_user_file, tmp_pat
     kept.write_bytes(b"earlier")
     base = ["capture", "--model", str(path), "--tokens", "200", "--chunk_size", "128"]
     for argv, needles in [
-        (["--text_file", str(tmp_path / "none.txt"), "--out", str(tmp_path / "a.npz")], ["cannot read --text_file"]),
+        (["--text_file", str(tmp_path / "none.txt"), "--out", str(tmp_path / "a.npz")], ["--text_file", "does not exist"]),
+        (["--text_file", "/dev/zero", "--out", str(tmp_path / "a.npz")], ["--text_file", "not a regular file"]),
         (["--text_file", str(text), "--out", str(tmp_path / "a.txt")], ["ending in .npz"]),
         (["--text_file", str(text), "--out", str(kept)], ["exists", "never overwrites"]),
         (["--text_file", str(text), "--out", str(tmp_path / "no" / "a.npz")], ["does not exist"]),

@@ -519,6 +519,9 @@ def test_resume_refuses_a_file_it_did_not_write(tmp_path, content, why):
     with pytest.raises(KtlongError, match=why):
         read_earlier(path, "passkey", settings)
     assert read_earlier(tmp_path / "none.json", "passkey", settings) == []
+    (tmp_path / "folder.json").mkdir()
+    with pytest.raises(KtlongError, match="is a folder"):  # not a regular file: refused before anything is read
+        read_earlier(tmp_path / "folder.json", "passkey", settings)
 
 
 def test_the_grid_compares_the_prompts_both_arms_ran():

@@ -26,6 +26,7 @@ from ktlong.bench.common import require_cuda, time_cuda
 from ktlong.cli import parse_lengths, print_table
 from ktlong.config import default_config
 from ktlong.errors import KtlongError
+from ktlong.regular_file import NotRegularFile, open_regular
 from ktlong.models.random_model import SHAPES, random_config
 from ktlong.session.settings import compact_params
 from operators.block_union import build_page_lists, fixed_page_lists
@@ -134,7 +135,11 @@ def read_captured(path: str) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarr
     array checked against the others before any is used; no pickle."""
     bad = f"--captured {path} is not a file that `python -m ktlong.bench capture` wrote"
     try:
-        with np.load(path, allow_pickle=False) as data:
+        f, _ = open_regular(path)
+    except NotRegularFile as e:
+        raise KtlongError(f"--captured {path} {e}; give a file that `python -m ktlong.bench capture` wrote.") from None
+    try:
+        with f, np.load(f, allow_pickle=False) as data:
             names = sorted({n.split("_")[0] for n in data.files if n.startswith("layer")})
             layers = {name: tuple(data[f"{name}_{part}"] for part in ("q", "k", "v", "start")) for name in names}
     except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:

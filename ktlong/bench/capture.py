@@ -7,18 +7,18 @@ python -m ktlong.bench capture --model smollm2-135m --text_file F --tokens 8192 
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ktlong.chat.text_file import read_text_file
 from ktlong.errors import KtlongError
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import kv_layout
 from ktlong.models.loader import load_model
 from ktlong.prefill import LayerMajorPrefill
+from ktlong.regular_file import write_replacing
 
 
 def capture_hook(layers: set[int], capture_start: int, block_size: int, captured: dict):
@@ -62,12 +62,7 @@ def main(argv=None) -> int:
         layers = sorted({int(x) for x in args.layers.split(",")})
     except ValueError:
         raise KtlongError(f"--layers {args.layers!r}: give layer numbers, comma-separated, e.g. 5,15,25.") from None
-    try:
-        if Path(args.text_file).stat().st_size > MAX_TEXT_BYTES:
-            raise KtlongError(f"--text_file {args.text_file} is over {MAX_TEXT_BYTES >> 20} MiB; give a shorter text.")
-        text = Path(args.text_file).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise KtlongError(f"cannot read --text_file {args.text_file} as UTF-8 text ({e}).") from None
+    text = read_text_file(args.text_file, "--text_file", MAX_TEXT_BYTES)
     lm = load_model(args.model)
     c = lm.config
     if layers[0] < 0 or layers[-1] >= c.num_layers:
@@ -84,13 +79,6 @@ def main(argv=None) -> int:
     captured = {}
     engine.attention_hook = capture_hook(set(layers), start, layout.block_size, captured)
     engine.run(ids, HostKVCache(layout, pin=False))
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".npz", dir=out.resolve().parent)
-    try:  # written beside --out and renamed: never half a file under its name
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **captured)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_replacing(out, lambda f: np.savez(f, **captured))  # never half a file under its name
     print(f"captured layers {','.join(map(str, layers))} of {lm.path.name}: chunk at {start}..{len(ids)} -> {out}")
     return 0

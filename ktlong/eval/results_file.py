@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 from pathlib import Path
 
 from ktlong.config import Config, greedy_session_options
 from ktlong.errors import KtlongError
 from ktlong.eval.runner import Result
+from ktlong.regular_file import NotRegularFile, open_regular, write_replacing
 
 MAX_BYTES = 256 << 20  # a results file larger than this is not one of ours: refused before it is read
 FIELD_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
@@ -29,15 +28,7 @@ def as_dicts(results: list[Result]) -> list[dict]:
 
 
 def write_json(path: Path, value) -> None:
-    """Written to a temporary file beside path and renamed over it: a reader never sees half a file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(value, f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_replacing(path, lambda f: f.write(json.dumps(value, indent=1).encode()))
 
 
 def save(path: Path, task: str, settings: dict, device: str, results: list[Result]) -> None:
@@ -51,11 +42,16 @@ def read_earlier(path: Path, task: str, settings: dict) -> list[Result]:
         return []
     fix = "give another --out, or move it away"
     try:
-        if path.stat().st_size > MAX_BYTES:
+        f, size = open_regular(path)
+    except NotRegularFile as e:
+        raise KtlongError(f"{path} {e}; {fix}.") from None
+    with f:
+        if size > MAX_BYTES:
             raise KtlongError(f"{path} is larger than {MAX_BYTES >> 20} MiB, not an evaluation's results; {fix}.")
-        saved = json.loads(path.read_bytes())
-    except (OSError, ValueError) as e:
-        raise KtlongError(f"cannot read {path} as an evaluation's results ({e}); {fix}.") from None
+        try:
+            saved = json.loads(f.read(MAX_BYTES + 1))
+        except (OSError, ValueError) as e:
+            raise KtlongError(f"cannot read {path} as an evaluation's results ({e}); {fix}.") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("results"), list):
         raise KtlongError(f"{path} is not an evaluation's results file; {fix}.")
     if saved.get("task") != task:
