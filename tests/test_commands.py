@@ -190,6 +190,16 @@ def test_capture_refuses_what_it_cannot_do_in_one_sentence(no_user_file, tmp_pat
     assert kept.read_bytes() == b"earlier" and not (tmp_path / "a.npz").exists()
 
 
+def test_kept_keys_never_overwrites_its_masses_file(no_user_file, tmp_path, capsys):
+    kept = tmp_path / "m.npz"
+    kept.write_bytes(b"earlier")
+    assert bench(["kept-keys", "--masses", str(kept)]) == 2
+    one_sentence_error(capsys, f"--masses {kept} exists")
+    assert bench(["kept-keys", "--masses", str(tmp_path / "no" / "m.npz")]) == 2
+    one_sentence_error(capsys, "does not exist")
+    assert kept.read_bytes() == b"earlier"
+
+
 def test_selection_drift_counts_blocks_kept_from_earlier_tokens():
     from ktlong.bench.selection_drift import drift
 

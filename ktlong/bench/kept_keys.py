@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -33,6 +34,7 @@ from ktlong.cli import parse_lengths, print_table
 from ktlong.bench.common import long_context_config
 from ktlong.config import greedy_session_options
 from ktlong.errors import KtlongError
+from ktlong.regular_file import write_replacing
 from operators.block_selector import RANKS, group_margin, group_share
 from operators.compact_attention import token_rows
 from operators.layer_budget import sampled_share
@@ -155,8 +157,9 @@ class Masses:
         answer block); each array flat, the n-th record's values at offsets[n]:offsets[n + 1]."""
         rows = np.array([(s,) + r for s, r in zip(sample_rows, self.rows)], np.int64).reshape(-1, 5)
         offsets = np.concatenate([[0], np.cumsum(rows[:, 4])])
-        np.savez_compressed(path, rows=rows, offsets=offsets, answers=np.array(self.answers, np.int64).reshape(-1, 2),
-                            **{k: np.concatenate(v) if v else np.zeros(0) for k, v in self.arrays.items()})
+        arrays = {k: np.concatenate(v) if v else np.zeros(0) for k, v in self.arrays.items()}
+        write_replacing(Path(path), lambda f: np.savez_compressed(
+            f, rows=rows, offsets=offsets, answers=np.array(self.answers, np.int64).reshape(-1, 2), **arrays))
 
 
 def layer_rows(records: list[Kept]) -> list[list]:
@@ -198,6 +201,10 @@ def main(argv=None) -> int:
         raise KtlongError("--depth must lie in 0..1, --samples in 1..1000 and --mass_stride in 1..4096.")
     if args.masses and not args.masses.endswith(".npz"):
         raise KtlongError(f"--masses {args.masses}: name a file ending in .npz.")
+    if args.masses and Path(args.masses).exists():
+        raise KtlongError(f"--masses {args.masses} exists; give a new file name (it is never overwritten).")
+    if args.masses and not Path(args.masses).resolve().parent.is_dir():
+        raise KtlongError(f"--masses {args.masses}: its folder does not exist; make it first.")
     config = long_context_config(args, READS, "kept-keys",
                                  "records CompactAttention's selection of the answer's blocks in long-context prefill")
     length = parse_lengths(args.length)[0]
