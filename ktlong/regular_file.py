@@ -1,6 +1,6 @@
 """Opening a file a user names, which must be a regular file: a pipe would block the open or the
 read, a device (/dev/zero) would never end, a folder cannot be read as one. Writing one whole:
-beside it, then renamed over it."""
+beside it (as .NAME.PID.XXXX.tmp), then renamed over it."""
 
 from __future__ import annotations
 
@@ -32,14 +32,25 @@ def open_regular(path: str | os.PathLike) -> tuple[BinaryIO, int]:
     return os.fdopen(fd, "rb"), st.st_size
 
 
-def write_replacing(path: Path, write: Callable[[BinaryIO], None]) -> None:
+def write_replacing(path: Path, write: Callable[[BinaryIO], None], durable: bool = False) -> None:
     """write(f) to a temporary file beside path, renamed over it: a reader never sees half a file,
-    and a failed write leaves what was there."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.resolve().parent)
+    and a failed write leaves what was there. durable: the file and then its folder are synced, so
+    the new file is on disk, under its name, when this returns (a power cut keeps one or the other)."""
+    folder = path.resolve().parent
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if durable:
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)

@@ -29,14 +29,13 @@ import hashlib
 import mmap
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ktlong.regular_file import NotRegularFile, open_regular
+from ktlong.regular_file import NotRegularFile, open_regular, write_replacing
 from ktlong.session.cache_records import (APPENDED, COPIED_ALIGN, WHOLE, CacheFileError, OtherSettings, Record,
                                           check_tables, encode_record, fill_tables, read_record, write_record)
 
@@ -196,21 +195,7 @@ def save_cache(path: str | os.PathLike, session, fp: dict, turns: list, make_roo
     head, placed, size, digest = encode_record(WHOLE, header, _tensors(session, 0, num_tokens))
     _check_space(folder, size, make_room, True)
     remove_orphans(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write_record(f, 0, head, placed, size)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    write_replacing(path, lambda f: write_record(f, 0, head, placed, size), durable=True)
     session.saved_file = SavedFile(path.resolve(), path.stat().st_ino, num_tokens, digest, size)
     session.stable_tokens = num_tokens
     return size
