@@ -35,6 +35,7 @@ segment that ends at a global layer also scores that layer's blocks (ktlong/deco
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 
 import torch
@@ -543,14 +544,22 @@ def _captured(work, device: torch.device, pool=None) -> "torch.cuda.CUDAGraph":
     the device, collect Python's garbage and empty the allocator's cache: beside a prefill's
     chunks that made a join into a running batch take 2.1-2.6 s on the H200. Only this thread's
     calls are checked during the capture (thread_local): a prefill's commit helper page-locks
-    DRAM on its own thread meanwhile, which in the global mode invalidates the capture."""
+    DRAM on its own thread meanwhile, which in the global mode invalidates the capture. Python's
+    garbage is not collected meanwhile: a collection on this thread could unlock a dropped
+    cache's DRAM (ktlong/kv/pinned.py), a call CUDA may refuse while this thread captures."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(torch.cuda.Stream(device)):
-        graph.capture_begin(pool, capture_error_mode="thread_local")
-        try:
-            work()
-        finally:
-            graph.capture_end()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.stream(torch.cuda.Stream(device)):
+            graph.capture_begin(pool, capture_error_mode="thread_local")
+            try:
+                work()
+            finally:
+                graph.capture_end()
+    finally:
+        if collecting:
+            gc.enable()
     return graph
 
 

@@ -48,14 +48,43 @@ def copy_heads(dst: torch.Tensor, src: torch.Tensor):
             dst[h][a:b].copy_(src[h][a:b], non_blocking=True)
 
 
+# CUDA's codes: part of a range is page-locked already (cudaErrorHostMemoryAlreadyRegistered), a
+# range is not page-locked (cudaErrorHostMemoryNotRegistered)
+_ALREADY_LOCKED, _NOT_LOCKED = 712, 713
+# tensors whose unlock failed: held here, so that their memory is not given back (and its addresses
+# handed to a new mapping) while CUDA still counts it page-locked; unlocked again before each lock
+_STILL_LOCKED: list[torch.Tensor] = []
+
+
 def pin_in_place(t: torch.Tensor):
     """Page-lock a tensor's own memory for asynchronous copies. torch's pinned allocator rounds
     every allocation up to a power of two, so a layer of 1 GiB + one block would take 2 GiB;
     registering the exact allocation costs exactly its size."""
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-    if int(err) != 0:
-        raise KtlongError(f"could not page-lock {t.numel() * t.element_size() / 2**30:.1f} GiB of DRAM for the KV "
-                          f"cache (CUDA error {int(err)}); lower max_seq_len.")
+    retry_unlocks()
+    nbytes = t.numel() * t.element_size()
+    err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0))
+    if err == _ALREADY_LOCKED:
+        raise KtlongError(f"could not page-lock {nbytes / 2**20:.1f} MiB of DRAM at {t.data_ptr():#x}: CUDA holds "
+                          "part of it page-locked already (error 712), which is a defect of ktlong; please report it.")
+    if err:
+        raise KtlongError(f"could not page-lock {nbytes / 2**30:.1f} GiB of DRAM for the KV cache (CUDA error "
+                          f"{err}); lower max_seq_len.")
+
+
+def unpin(t: torch.Tensor):
+    """Unlock what pin_in_place locked. Where CUDA refuses now, t is kept (its memory stays mapped
+    under the lock) and unlocked again before the next lock."""
+    if int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr())) not in (0, _NOT_LOCKED):
+        _STILL_LOCKED.append(t)
+
+
+def retry_unlocks():
+    """Unlock again what unpin could not; what CUDA still refuses stays held."""
+    if _STILL_LOCKED:
+        failed = list(_STILL_LOCKED)
+        _STILL_LOCKED.clear()
+        for t in failed:
+            unpin(t)
 
 
 class PinnedTensors:
@@ -92,13 +121,13 @@ class PinnedTensors:
         between() after each: a prefill's 8 GiB of hidden states (1M tokens at 8B shapes) took
         1.1 s to unlock at once on the H200, a step as long for the streams decoding beside it."""
         while self._tensors:
-            torch.cuda.cudart().cudaHostUnregister(self._tensors.pop().data_ptr())
+            unpin(self._tensors.pop())
             if between is not None:
                 between()
 
     def _unlock(self):
         for t in self._tensors:
-            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+            unpin(t)
 
     def __del__(self):
         self._unlock()
