@@ -1,16 +1,19 @@
-"""Per-layer block budgets for topk (`layer_budget: attention`): each layer keeps as many history
-blocks as its attention needs, against the other layers', at about the fixed count's mean cost.
+"""Per-layer block budgets for topk (`layer_budget: attention`): each layer keeps keep_blocks
+history blocks, and more where its attention spreads wider than the other layers'.
 
 At a layer's first chunk that selects, a sample of the chunk's queries (every SAMPLE_STRIDE-th)
 attends exactly to the history; the layer's need is the number of blocks, in the order topk
 ranks them, that hold `mass` of that attention (the mean over its execution groups). The
 layer's count is keep_blocks times its need over the mean need of the layers measured so far
-(itself included), from half to twice keep_blocks in steps of BUDGET_STEP, and serves all its
+(itself included), from keep_blocks to twice that in steps of BUDGET_STEP, and serves all its
 later chunks (one FlashInfer plan per layer). Attention that is flat in every layer (random
 weights) gives every layer keep_blocks; a layer that spreads its attention wider than the
-others gets more, one that concentrates it gets fewer. Offline, on the exact attention of
-6 multikey prompts at 127K (docs/measurements/2026-12-03-ruler-grid.md), the worst layer's kept
-share rose from 0.55 to 0.66 at a mean of 137 blocks where 128 were fixed.
+others gets more. Offline, on the exact attention of 6 multikey prompts at 127K
+(docs/measurements/2026-12-03-ruler-grid.md), budgets between half and twice keep_blocks lifted
+the worst layer's kept share from 0.55 to 0.66 at a mean of 137 blocks where 128 were fixed, but
+on the real model they lost multikey at 127K (4 of 16 against the fixed count's 11): the layers
+that concentrate their attention are those that find the key, and fewer blocks there lose it.
+So no layer keeps fewer than keep_blocks.
 """
 
 from __future__ import annotations
@@ -77,6 +80,6 @@ class LayerBudgets:
         self.needs.append(need)
         mean = sum(self.needs) / len(self.needs)
         count = BUDGET_STEP * round(self.keep_blocks * need / max(mean, 1e-9) / BUDGET_STEP)
-        count = min(max(count, self.keep_blocks // 2, self.least, 1), 2 * self.keep_blocks)
+        count = min(max(count, self.keep_blocks, self.least, 1), 2 * self.keep_blocks)
         self.counts[layer] = count
         return count
