@@ -75,3 +75,22 @@ def test_released_ranges_lock_again_and_a_range_locked_twice_is_refused_in_one_s
         pinned.pin_in_place(t[1:])  # pages of t's range
     keep.close()
     assert driver.locked == {} and pinned._STILL_LOCKED == []
+
+
+def test_collection_is_paused_inside_and_restored_after():
+    import gc
+
+    assert gc.isenabled()
+    with pinned.collection_paused():
+        assert not gc.isenabled()
+        with pinned.collection_paused():  # nested: the outer one restores
+            pass
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with pinned.collection_paused():
+            pass
+        assert not gc.isenabled()  # it was off before: it stays off
+    finally:
+        gc.enable()

@@ -35,7 +35,6 @@ segment that ends at a global layer also scores that layer's blocks (ktlong/deco
 from __future__ import annotations
 
 import contextlib
-import gc
 import sys
 
 import torch
@@ -44,7 +43,7 @@ from ktlong.decode.dram_blocks import DramBlocks, attend
 from ktlong.decode.device_anchors import DeviceAnchors
 from ktlong.decode.window import DeviceWindow
 from ktlong.errors import first_line
-from ktlong.kv.pinned import PinnedTensors
+from ktlong.kv.pinned import PinnedTensors, collection_paused
 from ktlong.models.llama import LlamaModel
 from operators.kv_quant import quantize_kv
 from operators.member_tables import Bases, MemberTables
@@ -544,22 +543,15 @@ def _captured(work, device: torch.device, pool=None) -> "torch.cuda.CUDAGraph":
     the device, collect Python's garbage and empty the allocator's cache: beside a prefill's
     chunks that made a join into a running batch take 2.1-2.6 s on the H200. Only this thread's
     calls are checked during the capture (thread_local): a prefill's commit helper page-locks
-    DRAM on its own thread meanwhile, which in the global mode invalidates the capture. Python's
-    garbage is not collected meanwhile: a collection on this thread could unlock a dropped
-    cache's DRAM (ktlong/kv/pinned.py), a call CUDA may refuse while this thread captures."""
+    DRAM on its own thread meanwhile, which in the global mode invalidates the capture. No
+    garbage is collected meanwhile (collection_paused)."""
     graph = torch.cuda.CUDAGraph()
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        with torch.cuda.stream(torch.cuda.Stream(device)):
-            graph.capture_begin(pool, capture_error_mode="thread_local")
-            try:
-                work()
-            finally:
-                graph.capture_end()
-    finally:
-        if collecting:
-            gc.enable()
+    with collection_paused(), torch.cuda.stream(torch.cuda.Stream(device)):
+        graph.capture_begin(pool, capture_error_mode="thread_local")
+        try:
+            work()
+        finally:
+            graph.capture_end()
     return graph
 
 

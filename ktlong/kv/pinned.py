@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import sys
 from typing import Callable
 
@@ -85,6 +86,20 @@ def retry_unlocks():
         _STILL_LOCKED.clear()
         for t in failed:
             unpin(t)
+
+
+@contextlib.contextmanager
+def collection_paused():
+    """No garbage collection while the block runs: for a CUDA graph capture on this thread, where a
+    collection could free a dropped cache and unlock its DRAM, a call CUDA refuses during a
+    capture (the unlock fails and the capture is lost)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 class PinnedTensors:

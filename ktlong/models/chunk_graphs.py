@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ktlong.kv.pinned import collection_paused
 from ktlong.models.llama import LlamaModel
 
 BUCKETS = (16, 32, 64)  # chunk sizes captured; a longer chunk runs eagerly
@@ -108,7 +109,7 @@ class ChunkGraphs:
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: the commit helper page-locks DRAM on its own thread meanwhile, which
                 # in the global mode invalidates the capture (a GPU test failed so at 78182e4)
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                with collection_paused(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     part(layer)
                 pool = graph.pool()
                 graphs.append(graph)
