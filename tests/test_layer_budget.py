@@ -87,8 +87,9 @@ def _chunk(seed, num_hist, concentrated, num_heads=8, num_kv=2, dim=16, chunk=25
 def test_each_layer_keeps_its_own_count_and_attends_to_it():
     """A layer whose queries all look at one block needs few blocks; one that looks everywhere
     needs many: against the mean, the second layer gets more than keep_blocks, the third (a
-    concentrated one again) keep_blocks, never fewer. Every group's page list has the layer's count, the attention
-    over it is the reference's, and the fixed setting keeps keep_blocks in every layer."""
+    concentrated one again) keep_blocks, never fewer. Every group's page list has the layer's
+    count, the attention over it is the reference's, and the fixed setting keeps keep_blocks in
+    every layer."""
     op = CompactAttention(compact_settings(selector="topk", keep_blocks=32, layer_budget="attention"), 8, 2, B,
                           0.25, "torch", torch.device("cpu"))
     fixed = CompactAttention(compact_settings(selector="topk", keep_blocks=32), 8, 2, B, 0.25, "torch",
