@@ -32,6 +32,29 @@ def open_regular(path: str | os.PathLike) -> tuple[BinaryIO, int]:
     return os.fdopen(fd, "rb"), st.st_size
 
 
+class TooLarge(Exception):
+    """The file holds more than the bytes allowed: size, its size when opened, or None where it
+    grew past them while it was read."""
+
+    def __init__(self, size: int | None):
+        super().__init__(size)
+        self.size = size
+
+
+def read_regular(path: str | os.PathLike, max_bytes: int) -> bytes:
+    """The bytes of the regular file at path, refused before they are read where it is not one
+    (NotRegularFile) or holds more than max_bytes (TooLarge: also a file that grows past them while
+    it is read); OSError where the read fails."""
+    f, size = open_regular(path)
+    with f:
+        if size > max_bytes:
+            raise TooLarge(size)
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise TooLarge(None)
+    return data
+
+
 def write_replacing(path: Path, write: Callable[[BinaryIO], None], durable: bool = False) -> None:
     """write(f) to a temporary file beside path, renamed over it: a reader never sees half a file,
     and a failed write leaves what was there. durable: the file and then its folder are synced, so

@@ -4,7 +4,7 @@ that says what to change."""
 from __future__ import annotations
 
 from ktlong.errors import KtlongError
-from ktlong.regular_file import NotRegularFile, open_regular
+from ktlong.regular_file import NotRegularFile, TooLarge, read_regular
 
 # bytes of text a prompt of max_seq_len tokens may take: real text runs 3 to 5 bytes a token,
 # so four times that leaves room for any document that can fit
@@ -25,20 +25,17 @@ def read_text_file(path: str, flag: str, max_bytes: int = MAX_TEXT_BYTES) -> str
     named the file, e.g. "--prompt_file". Only a regular file of at most max_bytes is read (a
     pipe, a device or a folder is refused before anything is read)."""
     try:
-        f, size = open_regular(path)
+        data = read_regular(path, max_bytes)
     except NotRegularFile as e:
         raise KtlongError(f"{flag} {path} {e}; {HINTS.get(str(e), 'check the path')}.") from None
-    with f:
-        if size > max_bytes:
-            raise KtlongError(f"{flag} {path} is {size / 2**20:,.1f} MiB, more than this session's max_seq_len can "
-                              f"hold ({max_bytes / 2**20:,.1f} MiB of text); give a shorter file.")
-        try:
-            data = f.read(max_bytes + 1)  # a file that grows while it is read stops at the bound too
-        except OSError as e:
-            raise KtlongError(f"cannot read {flag} {path} ({e.strerror}); check the path.") from None
-    if len(data) > max_bytes:
-        raise KtlongError(f"{flag} {path} is more than {max_bytes / 2**20:,.1f} MiB of text, more than this "
-                          "session's max_seq_len can hold; give a shorter file.")
+    except TooLarge as e:
+        if e.size is None:  # it grew while it was read
+            raise KtlongError(f"{flag} {path} is more than {max_bytes / 2**20:,.1f} MiB of text, more than this "
+                              "session's max_seq_len can hold; give a shorter file.") from None
+        raise KtlongError(f"{flag} {path} is {e.size / 2**20:,.1f} MiB, more than this session's max_seq_len can "
+                          f"hold ({max_bytes / 2**20:,.1f} MiB of text); give a shorter file.") from None
+    except OSError as e:
+        raise KtlongError(f"cannot read {flag} {path} ({e.strerror}); check the path.") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:

@@ -10,7 +10,7 @@ from pathlib import Path
 from ktlong.config import Config, greedy_session_options
 from ktlong.errors import KtlongError
 from ktlong.eval.runner import Result
-from ktlong.regular_file import NotRegularFile, open_regular, write_replacing
+from ktlong.regular_file import NotRegularFile, TooLarge, read_regular, write_replacing
 
 MAX_BYTES = 256 << 20  # a results file larger than this is not one of ours: refused before it is read
 FIELD_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
@@ -42,16 +42,13 @@ def read_earlier(path: Path, task: str, settings: dict) -> list[Result]:
         return []
     fix = "give another --out, or move it away"
     try:
-        f, size = open_regular(path)
+        saved = json.loads(read_regular(path, MAX_BYTES))
     except NotRegularFile as e:
         raise KtlongError(f"{path} {e}; {fix}.") from None
-    with f:
-        if size > MAX_BYTES:
-            raise KtlongError(f"{path} is larger than {MAX_BYTES >> 20} MiB, not an evaluation's results; {fix}.")
-        try:
-            saved = json.loads(f.read(MAX_BYTES + 1))
-        except (OSError, ValueError) as e:
-            raise KtlongError(f"cannot read {path} as an evaluation's results ({e}); {fix}.") from None
+    except TooLarge:
+        raise KtlongError(f"{path} is larger than {MAX_BYTES >> 20} MiB, not an evaluation's results; {fix}.") from None
+    except (OSError, ValueError) as e:
+        raise KtlongError(f"cannot read {path} as an evaluation's results ({e}); {fix}.") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("results"), list):
         raise KtlongError(f"{path} is not an evaluation's results file; {fix}.")
     if saved.get("task") != task:
