@@ -6,7 +6,8 @@ python -m ktlong.bench prefill --shape llama-3.1-8b --lengths 32k,128k --gpu_cap
 Each row: density (the kept fraction of history blocks, mean over the chunks that have a
 history, a dense chunk counting 1), the seconds of block selection, of the attention kernels
 and of the rest (projections, MLP, offload to DRAM), and the speedup over the dense row of
-the same prompt. Random weights give flat attention: topk keeps keep_blocks (with layer_budget attention too, in every layer).
+the same prompt. Random weights give flat attention: topk keeps keep_blocks (with layer_budget
+attention too, in every layer).
 """
 
 from __future__ import annotations

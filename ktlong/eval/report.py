@@ -42,8 +42,9 @@ def grid_rows(results, base: str = "dense") -> tuple[list[str], list[list], list
     its samples, and how often each other arm gave the base's own answer (runner.same_answers: a
     measure of fidelity that a weak model's wrong answers do not blur); then per arm against
     `base`, on the prompts both ran: the cells more than GRID_CELL_SLACK below it and the sums
-    over the cells (at least the base's less GRID_SUM_SLACK of it). An arm that has not run every prompt the base ran does not hold: its
-    verdict names the cells it lacks (a run split over processes, or cut short)."""
+    over the cells (at least the base's less GRID_SUM_SLACK of it). An arm that has not run every
+    prompt the base ran does not hold: its verdict names the cells it lacks (a run split over
+    processes, or cut short)."""
     cells = defaultdict(dict)  # (task, length, arm) -> {(depth, sample): right}
     for r in results:
         cells[(r.task, r.length, r.attention)][(r.depth, r.sample)] = r.correct
