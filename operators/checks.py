@@ -21,10 +21,3 @@ def expect(name: str, t: torch.Tensor, *, ndim: int | None = None, dtype: torch.
     if shape is not None and (t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape))):
         raise ValueError(f"{name} must have shape {tuple('*' if s is None else s for s in shape)}, "
                          f"got {tuple(t.shape)}")
-
-
-def same_device(**tensors: torch.Tensor):
-    devices = {name: t.device for name, t in tensors.items() if t is not None}
-    if len(set(devices.values())) > 1:
-        raise ValueError("inputs must be on one device, got " + ", ".join(f"{n} on {d}" for n, d in devices.items()))
-
