@@ -63,6 +63,10 @@ def run(args) -> int:
         from ktlong.session.saved_cache import check_save_path
 
         check_save_path(args.save_kv)
+    if args.load_kv:  # a path no file system takes, before the model loads
+        from ktlong.regular_file import user_path
+
+        user_path(args.load_kv)
     if (args.save_kv or args.load_kv) and config.mode != "long_context":
         raise ConfigError("--save_kv and --load_kv keep the long-context KV cache; add --mode long_context.")
     started = start(config)

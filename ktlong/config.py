@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from ktlong.errors import ConfigError
+from ktlong.regular_file import user_path
 from ktlong.options import OPTIONS, SECTIONS, Option
 
 DEFAULT_FILE = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
@@ -293,7 +294,7 @@ def load_config(config_file: str | None = None, overrides: dict[str, tuple[objec
     if user_file.exists():
         layers.append(read_yaml_options(user_file))
     if config_file:
-        layers.append(read_yaml_options(Path(config_file)))
+        layers.append(read_yaml_options(user_path(config_file)))
     layers.append(overrides or {})
     merged, sources = {}, {}
     for i, layer in enumerate(layers):

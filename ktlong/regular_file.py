@@ -1,6 +1,8 @@
-"""Opening a file a user names, which must be a regular file: a pipe would block the open or the
-read, a device (/dev/zero) would never end, a folder cannot be read as one. Writing one whole:
-beside it (as .NAME.PID.XXXX.tmp), then renamed over it."""
+"""A path a user names, taken as one: ~ expanded, and a name longer than a file system allows
+refused in one sentence (pathlib's checks raise on such a path, where they answer False on a
+missing one). Opening a file a user names, which must be a regular file: a pipe would block the
+open or the read, a device (/dev/zero) would never end, a folder cannot be read as one. Writing
+one whole: beside it (as .NAME.PID.XXXX.tmp), then renamed over it."""
 
 from __future__ import annotations
 
@@ -9,6 +11,31 @@ import stat
 import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
+
+from ktlong.errors import KtlongError
+
+NAME_MAX = 255  # bytes of one name in a path (Linux's file systems, macOS's)
+PATH_MAX = 4096  # bytes of a whole path (Linux)
+
+
+def user_path(text: str | os.PathLike) -> Path:
+    """The path a user typed, ~ and ~user expanded; KtlongError where it begins with the ~user of
+    no user here (kept as typed, it would name a folder "~user" to read or make), a name in it, or
+    the whole, is longer than a file system takes, or it holds a NUL character."""
+    typed = os.fspath(text)
+    path = Path(os.path.expanduser(typed))
+    shown = str(path) if len(str(path)) <= 80 else f"{str(path)[:60]}...({len(str(path)):,} characters)"
+    if typed.startswith("~") and str(path).startswith("~"):
+        user = typed[1:].split(os.sep, 1)[0]
+        raise KtlongError(f"The path {shown} begins with ~{user}, but this machine has no user {user!r}; write "
+                          "the path in full.")
+    if "\0" in str(path):
+        raise KtlongError(f"The path {shown!r} holds a NUL character; check the path.")
+    longest = max((len(part.encode("utf-8", "surrogateescape")) for part in path.parts), default=0)
+    if longest > NAME_MAX or len(str(path).encode("utf-8", "surrogateescape")) >= PATH_MAX:
+        raise KtlongError(f"The path {shown} is longer than a file system takes ({NAME_MAX} bytes a name, "
+                          f"{PATH_MAX:,} in all); check the path.")
+    return path
 
 
 class NotRegularFile(Exception):
@@ -20,7 +47,7 @@ def open_regular(path: str | os.PathLike) -> tuple[BinaryIO, int]:
     """(the file opened for reading, its size in bytes), without waiting for a pipe's writer;
     NotRegularFile otherwise."""
     try:
-        fd = os.open(Path(path).expanduser(), os.O_RDONLY | os.O_NONBLOCK)
+        fd = os.open(user_path(path), os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError as e:
         raise NotRegularFile(f"does not exist ({e.strerror})") from None
     except OSError as e:

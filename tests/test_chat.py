@@ -155,3 +155,37 @@ def test_piped_input_that_is_not_utf8_is_one_sentence_not_a_traceback(tiny, conf
     with pytest.raises(KtlongError, match="Standard input is not UTF-8 text"):
         loop.run(interactive=False)
     assert out.getvalue() == ""
+
+
+@pytest.mark.parametrize("interactive", [False, True])
+def test_what_a_run_could_not_send_is_noticed_and_a_piped_run_fails(tiny, config, tmp_path, monkeypatch, interactive):
+    """A --prompt_file longer than max_seq_len, and input lines refused (a message too long, /save
+    without a path, a binary file named), are each noticed and nothing of the conversation is lost;
+    the chat answers the rest. run() returns them as not done: the prompt file always, the input's
+    refusals in a piped run only (local_chat.py then exits 1)."""
+    from ktlong.chat.loop import ChatLoop
+
+    lm, _, _ = tiny
+    long_file = tmp_path / "long.txt"
+    long_file.write_text(" ".join(f"w{i}" for i in range(300)))
+    binary = tmp_path / "blob.txt"
+    binary.write_bytes(b"\x00\x01\x02 not text")
+    lines = iter([" ".join(f"w{i}" for i in range(300)), "/save", str(binary), "hello"])
+
+    def fake_input(prompt=""):
+        line = next(lines, None)
+        if line is None:
+            raise EOFError
+        return line
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    out, err = io.StringIO(), io.StringIO()
+    loop = ChatLoop(lm, config, 256, str(long_file), out=out, err=err)
+    failed = loop.run(interactive=interactive)
+    notices = err.getvalue()
+    assert notices.count("max_seq_len is 256") == 2 and "/save needs a file path" in notices
+    assert f"{binary}" in notices and loop.refused == 4
+    assert [user for user, _ in loop.conversation.turns] == ["hello"]  # the one message sent, answered
+    assert out.getvalue().strip() == loop.conversation.turns[0][1].strip()
+    expected = [f"--prompt_file {long_file}"] + ([] if interactive else ["3 messages or commands of the piped input"])
+    assert failed == expected

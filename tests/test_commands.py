@@ -1,6 +1,7 @@
 """The benchmark and evaluation commands: every error a user can cause is one sentence and a
 non-zero exit, and the capture benchmark keeps the keys prefill computed."""
 
+import io
 import sys
 
 import numpy as np
@@ -242,6 +243,42 @@ def test_prompt_and_text_files_are_checked_before_the_model_loads(no_user_file, 
     one_sentence_error(capsys, "--prompt_file", needle)
     assert perplexity(["--text_file", str(path)]) == 2
     one_sentence_error(capsys, "--text_file", needle)
+
+
+NO_USER = "~ktlong-no-such-user/doc"  # ~user of a user this machine does not have: pathlib raises
+NO_USER_SAID = ["~ktlong-no-such-user/doc begins with ~ktlong-no-such-user", "no user", "write the path in full"]
+LONG_NAME = "n" * 300  # longer than a file name can be: pathlib's exists() and is_file() raise
+
+
+@pytest.mark.parametrize("flag", ["--gguf_path", "--model_path", "--prompt_file", "--save_kv", "--load_kv",
+                                  "--config"])
+@pytest.mark.parametrize("path,needles", [(NO_USER, NO_USER_SAID),
+                                          (LONG_NAME, ["longer than a file system takes", "check the path"])])
+def test_a_path_no_file_system_takes_is_one_sentence(no_user_file, capsys, monkeypatch, flag, path, needles):
+    """A path under the ~user of no user here (kept as typed it would name a folder "~user"), or
+    with a name past 255 bytes, is refused as such before the model loads: one sentence and exit 2
+    (both were tracebacks)."""
+    import local_chat
+    import ktlong.session.startup
+
+    if flag != "--gguf_path":  # which start() opens first, before any weight
+        monkeypatch.setattr(ktlong.session.startup, "start", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert local_chat.main(["--mode", "long_context", flag, path]) == 2
+    one_sentence_error(capsys, *needles)
+
+
+def test_eval_and_perplexity_take_no_path_no_file_system_takes(no_user_file, capsys):
+    from ktlong.perplexity import main as perplexity
+
+    assert evaluate(["passkey", "--lengths", "2k", "--out", LONG_NAME]) == 2
+    one_sentence_error(capsys, "longer than a file system takes")
+    assert perplexity(["--text_file", LONG_NAME]) == 2
+    one_sentence_error(capsys, "longer than a file system takes")
+    assert perplexity(["--text_file", NO_USER]) == 2
+    one_sentence_error(capsys, *NO_USER_SAID)
+    assert evaluate(["passkey", "--lengths", "2k", "--out", NO_USER]) == 2
+    one_sentence_error(capsys, *NO_USER_SAID)
 
 
 def test_a_prompt_file_that_is_a_folder_is_one_sentence(no_user_file, capsys, tmp_path):

@@ -427,6 +427,36 @@ def test_a_one_shot_chat_that_could_not_load_or_save_answers_nothing_and_says_so
     assert loop.run(interactive=False) == [f"--save_kv {protected}"] and protected.read_bytes() == b"keep"
 
 
+def test_save_and_load_in_the_chat_refuse_a_path_no_file_system_takes_and_the_chat_goes_on(tiny, tmp_path,
+                                                                                          monkeypatch):
+    """/save and /load of a name past 255 bytes, or under a ~user who is no user here: a notice
+    each (they were tracebacks that ended the chat), the next message answered, and a piped run
+    reports the four as not done."""
+    import io
+
+    from ktlong.chat.loop import ChatLoop
+    from ktlong.config import default_config
+
+    config = default_config(max_new_tokens=3, kv_type="fp32", local_windows_len=24)
+    long_name, no_user = "n" * 300, "~ktlong-no-such-user/c.kv"
+    lines = iter([f"/save {long_name}", f"/load {long_name}", f"/save {no_user}", f"/load {no_user}", "hello"])
+
+    def fake_input(prompt=""):
+        line = next(lines, None)
+        if line is None:
+            raise EOFError
+        return line
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    err = io.StringIO()
+    loop = ChatLoop(tiny, config, 400, None, out=io.StringIO(), err=err, session=session_for(tiny))
+    assert loop.run(interactive=False) == ["4 messages or commands of the piped input"]
+    notices = err.getvalue()
+    assert notices.count("longer than a file system takes") == 2
+    assert notices.count("begins with ~ktlong-no-such-user, but this machine has no user") == 2
+    assert [user for user, _ in loop.conversation.turns] == ["hello"]
+
+
 @pytest.mark.parametrize("change", [{"turns": [[1, 2]]}, {"turns": [["only the question"]]}, {"num_tokens": -5},
                                     {"token_ids": "abc"}, {"num_tokens": True}])
 def test_a_hand_made_header_with_a_fresh_checksum_is_refused_in_one_sentence(tiny, tmp_path, monkeypatch, change):

@@ -7,7 +7,6 @@ python -m ktlong.bench capture --model smollm2-135m --text_file F --tokens 8192 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -18,7 +17,7 @@ from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import kv_layout
 from ktlong.models.loader import load_model
 from ktlong.prefill import LayerMajorPrefill
-from ktlong.regular_file import write_replacing
+from ktlong.regular_file import user_path, write_replacing
 
 
 def capture_hook(layers: set[int], capture_start: int, block_size: int, captured: dict):
@@ -51,7 +50,7 @@ def main(argv=None) -> int:
         raise KtlongError(f"--chunk_size {args.chunk_size}: use a positive multiple of {block_size}.")
     if args.tokens < 2:
         raise KtlongError(f"--tokens {args.tokens}: use at least 2.")
-    out = Path(args.out)
+    out = user_path(args.out)
     if out.suffix != ".npz":
         raise KtlongError(f"--out {args.out}: name a file ending in .npz.")
     if not out.resolve().parent.is_dir():

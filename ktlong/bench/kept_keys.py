@@ -34,7 +34,7 @@ from ktlong.cli import parse_lengths, print_table
 from ktlong.bench.common import long_context_config
 from ktlong.config import greedy_session_options
 from ktlong.errors import KtlongError
-from ktlong.regular_file import write_replacing
+from ktlong.regular_file import user_path, write_replacing
 from operators.block_selector import RANKS, group_margin, group_share
 from operators.compact_attention import token_rows
 from operators.layer_budget import sampled_share
@@ -152,13 +152,13 @@ class Masses:
             self.arrays["margin"].append(margin[g].clamp(max=1.0).cpu().numpy().astype(np.float16))
             self.arrays["kept"].append(kept)
 
-    def save(self, path: str, sample_rows: list[int]) -> None:
+    def save(self, path: Path, sample_rows: list[int]) -> None:
         """rows: [n, 5] (sample, layer, chunk start, group, history blocks); answers: [m, 2] (sample,
         answer block); each array flat, the n-th record's values at offsets[n]:offsets[n + 1]."""
         rows = np.array([(s,) + r for s, r in zip(sample_rows, self.rows)], np.int64).reshape(-1, 5)
         offsets = np.concatenate([[0], np.cumsum(rows[:, 4])])
         arrays = {k: np.concatenate(v) if v else np.zeros(0) for k, v in self.arrays.items()}
-        write_replacing(Path(path), lambda f: np.savez_compressed(
+        write_replacing(path, lambda f: np.savez_compressed(
             f, rows=rows, offsets=offsets, answers=np.array(self.answers, np.int64).reshape(-1, 2), **arrays))
 
 
@@ -201,9 +201,10 @@ def main(argv=None) -> int:
         raise KtlongError("--depth must lie in 0..1, --samples in 1..1000 and --mass_stride in 1..4096.")
     if args.masses and not args.masses.endswith(".npz"):
         raise KtlongError(f"--masses {args.masses}: name a file ending in .npz.")
-    if args.masses and Path(args.masses).exists():
+    masses_path = user_path(args.masses) if args.masses else None
+    if masses_path is not None and masses_path.exists():
         raise KtlongError(f"--masses {args.masses} exists; give a new file name (it is never overwritten).")
-    if args.masses and not Path(args.masses).resolve().parent.is_dir():
+    if masses_path is not None and not masses_path.resolve().parent.is_dir():
         raise KtlongError(f"--masses {args.masses}: its folder does not exist; make it first.")
     config = long_context_config(args, READS, "kept-keys",
                                  "records CompactAttention's selection of the answer's blocks in long-context prefill")
@@ -241,6 +242,6 @@ def main(argv=None) -> int:
                  "dropped: worst rank", "dropped: median tied", "blocks kept"], layer_rows(records))
     print_table(["sample", "tokens", "answer blocks", "answer", "expected", "got"], answers)
     if masses is not None:
-        masses.save(args.masses, mass_samples)
+        masses.save(masses_path, mass_samples)
         print(f"wrote {len(masses.rows):,} (chunk, layer, group) records to {args.masses}")
     return 0

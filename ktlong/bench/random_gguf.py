@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ktlong.errors import KtlongError
+from ktlong.regular_file import user_path
 from ktlong.models.random_model import SHAPES, random_config
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=1 << 20, help="the context length the file declares "
                    "(default 1,048,576)")
     args = p.parse_args(argv)
-    out = Path(args.out).expanduser()
+    out = user_path(args.out)
     if out.exists():
         raise KtlongError(f"{out} exists; name a new file for --out.")
     if not out.parent.is_dir():

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import time
-from pathlib import Path
 
 from ktlong.config import Config
 from ktlong.errors import KtlongError
@@ -31,6 +31,7 @@ class ChatLoop:
         self.lm, self.config, self.max_seq_len, self.tp = lm, config, max_seq_len, tp
         self.prompt_file, self.save_kv, self.load_kv = prompt_file, save_kv, load_kv
         self.failed: list[str] = []  # what the command line asked for and could not be done
+        self.refused = 0  # messages and commands that could not be sent or done, each noticed
         self.out, self.err = out or sys.stdout, err or sys.stderr
         template = lm.chat_template if config.use_chat_template else None
         self.conversation = Conversation(lm.tokenizer, template, config.system_prompt)
@@ -40,12 +41,18 @@ class ChatLoop:
     def notice(self, text: str):
         print(f"[{text}]", file=self.err, flush=True)
 
+    def refuse(self, text: str):
+        """A notice that a message or command could not be sent or done: the chat goes on, and a
+        piped run that refused any exits non-zero."""
+        self.refused += 1
+        self.notice(text)
+
     def ask(self, user_text: str):
         reserve = min(self.config.max_new_tokens, self.max_seq_len // 2)
         try:
             ids, dropped = self.conversation.prompt_ids(user_text, self.max_seq_len, reserve)
         except PromptTooLongError as e:
-            self.notice(str(e))
+            self.refuse(str(e))
             return None
         if dropped:
             self.notice(f"dropped the {dropped} oldest turn(s) to stay within max_seq_len={self.max_seq_len}")
@@ -70,7 +77,7 @@ class ChatLoop:
         try:
             return read_text_file(path, "file", max_text_bytes(self.max_seq_len))
         except KtlongError as e:
-            self.notice(str(e))
+            self.refuse(str(e))
             return None
 
     def next_prompt(self, read_line) -> str | None:
@@ -99,14 +106,15 @@ class ChatLoop:
             command, _, argument = stripped.partition(" ")
             if command in ("/save", "/load"):
                 if not argument.strip():
-                    self.notice(f"{command} needs a file path, e.g. {command} doc.kv")
-                else:
-                    (self.save if command == "/save" else self.load)(argument.strip())
+                    self.refuse(f"{command} needs a file path, e.g. {command} doc.kv")
+                elif not (self.save if command == "/save" else self.load)(argument.strip()):
+                    self.refused += 1
                 continue
             if stripped in ("/help", "/?"):
                 self.notice(HELP)
                 continue
-            if len(stripped) < 4096 and Path(stripped).expanduser().is_file():
+            if len(stripped) < 4096 and os.path.isfile(os.path.expanduser(stripped)):  # never raises: a
+                # long message is too long a name, "~word ..." names no user
                 return self.read_file(stripped) or ""
             return line
 
@@ -124,7 +132,11 @@ class ChatLoop:
         if not self.session.saves_cache:
             self.notice("saving the KV cache needs --mode long_context")
             return False
-        target, reason, nbytes = rank_path(path, self.tp), "", 0
+        try:
+            target, reason, nbytes = rank_path(path, self.tp), "", 0
+        except KtlongError as e:  # a path no file system takes
+            self.notice(f"not saved: {e}")
+            return False
         start = time.perf_counter()
         try:
             nbytes = save_cache(target, self.session, fingerprint(self.lm.path, self.session, self.config),
@@ -154,7 +166,11 @@ class ChatLoop:
         if not self.session.saves_cache:
             self.notice("loading a KV cache needs --mode long_context")
             return False
-        target, fp = rank_path(path, self.tp), fingerprint(self.lm.path, self.session, self.config)
+        try:
+            target, fp = rank_path(path, self.tp), fingerprint(self.lm.path, self.session, self.config)
+        except KtlongError as e:  # a path no file system takes
+            self.notice(f"not loaded: {e}")
+            return False
         start, reason, turns = time.perf_counter(), "", []
 
         def why(e: Exception) -> str:  # a file saved for another count of ranks is named as such
@@ -189,7 +205,8 @@ class ChatLoop:
 
     def run(self, interactive: bool, wrap_reader=None) -> list[str]:
         """Chat until the input ends; returns what it was asked to do and could not (a --load_kv
-        that failed: then a piped run answers nothing; a --save_kv that failed), each already
+        that failed: then a piped run answers nothing; a --prompt_file or --save_kv that failed;
+        in a piped run, messages and commands of the input that were refused), each already
         noticed. wrap_reader: turns the input line reader into another (tensor parallelism: rank
         0 reads and broadcasts, ktlong/parallel/group.py)."""
         if self.load_kv and not self.load(self.load_kv):
@@ -200,8 +217,9 @@ class ChatLoop:
             self.notice(HELP)
         if self.prompt_file:
             text = self.read_file(self.prompt_file)
-            if text:
-                self.ask(text)
+            if not (text and self.ask(text)):
+                self.failed.append(f"--prompt_file {self.prompt_file}")
+        before = self.refused
 
         def read_line():
             while True:
@@ -222,4 +240,8 @@ class ChatLoop:
         while (text := self.next_prompt(read_line)) is not None:
             if text.strip():
                 self.ask(text)
+        if not interactive and self.refused > before:
+            count = self.refused - before
+            self.failed.append(f"{count} message{'s' if count > 1 else ''} or command{'s' if count > 1 else ''} "
+                               "of the piped input")
         return self.failed

@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from pathlib import Path
 
 from ktlong.cli import parse_lengths, print_error, print_table
 from ktlong.eval.tasks import TASKS
+from ktlong.regular_file import user_path
 
 WHY_OPTIONS = "runs each task greedily in long-context mode at the --lengths given"  # what no option changes
 
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         if args.samples < 1:
             raise KtlongError(f"--samples {args.samples}: use at least 1.")
         lengths = parse_lengths(args.lengths)
-        out = Path(args.out)
+        out = user_path(args.out)
         if out.exists() and not out.is_dir():
             raise KtlongError(f"--out {args.out} is a file; give a folder for results.json (it is made if missing).")
         folders = {t: out if len(tasks) == 1 else out / t for t in tasks}  # several: a folder each

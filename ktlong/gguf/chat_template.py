@@ -56,9 +56,9 @@ MAX_TEMPLATE_BYTES = 1 << 20  # templates are kilobytes; a larger file is not on
 def read_chat_template(path: str) -> str:
     """A chat template file's text, refused in one sentence when it cannot be one: missing, too
     large, not UTF-8, or not Jinja that compiles."""
-    from pathlib import Path
+    from ktlong.regular_file import user_path
 
-    file = Path(path).expanduser()
+    file = user_path(path)
     try:
         if file.stat().st_size > MAX_TEMPLATE_BYTES:
             raise KtlongError(f"Chat template {file} is larger than 1 MiB; name a Jinja chat template file.")

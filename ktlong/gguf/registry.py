@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ktlong.errors import ModelNotFoundError
+from ktlong.regular_file import user_path
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -127,7 +128,7 @@ def resolve_model_path(name_or_path: str | None) -> Path:
         if len(model.parts) == 1:
             return _package_file(model, model.packages[0], model.parts[0])
         return _join_parts(model)
-    path = Path(name).expanduser()
+    path = user_path(name)
     if path.is_dir():
         files = sorted(path.glob("*.gguf"))
         if len(files) != 1:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ktlong.errors import ConfigError
+from ktlong.regular_file import user_path
 from ktlong.kv.host_cache import HostKVCache, cache_bytes_for
 from ktlong.kv.shared_prefix import dram_held
 from ktlong.session.cache_records import CacheFileError, OtherSettings
@@ -69,7 +70,7 @@ class CacheStore:
         together may hold (`admit`)."""
         self.session, self.fp, self.min_tokens, self.log = session, fingerprint, min_tokens, log
         self.budget, self.dram_limit = dram_bytes, dram_limit
-        self.folder = Path(folder).expanduser() if folder else None
+        self.folder = user_path(folder) if folder else None
         self.disk_budget = disk_bytes
         self.entries: dict[str, Entry] = {}
         self.live: Entry | None = None  # the conversation the session holds

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ktlong.regular_file import NotRegularFile, open_regular, write_replacing
+from ktlong.regular_file import NotRegularFile, open_regular, user_path, write_replacing
 from ktlong.session.cache_records import (APPENDED, COPIED_ALIGN, WHOLE, CacheFileError, OtherSettings, Record,
                                           check_tables, encode_record, fill_tables, read_record, write_record)
 
@@ -62,7 +62,7 @@ def _identity(path: str, size: int, mtime_ns: int) -> str:
 def rank_path(path: str | os.PathLike, tp) -> Path:
     """The file of this process's part of a saved cache: path itself, or under tensor parallelism
     (tp) each rank's own beside it, PATH.rank0-of-2 and so on: a rank holds only its kv heads."""
-    path = Path(path).expanduser()
+    path = user_path(path)
     return path if tp is None else path.with_name(f"{path.name}.rank{tp.rank}-of-{tp.world}")
 
 
@@ -70,7 +70,7 @@ def saved_as(path: str | os.PathLike, tp) -> str:
     """Where a cache this process cannot find at rank_path(path, tp) was saved instead, as the
     option that reads it ("" when there is no such file): one process's file, or a part a rank
     for another count of ranks."""
-    path = Path(path).expanduser()
+    path = user_path(path)
     if rank_path(path, tp).exists():
         return ""
     if tp is not None and path.is_file():
@@ -205,7 +205,7 @@ def check_save_path(path: str | os.PathLike) -> Path:
     """The file a save of `path` writes: what a symbolic link names (the link stays a link).
     Refused in one sentence, before anything is written: a missing folder, a folder, a file
     whose owner made it read-only (a save never replaces it), a folder that cannot be written."""
-    given = Path(path).expanduser()
+    given = user_path(path)
     target = given.resolve() if given.is_symlink() else given
     folder = target.parent if str(target.parent) else Path(".")
     if not folder.is_dir():
@@ -259,7 +259,7 @@ def load_cache(path: str | os.PathLike, session, fp: dict) -> list:
     before its data is read (missing, foreign, made for other settings, truncated) leaves the
     session as it was; bad data found while filling leaves it empty. Either way a CacheFileError
     says what is wrong."""
-    path = Path(path).expanduser()
+    path = user_path(path)
     with open_saved(path) as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:

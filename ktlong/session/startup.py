@@ -8,12 +8,12 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ktlong.config import SECRETS, Config, parse_set
 from ktlong.errors import ConfigError
 from ktlong.options import OPTIONS, SECTIONS
+from ktlong.regular_file import user_path
 
 if TYPE_CHECKING:
     from ktlong.models.loader import LoadedModel
@@ -58,7 +58,7 @@ def overrides_from(args, flag_to_option: dict[str, str] = FLAG_TO_OPTION) -> dic
     if len(named) > 1:
         raise ConfigError(f"{' and '.join(named)} each name the model; give one of them.")
     if args.model_path:
-        folder = Path(args.model_path).expanduser()
+        folder = user_path(args.model_path)
         ggufs = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
         if not ggufs:
             raise ConfigError(f"--model_path {args.model_path} is not a folder holding a .gguf file; give "
