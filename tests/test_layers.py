@@ -9,7 +9,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # lowest first; a unit is a folder of ktlong/ or a module at its top
 LAYERS = [
-    {"errors", "regular_file"},
+    {"errors"},
+    {"regular_file"},
     {"options"},
     {"config", "device", "parallel"},
     {"gguf"},
