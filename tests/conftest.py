@@ -139,6 +139,23 @@ def hf_model():
     return _hf_model
 
 
+@pytest.fixture
+def piped_input(monkeypatch):
+    """piped_input(lines): input() returns each line, then raises EOFError, as piped standard
+    input ends."""
+    def pipe(lines):
+        remaining = iter(lines)
+
+        def read(prompt=""):
+            line = next(remaining, None)
+            if line is None:
+                raise EOFError
+            return line
+
+        monkeypatch.setattr("builtins.input", read)
+    return pipe
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

@@ -158,7 +158,7 @@ def test_piped_input_that_is_not_utf8_is_one_sentence_not_a_traceback(tiny, conf
 
 
 @pytest.mark.parametrize("interactive", [False, True])
-def test_what_a_run_could_not_send_is_noticed_and_a_piped_run_fails(tiny, config, tmp_path, monkeypatch, interactive):
+def test_what_a_run_could_not_send_is_noticed_and_a_piped_run_fails(tiny, config, tmp_path, piped_input, interactive):
     """A --prompt_file longer than max_seq_len, and input lines refused (a message too long, /save
     without a path, a binary file named), are each noticed and nothing of the conversation is lost;
     the chat answers the rest. run() returns them as not done: the prompt file always, the input's
@@ -170,15 +170,7 @@ def test_what_a_run_could_not_send_is_noticed_and_a_piped_run_fails(tiny, config
     long_file.write_text(" ".join(f"w{i}" for i in range(300)))
     binary = tmp_path / "blob.txt"
     binary.write_bytes(b"\x00\x01\x02 not text")
-    lines = iter([" ".join(f"w{i}" for i in range(300)), "/save", str(binary), "hello"])
-
-    def fake_input(prompt=""):
-        line = next(lines, None)
-        if line is None:
-            raise EOFError
-        return line
-
-    monkeypatch.setattr("builtins.input", fake_input)
+    piped_input([" ".join(f"w{i}" for i in range(300)), "/save", str(binary), "hello"])
     out, err = io.StringIO(), io.StringIO()
     loop = ChatLoop(lm, config, 256, str(long_file), out=out, err=err)
     failed = loop.run(interactive=interactive)

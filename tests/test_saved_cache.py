@@ -403,7 +403,7 @@ def test_a_temporary_left_by_a_killed_save_is_removed_by_the_next_save(tiny, tmp
     assert not orphan.exists() and alive.exists()
 
 
-def test_a_one_shot_chat_that_could_not_load_or_save_answers_nothing_and_says_so(tiny, tmp_path, monkeypatch):
+def test_a_one_shot_chat_that_could_not_load_or_save_answers_nothing_and_says_so(tiny, tmp_path, piped_input):
     """Piped input with a --load_kv that fails: no answer without the document; a --save_kv that
     fails after the answer: reported, so that local_chat exits non-zero."""
     import io
@@ -412,7 +412,7 @@ def test_a_one_shot_chat_that_could_not_load_or_save_answers_nothing_and_says_so
     from ktlong.config import default_config
 
     config = default_config(max_new_tokens=3, kv_type="fp32", local_windows_len=24)
-    monkeypatch.setattr("builtins.input", lambda prompt="": (_ for _ in ()).throw(EOFError))
+    piped_input([])
     out = io.StringIO()
     missing = str(tmp_path / "missing.kv")
     loop = ChatLoop(tiny, config, 400, None, out=out, err=io.StringIO(), session=session_for(tiny), load_kv=missing)
@@ -427,8 +427,7 @@ def test_a_one_shot_chat_that_could_not_load_or_save_answers_nothing_and_says_so
     assert loop.run(interactive=False) == [f"--save_kv {protected}"] and protected.read_bytes() == b"keep"
 
 
-def test_save_and_load_in_the_chat_refuse_a_path_no_file_system_takes_and_the_chat_goes_on(tiny, tmp_path,
-                                                                                          monkeypatch):
+def test_save_and_load_in_the_chat_refuse_a_path_no_file_system_takes_and_the_chat_goes_on(tiny, piped_input):
     """/save and /load of a name past 255 bytes, or under a ~user who is no user here: a notice
     each (they were tracebacks that ended the chat), the next message answered, and a piped run
     reports the four as not done."""
@@ -439,15 +438,7 @@ def test_save_and_load_in_the_chat_refuse_a_path_no_file_system_takes_and_the_ch
 
     config = default_config(max_new_tokens=3, kv_type="fp32", local_windows_len=24)
     long_name, no_user = "n" * 300, "~ktlong-no-such-user/c.kv"
-    lines = iter([f"/save {long_name}", f"/load {long_name}", f"/save {no_user}", f"/load {no_user}", "hello"])
-
-    def fake_input(prompt=""):
-        line = next(lines, None)
-        if line is None:
-            raise EOFError
-        return line
-
-    monkeypatch.setattr("builtins.input", fake_input)
+    piped_input([f"/save {long_name}", f"/load {long_name}", f"/save {no_user}", f"/load {no_user}", "hello"])
     err = io.StringIO()
     loop = ChatLoop(tiny, config, 400, None, out=io.StringIO(), err=err, session=session_for(tiny))
     assert loop.run(interactive=False) == ["4 messages or commands of the piped input"]
