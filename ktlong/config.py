@@ -18,8 +18,8 @@ from pathlib import Path
 import yaml
 
 from ktlong.errors import ConfigError
-from ktlong.regular_file import user_path
 from ktlong.options import OPTIONS, SECTIONS, Option
+from ktlong.regular_file import user_path
 
 DEFAULT_FILE = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 

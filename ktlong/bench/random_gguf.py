@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from ktlong.errors import KtlongError
-from ktlong.regular_file import user_path
 from ktlong.models.random_model import SHAPES, random_config
+from ktlong.regular_file import user_path
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

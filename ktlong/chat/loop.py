@@ -133,10 +133,11 @@ class ChatLoop:
             self.notice("saving the KV cache needs --mode long_context")
             return False
         try:
-            target, reason, nbytes = rank_path(path, self.tp), "", 0
+            target = rank_path(path, self.tp)
         except KtlongError as e:  # a path no file system takes
             self.notice(f"not saved: {e}")
             return False
+        reason, nbytes = "", 0
         start = time.perf_counter()
         try:
             nbytes = save_cache(target, self.session, fingerprint(self.lm.path, self.session, self.config),
@@ -167,10 +168,11 @@ class ChatLoop:
             self.notice("loading a KV cache needs --mode long_context")
             return False
         try:
-            target, fp = rank_path(path, self.tp), fingerprint(self.lm.path, self.session, self.config)
+            target = rank_path(path, self.tp)
         except KtlongError as e:  # a path no file system takes
             self.notice(f"not loaded: {e}")
             return False
+        fp = fingerprint(self.lm.path, self.session, self.config)
         start, reason, turns = time.perf_counter(), "", []
 
         def why(e: Exception) -> str:  # a file saved for another count of ranks is named as such

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ktlong.errors import ConfigError
-from ktlong.regular_file import user_path
 from ktlong.kv.host_cache import HostKVCache, cache_bytes_for
 from ktlong.kv.shared_prefix import dram_held
+from ktlong.regular_file import user_path
 from ktlong.session.cache_records import CacheFileError, OtherSettings
 from ktlong.session.long_context import HeldConversation, LongContextSession
 from ktlong.session.prefix import cached_prefix
