@@ -124,6 +124,9 @@ def _checked_type(o: Option, value, where: str):
         return ""
     if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
         return value
+    if o.choices:  # e.g. a bare off, which YAML reads as false
+        raise ConfigError(f"Option '{o.name}' = {shown_value(o.name, value)} (from {where}) must be one of "
+                          f"{', '.join(o.choices)}.")
     raise ConfigError(f"Option '{o.name}' = {shown_value(o.name, value)} (from {where}) must be "
                       f"a{'n' if kind is int else ''} {kind.__name__}.")
 

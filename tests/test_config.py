@@ -259,6 +259,7 @@ def test_config_dataclass_rejects_wrong_types_directly():
     (["seed=1180591620717411303424"], ["'seed'", "at most 9223372036854775807"]),
     (["threads_num=100000"], ["'threads_num' = 100000", "cores"]),
     (["api_key=[1, 2]"], ["'api_key' = (hidden)", "must be a str"]),
+    (["cpu_engine=off"], ["'cpu_engine' = False", "must be one of auto, torch"]),  # YAML's off is false
 ])
 def test_values_that_would_crash_or_leak_are_refused_in_one_sentence(user_file, sets, needles):
     with pytest.raises(ConfigError) as e:
