@@ -281,6 +281,26 @@ def test_eval_and_perplexity_take_no_path_no_file_system_takes(no_user_file, cap
     one_sentence_error(capsys, *NO_USER_SAID)
 
 
+@pytest.mark.parametrize("engine", ["auto", "torch"])
+def test_normal_modes_cache_past_the_free_memory_is_refused_before_any_weight(no_user_file, capsys, monkeypatch,
+                                                                             engine):
+    """SmolLM2-135M's cache, 30 layers x 3 kv heads x 64 x keys and values in bfloat16, is 23,040
+    bytes a token: 10^12 tokens against 1 GiB free is one sentence with the size and the length
+    that fits (it was numpy's or torch's allocation traceback)."""
+    import local_chat
+    import ktlong.kv.memory_plan
+    import ktlong.models.loader
+
+    for loader in ("load_cpu_model", "load_model"):
+        monkeypatch.setattr(ktlong.models.loader, loader, lambda *a, **k: pytest.fail("a weight was read"))
+    monkeypatch.setattr(ktlong.kv.memory_plan, "available_dram_bytes", lambda field="MemAvailable": 1 << 30)
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert local_chat.main(["--max_seq_len", str(10**12), "--set", f"cpu_engine={engine}", "--device", "cpu"]) == 2
+    fits = (1 << 30) // 23040 // 1024 * 1024
+    one_sentence_error(capsys, f"needs {23040 * 10**12 / 2**30:,.1f} GiB of DRAM but 1.0 GiB is free",
+                       f"lower max_seq_len to about {fits:,}.")
+
+
 def test_a_prompt_file_that_is_a_folder_is_one_sentence(no_user_file, capsys, tmp_path):
     import local_chat
 

@@ -115,6 +115,9 @@ def start(config: Config, log=None, cpu_engine: bool = True) -> Started:
     if refusal is None:
         import numba
 
+        from ktlong.kv.memory_plan import available_dram_bytes, check_dense_cache
+
+        check_dense_cache(model_config, max_seq_len, 2, available_dram_bytes(), "DRAM")  # bfloat16 words
         numba.set_num_threads(decode_threads(config.threads_num, spare_core=False))
         lm = load_cpu_model(gf, model_config, template)
         _print_loaded(lm, "cpu (numpy and Numba)", max_seq_len, log)
@@ -131,6 +134,8 @@ def _print_loaded(lm, where: str, max_seq_len: int, log):
 
 def _start_torch(config: Config, gf, model_config, template, max_seq_len: int, refusal: str, log) -> Started:
     """refusal: why the CPU engine does not run this (empty: it was not asked to)."""
+    import torch
+
     from ktlong.device import resolve_device, resolve_dtype
     from ktlong.models.loader import load_model
     from ktlong.gguf.model_config import RopeOptions
@@ -158,8 +163,13 @@ def _start_torch(config: Config, gf, model_config, template, max_seq_len: int, r
         print(plan.describe(), file=log)
         plan.check()
         apply_threads(plan.threads, plan.torch_threads)
-    else:
-        resolve_dense_kv_dtype(config.kv_type, device, dtype)  # refused here, before any weight is read
+    else:  # refused here, before any weight is read
+        from ktlong.kv.memory_plan import available_dram_bytes, check_dense_cache
+
+        kv_dtype = resolve_dense_kv_dtype(config.kv_type, device, dtype)
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_dram_bytes()
+        check_dense_cache(model_config, max_seq_len, kv_dtype.itemsize, free,
+                          "GPU memory" if device.type == "cuda" else "DRAM")
         apply_threads(decode_threads(config.threads_num, spare_core=device.type != "cpu"), config.threads_num)
     lm = load_model(config.model, device, dtype, RopeOptions.of(config), tp, template, CpuWeights.of(config))
     _print_loaded(lm, str(device), max_seq_len, log)
