@@ -20,6 +20,7 @@ from ktlong.cli import parse_lengths, print_error, print_table
 from ktlong.eval.tasks import TASKS
 from ktlong.regular_file import user_path
 
+MAX_SAMPLES = 10_000  # per cell: RULER runs hundreds; their list is made before the first runs
 WHY_OPTIONS = "runs each task greedily in long-context mode at the --lengths given"  # what no option changes
 
 
@@ -105,8 +106,8 @@ def main(argv=None) -> int:
             raise bad_depths from None
         if not all(0 <= d <= 1 for ds in depths.values() for d in ds):
             raise bad_depths
-        if args.samples < 1:
-            raise KtlongError(f"--samples {args.samples}: use at least 1.")
+        if not 1 <= args.samples <= MAX_SAMPLES:  # each (length, depth) cell's list is made first
+            raise KtlongError(f"--samples {args.samples}: use 1 to {MAX_SAMPLES:,} per cell.")
         lengths = parse_lengths(args.lengths)
         out = user_path(args.out)
         if out.exists() and not out.is_dir():
