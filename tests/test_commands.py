@@ -36,6 +36,7 @@ def one_sentence_error(capsys, *needles):
     (["decode", "--contexts", "0"], ["'0'"]),
     (["decode", "--batch", "2,x"], ["--batch", "1,2,4,8", "2,x"]),
     (["decode", "--selection_drift", "1.5"], ["--selection_drift", "from 0 to 1", "1.5"]),
+    (["decode", "--tokens", "999999999999"], ["--tokens", "from 1 to 4,096"]),  # not the batch's DRAM
     (["decode", "--device", "cpu", "--contexts", "1m", "--batch", "256"], ["--batch 256", "fit in this machine's DRAM"]),
     (["decode-op", "--contexts", "big"], ["'big'"]),
     (["kept-keys", "--depth", "2"], ["--depth", "0..1"]),

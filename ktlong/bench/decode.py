@@ -64,6 +64,7 @@ from operators.kv_quant import quantize_kv
 # context attention and graphs, and preselection is off (the cache holds random K/V, no prompt);
 # resident_history and chunk_size decide the layers whose rows stay on the GPU (resident_copies)
 PROFILE_STEPS = 8  # steps of a row run under torch.profiler with --profile
+MAX_TIMED_TOKENS = 4096  # decode steps timed per row: each extends every conversation's cache by one
 READS = (options_in("KV cache and sparse decode") - {"context_attention", "preselect_block", "preselect_block_count"}
          | {"resident_history", "chunk_size"})
 
@@ -236,6 +237,9 @@ def main(argv=None) -> int:
     unknown = set(modes) - set(MODES)
     if unknown:
         p.error(f"unknown mode {', '.join(sorted(unknown))}; choose from {', '.join(MODES)}")
+    if not 1 <= args.tokens <= MAX_TIMED_TOKENS:
+        raise KtlongError(f"--tokens is the decode steps timed per row, from 1 to {MAX_TIMED_TOKENS:,} (got "
+                          f"{args.tokens}).")
     if args.selection_drift is not None and not 0.0 <= args.selection_drift <= 1.0:
         raise KtlongError(f"--selection_drift is the share of blocks kept, from 0 to 1 (got {args.selection_drift}).")
     if not cuda and any(m.startswith("graphs") for m in modes):
