@@ -233,7 +233,7 @@ def check_dense_cache(c: ModelConfig, max_seq_len: int, element_bytes: int, free
     per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * element_bytes
     need = per_token * padded_length(max_seq_len)
     if need > free_bytes:
-        fits = max(free_bytes // per_token // 1024 * 1024, 0)
+        fits = free_bytes // per_token // 1024 * 1024
         elsewhere = ", or use --mode long_context (the cache in DRAM)" if where != "DRAM" else ""
         raise ConfigError(f"Normal mode's KV cache for max_seq_len {max_seq_len:,} needs {need / GIB:,.1f} GiB of "
                           f"{where} but {free_bytes / GIB:,.1f} GiB is free; lower max_seq_len to about "
