@@ -290,12 +290,12 @@ def test_normal_modes_cache_past_the_free_memory_is_refused_before_any_weight(no
     bytes a token: 10^12 tokens against 1 GiB free is one sentence with the size and the length
     that fits (it was numpy's or torch's allocation traceback)."""
     import local_chat
-    import ktlong.kv.memory_plan
+    import ktlong.kv.free_memory
     import ktlong.models.loader
 
     for loader in ("load_cpu_model", "load_model"):
         monkeypatch.setattr(ktlong.models.loader, loader, lambda *a, **k: pytest.fail("a weight was read"))
-    monkeypatch.setattr(ktlong.kv.memory_plan, "available_dram_bytes", lambda field="MemAvailable": 1 << 30)
+    monkeypatch.setattr(ktlong.kv.free_memory, "available_dram_bytes", lambda field="MemAvailable": 1 << 30)
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     assert local_chat.main(["--max_seq_len", str(10**12), "--set", f"cpu_engine={engine}", "--device", "cpu"]) == 2
     fits = (1 << 30) // 23040 // 1024 * 1024

@@ -194,7 +194,7 @@ def test_config_show_plan_prints_the_resolved_plan(user_file, capsys, smollm2_pa
     """The plan for the named model on this machine (the CPU here): every auto resolved, as
     local_chat prints it at start-up."""
     from ktlong.config_command import main
-    from ktlong.kv.memory_plan import available_dram_bytes
+    from ktlong.kv.free_memory import available_dram_bytes
 
     assert main(["show", "--plan", "--model", "smollm2-135m", "--set", "max_seq_len=4096",
                  "--set", "kv_type=q8_0"]) == 0

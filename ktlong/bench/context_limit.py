@@ -17,7 +17,7 @@ import torch
 from ktlong.cli import print_table
 from ktlong.config import load_config, parse_set, refuse_unread
 from ktlong.errors import KtlongError
-from ktlong.kv.memory_plan import GIB, available_dram_bytes
+from ktlong.kv.free_memory import GIB, available_dram_bytes
 from ktlong.models.random_model import SHAPES, num_weight_elements, random_config
 from ktlong.parallel.shard import shard_config
 from ktlong.session.plan import plan_session, resolve_chunk_size

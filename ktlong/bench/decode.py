@@ -49,7 +49,8 @@ from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.layout import kv_layout
 from cpu_ops.anchors import anchors_per_block
 from ktlong.decode.device_anchors import scores_on_device
-from ktlong.kv.memory_plan import GIB, available_dram_bytes, plan_memory
+from ktlong.kv.free_memory import GIB, available_dram_bytes
+from ktlong.kv.memory_plan import plan_memory
 from ktlong.kv.resident import ResidentHistory
 from ktlong.kv.shared_prefix import dram_held, granularity, shareable_blocks
 from ktlong.session.long_context import RESIDENT_MARGIN

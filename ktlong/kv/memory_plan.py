@@ -1,6 +1,5 @@
 """Plan GPU and DRAM bytes for a long-context run before any weight is read, and refuse what
-cannot fit with the numbers and the option that would make it fit; and normal mode's one check,
-its whole KV cache against the free memory."""
+cannot fit with the numbers and the option that would make it fit."""
 
 from __future__ import annotations
 
@@ -9,11 +8,10 @@ from dataclasses import dataclass
 
 from ktlong.errors import ConfigError
 from ktlong.kv.layout import SINK_BLOCKS, KVLayout
+from ktlong.kv.free_memory import GIB, available_dram_bytes
 from ktlong.kv.shared_prefix import shareable_blocks, shared_prefix_bytes
-from ktlong.kv.word_cache import padded_length
 from ktlong.gguf.model_config import ModelConfig
 
-GIB = 1 << 30
 ATTENTION_WORKSPACE = 256 << 20  # FlashInfer's float workspace plus its int buffers
 
 
@@ -212,32 +210,6 @@ def dram_limit(device_is_gpu: bool) -> int:
     what is free now, and with a GPU at most what CUDA page-locks (PINNABLE of all of it)."""
     free = available_dram_bytes()
     return min(free, int(PINNABLE * available_dram_bytes("MemTotal"))) if device_is_gpu else free
-
-
-def available_dram_bytes(field: str = "MemAvailable") -> int:
-    """Free DRAM (or, with field MemTotal, all of it) as /proc/meminfo says."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62  # unknown: do not refuse
-
-
-def check_dense_cache(c: ModelConfig, max_seq_len: int, element_bytes: int, free_bytes: int, where: str):
-    """Normal mode's KV cache (keys and values of every layer for max_seq_len tokens, in whole
-    blocks), refused before any weight is read where it alone is more than the free memory: an
-    allocation that large fails with a traceback, or takes what the weights need."""
-    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * element_bytes
-    need = per_token * padded_length(max_seq_len)
-    if need > free_bytes:
-        fits = free_bytes // per_token // 1024 * 1024
-        elsewhere = ", or use --mode long_context (the cache in DRAM)" if where != "DRAM" else ""
-        raise ConfigError(f"Normal mode's KV cache for max_seq_len {max_seq_len:,} needs {need / GIB:,.1f} GiB of "
-                          f"{where} but {free_bytes / GIB:,.1f} GiB is free; lower max_seq_len to about "
-                          f"{fits:,}{elsewhere}.")
 
 
 def check_plan(plan: MemoryPlan, budget_bytes: int, device_is_gpu: bool, free_dram: int,

@@ -24,7 +24,8 @@ from ktlong.decode.selection import SelectionSettings
 from ktlong.errors import KtlongError
 from ktlong.gguf.model_config import ModelConfig
 from ktlong.kv.layout import KVLayout, model_kv_layout
-from ktlong.kv.memory_plan import GIB, MemoryPlan, available_dram_bytes, check_plan, plan_memory
+from ktlong.kv.free_memory import available_dram_bytes
+from ktlong.kv.memory_plan import GIB, MemoryPlan, check_plan, plan_memory
 from ktlong.prefill import resolve_backend
 from ktlong.session.chunked import resolve_chunk_size
 from ktlong.session.settings import compact_params, selection_settings, split_arm

@@ -115,7 +115,7 @@ def start(config: Config, log=None, cpu_engine: bool = True) -> Started:
     if refusal is None:
         import numba
 
-        from ktlong.kv.memory_plan import available_dram_bytes, check_dense_cache
+        from ktlong.kv.free_memory import available_dram_bytes, check_dense_cache
 
         check_dense_cache(model_config, max_seq_len, 2, available_dram_bytes(), "DRAM")  # bfloat16 words
         numba.set_num_threads(decode_threads(config.threads_num, spare_core=False))
@@ -164,7 +164,7 @@ def _start_torch(config: Config, gf, model_config, template, max_seq_len: int, r
         plan.check()
         apply_threads(plan.threads, plan.torch_threads)
     else:  # refused here, before any weight is read
-        from ktlong.kv.memory_plan import available_dram_bytes, check_dense_cache
+        from ktlong.kv.free_memory import available_dram_bytes, check_dense_cache
 
         kv_dtype = resolve_dense_kv_dtype(config.kv_type, device, dtype)
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_dram_bytes()
