@@ -1,8 +1,8 @@
-"""A path a user names, taken as one: ~ expanded, and a name longer than a file system allows
-refused in one sentence (pathlib's checks raise on such a path, where they answer False on a
-missing one). Opening a file a user names, which must be a regular file: a pipe would block the
-open or the read, a device (/dev/zero) would never end, a folder cannot be read as one. Writing
-one whole: beside it (as .NAME.PID.XXXX.tmp), then renamed over it."""
+"""A path a user names, taken as one: ~ expanded, and a ~user of no user here or a name longer
+than a file system allows refused in one sentence (pathlib's checks raise on such a path, where
+they answer False on a missing one). Opening a file a user names, which must be a regular file:
+a pipe would block the open or the read, a device (/dev/zero) would never end, a folder cannot be
+read as one. Writing one whole: beside it (as .NAME.PID.XXXX.tmp), then renamed over it."""
 
 from __future__ import annotations
 
@@ -24,15 +24,16 @@ def user_path(text: str | os.PathLike) -> Path:
     the whole, is longer than a file system takes, or it holds a NUL character."""
     typed = os.fspath(text)
     path = Path(os.path.expanduser(typed))
-    shown = str(path) if len(str(path)) <= 80 else f"{str(path)[:60]}...({len(str(path)):,} characters)"
-    if typed.startswith("~") and str(path).startswith("~"):
+    full = str(path)
+    shown = full if len(full) <= 80 else f"{full[:60]}...({len(full):,} characters)"
+    if typed.startswith("~") and full.startswith("~"):
         user = typed[1:].split(os.sep, 1)[0]
         raise KtlongError(f"The path {shown} begins with ~{user}, but this machine has no user {user!r}; write "
                           "the path in full.")
-    if "\0" in str(path):
+    if "\0" in full:
         raise KtlongError(f"The path {shown!r} holds a NUL character; check the path.")
     longest = max((len(part.encode("utf-8", "surrogateescape")) for part in path.parts), default=0)
-    if longest > NAME_MAX or len(str(path).encode("utf-8", "surrogateescape")) >= PATH_MAX:
+    if longest > NAME_MAX or len(full.encode("utf-8", "surrogateescape")) >= PATH_MAX:
         raise KtlongError(f"The path {shown} is longer than a file system takes ({NAME_MAX} bytes a name, "
                           f"{PATH_MAX:,} in all); check the path.")
     return path
