@@ -17,12 +17,12 @@ from tests.tiny_gguf import TinySpec, tiny_model
 
 B = 16
 PROMPTS = (200, 263, 150)  # tokens: three conversations of different lengths
-STEPS = 9
+STEPS = 5
 # (first step, last step + 1) of each conversation in the batch, in the batch's own steps: the
-# first joins at step 2, the third leaves at 5 and the second at 7; the batch of two at step 5
+# first joins at step 1, the third leaves at 3 and the second at 4; the batch of two at step 3
 # (the first and second) takes the body of the one before (the second and third), each row
 # another conversation's
-ACTIVE = ((2, STEPS), (0, 7), (0, 5))
+ACTIVE = ((1, STEPS), (0, 4), (0, 3))
 
 # the batch's kernels run here on CPU tensors, in Triton's interpreter, which tests/conftest.py
 # turns on only where there is no GPU; on a GPU, tests/test_gpu_batched_decode.py runs them
@@ -68,7 +68,7 @@ CASES = {
                                                                       layer_step=2, dense_layer_num=1)),
     # the selected blocks' kernel and the selection's (scores, top-k, rows: as on a GPU, in
     # Triton's interpreter here): one launch a layer for the batch, each conversation's own
-    # selection, copies and kept slots (50 s here: the one case of it); its dense layer reads every
+    # selection, copies and kept slots (the slowest case here); its dense layer reads every
     # block each conversation's anchors reach, and its anchors reach as far as its own prompt and
     # answer: selections and scores of different widths (12 blocks, but the shortest reaches 10:
     # its top-k and kept slots are narrower)
@@ -126,9 +126,9 @@ def test_a_batch_with_joins_and_leaves_equals_each_conversation_alone(tiny, case
                 logits[i].append(out[row].clone())
     finally:
         tiny.model.logits = heads
-    # the device selecting, the batch of two at step 5 stepped with the body of the one before,
+    # the device selecting, the batch of two at step 3 stepped with the body of the one before,
     # its kernels' tables written from the addresses of that one's members
-    assert rebound == ([5] if options.get("context_attention") == "gpu" else [])
+    assert rebound == ([3] if options.get("context_attention") == "gpu" else [])
     # one pass over the output head per step, with every member's row in it
     assert passes == [sum(first <= s < stop for first, stop in ACTIVE) for s in range(STEPS)]
     assert max(passes) == 3
