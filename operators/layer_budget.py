@@ -80,6 +80,6 @@ class LayerBudgets:
         self.needs.append(need)
         mean = sum(self.needs) / len(self.needs)
         count = BUDGET_STEP * round(self.keep_blocks * need / max(mean, 1e-9) / BUDGET_STEP)
-        count = min(max(count, self.keep_blocks, self.least, 1), 2 * self.keep_blocks)
+        count = min(max(count, self.keep_blocks, self.least), 2 * self.keep_blocks)
         self.counts[layer] = count
         return count
