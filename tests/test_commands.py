@@ -303,6 +303,26 @@ def test_normal_modes_cache_past_the_free_memory_is_refused_before_any_weight(no
                        f"lower max_seq_len to about {fits:,}.")
 
 
+@pytest.mark.gpu
+def test_normal_modes_cache_past_the_free_gpu_memory_is_refused_before_any_weight(no_user_file, capsys, monkeypatch,
+                                                                                 tmp_path):
+    """On a GPU the cache is held to the GPU's free memory (torch.cuda.mem_get_info, not the DRAM):
+    a tiny model's cache, 2 layers x 2 kv heads x 16 x keys and values in bfloat16 (the model's
+    dtype), is 256 bytes a token; 10^12 tokens against 1 GiB free is one sentence."""
+    import local_chat
+    import ktlong.models.loader
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, TinySpec(), seed=1)
+    monkeypatch.setattr(ktlong.models.loader, "load_model", lambda *a, **k: pytest.fail("a weight was read"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 30, 1 << 37))
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert local_chat.main(["--model", str(path), "--device", "cuda", "--max_seq_len", str(10**12)]) == 2
+    fits = (1 << 30) // 256 // 1024 * 1024
+    one_sentence_error(capsys, f"needs {256 * 10**12 / 2**30:,.1f} GiB of GPU memory but 1.0 GiB is free",
+                       f"lower max_seq_len to about {fits:,}, or use --mode long_context")
+
+
 def test_a_prompt_file_that_is_a_folder_is_one_sentence(no_user_file, capsys, tmp_path):
     import local_chat
 
