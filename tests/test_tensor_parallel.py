@@ -3,6 +3,7 @@
 selection; refusals come before any weight is read."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -188,16 +189,23 @@ def test_two_gpus_over_nccl_give_the_logits_of_one(tiny_path, tmp_path, monkeypa
         assert np.abs(other - got).max() == 0
 
 
-def test_a_saved_cache_under_torchrun_is_a_part_a_rank_and_reads_back_as_one_process_goes_on(tiny_path, tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_saved_cache_under_torchrun_is_a_part_a_rank_and_reads_back_as_one_process_goes_on(tiny_path, tmp_path,
+                                                                                           device):
     """Each rank writes its kv heads' part of the cache (PATH.rank0-of-2, PATH.rank1-of-2); two
-    ranks started again from them answer the next question as one process that never stopped
-    answers it. A missing part is refused on every rank, naming the rank and the file, and the
-    command exits non-zero."""
+    ranks started again from them answer the next question as a chat that never stopped answers
+    it: one process on the CPU (float32 sums alike), two ranks on two GPUs (bfloat16's partial
+    sums round otherwise on one GPU). A missing part is refused on every rank, naming the rank and
+    the file, and the command exits non-zero."""
+    import torch
+
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (nvidia-h200-x2)")
     doc = tmp_path / "doc.txt"
     doc.write_text(" ".join(f"w{i % 97}" for i in range(70)) + "\n")
     saved = tmp_path / "chat.kv"
     env = {"XDG_CONFIG_HOME": str(tmp_path)}
-    options = ["--model", tiny_path, "--device", "cpu", "--mode", "long_context", "--max_new_tokens", "12",
+    options = ["--model", tiny_path, "--device", device, "--mode", "long_context", "--max_new_tokens", "12",
                "--set", "block_size=16", "--set", "local_windows_len=64", "--set", "chunk_size=128"]
 
     def chat(ranks: int, lines: str, *more):
@@ -214,10 +222,15 @@ def test_a_saved_cache_under_torchrun_is_a_part_a_rank_and_reads_back_as_one_pro
     assert parts == ["chat.kv.rank0-of-2", "chat.kv.rank1-of-2"]
     again = chat(2, "w5 w6 w7\n", "--load_kv", saved)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "[loaded 297 tokens of KV cache" in again.stderr and "(286 from the cache" in again.stderr
-    one = chat(1, "\nw5 w6 w7\n", "--prompt_file", doc)
+    one = chat(1 if device == "cpu" else 2, "\nw5 w6 w7\n", "--prompt_file", doc)
     assert one.returncode == 0, one.stderr[-3000:]
-    assert again.stdout.splitlines() == one.stdout.splitlines()[-1:]  # the third answer, one process's
+    assert again.stdout.splitlines() == one.stdout.splitlines()[-1:]  # the third answer, the reference's
+    reused = re.findall(r"\((\d+) from the cache, (\d+) prefilled\)", one.stderr)[-1]
+    assert re.findall(r"\((\d+) from the cache, (\d+) prefilled\)", again.stderr) == [reused]
+    loaded = int(re.search(r"\[loaded (\d+) tokens of KV cache", again.stderr)[1])
+    assert int(reused[0]) <= loaded
+    if device == "cpu":  # the known counts of this prompt's one-process run
+        assert (loaded, reused[0]) == (297, "286")
     (tmp_path / "chat.kv.rank1-of-2").unlink()
     missing = chat(2, "w5 w6 w7\n", "--load_kv", saved)
     assert missing.returncode != 0 and not missing.stdout
