@@ -39,6 +39,18 @@ def one_sentence_error(capsys, *needles):
     (["decode", "--tokens", "999999999999"], ["--tokens", "from 1 to 4,096"]),  # not the batch's DRAM
     (["decode", "--device", "cpu", "--contexts", "1m", "--batch", "256"], ["--batch 256", "fit in this machine's DRAM"]),
     (["decode-op", "--contexts", "big"], ["'big'"]),
+    # counts bounded before the work: these were an allocation's traceback (top_k, contexts), a
+    # broadcast's (a window past the context) or a loop for years (reps, runs, repeats, prompts)
+    (["decode-op", "--top_k", "99999999999"], ["--top_k", "from 1 to 4,096", "99,999,999,999"]),
+    (["decode-op", "--contexts", "32k", "--local", "32768"], ["--local", "from 0 to 32,640", "32,768"]),
+    (["decode-op", "--contexts", "99999999k"], ["GiB of DRAM", "use shorter contexts"]),
+    (["decode-op", "--reps", "0"], ["--reps", "from 1 to 1,000"]),
+    (["cpu-weights", "--runs", "101"], ["--runs", "from 1 to 100"]),
+    (["structured", "--runs", "99999999999"], ["--runs", "from 1 to 100"]),
+    (["prefill", "--runs", "0"], ["--runs", "from 1 to 100"]),
+    (["follow-up", "--repeats", "99999999999"], ["--repeats", "from 1 to 100"]),
+    (["kv-fidelity", "--prompts", "99999999999"], ["--prompts", "from 1 to 10,000"]),
+    (["selection-drift", "--tokens", "8", "--window", "9"], ["--window", "at most --tokens", "from 1 to 8"]),
     (["kept-keys", "--depth", "2"], ["--depth", "0..1"]),
     (["kept-keys", "--set", "api_key=x"], ["api_key", "leave it out"]),
     (["decode", "--device", "cpu", "--modes", "hybrid,graphs"], ["graphs modes", "need a GPU"]),

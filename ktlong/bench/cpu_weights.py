@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from ktlong.bench.common import median
+from ktlong.bench.common import RUNS, in_range, median
 from ktlong.bench.cpu_engine_arm import time_session
 from ktlong.cli import parse_lengths, print_table
 from ktlong.config import load_config, parse_set, refuse_unread
@@ -88,8 +88,8 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="kv_type (the cache's storage) or chunk_size")
     p.add_argument("--arm", choices=list(ARMS), help=argparse.SUPPRESS)  # one run, in a child process
     args = p.parse_args(argv)
-    if args.runs < 1 or args.tokens < 1:
-        raise KtlongError("--runs and --tokens must be at least 1.")
+    in_range("--runs", args.runs, 1, RUNS, "the runs per arm and length")
+    in_range("--tokens", args.tokens, 1, 4096, "the tokens decoded per run")
     lengths = parse_lengths(args.lengths)
     overrides = parse_set(args.set)
     refuse_unread(overrides, READS, "python -m ktlong.bench cpu-weights", "runs normal mode at fixed lengths")

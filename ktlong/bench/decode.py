@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from ktlong.bench.common import time_cuda
+from ktlong.bench.common import in_range, time_cuda
 from ktlong.bench.profile_table import print_profile
 from ktlong.cli import parse_lengths, print_table
 from ktlong.bench.drifting_selection import DriftingSelection
@@ -238,9 +238,7 @@ def main(argv=None) -> int:
     unknown = set(modes) - set(MODES)
     if unknown:
         p.error(f"unknown mode {', '.join(sorted(unknown))}; choose from {', '.join(MODES)}")
-    if not 1 <= args.tokens <= MAX_TIMED_TOKENS:
-        raise KtlongError(f"--tokens is the decode steps timed per row, from 1 to {MAX_TIMED_TOKENS:,} (got "
-                          f"{args.tokens}).")
+    in_range("--tokens", args.tokens, 1, MAX_TIMED_TOKENS, "the decode steps timed per row")
     if args.selection_drift is not None and not 0.0 <= args.selection_drift <= 1.0:
         raise KtlongError(f"--selection_drift is the share of blocks kept, from 0 to 1 (got {args.selection_drift}).")
     if not cuda and any(m.startswith("graphs") for m in modes):

@@ -12,6 +12,7 @@ every block selected.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numba as nb
@@ -22,8 +23,10 @@ from cpu_ops.block_select import block_scores, select_blocks
 from cpu_ops.kv_storage import StoredKV, encode
 from cpu_ops.sparse_attention import sparse_attention
 from cpu_ops.threads import set_decode_threads
-from ktlong.bench.common import median
+from ktlong.bench.common import in_range, median
 from ktlong.cli import parse_lengths, print_table
+from ktlong.errors import KtlongError
+from ktlong.kv.free_memory import GIB, available_dram_bytes
 
 KV, H, D, B = 8, 32, 128, 128
 
@@ -78,6 +81,18 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0, help="Numba threads (0 = every core but one)")
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args(argv)
+    contexts = parse_lengths(args.contexts)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    in_range("--top_k", args.top_k, 1, 4096, "the blocks each kv head selects")
+    in_range("--local", args.local, 0, min(contexts) - B, "the window's tokens, a block below the shortest context")
+    in_range("--threads", args.threads, 0, cores, "the Numba threads (0: every core but one)")
+    in_range("--reps", args.reps, 1, 1000, "the timed repetitions of each row")
+    # keys and values of 2 bytes or fewer, one head's float32 values while they are encoded, and
+    # the 1 GiB the streaming read measures
+    need = 2 * KV * max(contexts) * D * 2 + max(contexts) * D * 4 + GIB
+    if need > available_dram_bytes():
+        raise KtlongError(f"--contexts up to {max(contexts):,} tokens need {need / GIB:.1f} GiB of DRAM but "
+                          f"{available_dram_bytes() / GIB:.1f} GiB is free; use shorter contexts.")
     threads = set_decode_threads(args.threads)
     rng = np.random.default_rng(0)
     print(f"{threads} threads; {KV} kv heads, {H} q heads, d {D}, "
@@ -85,7 +100,7 @@ def main(argv=None) -> int:
           "stream: a Numba streaming read of 1 GiB, measured just before each row's attention")
     rows = []
     q = rng.standard_normal((H, D), dtype=np.float32)
-    for context in parse_lengths(args.contexts):
+    for context in contexts:
         num_blocks = context // B
         k, v = random_storage(num_blocks, args.kv_type, rng), random_storage(num_blocks, args.kv_type, rng)
         anchors = to_bf16(rng.standard_normal((KV, num_blocks, 1, D), dtype=np.float32))

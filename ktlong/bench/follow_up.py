@@ -24,7 +24,7 @@ import time
 import torch
 
 from ktlong.bench.call_sites import CallSites, print_call_sites
-from ktlong.bench.common import median
+from ktlong.bench.common import RUNS, in_range, median
 from ktlong.bench.profile_table import print_profile
 from ktlong.cli import parse_lengths, print_table
 from ktlong.config import load_config, options_in, parse_set, refuse_unread
@@ -130,6 +130,8 @@ def main(argv=None) -> int:
                    "(no model): the disk rates, at any length, on any machine")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config option")
     args = p.parse_args(argv)
+    in_range("--repeats", args.repeats, 1, RUNS, "the runs of re-prefill and of reuse")
+    in_range("--question", args.question, 1, 1 << 16, "the follow-up question's tokens")
     overrides = parse_set(args.set)
     refuse_unread(overrides, READS, "python -m ktlong.bench follow-up",
                   "measures a session's prefill and follow-ups on random weights, without generating text")

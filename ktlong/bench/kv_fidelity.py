@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ktlong.bench.common import median
+from ktlong.bench.common import in_range, median
 from ktlong.cli import parse_lengths, print_table
 from ktlong.chat.conversation import Conversation
 from ktlong.config import load_config, parse_set, refuse_unread
@@ -68,9 +68,9 @@ def main(argv=None) -> int:
     overrides.update(model=(args.model, "--model"), device=(args.device, "--device"))
     config = load_config(overrides=overrides, write_user_file=False)
     kv_types = [t.strip() for t in args.kv_types.split(",")]
-    if not set(kv_types) <= {"q8_0", "q4_0", "fp16"} or args.prompts < 1:
-        raise KtlongError(f"--kv_types {args.kv_types!r} --prompts {args.prompts}: compare q8_0, q4_0 or fp16 "
-                          "with bf16 over at least one prompt.")
+    if not set(kv_types) <= {"q8_0", "q4_0", "fp16"}:
+        raise KtlongError(f"--kv_types {args.kv_types!r}: compare q8_0, q4_0 or fp16 with bf16.")
+    in_range("--prompts", args.prompts, 1, 10_000, "the prompts per length")
     lengths = parse_lengths(args.lengths)
     device = resolve_device(config.device)
     lm = load_model(config.model, device, resolve_dtype(config.dtype, device), RopeOptions.of(config))

@@ -16,10 +16,10 @@ import argparse
 
 import torch
 
+from ktlong.bench.common import RUNS, in_range
 from ktlong.cli import parse_lengths, print_table
 from ktlong.config import load_config, options_in, parse_set, refuse_unread
 from ktlong.device import resolve_device
-from ktlong.errors import KtlongError
 from ktlong.kv.host_cache import HostKVCache
 from ktlong.kv.memory_plan import GIB
 from ktlong.models.random_model import SHAPES, num_weight_elements, random_config, random_model
@@ -55,8 +55,7 @@ def main(argv=None) -> int:
                    "figure is the median over them")
     args = p.parse_args(argv)
     quiet_unless_main()
-    if args.runs < 1:
-        raise KtlongError(f"--runs {args.runs}: run each arm at least once.")
+    in_range("--runs", args.runs, 1, RUNS, "the runs of each arm")
     overrides = parse_set(args.set)
     refuse_unread(overrides, READS, "python -m ktlong.bench prefill",
                   "measures prefill on random weights, which reads the prefill options and the KV layout")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ktlong.bench.common import in_range
 from ktlong.errors import KtlongError
 from ktlong.models.random_model import SHAPES, random_config
 from ktlong.regular_file import user_path
@@ -105,8 +106,7 @@ def main(argv=None) -> int:
         raise KtlongError(f"{out} exists; name a new file for --out.")
     if not out.parent.is_dir():
         raise KtlongError(f"{out.parent} is not a folder; name a file in an existing folder for --out.")
-    if not 1024 <= args.context <= 1 << 24:
-        raise KtlongError(f"--context is the tokens the file declares, from 1,024 to 16,777,216 (got {args.context}).")
+    in_range("--context", args.context, 1024, 1 << 24, "the tokens the file declares")
     c = random_config(args.shape)
     size = 2 * (2 * c.vocab_size * c.hidden_size + c.num_layers * c.layer_matrix_elements)
     print(f"writing {args.shape} random float16 weights, {size / 2**30:.1f} GiB, to {out}", flush=True)

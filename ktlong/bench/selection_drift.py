@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ktlong.cli import parse_lengths, print_table
-from ktlong.bench.common import long_context_config
+from ktlong.bench.common import in_range, long_context_config
 from ktlong.config import greedy_session_options
 from ktlong.errors import KtlongError
 
@@ -72,8 +72,8 @@ def main(argv=None) -> int:
     config = long_context_config(args, READS, "selection-drift",
                                  "records decode's block selection on a long-context needle prompt, greedily")
     length = parse_lengths(args.length)[0]
-    if args.tokens < 2 or args.window < 1:
-        raise KtlongError("--tokens must be at least 2 and --window at least 1.")
+    in_range("--tokens", args.tokens, 2, 1 << 16, "the tokens decoded")
+    in_range("--window", args.window, 1, args.tokens, "the tokens whose blocks a cache would keep, at most --tokens")
     started = start(config)
     lm, session = started.lm, started.session
     if length + args.tokens >= started.max_seq_len:

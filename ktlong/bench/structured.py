@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from ktlong.bench.common import median
+from ktlong.bench.common import RUNS, in_range, median
 from ktlong.chat.constrained import JsonConstraint, json_grammar
 from ktlong.chat.conversation import Conversation
 from ktlong.chat.generate import generate
@@ -69,8 +69,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None, help="auto, cpu, cuda")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config option")
     args = p.parse_args(argv)
-    if args.runs < 1 or args.tokens < 2:
-        raise KtlongError("--runs must be at least 1 and --tokens at least 2.")
+    in_range("--runs", args.runs, 1, RUNS, "the runs per arm and length")
+    in_range("--tokens", args.tokens, 2, 4096, "the tokens the free arm decodes")
     overrides = parse_set(args.set)
     refuse_unread(overrides, greedy_session_options(), "python -m ktlong.bench structured",
                   "decodes greedily in long-context mode at the --lengths given")
