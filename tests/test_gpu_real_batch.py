@@ -57,13 +57,17 @@ def test_eight_conversations_over_three_long_documents_answer_as_each_alone(qwen
     def leave():
         return session.detach(HostKVCache(session.layout, pin=True))
 
-    alone, held = [], []  # each decoded alone, then out of the session (its blocks for the next)
+    # each decoded alone, then out of the session (its blocks for the next) and parked as the
+    # server's cache store parks an answer that is done: its decoder's device anchors go when
+    # the conversations decoded together below need the room (the pool holds max_num_seqs')
+    alone, held = [], []
     for i in range(len(DOCS)):
         tokens = [prefill(i, held)[0]]
         while len(tokens) < ANSWER:
             tokens.append(greedy(session.step(tokens[-1])))
         alone.append(tokens)
         held.append(leave())
+        session.park(held[-1])
     session.reset()
 
     conversations, first, shared = [], [], []  # the same, decoded together
