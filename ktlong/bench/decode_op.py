@@ -12,7 +12,6 @@ every block selected.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import numba as nb
@@ -22,7 +21,7 @@ from cpu_ops.bf16 import to_bf16
 from cpu_ops.block_select import block_scores, select_blocks
 from cpu_ops.kv_storage import StoredKV, encode
 from cpu_ops.sparse_attention import sparse_attention
-from cpu_ops.threads import set_decode_threads
+from cpu_ops.threads import set_decode_threads, usable_cores
 from ktlong.bench.common import in_range, median
 from ktlong.cli import parse_lengths, print_table
 from ktlong.errors import KtlongError
@@ -82,10 +81,9 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args(argv)
     contexts = parse_lengths(args.contexts)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     in_range("--top_k", args.top_k, 1, 4096, "the blocks each kv head selects")
     in_range("--local", args.local, 0, min(contexts) - B, "the window's tokens, a block below the shortest context")
-    in_range("--threads", args.threads, 0, cores, "the Numba threads (0: every core but one)")
+    in_range("--threads", args.threads, 0, usable_cores(), "the Numba threads (0: every core but one)")
     in_range("--reps", args.reps, 1, 1000, "the timed repetitions of each row")
     # keys and values of 2 bytes or fewer, one head's float32 values while they are encoded, and
     # the 1 GiB the streaming read measures
