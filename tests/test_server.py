@@ -396,6 +396,22 @@ def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path):
     assert "loaded" not in bad.stderr and "Traceback" not in bad.stderr and time.perf_counter() - start < 30
 
 
+@pytest.mark.parametrize("argv,said", [
+    (["--cache_dir", "{tmp}"], "cache_dir keeps long-context caches: add --mode long_context"),
+    (["--cache_dir", "{tmp}", "--mode", "long_context", "--tensor_parallel", "2"], "Under torchrun the server keeps no"),
+])
+def test_a_cache_dir_the_server_cannot_keep_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys, argv,
+                                                                              said):
+    import ktlong.session.startup
+    from ktlong.server.__main__ import main
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setattr(ktlong.session.startup, "start", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main([a.format(tmp=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
 def test_a_signal_ends_a_stream_with_an_error_event_and_the_server_within_seconds(tmp_path, signal_name):
     import signal

@@ -71,23 +71,31 @@ def cache_store(config, started, session, log=None):
     from ktlong.server.cache_store import CacheStore
     from ktlong.session.saved_cache import fingerprint
 
+    check_cache_dir(config)
     if started.tp is not None:
-        if config.cache_dir:
-            raise ConfigError("Under torchrun the server keeps no cache of conversations on disk; drop --cache_dir, "
-                              "or serve in one process.")
         return None
-    usable = started.session is not None and session.saves_cache and not session.layout.sliding
-    if not usable:
+    if started.session is None or not session.saves_cache or session.layout.sliding:
         if config.cache_dir:
-            raise ConfigError("cache_dir keeps long-context caches: add --mode long_context, or drop --cache_dir "
-                              "(a model with sliding-window layers cannot reuse them)." if started.session is None
-                              else "cache_dir cannot keep this model's caches: its sliding-window layers keep only "
-                                   "a tail in DRAM; drop --cache_dir.")
+            raise ConfigError("cache_dir cannot keep this model's caches: its sliding-window layers keep only "
+                              "a tail in DRAM; drop --cache_dir.")
         return None
     write = (lambda line: print(line, file=log or sys.stderr, flush=True))
     return CacheStore(session, fingerprint(started.lm.path, session, config), int(config.cache_dram_gb * GIB),
                       config.cache_dir, int(config.cache_disk_gb * GIB), config.cache_min_tokens, write,
                       dram_limit(session.model.device.type == "cuda"))
+
+
+def check_cache_dir(config):
+    """What cache_dir asks of the config, refused before the model loads: long-context mode, in
+    one process (the ranks under torchrun mirror one conversation)."""
+    from ktlong.errors import ConfigError
+
+    if config.cache_dir and config.tensor_parallel > 1:
+        raise ConfigError("Under torchrun the server keeps no cache of conversations on disk; drop --cache_dir, "
+                          "or serve in one process.")
+    if config.cache_dir and config.mode != "long_context":
+        raise ConfigError("cache_dir keeps long-context caches: add --mode long_context, or drop --cache_dir "
+                          "(a model with sliding-window layers cannot reuse them).")
 
 
 def main(argv=None) -> int:
@@ -101,6 +109,7 @@ def main(argv=None) -> int:
     mirrored = None  # under torchrun, rank 0's session, which tells the other ranks what to run
     try:
         config = load_config(args.config, overrides_from(args, FLAG_TO_OPTION))
+        check_cache_dir(config)
         if launched_rank() == 0:
             check_port(config.host, config.port)  # before minutes of loading, not after
         started = start(config, cpu_engine=False)  # its grammars and logprobs are torch operations
@@ -108,7 +117,6 @@ def main(argv=None) -> int:
         if started.tp is not None:
             from ktlong.parallel.mirrored_session import MirroredSession, follow
 
-            cache_store(config, started, session)  # what it refuses, every rank refuses alike
             if not started.tp.is_main:  # the other ranks run what rank 0 runs, until it closes
                 return follow(session, started.tp)
             session = mirrored = MirroredSession(session, started.tp)
