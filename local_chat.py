@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from ktlong.cli import print_error
+    from ktlong.cli import interrupted, print_error
     from ktlong.errors import KtlongError
     from ktlong.parallel.launch import quiet_unless_main
 
@@ -44,8 +44,7 @@ def main(argv=None) -> int:
         print_error(e)
         return 2
     except KeyboardInterrupt:  # before the chat (loading, say): in the chat Ctrl-C stops an answer
-        print("\n[interrupted]", file=sys.stderr)
-        return 130
+        return interrupted()
 
 
 def run(args) -> int:

@@ -20,6 +20,13 @@ def print_error(error: Exception) -> None:
         print(f"error (rank {rank}): {error}", file=sys.__stderr__, flush=True)
 
 
+def interrupted() -> int:
+    """Ctrl-C before a command's work ended (loading, a prefill, a bench's runs): one line, not
+    Python's traceback, and status 130 as a shell gives a command its SIGINT ended."""
+    print("\n[interrupted]", file=sys.stderr, flush=True)
+    return 130
+
+
 def parse_lengths(text: str) -> list[int]:
     """'32k,128k,1m' -> [32768, 131072, 1048576]."""
     out = []

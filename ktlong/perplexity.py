@@ -15,7 +15,7 @@ import time
 import torch
 
 from ktlong.chat.text_file import read_text_file
-from ktlong.cli import print_error
+from ktlong.cli import interrupted, print_error
 from ktlong.device import resolve_device, resolve_dtype
 from ktlong.errors import KtlongError
 from ktlong.kv.dense_cache import DenseKVCache
@@ -85,6 +85,8 @@ def main(argv=None) -> int:
     except KtlongError as e:
         print_error(e)
         return 2
+    except KeyboardInterrupt:
+        return interrupted()
     if args.json:
         print(json.dumps({"ppl": result["ppl"], "tokens": result["tokens"]}))
     else:

@@ -606,3 +606,36 @@ def test_decode_bench_profiles_its_own_steps_after_each_rows_figures(monkeypatch
     assert steps == [1] * (4 + 3 + bench.PROFILE_STEPS) + [2] * (4 + 3 + bench.PROFILE_STEPS)
     out = capsys.readouterr().out
     assert out.index("partial: 1K | 1") < out.index("profile of 8 steps: 1K, batch 1") < out.index("partial: 1K | 2")
+
+
+def ctrl_c(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("command", ["server", "bench", "eval", "perplexity", "chat"])
+def test_ctrl_c_while_a_command_loads_is_one_line_and_status_130(no_user_file, capsys, monkeypatch, tmp_path, command):
+    """Ctrl-C before the work ends (here: while the model loads, or as a bench begins) says so in
+    one line and exits 130, as a shell reports a command SIGINT ended; it was Python's traceback
+    but in the chat."""
+    import local_chat
+    import ktlong.bench.__main__
+    import ktlong.models.loader
+    import ktlong.perplexity
+    import ktlong.session.startup
+    from ktlong.server.__main__ import main as serve
+
+    monkeypatch.setitem(ktlong.bench.__main__.BENCHES, "kv-fidelity", ctrl_c)
+    monkeypatch.setattr(ktlong.session.startup, "start", ctrl_c)
+    monkeypatch.setattr(ktlong.models.loader, "load_model", ctrl_c)
+    monkeypatch.setattr(ktlong.perplexity, "load_model", ctrl_c)
+    text = tmp_path / "t.txt"
+    text.write_text("some words to score\n")
+    run = {"server": lambda: serve([]),
+           "bench": lambda: bench(["kv-fidelity", "--lengths", "1k", "--device", "cpu"]),
+           "eval": lambda: evaluate(["passkey", "--lengths", "1k", "--samples", "1", "--device", "cpu",
+                                     "--out", str(tmp_path / "eval")]),
+           "perplexity": lambda: ktlong.perplexity.main(["--text_file", str(text), "--device", "cpu"]),
+           "chat": lambda: local_chat.main(["--device", "cpu"])}[command]
+    assert run() == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "[interrupted]" and "Traceback" not in err

@@ -3,7 +3,7 @@
 import sys
 
 from ktlong.errors import KtlongError
-from ktlong.cli import print_error
+from ktlong.cli import interrupted, print_error
 from ktlong.bench import (attention, cache_hits, capture, context_limit, cpu_weights, decode, decode_op,
                           follow_up, kept_keys, kv_fidelity, prefill, random_gguf, selection_drift, serve,
                           structured)
@@ -31,6 +31,8 @@ def main(argv=None) -> int:
     except KtlongError as e:
         print_error(e)
         return 2
+    except KeyboardInterrupt:
+        return interrupted()
 
 
 if __name__ == "__main__":

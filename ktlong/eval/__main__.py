@@ -16,7 +16,7 @@ import argparse
 import re
 import sys
 
-from ktlong.cli import parse_lengths, print_error, print_table
+from ktlong.cli import interrupted, parse_lengths, print_error, print_table
 from ktlong.eval.tasks import TASKS
 from ktlong.regular_file import user_path
 
@@ -150,6 +150,8 @@ def main(argv=None) -> int:
     except KtlongError as e:
         print_error(e)
         return 2
+    except KeyboardInterrupt:  # the samples done so far are in --out's results.json (--resume)
+        return interrupted()
     if tp is not None and not tp.is_main:
         return 0  # rank 0 reports
     for task, results in by_task.items():

@@ -100,7 +100,7 @@ def check_cache_dir(config):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from ktlong.cli import print_error
+    from ktlong.cli import interrupted, print_error
     from ktlong.config import load_config
     from ktlong.errors import KtlongError
     from ktlong.parallel.launch import launched_rank
@@ -125,6 +125,8 @@ def main(argv=None) -> int:
     except KtlongError as e:
         print_error(e)
         return 2
+    except KeyboardInterrupt:  # while it loads: serving, Ctrl-C stops the server (serve)
+        return interrupted()
     finally:
         if mirrored is not None:
             mirrored.close()
