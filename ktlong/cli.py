@@ -20,10 +20,11 @@ def print_error(error: Exception) -> None:
         print(f"error (rank {rank}): {error}", file=sys.__stderr__, flush=True)
 
 
-def interrupted() -> int:
+def interrupted(kept: str = "") -> int:
     """Ctrl-C before a command's work ended (loading, a prefill, a bench's runs): one line, not
-    Python's traceback, and status 130 as a shell gives a command its SIGINT ended."""
-    print("\n[interrupted]", file=sys.stderr, flush=True)
+    Python's traceback, with what was kept if anything, and status 130 as a shell gives a
+    command its SIGINT ended."""
+    print(f"\n[interrupted{': ' + kept if kept else ''}]", file=sys.stderr, flush=True)
     return 130
 
 

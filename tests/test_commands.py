@@ -638,4 +638,7 @@ def test_ctrl_c_while_a_command_loads_is_one_line_and_status_130(no_user_file, c
            "chat": lambda: local_chat.main(["--device", "cpu"])}[command]
     assert run() == 130
     err = capsys.readouterr().err
-    assert err.strip().splitlines()[-1] == "[interrupted]" and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == ("[interrupted]" if command != "eval" else
+                                            f"[interrupted: the samples measured are in {tmp_path / 'eval'}; "
+                                            "add --resume to go on from them]")
+    assert "Traceback" not in err

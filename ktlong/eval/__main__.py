@@ -150,8 +150,8 @@ def main(argv=None) -> int:
     except KtlongError as e:
         print_error(e)
         return 2
-    except KeyboardInterrupt:  # the samples done so far are in --out's results.json (--resume)
-        return interrupted()
+    except KeyboardInterrupt:
+        return interrupted(f"the samples measured are in {args.out}; add --resume to go on from them")
     if tp is not None and not tp.is_main:
         return 0  # rank 0 reports
     for task, results in by_task.items():
