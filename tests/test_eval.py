@@ -201,7 +201,7 @@ def test_results_are_saved_after_every_sample(monkeypatch, tmp_path):
 
     monkeypatch.setattr(runner, "make_session", lambda *a: FakeSession())
     monkeypatch.setattr(runner, "Conversation", FakeConversation)
-    monkeypatch.setattr(runner, "generate", lambda session, ids, *a: types.SimpleNamespace(
+    monkeypatch.setattr(runner, "generate", lambda session, ids, *a, **k: types.SimpleNamespace(
         text="12345", prefill_seconds=1.0, decode_tokens_per_second=2.0))
     lm = types.SimpleNamespace(tokenizer=types.SimpleNamespace(stop_ids=[], decode=str), chat_template=None)
     from ktlong.eval.results_file import as_dicts, write_json
@@ -219,6 +219,42 @@ def test_results_are_saved_after_every_sample(monkeypatch, tmp_path):
     assert [(r["attention"], r["length"], r["sample"]) for r in saved] == [
         (a, n, i) for a in ("dense", "sparse") for n in (300, 400) for i in (0, 1)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log", "results.json"]
+
+
+def test_ctrl_c_during_a_sample_stops_the_run_and_keeps_only_whole_samples(monkeypatch, tmp_path):
+    """Ctrl-C ends a chat's answer early and keeps it; in an evaluation a cut answer would be
+    saved as a wrong result and the run would go on: there it stops the run, and what was saved
+    is the samples that finished (the real generate, over a session that is interrupted in the
+    third sample's decode)."""
+    import types
+
+    import torch
+
+    import ktlong.eval.runner as runner
+    from ktlong.config import default_config
+
+    class Session(FakeSession):
+        max_seq_len, prefills = 1 << 20, 0
+
+        def prefill(self, ids, *a):
+            self.prefills += 1
+            return torch.arange(10.0)  # greedy: token 9, never a stop
+
+        def step(self, token):
+            if self.prefills == 4:  # the warm-up, samples 0 and 1, then sample 2
+                raise KeyboardInterrupt
+            return torch.arange(10.0)
+
+    monkeypatch.setattr(runner, "make_session", lambda *a: Session())
+    monkeypatch.setattr(runner, "Conversation", FakeConversation)
+    tokenizer = types.SimpleNamespace(stop_ids=frozenset(), decode=lambda ids: " ".join(map(str, ids)),
+                                      decode_stream=lambda: str)
+    lm = types.SimpleNamespace(tokenizer=tokenizer, chat_template=None)
+    seen = []
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_task(lm, default_config(), "passkey", [300], [0.5], 4, ["dense"], seed=0,
+                        log=open(tmp_path / "log", "w"), on_result=lambda results: seen.append(list(results)))
+    assert [len(r) for r in seen] == [1, 2] and all(r.output.startswith("9 9") for r in seen[-1])
 
 
 def longest_units(count, length) -> int:
@@ -259,7 +295,7 @@ def test_each_arm_runs_once_untimed_before_its_samples(monkeypatch, tmp_path):
 
     calls = []
 
-    def generate(session, ids, *a):
+    def generate(session, ids, *a, **k):
         calls.append((session, len(ids)))
         first = sum(s is session for s, _ in calls) == 1
         return types.SimpleNamespace(text="12345", prefill_seconds=50.0 if first else 1.0,
@@ -419,7 +455,7 @@ def test_a_run_goes_on_from_its_earlier_results(monkeypatch, tmp_path):
         sessions.append(arm)
         return FakeSession()
 
-    def generate(session, ids, *a):
+    def generate(session, ids, *a, **k):
         calls.append(len(ids))
         return types.SimpleNamespace(text="12345", prefill_seconds=1.0, decode_tokens_per_second=2.0)
 

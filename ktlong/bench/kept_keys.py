@@ -226,7 +226,8 @@ def main(argv=None) -> int:
         blocks = answer_blocks(lm.tokenizer, ids, references(args.task, sample.answer), config.block_size)
         session.reset()
         watch = KeyWatch(session.engine, blocks, lm.model.scale, masses)
-        gen = generate(session, ids, MAX_NEW_TOKENS[args.task], Sampler(), lm.tokenizer.stop_ids, lm.tokenizer)
+        gen = generate(session, ids, MAX_NEW_TOKENS[args.task], Sampler(), lm.tokenizer.stop_ids, lm.tokenizer,
+                       ctrl_c_ends_answer=False)
         watch.close()
         records += watch.records
         if masses is not None:

@@ -98,12 +98,12 @@ def main(argv=None) -> int:
         free, held, masks, answer = [], [], [], ""
         for _ in range(args.runs):
             session.reset()
-            gen = generate(session, ids, args.tokens, Sampler(), frozenset(), lm.tokenizer)
+            gen = generate(session, ids, args.tokens, Sampler(), frozenset(), lm.tokenizer, ctrl_c_ends_answer=False)
             free.append(gen.decode_seconds / max(len(gen.token_ids) - 1, 1))
             session.reset()
             constraint = TimedConstraint(lm.tokenizer, grammar)
             gen = generate(session, ids, 512, Sampler(), lm.tokenizer.stop_ids, lm.tokenizer,
-                           constraint=constraint)
+                           constraint=constraint, ctrl_c_ends_answer=False)
             held.append(gen.decode_seconds / max(len(gen.token_ids) - 1, 1))
             masks.append(median(constraint.seconds))
             answer = gen.text

@@ -39,9 +39,11 @@ def generate(session: Session, prompt_ids: list[int], max_new_tokens: int, sampl
              on_progress: Callable[[int, int], None] | None = None,
              should_stop_prefill: Callable[[], bool] | None = None,
              on_token: "Callable[[int, torch.Tensor], None] | None" = None,
-             constraint: "JsonConstraint | None" = None) -> Generation:
-    """Greedy or sampled continuation of prompt_ids; Ctrl-C ends it early, keeping what was made,
-    and so does should_stop (asked between prefill chunks and before every token). on_progress:
+             constraint: "JsonConstraint | None" = None, ctrl_c_ends_answer: bool = True) -> Generation:
+    """Greedy or sampled continuation of prompt_ids; Ctrl-C ends it early, keeping what was made
+    (ctrl_c_ends_answer; else it stops the caller: an evaluation or a bench, whose cut answer
+    would be a wrong result), and so does should_stop (asked between prefill chunks and before
+    every token). on_progress:
     the prefill's (tokens done, tokens it computes) after every chunk. should_stop_prefill: asked
     between prefill chunks instead of should_stop, where a stop should let the prefill finish.
     on_token(token, logits): each generated token with the logits it was sampled from.
@@ -58,6 +60,8 @@ def generate(session: Session, prompt_ids: list[int], max_new_tokens: int, sampl
             logits = session.step(token)
         finish = answer.finish_reason
     except KeyboardInterrupt:
+        if not ctrl_c_ends_answer:
+            raise
         finish = "interrupted"
     except Cancelled:
         finish = "cancelled"

@@ -101,13 +101,14 @@ def run_task(lm: LoadedModel, config: Config, task: str, lengths: list[int], dep
         t0 = time.perf_counter()
         session.reset()
         generate(session, prompt(*todo[0])[1][:warm_up_tokens], 2, Sampler(), lm.tokenizer.stop_ids,
-                 lm.tokenizer)
+                 lm.tokenizer, ctrl_c_ends_answer=False)
         print(f"[{task} {attention}: warm-up run, not timed ({time.perf_counter() - t0:.1f}s)]", file=log, flush=True)
         for length, depth, i in todo:
             sample, ids = prompt(length, depth, i)
             session.reset()
             t0 = time.perf_counter()
-            gen = generate(session, ids, max_new, Sampler(), lm.tokenizer.stop_ids, lm.tokenizer)
+            gen = generate(session, ids, max_new, Sampler(), lm.tokenizer.stop_ids, lm.tokenizer,
+                           ctrl_c_ends_answer=False)  # a cut answer is no result
             stats = session.last_stats
             densities = stats.density_per_layer if stats else []
             # the prefill itself, as the prefill bench times it; the rest of the session's
