@@ -43,10 +43,10 @@ def generate(session: Session, prompt_ids: list[int], max_new_tokens: int, sampl
     """Greedy or sampled continuation of prompt_ids; Ctrl-C ends it early, keeping what was made
     (ctrl_c_ends_answer; else it stops the caller: an evaluation or a bench, whose cut answer
     would be a wrong result), and so does should_stop (asked between prefill chunks and before
-    every token). on_progress:
-    the prefill's (tokens done, tokens it computes) after every chunk. should_stop_prefill: asked
-    between prefill chunks instead of should_stop, where a stop should let the prefill finish.
-    on_token(token, logits): each generated token with the logits it was sampled from.
+    every token). on_progress: the prefill's (tokens done, tokens it computes) after every
+    chunk. should_stop_prefill: asked between prefill chunks instead of should_stop, where a stop
+    should let the prefill finish. on_token(token, logits): each generated token with the logits
+    it was sampled from.
     constraint: a grammar the answer keeps to (its tokens masked before sampling); the answer
     ends when the grammar does."""
     answer = Answer(min(max_new_tokens, session.max_seq_len - len(prompt_ids)), sampler, stop_ids, tokenizer,
