@@ -398,7 +398,8 @@ def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path):
 
 @pytest.mark.parametrize("argv,said", [
     (["--cache_dir", "{tmp}"], "cache_dir keeps long-context caches: add --mode long_context"),
-    (["--cache_dir", "{tmp}", "--mode", "long_context", "--tensor_parallel", "2"], "Under torchrun the server keeps no"),
+    (["--cache_dir", "{tmp}", "--mode", "long_context", "--tensor_parallel", "2"],
+     "Under torchrun the server keeps no"),
 ])
 def test_a_cache_dir_the_server_cannot_keep_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys, argv,
                                                                               said):

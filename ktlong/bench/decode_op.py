@@ -87,10 +87,11 @@ def main(argv=None) -> int:
     in_range("--reps", args.reps, 1, 1000, "the timed repetitions of each row")
     # keys and values of 2 bytes or fewer, one head's float32 values while they are encoded, and
     # the 1 GiB the streaming read measures
-    need = 2 * KV * max(contexts) * D * 2 + max(contexts) * D * 4 + GIB
-    if need > available_dram_bytes():
-        raise KtlongError(f"--contexts up to {max(contexts):,} tokens need {need / GIB:.1f} GiB of DRAM but "
-                          f"{available_dram_bytes() / GIB:.1f} GiB is free; use shorter contexts.")
+    longest, free = max(contexts), available_dram_bytes()
+    need = 2 * KV * longest * D * 2 + longest * D * 4 + GIB
+    if need > free:
+        raise KtlongError(f"--contexts up to {longest:,} tokens need {need / GIB:.1f} GiB of DRAM but "
+                          f"{free / GIB:.1f} GiB is free; use shorter contexts.")
     threads = set_decode_threads(args.threads)
     rng = np.random.default_rng(0)
     print(f"{threads} threads; {KV} kv heads, {H} q heads, d {D}, "
