@@ -38,7 +38,7 @@ def resolve_device(name: str) -> "torch.device":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device is '{name}' but this machine has no CUDA GPU; set --set device=cpu.")
+        raise ConfigError(f"device is '{name}' but this machine has no CUDA GPU; use --device cpu.")
     return device
 
 

@@ -60,27 +60,35 @@ def perplexity(lm: LoadedModel, text: str, ctx: int, max_windows: int = 0) -> di
             "windows": num_windows, "ctx": ctx, "seconds": time.perf_counter() - start}
 
 
+FLAGGED = ("model", "device", "rope_scaling", "rope_scale", "yarn_orig_ctx")  # options of the configuration
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m ktlong.perplexity", description=__doc__.split("\n\n")[0])
-    p.add_argument("--gguf_path", "--model", dest="model", help="GGUF file or packaged model name "
-                   "(default: smollm2-135m)")
+    from ktlong.config import load_config
+    from ktlong.options import OPTIONS
+    from ktlong.session.startup import add_option_flag
+
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m ktlong.perplexity", description=__doc__.split("\n\n")[0],
+                                epilog="--model, --device and the RoPE flags default to the configuration's "
+                                       "(~/.config/ktlong/config.yaml over configs/default.yaml).")
     p.add_argument("--text_file", required=True, help="UTF-8 text to score")
     p.add_argument("--ctx", type=int, default=512, help="window length in tokens (default 512)")
     p.add_argument("--max_windows", type=int, default=0, help="score at most this many windows (0 = all)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda (default auto)")
     p.add_argument("--json", action="store_true", help='print {"ppl": ..., "tokens": ...} only')
-    p.add_argument("--rope_scaling", default="auto", choices=["auto", "none", "linear", "yarn"],
-                   help="RoPE context extension, as llama.cpp's --rope-scaling (default: the GGUF's)")
-    p.add_argument("--rope_scale", type=float, default=0.0, help="its factor (default: the GGUF's)")
-    p.add_argument("--yarn_orig_ctx", type=int, default=0, help="YaRN's original context (default: the GGUF's)")
+    for name in FLAGGED:
+        add_option_flag(p, OPTIONS[name], *(["--gguf_path"] if name == "model" else []))
     args = p.parse_args(argv)
     try:
         if args.ctx < 2:
             raise KtlongError(f"--ctx {args.ctx} is too small; a window needs at least 2 tokens.")
+        if args.max_windows < 0:
+            raise KtlongError(f"--max_windows {args.max_windows} is negative; give 0 (every window) or a count.")
+        config = load_config(overrides={name: (getattr(args, name), f"--{name}") for name in FLAGGED
+                                        if getattr(args, name) is not None}, write_user_file=False)
         text = read_text_file(args.text_file, "--text_file")
-        device = resolve_device(args.device)
-        lm = load_model(args.model, device, resolve_dtype("auto", device),
-                        RopeOptions(args.rope_scaling, args.rope_scale, args.yarn_orig_ctx))
+        device = resolve_device(config.device)
+        lm = load_model(config.model, device, resolve_dtype("auto", device),
+                        RopeOptions(config.rope_scaling, config.rope_scale, config.yarn_orig_ctx))
         result = perplexity(lm, text, args.ctx, args.max_windows)
     except KtlongError as e:
         print_error(e)

@@ -140,7 +140,7 @@ def test_eval_errors_are_one_sentence(no_user_file, capsys, argv, needles):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a CPU-only machine gives")
 def test_eval_on_a_missing_gpu_is_one_sentence(no_user_file, capsys):
     assert evaluate(["passkey", "--lengths", "2k", "--device", "cuda"]) == 2
-    one_sentence_error(capsys, "no CUDA GPU", "device=cpu")
+    one_sentence_error(capsys, "no CUDA GPU", "use --device cpu")
 
 
 def test_capture_keeps_the_chunks_q_and_the_layers_keys(no_user_file, tmp_path, capsys):
@@ -257,6 +257,23 @@ def test_prompt_and_text_files_are_checked_before_the_model_loads(no_user_file, 
     one_sentence_error(capsys, "--prompt_file", needle)
     assert perplexity(["--text_file", str(path)]) == 2
     one_sentence_error(capsys, "--text_file", needle)
+
+
+@pytest.mark.parametrize("flags,needles", [
+    (["--max_windows", "-1"], ["--max_windows -1 is negative"]),  # was a ZeroDivisionError traceback
+    (["--device", "tpu"], ["'device' = 'tpu'", "auto, cpu, cuda or cuda:N"]),  # was torch's RuntimeError
+    (["--rope_scale", "-2"], ["'rope_scale' = -2.0", "at least 0"]),
+])
+def test_perplexitys_flags_are_the_configurations_options_checked_before_the_model_loads(
+        no_user_file, capsys, tmp_path, monkeypatch, flags, needles):
+    import ktlong.perplexity
+    from ktlong.perplexity import main as perplexity
+
+    path = tmp_path / "doc.txt"
+    path.write_text("words " * 50)
+    monkeypatch.setattr(ktlong.perplexity, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert perplexity(["--text_file", str(path), *flags]) == 2
+    one_sentence_error(capsys, *needles)
 
 
 NO_USER = "~ktlong-no-such-user/doc"  # ~user of a user this machine does not have: pathlib raises

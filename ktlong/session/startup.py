@@ -23,6 +23,19 @@ FLAG_TO_OPTION = {o.flag: name for name, o in OPTIONS.items() if o.flag} | {"ggu
 FLAG_TYPES = {"int": int, "float": float, "str": str}
 
 
+def add_option_flag(p, o, *aliases: str):
+    """--FLAG for option o (its declaration's flag, type, choices and comment), unset (None) when
+    not given, so the configuration's layers below it show through."""
+    shown = "(hidden)" if o.name in SECRETS else o.default if o.default != "" else "none"
+    extra = {"choices": o.choices} if o.choices else {}
+    if o.type in ("bool", "auto_bool"):
+        extra = {"action": argparse.BooleanOptionalAction, "default": None}
+    else:
+        extra["type"] = FLAG_TYPES[o.type]
+    flag_help = f"{o.comment()} (default: {shown})".replace("%", "%%")
+    p.add_argument(f"--{o.flag}", *aliases, help=flag_help, **extra)
+
+
 def add_config_flags(p: argparse.ArgumentParser, server: bool = False):
     """The flags of the options declared with one (ktlong/options.py), grouped by section (the
     server's section only with server), with --gguf_path, --model_path and the configuration's
@@ -37,14 +50,7 @@ def add_config_flags(p: argparse.ArgumentParser, server: bool = False):
             group.add_argument("--model_path", help="folder with the model's files; its .gguf is used when "
                                "--gguf_path is not given (tokenizer and config are read from the GGUF)")
         for o in flagged:
-            shown = "(hidden)" if o.name in SECRETS else o.default if o.default != "" else "none"
-            extra = {"choices": o.choices} if o.choices else {}
-            if o.type in ("bool", "auto_bool"):
-                extra = {"action": argparse.BooleanOptionalAction, "default": None}
-            else:
-                extra["type"] = FLAG_TYPES[o.type]
-            flag_help = f"{o.comment()} (default: {shown})".replace("%", "%%")
-            group.add_argument(f"--{o.flag}", help=flag_help, **extra)
+            add_option_flag(group, o)
     cfg = p.add_argument_group("configuration")
     cfg.add_argument("--config", help="YAML file merged over ~/.config/ktlong/config.yaml")
     cfg.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
