@@ -232,7 +232,11 @@ def main(argv=None) -> int:
                    help="split heads and MLP columns over N ranks; start with torchrun --nproc_per_node N")
     args = p.parse_args(argv)
     quiet_unless_main()
-    device = resolve_device(args.device)
+    overrides = parse_set(args.set)
+    refuse_unread(overrides, READS, "python -m ktlong.bench decode", "measures decode on random weights with "
+                  "each --modes row's own context attention and graphs, without preselection, under --gpu_cap_gb")
+    config = load_config(overrides={**overrides, "device": (args.device, "--device")}, write_user_file=False)
+    device = resolve_device(config.device)
     cuda = device.type == "cuda"
     modes = (args.modes or ",".join(m for m in MODES if cuda or not m.startswith("graphs"))).split(",")
     unknown = set(modes) - set(MODES)
@@ -244,10 +248,6 @@ def main(argv=None) -> int:
     if not cuda and any(m.startswith("graphs") for m in modes):
         raise KtlongError("The graphs modes replay CUDA graphs, which need a GPU; leave them out of --modes "
                           "or run on a GPU.")
-    overrides = parse_set(args.set)
-    refuse_unread(overrides, READS, "python -m ktlong.bench decode", "measures decode on random weights with "
-                  "each --modes row's own context attention and graphs, without preselection, under --gpu_cap_gb")
-    config = load_config(overrides=overrides, write_user_file=False)
     contexts = parse_lengths(args.contexts)
     batches = parse_batches(args.batch)
     shape = args.shape or ("llama-3.1-8b" if cuda else "tiny")
