@@ -39,6 +39,9 @@ def resolve_device(name: str) -> "torch.device":
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device is '{name}' but this machine has no CUDA GPU; use --device cpu.")
+    count = torch.cuda.device_count() if device.type == "cuda" else 0
+    if device.index is not None and device.index >= count:
+        raise ConfigError(f"device is '{name}' but this machine's GPUs are cuda:0 to cuda:{count - 1}; name one of them.")
     return device
 
 
