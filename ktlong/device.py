@@ -41,7 +41,8 @@ def resolve_device(name: str) -> "torch.device":
         raise ConfigError(f"device is '{name}' but this machine has no CUDA GPU; use --device cpu.")
     count = torch.cuda.device_count() if device.type == "cuda" else 0
     if device.index is not None and device.index >= count:
-        raise ConfigError(f"device is '{name}' but this machine's GPUs are cuda:0 to cuda:{count - 1}; name one of them.")
+        have = "one GPU, cuda:0" if count == 1 else f"GPUs cuda:0 to cuda:{count - 1}"
+        raise ConfigError(f"device is '{name}' but this machine has {have}; name one of them.")
     return device
 
 

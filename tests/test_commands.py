@@ -665,6 +665,7 @@ def test_ctrl_c_while_a_command_loads_is_one_line_and_status_130(no_user_file, c
 def test_a_gpu_index_past_the_machines_gpus_is_one_sentence(no_user_file, capsys, monkeypatch):
     """--device cuda:3 on a machine of two GPUs is refused by name (was torch's error on first use)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert evaluate(["passkey", "--lengths", "2k", "--device", "cuda:2"]) == 2
-    one_sentence_error(capsys, "'cuda:2'", "cuda:0 to cuda:1")
+    for count, said in ((2, "GPUs cuda:0 to cuda:1"), (1, "has one GPU, cuda:0;")):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        assert evaluate(["passkey", "--lengths", "2k", "--device", "cuda:2"]) == 2
+        one_sentence_error(capsys, "'cuda:2'", said)
