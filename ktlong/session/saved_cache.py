@@ -288,7 +288,7 @@ def _records(path: Path, mapped: mmap.mmap, fp: dict, capacity: int) -> list[Rec
     """The whole record and the complete appended ones after it, checked against this session."""
     whole = read_record(path, mapped, 0, WHOLE)
     if whole is None:
-        raise CacheFileError(f"{path} is not a saved ktlong cache; check --load_kv.")
+        raise CacheFileError(f"{path} is not a saved ktlong cache; check the path.")
     saved = whole.header.get("fingerprint", {})
     if not isinstance(saved, dict):
         raise CacheFileError(f"{path} has a malformed header (its fingerprint is not an object); save it again.")
