@@ -68,7 +68,8 @@ def main(argv=None) -> int:
     from ktlong.options import OPTIONS
     from ktlong.session.startup import add_option_flag
 
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m ktlong.perplexity", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m ktlong.perplexity",
+                                description=__doc__.split("\n\n")[0],
                                 epilog="--model, --device and the RoPE flags default to the configuration's "
                                        "(~/.config/ktlong/config.yaml over configs/default.yaml).")
     p.add_argument("--text_file", required=True, help="UTF-8 text to score")

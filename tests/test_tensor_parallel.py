@@ -237,23 +237,33 @@ def test_a_saved_cache_under_torchrun_is_a_part_a_rank_and_reads_back_as_one_pro
     assert f"[not loaded: rank 1: Saved cache {tmp_path}/chat.kv.rank1-of-2 does not exist" in missing.stderr
 
 
-def test_the_server_under_torchrun_answers_as_one_process_does(tiny_path, tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_server_under_torchrun_answers_as_its_reference_does(tiny_path, tmp_path, device):
     """`torchrun ... -m ktlong.server --tensor_parallel 2`: rank 0 serves HTTP and both ranks run
     each prefill and step. Through the official client, a question, a follow-up that extends its
     conversation (the ranks reuse their caches alike) and a streamed completion get the answers
-    a one-process server gives; both servers stop on SIGINT with status 0."""
+    of the reference: on the CPU a one-process server (float32 sums alike), on two GPUs the chat
+    on the same two GPUs, sent the same messages (bfloat16's partial sums round otherwise on one
+    GPU; the chat renders and encodes messages by its own code). The server stops on SIGINT with
+    status 0."""
     import signal
     import socket
     import time
     import urllib.request
 
+    import torch
+
     openai = pytest.importorskip("openai")
-    options = ["--model", tiny_path, "--device", "cpu", "--mode", "long_context", "--max_new_tokens", "10",
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (nvidia-h200-x2)")
+    options = ["--model", tiny_path, "--device", device, "--mode", "long_context", "--max_new_tokens", "10",
                "--set", "block_size=16", "--set", "local_windows_len=64", "--set", "chunk_size=64",
                "--set", "temperature=0"]
     base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env = {**base, "OMP_NUM_THREADS": "1", "XDG_CONFIG_HOME": str(tmp_path)}
     document = " ".join(f"w{i % 89}" for i in range(90))  # about 360 tokens of the tiny model's 512
+    question, follow_up, completion_tokens = "Which word comes after w7?", "And after w8?", 8
+    two_ranks = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
     def rank0(launcher: int) -> int:
         """torchrun's rank-0 process (a signal to torchrun itself ends in its own traceback)."""
@@ -266,8 +276,7 @@ def test_the_server_under_torchrun_answers_as_one_process_does(tiny_path, tmp_pa
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                   "-m", "ktlong.server", "--tensor_parallel", "2"] if ranks == 2 else
+        launch = ([*two_ranks, "-m", "ktlong.server", "--tensor_parallel", "2"] if ranks == 2 else
                   [sys.executable, "-m", "ktlong.server"])
         # a session of its own: a signal meant for its processes' group never reaches pytest's
         server = subprocess.Popen([*launch, *map(str, options), "--port", str(port)], cwd=ROOT, env=env,
@@ -284,13 +293,13 @@ def test_the_server_under_torchrun_answers_as_one_process_does(tiny_path, tmp_pa
                 except OSError:
                     time.sleep(0.5)
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-            messages = [{"role": "user", "content": document + "\nWhich word comes after w7?"}]
+            messages = [{"role": "user", "content": f"{document}\n{question}"}]
             first = client.chat.completions.create(model="tiny", messages=messages)
             messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                         {"role": "user", "content": "And after w8?"}]
+                         {"role": "user", "content": follow_up}]
             second = client.chat.completions.create(model="tiny", messages=messages)
             streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
-                model="tiny", prompt=document[:200], max_tokens=8, stream=True) if chunk.choices)
+                model="tiny", prompt=document[:200], max_tokens=completion_tokens, stream=True) if chunk.choices)
             reused = second.usage.prompt_tokens_details.cached_tokens
             assert reused > 300  # the follow-up prefilled only its new tokens, on every rank
             got = [first.choices[0].message.content, second.choices[0].message.content, streamed]
@@ -300,7 +309,24 @@ def test_the_server_under_torchrun_answers_as_one_process_does(tiny_path, tmp_pa
         assert server.returncode == 0, err[-3000:]
         return got, err
 
+    def chat_on_two_ranks() -> list[str]:
+        """The same messages through local_chat.py on the same two ranks: the question as one
+        multi-line message and the follow-up; the completion as a message without the template."""
+        def chat(lines: str, *more) -> str:
+            done = subprocess.run([*two_ranks, "local_chat.py", "--tensor_parallel", "2", *map(str, [*options, *more])],
+                                  input=lines, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+                                  start_new_session=True)  # torchrun's signals to its group stay there
+            assert done.returncode == 0, done.stderr[-3000:]
+            return done.stdout
+
+        conversation = chat(f'"""\n{document}\n{question}\n"""\n{follow_up}\n')
+        plain = chat(f"{document[:200]}\n", "--set", "use_chat_template=false",
+                     "--max_new_tokens", completion_tokens)
+        return [conversation, plain]
+
     two, log = answers(2)
-    one, _ = answers(1)
-    assert two == one and all(two)
-    assert "Traceback" not in log
+    assert all(two) and "Traceback" not in log
+    if device == "cpu":
+        assert two == answers(1)[0]
+    else:  # the chat prints each answer and a line's end
+        assert chat_on_two_ranks() == [f"{two[0]}\n{two[1]}\n", f"{two[2]}\n"]
