@@ -3,16 +3,15 @@
 python -m ktlong.bench kept-keys --task multikey --model qwen2.5-coder-0.5b --length 32k [--samples 4]
     [--depth 0.5] [--set key=value]
 
-For an evaluation prompt (ktlong/eval/tasks.py), the blocks that hold its answer are found in
-the prompt's tokens; the prefill then records, for every layer and every chunk after such a
-block, whether each execution group's page list kept it, and the block's rank among the
-chunk's history blocks by what the topk selector ranks them by (topk_rank:
-operators/block_selector.group_margin or group_mass: the blocks strictly ahead of it, the sinks
-and the window among them, and the blocks tied with it: each query row's best block has margin
-0, and top-k breaks ties as it will). Per layer it prints the share of (chunk, group) pairs that kept
-an answer block, and where the dropped ones ranked against the count kept, then each sample's
-greedy answer. A chunk
-that ran dense (`dense_above`, the first `prefill_dense_layer_num` layers) keeps everything.
+For an evaluation prompt (ktlong/eval/tasks.py), the blocks that hold its answer are found in the
+prompt's tokens; the prefill then records, for every layer and every chunk after such a block,
+whether each execution group's page list kept it, and the block's rank among the chunk's history
+blocks by what the topk selector ranks them by (topk_rank: operators/block_selector.group_margin
+or group_mass: the blocks strictly ahead of it, the sinks and the window among them, and the
+blocks tied with it: each query row's best block has margin 0, and top-k breaks ties as it will).
+Per layer it prints the share of (chunk, group) pairs that kept an answer block, and where the
+dropped ones ranked against the count kept, then each sample's greedy answer. A chunk that ran
+dense (`dense_above`, the first `prefill_dense_layer_num` layers) keeps everything.
 
 With --masses FILE.npz it also writes, for every selected chunk, layer and group, three values
 per history block: the share of the exact attention of the chunk's sampled queries (every

@@ -9,27 +9,25 @@ random weights with a byte-level tokenizer (a character a token), then `--model 
 
 A server (`python -m ktlong.server`, long-context mode, max_num_seqs the largest --clients, one
 more with --long_chars, cache_dram_gb 1024 (every idle conversation kept while DRAM allows: eight
-of 128K hold 73 GiB) and cache_min_tokens 64 unless --set gives them) runs in
-a process of its own and is asked through the official `openai` client, streamed, greedy, on
-`/v1/completions`. Each client has a document of its own (Python standard-library sources,
---chars characters; a continuation of source code rarely ends early). Every document is first
-sent alone with max_tokens 1 (cold: its prefill; the column "cold TTFT"), so that the measured
-requests find their conversations in the cache and decode together from their first steps.
-Then, for each count N, N clients ask at once for --tokens tokens each: the total decode speed
-is every client's tokens after its first, over the time from the first client's first token to
-the last client's last; the time between tokens pools
-every client's gaps between streamed chunks. With --long_chars, one more row: N clients
-decoding while another client sends a new document of that many characters (its prefill runs
-in slices between their steps): its time to the first token beside the same request alone
-(compared without the time that one waited in the queue while the first one's DRAM was freed,
-which the server's log gives), and the others' time between tokens while it prefills (they ask
-for up to 8,192 tokens and leave when its first token comes; the summary says how many were
-still decoding then). With
---shared_document, every client asks about one document (a line of its own after it): the
-document alone is the cold request, and
-the clients that join one that is answering share its blocks in DRAM ("prompts cached from":
-each request's usage.prompt_tokens_details.cached_from). The column "DRAM GiB" is
-the KV caches the server holds after the row, as its /metrics counts them (shared blocks once).
+of 128K hold 73 GiB) and cache_min_tokens 64 unless --set gives them) runs in a process of its own
+and is asked through the official `openai` client, streamed, greedy, on `/v1/completions`. Each
+client has a document of its own (Python standard-library sources, --chars characters; a
+continuation of source code rarely ends early). Every document is first sent alone with max_tokens
+1 (cold: its prefill; the column "cold TTFT"), so that the measured requests find their
+conversations in the cache and decode together from their first steps. Then, for each count N, N
+clients ask at once for --tokens tokens each: the total decode speed is every client's tokens
+after its first, over the time from the first client's first token to the last client's last; the
+time between tokens pools every client's gaps between streamed chunks. With --long_chars, one more
+row: N clients decoding while another client sends a new document of that many characters (its
+prefill runs in slices between their steps): its time to the first token beside the same request
+alone (compared without the time that one waited in the queue while the first one's DRAM was
+freed, which the server's log gives), and the others' time between tokens while it prefills (they
+ask for up to 8,192 tokens and leave when its first token comes; the summary says how many were
+still decoding then). With --shared_document, every client asks about one document (a line of its
+own after it): the document alone is the cold request, and the clients that join one that is
+answering share its blocks in DRAM ("prompts cached from": each request's
+usage.prompt_tokens_details.cached_from). The column "DRAM GiB" is the KV caches the server holds
+after the row, as its /metrics counts them (shared blocks once).
 """
 
 from __future__ import annotations
