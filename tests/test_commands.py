@@ -31,6 +31,7 @@ def one_sentence_error(capsys, *needles):
 @pytest.mark.parametrize("argv,needles", [
     (["prefill", "--lengths", "12q", "--device", "cpu"], ["'12q'", "32k"]),
     (["decode", "--device", "tpu"], ["'device' = 'tpu'", "cuda:N"]),  # was torch's RuntimeError
+    (["serve", "--model", "smollm2-135m", "--tokens", "1000000000"], ["--tokens", "from 2 to 8,192"]),
     (["prefill", "--set", "block_sise=64"], ["block_sise", "did you mean 'block_size'"]),
     (["prefill", "--set", "chunk_size=100", "--device", "cpu"], ["chunk_size", "multiple of block_size"]),
     (["decode", "--set", "kv_type=int3"], ["kv_type", "bf16, fp16"]),

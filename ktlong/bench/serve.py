@@ -42,7 +42,7 @@ import time
 from collections import Counter
 
 from ktlong.bench.cache_hits import Server, documents, served_model
-from ktlong.bench.common import median
+from ktlong.bench.common import in_range, median
 from ktlong.cli import print_table
 from ktlong.config import parse_set
 from ktlong.errors import KtlongError
@@ -165,8 +165,9 @@ def main(argv=None) -> int:
         raise KtlongError("--clients takes counts separated by commas, such as 1,2,4,8.") from None
     if not counts or counts[0] < 1 or counts[-1] > MAX_CLIENTS:
         raise KtlongError(f"--clients counts must be 1 to {MAX_CLIENTS}.")
-    if args.chars < 1000 or args.tokens < 2 or args.long_chars < 0:
-        raise KtlongError("--chars must be at least 1000, --tokens at least 2 and --long_chars at least 0.")
+    if args.chars < 1000 or args.long_chars < 0:
+        raise KtlongError("--chars must be at least 1000 and --long_chars at least 0.")
+    in_range("--tokens", args.tokens, 2, BESIDE_TOKENS, "the tokens each client asks for")
     given = parse_set(args.set)  # refused here in one sentence, before the server starts
     if "max_num_seqs" in given or "mode" in given:
         raise KtlongError("The serve bench sets mode and max_num_seqs itself (from --clients); drop them "
