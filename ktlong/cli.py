@@ -1,5 +1,5 @@
 """What the commands (chat, server, evaluation, benches) share: how a refusal is printed,
-how lengths are read, how a table is printed."""
+how counts and lengths are checked and read, how a table is printed."""
 
 from __future__ import annotations
 
@@ -18,6 +18,13 @@ def print_error(error: Exception) -> None:
         print(f"error: {error}", file=sys.stderr, flush=True)
     else:
         print(f"error (rank {rank}): {error}", file=sys.__stderr__, flush=True)
+
+
+def in_range(flag: str, value: int, low: int, high: int, what: str) -> int:
+    """value, or one sentence that refuses it: `flag` is `what`, from low to high."""
+    if not low <= value <= high:
+        raise KtlongError(f"{flag} is {what}, from {low:,} to {high:,} (got {value:,}).")
+    return value
 
 
 def interrupted(kept: str = "") -> int:

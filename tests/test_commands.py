@@ -130,8 +130,8 @@ def test_a_plan_that_does_not_fit_is_refused_before_any_weight(no_user_file, cap
     (["passkey", "--lengths", "2k", "--attention", "both"], ["--attention"]),
     (["needle", "--lengths", "2k", "--depths", "0,half"], ["--depths"]),
     (["passkey", "--lengths", "two"], ["'two'"]),
-    (["passkey", "--lengths", "2k", "--samples", "0"], ["--samples"]),
-    (["passkey", "--lengths", "2k", "--samples", "99999999999"], ["--samples 99999999999: use 1 to 10,000"]),
+    (["passkey", "--lengths", "2k", "--samples", "0"], ["--samples is", "(got 0)"]),
+    (["passkey", "--lengths", "2k", "--samples", "99999999999"], ["--samples is the samples per (length, depth) cell, from 1 to 10,000 (got 99,999,999,999)"]),
     (["passkey", "--lengths", "2k", "--model", "/nonexistent/model.gguf"], ["model.gguf"]),
 ])
 def test_eval_errors_are_one_sentence(no_user_file, capsys, argv, needles):

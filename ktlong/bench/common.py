@@ -17,13 +17,6 @@ def require_cuda(what: str):
 RUNS = 100  # the most runs a bench repeats an arm for its median: it has settled long before
 
 
-def in_range(flag: str, value: int, low: int, high: int, what: str) -> int:
-    """value, or one sentence that refuses it: `flag` is `what`, from low to high."""
-    if not low <= value <= high:
-        raise KtlongError(f"{flag} is {what}, from {low:,} to {high:,} (got {value:,}).")
-    return value
-
-
 def median(values) -> float:
     return statistics.median(values)
 

@@ -28,9 +28,9 @@ import sys
 
 import torch
 
-from ktlong.bench.common import RUNS, in_range, median
+from ktlong.bench.common import RUNS, median
 from ktlong.bench.cpu_engine_arm import time_session
-from ktlong.cli import parse_lengths, print_table
+from ktlong.cli import in_range, parse_lengths, print_table
 from ktlong.config import load_config, parse_set, refuse_unread
 from ktlong.errors import KtlongError
 from ktlong.gguf.weights import CpuWeights

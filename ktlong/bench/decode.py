@@ -36,9 +36,9 @@ import time
 
 import torch
 
-from ktlong.bench.common import in_range, time_cuda
+from ktlong.bench.common import time_cuda
 from ktlong.bench.profile_table import print_profile
-from ktlong.cli import parse_lengths, print_table
+from ktlong.cli import in_range, parse_lengths, print_table
 from ktlong.bench.drifting_selection import DriftingSelection
 from ktlong.config import load_config, options_in, parse_set, refuse_unread
 from ktlong.device import resolve_device

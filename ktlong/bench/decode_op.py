@@ -22,8 +22,8 @@ from cpu_ops.block_select import block_scores, select_blocks
 from cpu_ops.kv_storage import StoredKV, encode
 from cpu_ops.sparse_attention import sparse_attention
 from cpu_ops.threads import set_decode_threads, usable_cores
-from ktlong.bench.common import in_range, median
-from ktlong.cli import parse_lengths, print_table
+from ktlong.bench.common import median
+from ktlong.cli import in_range, parse_lengths, print_table
 from ktlong.errors import KtlongError
 from ktlong.kv.free_memory import GIB, available_dram_bytes
 

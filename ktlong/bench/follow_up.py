@@ -24,9 +24,9 @@ import time
 import torch
 
 from ktlong.bench.call_sites import CallSites, print_call_sites
-from ktlong.bench.common import RUNS, in_range, median
+from ktlong.bench.common import RUNS, median
 from ktlong.bench.profile_table import print_profile
-from ktlong.cli import parse_lengths, print_table
+from ktlong.cli import in_range, parse_lengths, print_table
 from ktlong.config import load_config, options_in, parse_set, refuse_unread
 from ktlong.device import resolve_device
 from ktlong.kv.memory_plan import GIB

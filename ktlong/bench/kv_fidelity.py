@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from ktlong.bench.common import in_range, median
-from ktlong.cli import parse_lengths, print_table
+from ktlong.bench.common import median
+from ktlong.cli import in_range, parse_lengths, print_table
 from ktlong.chat.conversation import Conversation
 from ktlong.config import load_config, parse_set, refuse_unread
 from ktlong.device import resolve_device, resolve_dtype

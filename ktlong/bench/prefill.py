@@ -16,8 +16,8 @@ import argparse
 
 import torch
 
-from ktlong.bench.common import RUNS, in_range
-from ktlong.cli import parse_lengths, print_table
+from ktlong.bench.common import RUNS
+from ktlong.cli import in_range, parse_lengths, print_table
 from ktlong.config import load_config, options_in, parse_set, refuse_unread
 from ktlong.device import resolve_device
 from ktlong.kv.host_cache import HostKVCache

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ktlong.bench.common import in_range
+from ktlong.cli import in_range
 from ktlong.errors import KtlongError
 from ktlong.models.random_model import SHAPES, random_config
 from ktlong.regular_file import user_path

@@ -16,8 +16,8 @@ import argparse
 import numpy as np
 import torch
 
-from ktlong.cli import parse_lengths, print_table
-from ktlong.bench.common import in_range, long_context_config
+from ktlong.cli import in_range, parse_lengths, print_table
+from ktlong.bench.common import long_context_config
 from ktlong.config import greedy_session_options
 from ktlong.errors import KtlongError
 

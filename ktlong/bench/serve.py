@@ -42,8 +42,8 @@ import time
 from collections import Counter
 
 from ktlong.bench.cache_hits import Server, documents, served_model
-from ktlong.bench.common import in_range, median
-from ktlong.cli import print_table
+from ktlong.bench.common import median
+from ktlong.cli import in_range, print_table
 from ktlong.config import parse_set
 from ktlong.errors import KtlongError
 

@@ -18,12 +18,12 @@ import time
 
 import torch
 
-from ktlong.bench.common import RUNS, in_range, median
+from ktlong.bench.common import RUNS, median
 from ktlong.chat.constrained import JsonConstraint, json_grammar
 from ktlong.chat.conversation import Conversation
 from ktlong.chat.generate import generate
 from ktlong.chat.sampling import Sampler
-from ktlong.cli import parse_lengths, print_table
+from ktlong.cli import in_range, parse_lengths, print_table
 from ktlong.config import greedy_session_options, load_config, parse_set, refuse_unread
 from ktlong.device import resolve_device, resolve_dtype
 from ktlong.errors import KtlongError

@@ -16,7 +16,7 @@ import argparse
 import re
 import sys
 
-from ktlong.cli import interrupted, parse_lengths, print_error, print_table
+from ktlong.cli import in_range, interrupted, parse_lengths, print_error, print_table
 from ktlong.eval.tasks import TASKS
 from ktlong.regular_file import user_path
 
@@ -106,8 +106,7 @@ def main(argv=None) -> int:
             raise bad_depths from None
         if not all(0 <= d <= 1 for ds in depths.values() for d in ds):
             raise bad_depths
-        if not 1 <= args.samples <= MAX_SAMPLES:  # each (length, depth) cell's list is made first
-            raise KtlongError(f"--samples {args.samples}: use 1 to {MAX_SAMPLES:,} per cell.")
+        in_range("--samples", args.samples, 1, MAX_SAMPLES, "the samples per (length, depth) cell")  # made first
         lengths = parse_lengths(args.lengths)
         out = user_path(args.out)
         if out.exists() and not out.is_dir():
