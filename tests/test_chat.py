@@ -107,6 +107,21 @@ def test_ctrl_c_stops_the_answer_but_not_the_session(tiny, config):
     assert again is not None and again.finish_reason in ("stop", "length")
 
 
+def test_an_answer_cut_by_max_seq_len_says_so(tiny, config):
+    """An answer that stops where max_seq_len leaves no room (before max_new_tokens, 12 here) is
+    noticed as such; one that reaches max_new_tokens is not."""
+    from ktlong.chat.loop import ChatLoop
+
+    lm, _, _ = tiny
+    quiet = ChatLoop(lm, config, 256, None, out=io.StringIO(), err=io.StringIO())
+    prompt = len(quiet.conversation.render_ids([], "hi"))
+    for max_seq_len, tokens in ((prompt + 4, 4), (256, 12)):
+        err = io.StringIO()
+        result = ChatLoop(lm, config, max_seq_len, None, out=io.StringIO(), err=err).ask("hi")
+        assert (result.finish_reason, len(result.token_ids)) == ("length", tokens)
+        assert (f"stopped at max_seq_len {max_seq_len}" in err.getvalue()) == (tokens < 12), err.getvalue()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["smollm2-135m", "qwen2.5-coder-0.5b"])
 def test_real_model_knows_the_capital_of_france(model, tmp_path, monkeypatch, capsys):

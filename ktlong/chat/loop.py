@@ -66,7 +66,9 @@ class ChatLoop:
         prefilled = f" ({reused} from the cache, {self.session.last_prefill_tokens} prefilled)" if reused else ""
         self.notice(f"{result.prompt_tokens} prompt tokens{prefilled} in {result.prefill_seconds:.2f}s, "
                     f"{len(result.token_ids)} tokens at {result.decode_tokens_per_second:.1f} tok/s"
-                    + (", interrupted" if result.finish_reason == "interrupted" else ""))
+                    + (", interrupted" if result.finish_reason == "interrupted" else "")
+                    + (f", stopped at max_seq_len {self.max_seq_len:,}" if result.finish_reason == "length"
+                       and len(result.token_ids) < self.config.max_new_tokens else ""))
         if self.save_kv and not self.save(self.save_kv):
             self.failed.append(f"--save_kv {self.save_kv}")
         return result
