@@ -106,7 +106,8 @@ def main(argv=None) -> int:
             raise bad_depths from None
         if not all(0 <= d <= 1 for ds in depths.values() for d in ds):
             raise bad_depths
-        in_range("--samples", args.samples, 1, MAX_SAMPLES, "the samples per (length, depth) cell")  # made first
+        # each (length, depth) cell's list of samples is made before any runs
+        in_range("--samples", args.samples, 1, MAX_SAMPLES, "the samples per (length, depth) cell")
         lengths = parse_lengths(args.lengths)
         out = user_path(args.out)
         if out.exists() and not out.is_dir():
