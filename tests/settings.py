@@ -46,6 +46,13 @@ def with_anchors(layout: KVLayout, settings: SelectionSettings) -> KVLayout:
     return dataclasses.replace(layout, anchor_type=settings.anchor_type, anchor_num=settings.anchor_num)
 
 
+def few_shares(monkeypatch):
+    """The selected blocks' kernel in 4 programs a kv head, each walking several blocks, as long
+    contexts run it (16 shares of 200+ blocks); short contexts here would give each share one
+    block, and Triton's interpreter costs mostly by the program: a quarter to a third less time."""
+    monkeypatch.setattr("operators.selected_blocks_kernel.SHARES", 4)
+
+
 def selection_kernels_as_on_a_gpu(monkeypatch):
     """The device selection's Triton kernels (scores, rows) where the anchors are linear, as a GPU
     runs them (Triton's interpreter on the CPU); but torch's top-k: the interpreter takes 1.6 s a

@@ -12,7 +12,7 @@ import torch
 from ktlong.decode.batch import Batches, DecodeBatch
 from ktlong.kv.layout import kv_layout
 from ktlong.session.long_context import LongContextSession
-from tests.settings import selection, selection_kernels_as_on_a_gpu, with_anchors
+from tests.settings import few_shares, selection, selection_kernels_as_on_a_gpu, with_anchors
 from tests.tiny_gguf import TinySpec, tiny_model
 
 B = 16
@@ -82,6 +82,7 @@ def test_a_batch_with_joins_and_leaves_equals_each_conversation_alone(tiny, case
     kv_type, options = CASES[case]
     if options.get("context_attention") == "gpu":  # the selection's kernels, as a GPU runs them (but torch's top-k)
         selection_kernels_as_on_a_gpu(monkeypatch)
+        few_shares(monkeypatch)
     settings = dataclasses.replace(selection(second_select_num=3, preselect_block=False, dense_layer_num=0),
                                    **options)
     # alone: each conversation decodes its tokens by itself

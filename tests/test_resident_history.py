@@ -7,7 +7,7 @@ import torch
 
 from ktlong.kv.layout import kv_layout
 from ktlong.session.long_context import RESIDENT_MARGIN, LongContextSession
-from tests.settings import selection, with_anchors
+from tests.settings import few_shares, selection, with_anchors
 from tests.tiny_gguf import TinySpec, tiny_model
 
 GB = 10 ** 9
@@ -45,6 +45,8 @@ def test_follow_ups_over_resident_layers_equal_follow_ups_over_dram(tiny, kv_typ
     import ktlong.kv.resident as resident_module
 
     monkeypatch.setattr(resident_module, "resident_layer_bytes", lambda layout: GB)
+    if context_attention == "gpu":
+        few_shares(monkeypatch)
     rng = np.random.default_rng(5)
     tokens = lambda n: [int(t) for t in rng.integers(0, 300, size=n)]
     headroom = int(2.5 * GB) + RESIDENT_MARGIN  # two layers and a half beside the margin
