@@ -47,9 +47,10 @@ def with_anchors(layout: KVLayout, settings: SelectionSettings) -> KVLayout:
 
 
 def few_shares(monkeypatch):
-    """The selected blocks' kernel in 4 programs a kv head, each walking several blocks, as long
-    contexts run it (16 shares of 200+ blocks); short contexts here would give each share one
-    block, and Triton's interpreter costs mostly by the program: a quarter to a third less time."""
+    """The selected blocks' kernel in 4 programs a kv head, each walking several blocks, as a
+    selection of more blocks than its 16 shares runs it; the few blocks of these tests would give
+    each share one, and Triton's interpreter costs mostly by the program: a quarter to a third less
+    time."""
     monkeypatch.setattr("operators.selected_blocks_kernel.SHARES", 4)
 
 

@@ -664,7 +664,8 @@ def test_ctrl_c_while_a_command_loads_is_one_line_and_status_130(no_user_file, c
 
 
 def test_a_gpu_index_past_the_machines_gpus_is_one_sentence(no_user_file, capsys, monkeypatch):
-    """--device cuda:3 on a machine of two GPUs is refused by name (was torch's error on first use)."""
+    """--device cuda:2 on a machine of two GPUs, or of one, is refused by name (was torch's error on
+    first use)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for count, said in ((2, "GPUs cuda:0 to cuda:1"), (1, "has one GPU, cuda:0;")):
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
