@@ -400,6 +400,7 @@ def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path):
     (["--cache_dir", "{tmp}"], "cache_dir keeps long-context caches: add --mode long_context"),
     (["--cache_dir", "{tmp}", "--mode", "long_context", "--tensor_parallel", "2"],
      "Under torchrun the server keeps no"),
+    (["--cache_dir", "{tmp}/ktlong/config.yaml", "--mode", "long_context"], "cannot be a folder (File exists)"),  # the user file
 ])
 def test_a_cache_dir_the_server_cannot_keep_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys, argv,
                                                                               said):

@@ -87,8 +87,10 @@ def cache_store(config, started, session, log=None):
 
 def check_cache_dir(config):
     """What cache_dir asks of the config, refused before the model loads: long-context mode, in
-    one process (the ranks under torchrun mirror one conversation)."""
+    one process (the ranks under torchrun mirror one conversation), a folder it can write in."""
     from ktlong.errors import ConfigError
+    from ktlong.regular_file import user_path
+    from ktlong.server.cache_store import ready_folder
 
     if config.cache_dir and config.tensor_parallel > 1:
         raise ConfigError("Under torchrun the server keeps no cache of conversations on disk; drop --cache_dir, "
@@ -96,6 +98,8 @@ def check_cache_dir(config):
     if config.cache_dir and config.mode != "long_context":
         raise ConfigError("cache_dir keeps long-context caches: add --mode long_context, or drop --cache_dir "
                           "(a model with sliding-window layers cannot reuse them).")
+    if config.cache_dir:
+        ready_folder(user_path(config.cache_dir))
 
 
 def main(argv=None) -> int:

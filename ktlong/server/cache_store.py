@@ -63,6 +63,18 @@ class Entry:
     busy: bool = False
 
 
+
+def ready_folder(folder: Path) -> Path:
+    """cache_dir, made where missing; ConfigError in one sentence where it cannot be a writable
+    folder (a file there, no permission)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cache_dir {folder} cannot be a folder ({e.strerror or e}); name another.") from None
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"cache_dir {folder} is not writable; name another.")
+    return folder
+
 class CacheStore:
     def __init__(self, session: LongContextSession, fingerprint: dict, dram_bytes: int, folder: str,
                  disk_bytes: int, min_tokens: int, log, dram_limit: int = 1 << 62):
@@ -421,12 +433,7 @@ class CacheStore:
         """The files of an earlier run, their headers checked: a damaged one is removed (it
         would take disk space outside cache_disk_gb for ever), one made for other settings is
         left alone, as are files of other names. So are partial writes whose process is gone."""
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"cache_dir {self.folder} cannot be a folder ({e.strerror or e}); name another.") from None
-        if not os.access(self.folder, os.W_OK):
-            raise ConfigError(f"cache_dir {self.folder} is not writable; name another.")
+        ready_folder(self.folder)
         for tmp in self.folder.glob(f".*{SUFFIX}.*.tmp"):
             remove_orphans(self.folder / tmp.name[1:tmp.name.index(SUFFIX) + len(SUFFIX)])
         for path in sorted(self.folder.glob("*" + SUFFIX)):
