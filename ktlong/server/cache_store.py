@@ -63,7 +63,6 @@ class Entry:
     busy: bool = False
 
 
-
 def ready_folder(folder: Path) -> Path:
     """cache_dir, made where missing; ConfigError in one sentence where it cannot be a writable
     folder (a file there, no permission)."""
@@ -74,6 +73,7 @@ def ready_folder(folder: Path) -> Path:
     if not os.access(folder, os.W_OK):
         raise ConfigError(f"cache_dir {folder} is not writable; name another.")
     return folder
+
 
 class CacheStore:
     def __init__(self, session: LongContextSession, fingerprint: dict, dram_bytes: int, folder: str,
