@@ -110,7 +110,7 @@ SECTIONS: list[tuple[str, list[Option]]] = [
     ]),
     ('server (python -m ktlong.server)', [
         Option('host', '127.0.0.1', 'address the OpenAI-compatible server listens on; 0.0.0.0 exposes it to the network', flag='host'),
-        Option('port', 8000, 'its TCP port', low=1, high=65535, flag='port'),
+        Option('port', 8000, 'its TCP port (0: any free one, printed)', low=0, high=65535, flag='port'),
         Option('queue_size', 8, 'requests that may wait beyond those running (max_num_seqs answers decode together, one request prefills at a time); more get 429', low=0, flag='queue_size'),
         Option('prefill_slice_ms', 30.0, "a prefill's work in each decode step of the answers already running, done while the device runs the step (and on until the step is done, if later), so they keep streaming meanwhile (it then stops at its next chunk of a layer); with nothing decoding it runs on", low=0, low_exclusive=True, high=60000),
         Option('decode_sm_share', 0.0, "long-context mode on a GPU: while a prefill runs beside decoding answers, the share of the GPU's SMs kept for their steps, the prefill on the rest (a CUDA green context, a multiple of 8 SMs); 0 = they take turns on every SM (each step after the prefill's chunks queued before it, the next chunks after the step). H200, four streams beside a 1M prefill: taking turns p99 between tokens 65 ms and its first token 1.36x of alone; 0.15: 56 ms and 1.59x", low=0, high=0.9),

@@ -1,11 +1,15 @@
 """The server in tests: a loaded model's `Started` (as ktlong.session.startup.start makes it),
-and uvicorn serving an app on a free local port, in a thread of the test process."""
+and uvicorn serving an app on a free local port, in a thread of the test process; or the server's
+command in a process of its own, on the free port it takes."""
 
 import http.client
 import json
+import re
 import socket
+import subprocess
 import threading
 import time
+import urllib.request
 
 import uvicorn
 
@@ -65,3 +69,52 @@ class RunningServer:
     def stop(self):
         self.server.should_exit = True
         self.thread.join(30)
+
+
+class LaunchedServer:
+    """The server's command (`python -m ktlong.server ...`, or under torchrun) with `--port 0`:
+    it binds a free port before it loads and says which, so no other process can take the port
+    between a pick and a bind. Its stdout and stderr together are read into `log()`."""
+
+    def __init__(self, argv: list[str], timeout: float = 300, **popen):
+        self.process = subprocess.Popen([*argv, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, **popen)
+        self.lines: list[str] = []
+        self.port = None
+        said = threading.Event()
+
+        def read():
+            for line in self.process.stdout:
+                self.lines.append(line)
+                if self.port is None and (m := re.search(r"\[serving .* at http://[^:]+:(\d+)/v1", line)):
+                    self.port = int(m[1])
+                    said.set()
+            said.set()  # it ended without saying
+
+        self.reader = threading.Thread(target=read, daemon=True)
+        self.reader.start()
+        deadline = time.time() + timeout
+        said.wait(timeout)
+        while True:  # uvicorn listens a moment after the line
+            assert self.port is not None and self.process.poll() is None, self.log()[-3000:]
+            assert time.time() < deadline, "the server did not answer /health"
+            try:
+                urllib.request.urlopen(f"{self.url}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.2)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        """What it printed so far (all of it once it has exited)."""
+        if self.process.poll() is not None:
+            self.reader.join(30)
+        return "".join(self.lines)
+
+    def wait(self, timeout: float = 120) -> int:
+        code = self.process.wait(timeout)
+        self.reader.join(timeout)
+        return code

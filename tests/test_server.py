@@ -22,7 +22,7 @@ from ktlong.config import default_config
 from ktlong.server.__main__ import make_app
 from ktlong.server.stop_strings import StopStrings
 from ktlong.session.dense import DenseSession
-from tests.http_server import RunningServer, started
+from tests.http_server import LaunchedServer, RunningServer, started
 
 pytestmark = pytest.mark.slow  # loads a real model
 
@@ -292,39 +292,23 @@ def test_api_key_is_required_when_set(lm):
         server.stop()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_command_serves_and_refuses_bad_options(tmp_path):
     env = {**server_env(tmp_path), "PATH": "/usr/bin:/bin", "KTLONG_API_KEY": "k1"}
     bad = subprocess.run([sys.executable, "-m", "ktlong.server", "--port", "70000"], capture_output=True,
                          text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "'port' = 70000" in bad.stderr and "Traceback" not in bad.stderr
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ktlong.server", "--port", str(port), "--max_new_tokens", "12"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    server = LaunchedServer([sys.executable, "-m", "ktlong.server", "--max_new_tokens", "12"], timeout=120, env=env)
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k1", max_retries=0)
-        deadline = time.time() + 120
-        while True:
-            try:
-                models = client.models.list()
-                break
-            except openai.APIConnectionError:
-                assert proc.poll() is None and time.time() < deadline, "the server did not come up"
-                time.sleep(0.5)
-        assert [m.id for m in models.data] == [MODEL]
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="k1", max_retries=0)
+        assert [m.id for m in client.models.list().data] == [MODEL]
         out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}])
         assert "Paris" in out.choices[0].message.content
         with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k2", max_retries=0).models.list()
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="k2", max_retries=0).models.list()
     finally:
-        proc.terminate()
-        log = proc.communicate(timeout=30)[0]
-    assert f"serving {MODEL} at http://127.0.0.1:{port}/v1" in log
+        server.process.terminate()
+        server.wait(30)
+    assert f"serving {MODEL} at {server.url}/v1" in server.log()  # the port it took, where --port 0 asked
 
 
 def test_a_body_larger_than_max_seq_len_can_hold_is_refused_at_once_and_health_answers(server):
@@ -418,22 +402,15 @@ def test_a_cache_dir_the_server_cannot_keep_is_refused_before_the_model_loads(tm
 def test_a_signal_ends_a_stream_with_an_error_event_and_the_server_within_seconds(tmp_path, signal_name):
     import signal
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ktlong.server", "--port", str(port), "--max_new_tokens", "2000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=server_env(tmp_path))
+    server = LaunchedServer([sys.executable, "-m", "ktlong.server", "--max_new_tokens", "2000"], timeout=120,
+                            env=server_env(tmp_path))
+    proc = server.process
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-                conn.request("POST", "/v1/chat/completions", json.dumps({
-                    "model": MODEL, "stream": True, "messages": [{"role": "user", "content": "Count to a thousand."}],
-                    "max_tokens": 2000, "stop": ["never appears"]}), {"Content-Type": "application/json"})
-                response = conn.getresponse()
-                break
-            except ConnectionRefusedError:
-                assert proc.poll() is None and time.time() < deadline, "the server did not come up"
-                time.sleep(0.5)
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", json.dumps({
+            "model": MODEL, "stream": True, "messages": [{"role": "user", "content": "Count to a thousand."}],
+            "max_tokens": 2000, "stop": ["never appears"]}), {"Content-Type": "application/json"})
+        response = conn.getresponse()
         events = []
         while len(events) < 5:  # the answer is under way
             line = response.readline().decode().strip()
@@ -448,11 +425,11 @@ def test_a_signal_ends_a_stream_with_an_error_event_and_the_server_within_second
         seconds = time.perf_counter() - start
     finally:
         proc.kill()
-        log = proc.communicate()[0]
+        server.wait(30)
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "server_shutting_down"
     assert seconds < 2.0, seconds
-    assert "Traceback" not in log
+    assert "Traceback" not in server.log()
 
 
 def test_tokenize_counts_what_a_request_would_prefill_and_detokenize_inverts_it(server, lm):

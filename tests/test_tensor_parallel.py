@@ -247,11 +247,10 @@ def test_the_server_under_torchrun_answers_as_its_reference_does(tiny_path, tmp_
     GPU; the chat renders and encodes messages by its own code). The server stops on SIGINT with
     status 0."""
     import signal
-    import socket
-    import time
-    import urllib.request
 
     import torch
+
+    from tests.http_server import LaunchedServer
 
     openai = pytest.importorskip("openai")
     if device == "cuda" and torch.cuda.device_count() < 2:
@@ -273,26 +272,12 @@ def test_the_server_under_torchrun_answers_as_its_reference_does(tiny_path, tmp_
         raise AssertionError("no rank 0 under torchrun")
 
     def answers(ranks: int) -> tuple[list[str], str]:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         launch = ([*two_ranks, "-m", "ktlong.server", "--tensor_parallel", "2"] if ranks == 2 else
                   [sys.executable, "-m", "ktlong.server"])
         # a session of its own: a signal meant for its processes' group never reaches pytest's
-        server = subprocess.Popen([*launch, *map(str, options), "--port", str(port)], cwd=ROOT, env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        server = LaunchedServer([*launch, *map(str, options)], cwd=ROOT, env=env, start_new_session=True)
         try:
-            deadline = time.time() + 300
-            while True:
-                if server.poll() is not None:
-                    raise AssertionError(server.stderr.read()[-3000:])
-                assert time.time() < deadline, "the server did not answer /health"
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                    break
-                except OSError:
-                    time.sleep(0.5)
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
             messages = [{"role": "user", "content": f"{document}\n{question}"}]
             first = client.chat.completions.create(model="tiny", messages=messages)
             messages += [{"role": "assistant", "content": first.choices[0].message.content},
@@ -304,11 +289,12 @@ def test_the_server_under_torchrun_answers_as_its_reference_does(tiny_path, tmp_
             assert reused > 300  # the follow-up prefilled only its new tokens, on every rank
             got = [first.choices[0].message.content, second.choices[0].message.content, streamed]
         finally:
-            if server.poll() is None:  # a launcher that already exited has no rank 0 to signal
-                os.kill(rank0(server.pid) if ranks == 2 else server.pid, signal.SIGINT)
-            _, err = server.communicate(timeout=120)
-        assert server.returncode == 0, err[-3000:]
-        return got, err
+            if server.process.poll() is None:  # a launcher that already exited has no rank 0 to signal
+                os.kill(rank0(server.process.pid) if ranks == 2 else server.process.pid, signal.SIGINT)
+            code = server.wait(120)
+        log = server.log()
+        assert code == 0, log[-3000:]
+        return got, log
 
     def chat_on_two_ranks() -> list[str]:
         """The same messages through local_chat.py on the same two ranks: the question as one

@@ -111,11 +111,12 @@ def main(argv=None) -> int:
     from ktlong.session.startup import FLAG_TO_OPTION, overrides_from, start
 
     mirrored = None  # under torchrun, rank 0's session, which tells the other ranks what to run
+    listener = None
     try:
         config = load_config(args.config, overrides_from(args, FLAG_TO_OPTION))
         check_cache_dir(config)
-        if launched_rank() == 0:
-            check_port(config.host, config.port)  # before minutes of loading, not after
+        if launched_rank() == 0:  # before minutes of loading, and held through them
+            listener = reserve_port(config.host, config.port)
         started = start(config, cpu_engine=False)  # its grammars and logprobs are torch operations
         session = serving_session(started)
         if started.tp is not None:
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
                 return follow(session, started.tp)
             session = mirrored = MirroredSession(session, started.tp)
         app, api_key = make_app(started, session=session)
-        return serve(config, started, app, api_key)
+        return serve(config, started, app, api_key, listener)
     except KtlongError as e:
         print_error(e)
         return 2
@@ -134,9 +135,11 @@ def main(argv=None) -> int:
     finally:
         if mirrored is not None:
             mirrored.close()
+        if listener is not None:
+            listener.close()
 
 
-def serve(config, started, app, api_key) -> int:
+def serve(config, started, app, api_key, listener) -> int:
     """Listen until stopped (Ctrl-C, SIGTERM); the running answers end first."""
     import uvicorn
 
@@ -146,7 +149,8 @@ def serve(config, started, app, api_key) -> int:
     if config.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"[warning: listening on {config.host} without an API key; anyone who reaches this port can "
               f"use the model (set --api_key or ${API_KEY_VARIABLE})]", file=sys.stderr)
-    print(f"[serving {model_id(config.model, started.lm.path)} at http://{config.host}:{config.port}/v1 "
+    port = listener.getsockname()[1]  # the one taken, where --port 0 asked for any
+    print(f"[serving {model_id(config.model, started.lm.path)} at http://{config.host}:{port}/v1 "
           f"({config.mode} mode, max_seq_len {started.max_seq_len:,}, {app.state.worker.max_rows} at once, "
           f"queue {config.queue_size})]",
           file=sys.stderr, flush=True)
@@ -154,23 +158,30 @@ def serve(config, started, app, api_key) -> int:
     server = StoppingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                                            timeout_graceful_shutdown=5), app.state.worker.shutdown)
     try:
-        server.run()
+        server.run(sockets=[listener])
     except KeyboardInterrupt:  # uvicorn raises the signal again once it has shut down
         pass
     return 0
 
 
-def check_port(host: str, port: int):
-    """Refuse in one sentence an address this machine cannot listen on (a port in use, say)."""
+def reserve_port(host: str, port: int):
+    """The address bound (not yet listening: a client is refused until uvicorn listens), so no
+    other process takes the port while the model loads; an address this machine cannot listen on
+    (a port in use, say) is refused in one sentence."""
     import socket
 
     from ktlong.errors import ConfigError
 
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
+            sock.bind((host, port))
+        except OSError:
+            sock.close()
+            raise
+        return sock
     except OSError as e:
         raise ConfigError(f"Cannot listen on {host}:{port} ({e.strerror or e}); choose another --port or --host, "
                           "or stop what uses it.") from None
