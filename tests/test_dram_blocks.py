@@ -69,9 +69,9 @@ def _device_blocks(decoder, j: int) -> list[list[int]]:
     ("fp32", 300, {}),
     ("fp32", 300, {"preselect_block": True, "preselect_block_count": 6, "dense_layer_num": 1}),
     ("fp32", 300, {"token_step": 3, "layer_step": 2, "anchor_type": "QUEST"}),
-    # 4 context blocks (as many as are selected: all read) until the 15th step, a step that
-    # would reuse its selection with token_step 3 had there been one
-    ("fp32", 130, {"token_step": 3, "preselect_block": True, "preselect_block_count": 2}),
+    # 4 context blocks (as many as are selected: all read) until the window slides at the 18th
+    # step, a step that would reuse its selection with token_step 3 had there been one
+    ("fp32", 143, {"token_step": 3, "preselect_block": True, "preselect_block_count": 2}),
     ("q8_0", 300, {"head_select_mode": "SEPARATE", "preselect_block": True, "preselect_block_count": 5})])
 def test_selection_on_the_device_reads_the_blocks_the_host_selects(tmp_path, kv_type, length, settings):
     """With block scores on the device, context_attention: gpu selects there too (one piece of
@@ -86,9 +86,9 @@ def test_selection_on_the_device_reads_the_blocks_the_host_selects(tmp_path, kv_
     a, b = cpu.prefill(prompt), gpu.prefill(prompt)
     assert gpu.decoder.selection is not None and cpu.decoder.selection is None
     layers = gpu.decoder.global_layers
-    # the window slides (a context block joins at the 4th step of the 300-token prompt) and the
-    # selections repeat (token_step 3); the 130-token one selects all 4 blocks until its 15th step
-    for step in range(12 if length == 300 else 24):
+    # the selections repeat (token_step 3); the 143-token prompt's window slides at its 18th step
+    # (the window holds local_windows_len plus up to two blocks: 17 to 32 steps after a prefill)
+    for step in range(8 if length == 300 else 20):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
         token = int(a.argmax())
         first, last = cpu.decoder.window.context_blocks  # the step's DRAM context
@@ -99,6 +99,8 @@ def test_selection_on_the_device_reads_the_blocks_the_host_selects(tmp_path, kv_
             else:  # what the host selected (or kept from an earlier step)
                 expected = _host_blocks(cpu.decoder, layer)
             assert _device_blocks(gpu.decoder, j) == expected, (step, layer)
+    first, last = cpu.decoder.window.context_blocks
+    assert length == 300 or last - first == 5  # the window did slide: a fifth context block
     assert gpu.decoder.times.selected == cpu.decoder.times.selected > 0
     assert gpu.decoder.times.kv_bytes == 0
 
