@@ -19,7 +19,7 @@ from tests.tiny_gguf import TinySpec, tiny_model
 
 B, CAPACITY = 16, 1024
 DOCUMENT, QUESTION = 560, 24  # tokens; the document's first 512 (32 blocks: the granularity) are shared
-STEPS = 6
+STEPS = 4
 
 
 @pytest.fixture(scope="module")
