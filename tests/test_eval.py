@@ -1,5 +1,5 @@
 """Evaluation generators are seeded, sized in model tokens and place the needle where asked;
-a fast real subset retrieves the passkey with dense and with sparse attention."""
+a real 4K passkey gets dense attention's answer from sparse prefill and decode."""
 
 import pytest
 
@@ -61,40 +61,24 @@ def test_needle_heatmap_writes_a_png(tmp_path):
     assert grid[1, 0] == float((2048 + 2) % 3 == 0)
 
 
-SPARSE = ["chunk_size=256", "local_windows_len=256", "block_size=64", "keep_blocks=8", "second_select_num=4",
-          "preselect_block_count=8"]
-
-
 @pytest.mark.slow
-def test_fast_subset_dense_and_sparse_retrieve_the_passkey(tmp_path, monkeypatch, real_model):
+def test_sparse_prefill_and_decode_answer_like_dense_on_a_passkey(tmp_path, monkeypatch, real_model):
+    """Issue 7, with CompactAttention's prefill too: on a 4K passkey (half SmolLM2's context) the
+    sparse arm's greedy answer is the dense one's, and right, where each 1,024-token chunk after
+    the first attends to 16 of the blocks before it (about 64% of the prefill's attention) and
+    decode reads 8 of the 55 blocks past its window, preselection keeping 16 (the shares issue 7
+    asked for at 8K, where a prefill costs 4 times as much)."""
     from ktlong.config import load_config, parse_set
     from ktlong.eval.runner import run_task
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     lm = real_model("smollm2-135m")
-    config = load_config(overrides=parse_set(SPARSE))
-    results = run_task(lm, config, "passkey", [1024, 2048], [0.5], 1, ["dense", "sparse"], seed=0,
-                       warm_up_tokens=64)  # the answers count here, not the speed
-    sparse = [r for r in results if r.attention == "sparse"]
-    assert all(r.correct for r in results), [(r.attention, r.answer, r.output) for r in results]
-    assert min(r.density for r in sparse if r.length == 2048) < 1.0  # CompactAttention did drop blocks
-
-
-@pytest.mark.slow
-def test_sparse_decode_answers_like_dense_on_a_passkey(tmp_path, monkeypatch, real_model):
-    """Issue 7: with sparse decode settings, SmolLM2's greedy answer equals the dense one on a
-    4K passkey (half its context), where decode reads 8 of the 55 blocks past its window and
-    preselection keeps 16 (the shares issue 7 asked for at 8K, where a prefill costs 4 times as much)."""
-    from ktlong.config import load_config, parse_set
-    from ktlong.eval.runner import run_task
-
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    lm = real_model("smollm2-135m")
-    config = load_config(overrides=parse_set(["chunk_size=2048", "local_windows_len=512", "block_size=64",
-                                              "second_select_num=8", "preselect_block_count=16"]))
+    config = load_config(overrides=parse_set(["chunk_size=1024", "keep_blocks=16", "local_windows_len=512",
+                                              "block_size=64", "second_select_num=8", "preselect_block_count=16"]))
     dense, sparse = run_task(lm, config, "passkey", [4000], [0.4], 1, ["dense", "sparse"], seed=1,
                              warm_up_tokens=64)  # the answers count here, not the speed
     assert sparse.output == dense.output and dense.correct
+    assert dense.density == 1.0 and sparse.density < 0.7  # CompactAttention did drop blocks
 
 
 def test_same_answers_compares_first_integers_per_length():
