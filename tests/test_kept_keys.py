@@ -22,7 +22,7 @@ def test_records_follow_topk_and_the_answer_block_holds_the_answer(real_model):
     plan = plan_session(config, lm.config, lm.num_weight_elements, 4096, lm.model.device, lm.model.dtype)
     session = LongContextSession.from_plan(lm.model, plan)
     conversation = Conversation(lm.tokenizer, lm.chat_template)
-    sample = make_sample("passkey", 3000, 0.5, 0, lambda text: len(conversation.render_ids([], text)))
+    sample = make_sample("passkey", 2000, 0.5, 0, lambda text: len(conversation.render_ids([], text)))
     ids = conversation.render_ids([], sample.prompt)
     [block] = answer_blocks(lm.tokenizer, ids, [sample.answer], 64)
     before, through = lm.tokenizer.decode(ids[:block * 64]), lm.tokenizer.decode(ids[:(block + 1) * 64])
@@ -68,7 +68,7 @@ def test_masses_record_each_prompt_once_and_hold_shares(real_model):
     conversation = Conversation(lm.tokenizer, lm.chat_template)
     masses, counts = Masses(16, lm.model.scale), []
     for seed in range(2):
-        sample = make_sample("passkey", 2000, 0.5, seed, lambda text: len(conversation.render_ids([], text)))
+        sample = make_sample("passkey", 1200, 0.5, seed, lambda text: len(conversation.render_ids([], text)))
         ids = conversation.render_ids([], sample.prompt)
         session.reset()
         watch = KeyWatch(session.engine, [], lm.model.scale, masses)
@@ -77,7 +77,7 @@ def test_masses_record_each_prompt_once_and_hold_shares(real_model):
         counts.append(len(masses.rows) - sum(counts))
     compact = [layer for layer in range(lm.config.num_layers) if layer >= config.prefill_dense_layer_num]
     chunks = len([s for s in range(512, len(ids), 512) if 8 <= config.dense_above * (s // 64)])  # the rest ran dense
-    assert counts[0] == len(compact) * chunks * session.engine.compact.groups.shape[0] == counts[1], counts
+    assert 0 < counts[0] == len(compact) * chunks * session.engine.compact.groups.shape[0] == counts[1], counts
     for (layer, start, group, num_hist), exact, estimate, kept in zip(masses.rows, *(masses.arrays[k] for k in (
             "exact", "estimate", "kept"))):
         assert num_hist == start // 64 and len(exact) == len(estimate) == len(kept) == num_hist
