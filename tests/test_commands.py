@@ -468,16 +468,20 @@ def test_cpu_weights_bench_compares_its_arms_in_processes_of_their_own(tmp_path,
 def test_cpu_weights_bench_refuses_its_llama_cpp_arm_in_one_sentence_without_llama_cpp_python(tmp_path, capsys,
                                                                                               monkeypatch):
     """Its run is a process that imports neither torch nor the model code (its peak memory is
-    llama.cpp's own); where llama-cpp-python is missing, the bench says so in one sentence."""
-    import os
+    llama.cpp's own); where llama-cpp-python is missing, the bench says so in one sentence,
+    before any arm runs."""
     import subprocess
+
+    import ktlong.bench.cpu_weights
 
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, TinySpec(), seed=5)
     hidden = tmp_path / "site" / "llama_cpp"  # import llama_cpp fails, as where it is not installed
     hidden.mkdir(parents=True)
     (hidden / "__init__.py").write_text("raise ImportError('not installed')\n")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    monkeypatch.setattr(ktlong.bench.cpu_weights, "command", lambda *a: pytest.fail("an arm ran first"))
     assert bench(["cpu-weights", "--model", str(path), "--lengths", "64", "--tokens", "1", "--runs", "1",
                   "--llama_cpp"]) == 2
     err = capsys.readouterr().err

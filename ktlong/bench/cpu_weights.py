@@ -103,6 +103,10 @@ def main(argv=None) -> int:
         raise KtlongError(f"--arms {args.arms}: choose from {', '.join([*ARMS, *CHILD_ARMS])}, comma-separated.")
     if args.llama_cpp and LLAMA_CPP not in arms:
         arms.append(LLAMA_CPP)
+    if LLAMA_CPP in arms:  # before minutes of the other arms, not after
+        from ktlong.bench.llama_cpp_arm import llama_class
+
+        llama_class()
     rows = []
     for length in lengths:
         runs = {arm: [] for arm in arms}

@@ -21,17 +21,23 @@ def prompt_ids(vocab_size: int, length: int) -> list[int]:
     return [(i * 7919) % (vocab_size - 200) + 100 for i in range(length)]
 
 
-def run(path: str, length: int, tokens: int, threads: int) -> dict:
-    """Prefill seconds, the median decode step's seconds and the peak resident bytes, as the
-    bench measures ktlong's runs; decode steps are fed fixed ids (a step's time does not depend
-    on which)."""
+def llama_class():
+    """llama-cpp-python's Llama, or the one sentence that says how to get it (the bench asks
+    before any arm runs)."""
     try:
         from llama_cpp import Llama
     except ImportError:
         raise KtlongError("--llama_cpp needs llama-cpp-python (pip install llama-cpp-python); or leave the "
                           "option out.") from None
-    llm = Llama(model_path=path, n_ctx=length + tokens + 8, n_threads=threads, n_threads_batch=threads,
-                n_batch=512, verbose=False)
+    return Llama
+
+
+def run(path: str, length: int, tokens: int, threads: int) -> dict:
+    """Prefill seconds, the median decode step's seconds and the peak resident bytes, as the
+    bench measures ktlong's runs; decode steps are fed fixed ids (a step's time does not depend
+    on which)."""
+    llm = llama_class()(model_path=path, n_ctx=length + tokens + 8, n_threads=threads, n_threads_batch=threads,
+                        n_batch=512, verbose=False)
     start = time.perf_counter()
     llm.eval(prompt_ids(llm.n_vocab(), length))
     prefill = time.perf_counter() - start
