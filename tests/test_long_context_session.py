@@ -101,13 +101,15 @@ def test_a_follow_up_keeps_the_decoder_and_decodes_as_a_new_one_would(tiny, bloc
     kept, rebuilt = new_session(), new_session()
     answers = [generate(s, first, 9, Sampler(), frozenset(), NO_TEXT).token_ids for s in (kept, rebuilt)]
     assert answers[0] == answers[1]
-    follow = first + answers[0][:-1] + [int(t) for t in rng.integers(0, 300, size=90)]
+    follow = first + answers[0][:-1] + [int(t) for t in rng.integers(0, 300, size=105)]  # 263 tokens
     decoder = kept.decoder
     rebuilt.decoder = None  # as if the follow-up had not fitted beside it: built anew after prefill
     assert kept.prefill(follow).equal(rebuilt.prefill(follow))
     assert kept.decoder is decoder and rebuilt.decoder is not decoder
-    for t in range(20):  # across a block boundary: the block joins selection in both
+    assert kept.decoder.window.context_blocks == (1, 14)
+    for t in range(19):  # the window slides at the 17th step: a block joins the selection in both
         assert kept.step(10 + t).equal(rebuilt.step(10 + t)), t
+    assert kept.decoder.window.context_blocks == rebuilt.decoder.window.context_blocks == (1, 15)
     assert kept.decoder.selector.cache.keys() == rebuilt.decoder.selector.cache.keys()
     assert (kept.decoder.times.device_read > 0) == (context_attention == "gpu")  # the device read the blocks
 
