@@ -14,7 +14,7 @@ import pytest
 
 from ktlong.errors import ConfigError
 from tests.tiny_gguf import TinySpec, write_tiny_gguf
-from tests.tp_run import ARMS, PROMPT_LEN, run_arm
+from tests.tp_run import ARMS, DEVICE_READS, PROMPT_LEN, run_arm
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -147,11 +147,14 @@ def bf16_within_one_process_rounding(two: np.ndarray, one: np.ndarray, exact: np
 
 def test_two_ranks_in_bfloat16_round_as_one_process_does(tiny_path, tmp_path, monkeypatch):
     """bfloat16 over gloo: each arm's logits on two ranks depart from the exact ones no further
-    than one process's bfloat16 logits do (ROUNDING_MARGIN), and the ranks agree bit for bit."""
+    than one process's bfloat16 logits do (ROUNDING_MARGIN), and the ranks agree bit for bit.
+    The device's reads (Triton's interpreter here) are held to one process in float32 above and
+    on two GPUs in bfloat16 (the NCCL test); here they would add their slowest runs, three."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
-    done = torchrun(2, "tests/tp_run.py", tmp_path, tiny_path, "cpu", "bfloat16")
+    arms = [arm for arm in ARMS if arm not in DEVICE_READS]
+    done = torchrun(2, "tests/tp_run.py", tmp_path, tiny_path, "cpu", "bfloat16", ",".join(arms))
     assert done.returncode == 0, done.stderr[-3000:]
-    for arm in ARMS:
+    for arm in arms:
         exact, one = one_process(tiny_path, REFERENCE.get(arm, arm))[0], one_process(tiny_path, arm, "bfloat16")[0]
         got, other = (np.load(tmp_path / f"rank{r}_{arm}.npz")["logits"] for r in (0, 1))
         two_error, one_error = bf16_within_one_process_rounding(got, one, exact)

@@ -4,7 +4,7 @@ SHARED and SEPARATE head selection), its prefill logits and those of decode step
 tokens.
 
 Run by the test as `python -m torch.distributed.run --nproc_per_node 2 tests/tp_run.py OUT GGUF
-[DEVICE [DTYPE]]` (each rank writes OUT/rank{R}_{arm}.npz; numpy files, no pickle), and in-process
+[DEVICE [DTYPE [ARMS]]]` (each rank writes OUT/rank{R}_{arm}.npz; numpy files, no pickle), and in-process
 with one rank.
 """
 
@@ -57,10 +57,11 @@ def run_arm(gguf: str, arm: str, world: int, device: str = "cpu", dtype: str = "
     return np.stack(logits), np.array(tokens), selected, started
 
 
-def main(out: str, gguf: str, device: str = "cpu", dtype: str = "auto"):
+def main(out: str, gguf: str, device: str = "cpu", dtype: str = "auto", arms: str = ""):
+    """arms: comma-separated, every arm when empty."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    for arm in ARMS:
+    for arm in arms.split(",") if arms else ARMS:
         logits, tokens, selected, _ = run_arm(gguf, arm, world, device, dtype)
         np.savez(os.path.join(out, f"rank{rank}_{arm}.npz"), logits=logits, tokens=tokens, selected=selected)
 
