@@ -148,8 +148,9 @@ def bf16_within_one_process_rounding(two: np.ndarray, one: np.ndarray, exact: np
 def test_two_ranks_in_bfloat16_round_as_one_process_does(tiny_path, tmp_path, monkeypatch):
     """bfloat16 over gloo: each arm's logits on two ranks depart from the exact ones no further
     than one process's bfloat16 logits do (ROUNDING_MARGIN), and the ranks agree bit for bit.
-    The device's reads (Triton's interpreter here) are held to one process in float32 above and
-    on two GPUs in bfloat16 (the NCCL test); here they would add their slowest runs, three."""
+    The arm of the device's reads is left out: the float32 test holds it to one process, the
+    NCCL test in bfloat16 on two GPUs; here it would add three runs of Triton's interpreter, the
+    slowest of the file."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     arms = [arm for arm in ARMS if arm not in DEVICE_READS]
     done = torchrun(2, "tests/tp_run.py", tmp_path, tiny_path, "cpu", "bfloat16", ",".join(arms))
