@@ -73,9 +73,10 @@ def test_real_tensors_match_gguf_numpy(model):
         if info.ggml_type in seen:
             continue
         seen.add(info.ggml_type)
-        raw = np.array(gf.raw(info.name))
         rows = int(np.prod(info.shape[:-1]))
-        expected = gguf_dequantize(raw.reshape(rows, -1), info.ggml_type).reshape(info.shape)
-        got = dequantize(torch.from_numpy(raw), info.ggml_type, info.shape).numpy()
+        kept = min(rows, 2048)  # rows dequantise alike: the first 2,048 of an embedding of 151K
+        raw = np.array(gf.raw(info.name).reshape(rows, -1)[:kept])  # a copy: the map is read-only
+        expected = gguf_dequantize(raw, info.ggml_type).reshape(kept, info.shape[-1])
+        got = dequantize(torch.from_numpy(raw.reshape(-1)), info.ggml_type, (kept, info.shape[-1])).numpy()
         np.testing.assert_array_equal(got, expected, err_msg=f"{info.name} {info.ggml_type.name}")
     assert len(seen) >= 3
