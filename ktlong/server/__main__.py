@@ -172,17 +172,16 @@ def reserve_port(host: str, port: int):
 
     from ktlong.errors import ConfigError
 
+    sock = None
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
-            sock.bind((host, port))
-        except OSError:
-            sock.close()
-            raise
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
+        sock.bind((host, port))
         return sock
     except OSError as e:
+        if sock is not None:
+            sock.close()
         raise ConfigError(f"Cannot listen on {host}:{port} ({e.strerror or e}); choose another --port or --host, "
                           "or stop what uses it.") from None
 
