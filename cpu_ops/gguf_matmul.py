@@ -21,7 +21,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from cpu_ops import int8_runs
+from cpu_ops import int8_runs, named_for
 from cpu_ops.checks import expect
 from cpu_ops.gguf_blocks import (BLOCK_SIZE, KERNEL_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, RUN, TYPE_SIZE, U,
                                  block_halves, byte_run_layout, run_params, split_nibbles_at)
@@ -82,13 +82,14 @@ def _int8_run(kind, runs, lanes, ru, ri, o, b, k, d, dmin, xm, dx, half_sums):
     return np.float32(0)
 
 
-def _compile(kind: int, block_size: int, type_size: int):
+def _compile(weight_type):
     """The type's three kernels (float32 products, dequantisation, products over 8-bit inputs);
-    kind and the sizes are constants of each (a closure's variables), and Numba's cache keeps
-    one entry per type."""
+    its number (kind) and sizes are constants of each (a closure's variables)."""
+    kind, block_size, type_size = int(weight_type), BLOCK_SIZE[weight_type], TYPE_SIZE[weight_type]
     runs = block_size // RUN
 
     @nb.njit(parallel=True, fastmath=True, cache=True)
+    @named_for(weight_type.name)
     def matmul(u8, i8, x, y):
         # u8, i8: [out, row_bytes]; x: [M, in] float32 -> y: [M, out] float32
         num_out, num_x = u8.shape[0], x.shape[0]
@@ -102,6 +103,7 @@ def _compile(kind: int, block_size: int, type_size: int):
                     y[m, r] = lanes.sum()
 
     @nb.njit(parallel=True, fastmath=True, cache=True, nogil=True)  # nogil: threads may dequantise parts at once
+    @named_for(weight_type.name)
     def dequantize(u8, i8, out):
         # u8, i8: [out, row_bytes] -> out: [out, in] float32
         num_out, num_blocks = u8.shape[0], U(out.shape[1] // block_size)
@@ -110,6 +112,7 @@ def _compile(kind: int, block_size: int, type_size: int):
                 _row_runs(kind, runs, type_size, u8[r], i8[r], num_blocks, out[r], out[r], True)
 
     @nb.njit(parallel=True, fastmath=True, cache=True)
+    @named_for(weight_type.name)
     def int8_matmul(u8, i8, xq, scales, sums, y):
         # xq: [M, in] int8, scales: [M, in / 32], sums: [M, in / 16] (Activations) -> y: [M, out]
         num_out, num_x = u8.shape[0], xq.shape[0]
@@ -143,7 +146,7 @@ def _compile(kind: int, block_size: int, type_size: int):
     return matmul, dequantize, int8_matmul
 
 
-_KERNELS = {t: _compile(int(t), BLOCK_SIZE[t], TYPE_SIZE[t]) for t in KERNEL_TYPES}
+_KERNELS = {t: _compile(t) for t in KERNEL_TYPES}
 
 
 def _check(kind, blocks: np.ndarray, width: int):

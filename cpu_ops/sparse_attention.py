@@ -13,6 +13,7 @@ import math
 import numba as nb
 import numpy as np
 
+from cpu_ops import named_for
 from cpu_ops.bf16 import as_float32
 from cpu_ops.checks import expect
 from cpu_ops.exp import exp_nonpositive
@@ -78,92 +79,6 @@ def _accumulate_values(acc, p, group, block, valid):
             t += 1
 
 
-@nb.njit(parallel=True, cache=True, fastmath=True)
-def _partial_attention(kind, k_data, k_scales, v_data, v_scales, q, blocks, counts, num_tokens,
-                       block_size, scale, items, part_m, part_l, part_acc):
-    """Work item i takes an equal share of all (kv head, selected block) pairs, in order, so the
-    items cost the same whatever the head count; a share that spans heads leaves one partial
-    state per head it touched in part_*[h, i] (the others stay empty: m = -inf, l = 0)."""
-    num_heads, dim = q.shape
-    num_kv = blocks.shape[0]
-    group = num_heads // num_kv
-    total = 0
-    for h in range(num_kv):
-        total += counts[h]
-    per = (total + items - 1) // items
-    for i in nb.prange(items):
-        start, stop = i * per, min(total, (i + 1) * per)
-        rows_u32 = np.empty((ROWS, dim), np.uint32)
-        rows = rows_u32.view(np.float32)  # a few widened K or V rows (not bfloat16), reused
-        # query heads in passes of four (_block_logits); a group of 4k + 2 or 4k + 3 heads is padded
-        # with zero heads to a last whole pass, which costs less than two or three single ones
-        padded = group + 4 - group % 4 if group % 4 >= 2 else group
-        q_group = np.zeros((padded, dim), np.float32)
-        # bfloat16 blocks are read where they lie when one pass of four heads covers the group;
-        # with more, each row is widened once into `rows` for all of them, as the other kinds
-        # always are (with the padding, 2.2x for Qwen's group of 7 over 16K cached tokens)
-        in_place = kind == 0 and padded <= 4
-        logits = np.empty((padded, block_size), np.float32)
-        m = np.empty(group, np.float32)
-        l = np.empty(group, np.float32)
-        acc = np.empty((group, dim), np.float32)
-        head_start = 0
-        for h in range(num_kv):
-            lo, hi = max(start - head_start, 0), min(stop - head_start, counts[h])
-            head_start += counts[h]
-            for g in range(group):
-                part_m[h, i, g], part_l[h, i, g] = -np.inf, 0.0
-            if lo >= hi:
-                continue
-            m[:] = -np.inf
-            l[:] = 0.0
-            acc[:] = 0.0
-            q_group[:group] = q[h * group:(h + 1) * group]
-            for idx in range(lo, hi):
-                b = blocks[h, idx]
-                valid = min(block_size, num_tokens - b * block_size)
-                if idx + 1 < hi:  # the next block streams in while this one is computed
-                    prefetch(k_data[h, blocks[h, idx + 1]])
-                    prefetch(v_data[h, blocks[h, idx + 1]])
-                if in_place:
-                    _block_logits(q_group, padded, k_data[h, b], valid, scale, logits)
-                else:  # widened ROWS rows at a time into a buffer that stays in L1
-                    for t in range(0, valid, ROWS):
-                        n = min(ROWS, valid - t)
-                        load_rows(kind, k_data, k_scales, h, b, t, n, rows_u32, rows)
-                        _block_logits(q_group, padded, rows, n, scale, logits[:, t:t + n])
-                for g in range(group):  # online softmax: rescale what came before to the new max
-                    row_p = logits[g]
-                    block_max = -np.inf
-                    for t in range(valid):
-                        block_max = max(block_max, row_p[t])
-                    new_m = max(m[g], block_max)
-                    correction = math.exp(m[g] - new_m)
-                    l[g] *= correction
-                    for c in range(dim):
-                        acc[g, c] *= correction
-                    m[g] = new_m
-                    for t in range(valid):
-                        row_p[t] -= new_m
-                    s = np.float32(0.0)
-                    for t in range(valid):
-                        row_p[t] = exp_nonpositive(row_p[t])
-                        s += row_p[t]
-                    l[g] += s
-                if in_place:
-                    _accumulate_values(acc, logits, group, v_data[h, b], valid)
-                else:
-                    for t in range(0, valid, ROWS):
-                        n = min(ROWS, valid - t)
-                        load_rows(kind, v_data, v_scales, h, b, t, n, rows_u32, rows)
-                        _accumulate_values(acc, logits[:, t:t + n], group, rows, n)
-            for g in range(group):
-                part_m[h, i, g] = m[g]
-                part_l[h, i, g] = l[g]
-                for c in range(dim):
-                    part_acc[h, i, g, c] = acc[g, c]
-
-
 @nb.njit(parallel=True, cache=True)
 def _merge_items(part_m, part_l, part_acc, out, lse):
     num_kv, items, group, dim = part_acc.shape
@@ -190,6 +105,117 @@ def _merge_items(part_m, part_l, part_acc, out, lse):
         lse[h * group + g] = m + math.log(total)
 
 
+def _compile(name: str):
+    """A storage kind's partial attention: its number (KIND) is a constant of the kernel (a
+    closure's variable), so it compiles the one reader it uses, not all five, in half to a third
+    of the time."""
+    kind = KIND[name]
+
+    @nb.njit(parallel=True, cache=True, fastmath=True)
+    @named_for(name)
+    def partial_attention(k_data, k_scales, v_data, v_scales, q, blocks, counts, num_tokens, block_size, scale,
+                          part_m, part_l, part_acc):
+        """Work item i takes an equal share of all (kv head, selected block) pairs, in order, so the
+        items cost the same whatever the head count; a share that spans heads leaves one partial
+        state per head it touched in part_*[h, i] (the others stay empty: m = -inf, l = 0)."""
+        items = part_m.shape[1]
+        num_heads, dim = q.shape
+        num_kv = blocks.shape[0]
+        group = num_heads // num_kv
+        total = 0
+        for h in range(num_kv):
+            total += counts[h]
+        per = (total + items - 1) // items
+        for i in nb.prange(items):
+            start, stop = i * per, min(total, (i + 1) * per)
+            rows_u32 = np.empty((ROWS, dim), np.uint32)
+            rows = rows_u32.view(np.float32)  # a few widened K or V rows (not bfloat16), reused
+            # query heads in passes of four (_block_logits); a group of 4k + 2 or 4k + 3 heads is padded
+            # with zero heads to a last whole pass, which costs less than two or three single ones
+            padded = group + 4 - group % 4 if group % 4 >= 2 else group
+            q_group = np.zeros((padded, dim), np.float32)
+            # bfloat16 blocks are read where they lie when one pass of four heads covers the group;
+            # with more, each row is widened once into `rows` for all of them, as the other kinds
+            # always are (with the padding, 2.2x for Qwen's group of 7 over 16K cached tokens)
+            in_place = kind == 0 and padded <= 4
+            logits = np.empty((padded, block_size), np.float32)
+            m = np.empty(group, np.float32)
+            l = np.empty(group, np.float32)
+            acc = np.empty((group, dim), np.float32)
+            head_start = 0
+            for h in range(num_kv):
+                lo, hi = max(start - head_start, 0), min(stop - head_start, counts[h])
+                head_start += counts[h]
+                for g in range(group):
+                    part_m[h, i, g], part_l[h, i, g] = -np.inf, 0.0
+                if lo >= hi:
+                    continue
+                for g in range(group):  # written out: a slice assignment compiles numpy's broadcasting
+                    m[g], l[g] = -np.inf, 0.0  # and its error path into every kernel (a third of its compile)
+                    for c in range(dim):
+                        acc[g, c] = 0.0
+                        q_group[g, c] = q[h * group + g, c]
+                for idx in range(lo, hi):
+                    b = blocks[h, idx]
+                    valid = min(block_size, num_tokens - b * block_size)
+                    if idx + 1 < hi:  # the next block streams in while this one is computed
+                        prefetch(k_data[h, blocks[h, idx + 1]])
+                        prefetch(v_data[h, blocks[h, idx + 1]])
+                    if in_place:
+                        _block_logits(q_group, padded, k_data[h, b], valid, scale, logits)
+                    else:  # widened ROWS rows at a time into a buffer that stays in L1
+                        for t in range(0, valid, ROWS):
+                            n = min(ROWS, valid - t)
+                            load_rows(kind, k_data, k_scales, h, b, t, n, rows_u32, rows)
+                            _block_logits(q_group, padded, rows, n, scale, logits[:, t:t + n])
+                    for g in range(group):  # online softmax: rescale what came before to the new max
+                        row_p = logits[g]
+                        block_max = -np.inf
+                        for t in range(valid):
+                            block_max = max(block_max, row_p[t])
+                        new_m = max(m[g], block_max)
+                        correction = math.exp(m[g] - new_m)
+                        l[g] *= correction
+                        for c in range(dim):
+                            acc[g, c] *= correction
+                        m[g] = new_m
+                        for t in range(valid):
+                            row_p[t] -= new_m
+                        s = np.float32(0.0)
+                        for t in range(valid):
+                            row_p[t] = exp_nonpositive(row_p[t])
+                            s += row_p[t]
+                        l[g] += s
+                    if in_place:
+                        _accumulate_values(acc, logits, group, v_data[h, b], valid)
+                    else:
+                        for t in range(0, valid, ROWS):
+                            n = min(ROWS, valid - t)
+                            load_rows(kind, v_data, v_scales, h, b, t, n, rows_u32, rows)
+                            _accumulate_values(acc, logits[:, t:t + n], group, rows, n)
+                for g in range(group):
+                    part_m[h, i, g] = m[g]
+                    part_l[h, i, g] = l[g]
+                    for c in range(dim):
+                        part_acc[h, i, g, c] = acc[g, c]
+
+    return partial_attention
+
+
+PARTIAL_ATTENTION = {name: _compile(name) for name in KIND}  # storage kind's name -> its kernel
+
+
+def attend_into(kind: str, k_data, k_scales, v_data, v_scales, q, blocks, counts, num_tokens, block_size, scale,
+                part_m, part_l, part_acc, out, lse):
+    """sparse_attention's work with its checks done and its buffers given (part_*: [KV, items,
+    G(, D)], one share of the blocks per item), for a decode step that calls it every layer: the
+    kind's partial states, then their merge, a kernel apart (within a fastmath kernel, its test
+    for an empty state, m == -inf, would be folded away)."""
+    PARTIAL_ATTENTION[kind](k_data, k_scales, v_data, v_scales, q, blocks, counts, num_tokens, block_size, scale,
+                            part_m, part_l, part_acc)
+    _merge_items(part_m, part_l, part_acc, out, lse)
+
+
 def sparse_attention(q: np.ndarray, k: StoredKV, v: StoredKV, blocks: np.ndarray, counts: np.ndarray,
                      num_tokens: int, block_size: int, scale: float, threads: int | None = None):
     """q: float32 [H, D]; blocks: int32 [KV, S] (first counts[h] used, any order) ->
@@ -208,23 +234,12 @@ def sparse_attention(q: np.ndarray, k: StoredKV, v: StoredKV, blocks: np.ndarray
     group = num_heads // num_kv
     out = np.empty((num_heads, dim), np.float32)
     lse = np.empty(num_heads, np.float32)
-    attend_into(KIND[k.kind], k.data, k.scales if k.scales.ndim == 4 else NO_SCALES, v.data,
+    attend_into(k.kind, k.data, k.scales if k.scales.ndim == 4 else NO_SCALES, v.data,
                 v.scales if v.scales.ndim == 4 else NO_SCALES, np.ascontiguousarray(q, np.float32), blocks,
                 counts, num_tokens, block_size, np.float32(scale), np.empty((num_kv, items, group), np.float32),
                 np.empty((num_kv, items, group), np.float32), np.empty((num_kv, items, group, dim), np.float32),
                 out, lse)
     return out, lse
-
-
-@nb.njit(cache=True)
-def attend_into(kind, k_data, k_scales, v_data, v_scales, q, blocks, counts, num_tokens, block_size, scale,
-                part_m, part_l, part_acc, out, lse):
-    """sparse_attention's work with its checks done and its buffers given (part_*: [KV, items,
-    G(, D)], one share of the blocks per item), in one call from Python: a decode step that calls
-    it every layer pays one dispatch, not three."""
-    _partial_attention(kind, k_data, k_scales, v_data, v_scales, q, blocks, counts, num_tokens, block_size,
-                       scale, part_m.shape[1], part_m, part_l, part_acc)
-    _merge_items(part_m, part_l, part_acc, out, lse)
 
 
 NO_SCALES = np.zeros((1, 1, 1, 1), np.uint16)  # the scales of a type that has none (never read)

@@ -36,9 +36,11 @@ class CompileReport:
 
 
 def kernel_dispatchers() -> list:
-    """The Numba kernels decode calls directly (inlined helpers compile into their callers)."""
-    return [obj for module in KERNEL_MODULES for obj in vars(module).values()
-            if isinstance(obj, numba.core.registry.CPUDispatcher) and obj.targetoptions.get("inline") != "always"]
+    """The Numba kernels decode calls directly (inlined helpers compile into their callers), the
+    partial attention of every storage kind among them."""
+    found = [obj for module in KERNEL_MODULES for obj in vars(module).values()
+             if isinstance(obj, numba.core.registry.CPUDispatcher) and obj.targetoptions.get("inline") != "always"]
+    return found + list(cpu_ops.sparse_attention.PARTIAL_ATTENTION.values())
 
 
 def _counts() -> tuple[int, int]:

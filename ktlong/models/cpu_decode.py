@@ -20,7 +20,7 @@ import numpy as np
 
 from cpu_ops.gguf_matmul import Activations
 from cpu_ops.layer_pieces import add_rms_norm, place_qkv, silu_times
-from cpu_ops.sparse_attention import KIND, NO_SCALES, attend_into
+from cpu_ops.sparse_attention import NO_SCALES, attend_into
 from ktlong.gguf.stored_matrix import StoredMatrix
 from ktlong.kv.word_cache import BLOCK, WordCache
 from ktlong.models.cpu_llama import CpuLlama
@@ -63,7 +63,7 @@ class CpuDecodeStep:
                 matrix.product_into(h, self.qkv[:, first:first + matrix.shape[0]])
             keys, values = cache.words[0][i], cache.words[1][i]
             place_qkv(self.qkv[0], w.bias, cos, sin, self.q, keys[:, block, row], values[:, block, row])
-            attend_into(KIND["bf16"], keys, NO_SCALES, values, NO_SCALES, self.q, cache.every_block, counts, end,
+            attend_into("bf16", keys, NO_SCALES, values, NO_SCALES, self.q, cache.every_block, counts, end,
                         BLOCK, model.scale, *self.parts, attended.x.reshape(self.q.shape), self.lse)
             attended.quantize()
             w.wo.product_into(attended, self.o)
