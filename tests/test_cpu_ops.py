@@ -10,7 +10,7 @@ from cpu_ops.anchors import stored_anchors
 from cpu_ops.bf16 import from_bf16, to_bf16
 from cpu_ops.block_select import QUEST, block_scores, score_blocks, select_blocks, select_blocks_reference
 from cpu_ops.kv_storage import KIND, KV_TYPES, decode, encode, half_value, load_rows
-from cpu_ops.sparse_attention import sparse_attention, sparse_attention_reference
+from cpu_ops.sparse_attention import NO_SCALES, attend_into, sparse_attention, sparse_attention_reference
 from tests.anchors_reference import build_anchors_reference
 
 KV, H, D, B = 2, 8, 64, 16
@@ -145,6 +145,23 @@ def test_work_shares_do_not_change_results(threads):
                                               0.125)
     for out, lse in (a, b, one):
         assert np.abs(out - ref).max() < 1e-5 and np.abs(lse - ref_lse).max() < 1e-5
+
+
+def test_stale_partial_states_in_reused_buffers_never_reach_the_output():
+    """A decode step reuses attend_into's buffers every layer: a share that touches no block of a
+    head leaves that head's partial state as the last call left it (NaN here) and marks it empty,
+    and the merge skips it, as it must under any compiler flags (16 shares of 2+1 blocks)."""
+    q, k, v = data(seed=6)
+    ks, vs = encode(k, "bf16"), encode(v, "bf16")
+    lists = [[3, 10], [5]]
+    items, group = 16, H // KV
+    parts = (np.full((KV, items, group), np.nan, np.float32), np.full((KV, items, group), np.nan, np.float32),
+             np.full((KV, items, group, D), np.nan, np.float32))
+    out, lse = np.full((H, D), np.nan, np.float32), np.full(H, np.nan, np.float32)
+    attend_into("bf16", ks.data, NO_SCALES, vs.data, NO_SCALES, q, *as_arrays(lists), 12 * B, B, np.float32(0.125),
+                *parts, out, lse)
+    ref, ref_lse = sparse_attention_reference(q, ks, vs, lists, 12 * B, B, 0.125)
+    assert np.abs(out - ref).max() < 1e-5 and np.abs(lse - ref_lse).max() < 1e-5
 
 
 @pytest.mark.parametrize("shared", [False, True])
