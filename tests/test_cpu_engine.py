@@ -133,21 +133,78 @@ def test_chat_on_the_cpu_never_imports_torch(tmp_path):
     assert answers[0] == answers[1] and answers[0].strip()
 
 
-def test_the_engine_compiles_behind_the_notice_and_forgets_its_warm_up(tmp_path, capsys):
-    """The session made for a chat runs its kernels once behind the start-up notice (a fresh
-    install would otherwise stop the first answer after its first word for half a minute), and
-    what it ran leaves no trace: the first prompt's logits equal a session's that never warmed up."""
+ENGINES = {  # normal mode's dense sessions: the CPU engine's, torch's with the Numba step, torch's gemma3
+    "cpu_engine": SPECS["llama"][0],
+    "torch": SPECS["llama"][0],
+    "torch gemma3": TinySpec(arch="gemma3", hidden=128, intermediate=160, num_heads=4, num_kv_heads=1, head_dim=32,
+                             context=1024, sliding_window=64, tied=True),
+}
+
+
+def _model(path: Path, engine: str):
+    if engine == "cpu_engine":
+        return CpuLlama.from_gguf(*open_model(str(path)))
+    return load_model(str(path), cpu=CpuWeights(stored=True)).model
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_session_compiles_behind_the_notice_and_forgets_its_warm_up(tmp_path, capsys, engine):
+    """The session made for a chat or the server runs its kernels once behind the start-up
+    notice (a fresh install would otherwise stop the first answer after its first word for half
+    a minute and count that in its speed), and what it ran leaves no trace: a prompt's logits
+    and the steps after it equal a session's that never warmed up."""
     from ktlong.config import default_config
     from ktlong.session.chunked import dense_session
 
-    spec = SPECS["llama"][0]
+    spec = ENGINES[engine]
     write_tiny_gguf(tmp_path / "m.gguf", spec, seed=5)
-    gf, config = open_model(str(tmp_path / "m.gguf"))
-    model = CpuLlama.from_gguf(gf, config)
+    model = _model(tmp_path / "m.gguf", engine)
+    config = default_config(chunk_size=128)
     capsys.readouterr()
-    warmed = dense_session(model, default_config(chunk_size=128), 400)
+    warmed = dense_session(model, config, 400)
     notice = capsys.readouterr().err
     assert notice.startswith("[kernels that compile on first use:") and "before anything is timed]" in notice
     assert warmed.ids == []
+    cold = (CpuDenseSession(model, 400, warmed.chunk_size) if engine == "cpu_engine"
+            else DenseSession.from_config(model, config, 400))
     prompt = np.random.default_rng(3).integers(0, spec.vocab - 2, 200).tolist()
-    np.testing.assert_array_equal(warmed.prefill(prompt), CpuDenseSession(model, 400, warmed.chunk_size).prefill(prompt))
+    got, want = warmed.prefill(prompt), cold.prefill(prompt)
+    for token in (5, 9, 11):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        got, want = warmed.step(token), cold.step(token)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+WARM_UP_PROBE = """
+import sys
+import numpy as np
+from numba.core.dispatcher import Dispatcher
+from ktlong.config import default_config
+from ktlong.session.chunked import dense_session
+from tests.test_cpu_engine import ENGINES, _model
+
+compiled = []  # a kernel signature compiled or loaded from Numba's cache: a Dispatcher.compile call
+original = Dispatcher.compile
+Dispatcher.compile = lambda self, sig: (compiled.append(self.py_func.__name__), original(self, sig))[1]
+engine, path = sys.argv[1:]
+model = _model(path, engine)
+before = len(compiled)
+session = dense_session(model, default_config(chunk_size=128), 400)
+during = len(compiled) - before
+session.prefill(np.arange(200).tolist())
+for token in (5, 9, 11):
+    session.step(token)
+print(during, compiled[before + during:])
+"""
+
+
+@pytest.mark.parametrize("engine", ["cpu_engine", "torch gemma3"])
+def test_after_the_warm_up_nothing_compiles(tmp_path, engine):
+    """In a fresh process the warm-up is what compiles (or loads from Numba's cache) the kernels
+    the model's weights did not: the first prompt and steps after it find every one ready."""
+    write_tiny_gguf(tmp_path / "m.gguf", ENGINES[engine], seed=5)
+    run = subprocess.run([sys.executable, "-c", WARM_UP_PROBE, engine, str(tmp_path / "m.gguf")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    during, after = run.stdout.split(" ", 1)
+    assert int(during) > 0 and after.strip() == "[]"

@@ -4,7 +4,6 @@ first, so a process that runs the CPU engine never holds it."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,7 +30,6 @@ class LoadedModel:
     tokenizer: GGUFTokenizer
     chat_template: ChatTemplate
     model: "LlamaModel | CpuLlama"
-    load_seconds: float
     num_weight_elements: int
 
 
@@ -70,7 +68,6 @@ def load_model(name_or_path: str | None, device: "str | torch.device" = "cpu",
     from ktlong.models.llama import LlamaModel
     from ktlong.parallel.shard import rank_share
 
-    start = time.perf_counter()
     device = torch.device(device)
     gf, config = open_model(name_or_path, rope)
     rank_config, elements = config, gf.num_weight_elements
@@ -79,8 +76,7 @@ def load_model(name_or_path: str | None, device: "str | torch.device" = "cpu",
     tokenizer, template = _tokenizer(gf, chat_template)
     weights = load_weights(gf, config, device, dtype or default_dtype(device),
                            (tp.rank, tp.world) if tp is not None else None, cpu or CpuWeights())
-    return LoadedModel(gf.path, rank_config, tokenizer, template, LlamaModel(rank_config, weights, tp),
-                       time.perf_counter() - start, elements)
+    return LoadedModel(gf.path, rank_config, tokenizer, template, LlamaModel(rank_config, weights, tp), elements)
 
 
 def load_cpu_model(gf: GGUFFile, config: ModelConfig, chat_template: str | None = None) -> LoadedModel:
@@ -88,8 +84,6 @@ def load_cpu_model(gf: GGUFFile, config: ModelConfig, chat_template: str | None 
     cpu_llama.unsupported(gf, config) is None."""
     from ktlong.models.cpu_llama import CpuLlama
 
-    start = time.perf_counter()
     tokenizer, template = _tokenizer(gf, chat_template)
     elements = gf.num_weight_elements
-    model = CpuLlama.from_gguf(gf, config)
-    return LoadedModel(gf.path, config, tokenizer, template, model, time.perf_counter() - start, elements)
+    return LoadedModel(gf.path, config, tokenizer, template, CpuLlama.from_gguf(gf, config), elements)

@@ -33,10 +33,10 @@ def model_id(config_model: str, path) -> str:
 
 
 def serving_session(started):
-    """The session the server runs: the long-context one, or a dense one."""
-    from ktlong.session.dense import DenseSession
+    """The session the server runs: the long-context one, or a dense one (both warmed up)."""
+    from ktlong.session.chunked import dense_session
 
-    return started.session or DenseSession.from_config(started.lm.model, started.config, started.max_seq_len)
+    return started.session or dense_session(started.lm.model, started.config, started.max_seq_len)
 
 
 def make_app(started, log=None, session=None):

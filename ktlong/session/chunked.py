@@ -4,6 +4,8 @@ common prefix, a prompt prefilled in chunks, then a token at a time."""
 
 from __future__ import annotations
 
+import sys
+import time
 from typing import Callable
 
 from tqdm import tqdm
@@ -43,6 +45,20 @@ class ChunkedSession:
     def reset(self):
         self.ids = []
 
+    def warm_up(self, log=None):
+        """Run a short prompt and one decode step, then forget them, behind one notice: on a CPU
+        Numba compiles the attention and decode kernels on their first call (half a minute on a
+        fresh install, loaded from its cache later), which would otherwise stop the first answer
+        after its first word and count in its speed; a GPU's first products set up its
+        libraries."""
+        log = sys.stderr if log is None else log  # the stream of the moment, not the one at import
+        print("[kernels that compile on first use:", end="", file=log, flush=True)
+        start = time.perf_counter()
+        self.prefill([0] * min(16, self.max_seq_len - 1))
+        self.step(0)
+        self.reset()
+        print(f" ready in {time.perf_counter() - start:.1f} s, before anything is timed]", file=log, flush=True)
+
     def reusable(self, prompt_ids: list[int]) -> int:
         """How many leading tokens of prompt_ids the cache holds, leaving the last to compute."""
         return cached_prefix(self.ids, prompt_ids)
@@ -78,16 +94,17 @@ class ChunkedSession:
 
 
 def dense_session(model, config, max_seq_len: int) -> ChunkedSession:
-    """Normal mode's session for a model: the CPU engine's for a CpuLlama, else torch's (both
-    with the config's chunk size and kv_type)."""
+    """Normal mode's session for a model, warmed up: the CPU engine's for a CpuLlama, else
+    torch's (both with the config's chunk size and kv_type)."""
     from ktlong.models.cpu_llama import CpuLlama
 
     if isinstance(model, CpuLlama):
         from ktlong.session.cpu_dense import CpuDenseSession
 
         session = CpuDenseSession(model, max_seq_len, resolve_chunk_size(config.chunk_size, config.block_size, "cpu"))
-        session.warm_up()
-        return session
-    from ktlong.session.dense import DenseSession
+    else:
+        from ktlong.session.dense import DenseSession
 
-    return DenseSession.from_config(model, config, max_seq_len)
+        session = DenseSession.from_config(model, config, max_seq_len)
+    session.warm_up()
+    return session

@@ -4,9 +4,6 @@ arrays."""
 
 from __future__ import annotations
 
-import sys
-import time
-
 import numpy as np
 
 from ktlong.kv.word_cache import WordCache
@@ -22,20 +19,6 @@ class CpuDenseSession(ChunkedSession):
         self.model = model
         self.cache = WordCache.zeros(c.num_layers, c.num_kv_heads, c.head_dim, max_seq_len)
         self.decode = CpuDecodeStep(model, self.cache)
-
-    def warm_up(self, log=None):
-        """Run a short prompt and one decode step, then forget them, behind one notice: Numba
-        compiles the prefill and decode kernels on their first call (about half a minute on a
-        fresh install, loaded from its cache later), which would otherwise stop the first answer
-        after its first word and count in its speed."""
-        log = log or sys.stderr
-        print("[kernels that compile on first use:", end="", file=log, flush=True)
-        start = time.perf_counter()
-        self.prefill([0] * min(16, self.max_seq_len - 1))
-        self.step(0)
-        self.reset()
-        print(f" CPU engine ready in {time.perf_counter() - start:.1f} s, before anything is timed]", file=log,
-              flush=True)
 
     @property
     def cache_bytes(self) -> int:

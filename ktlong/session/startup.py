@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -125,17 +127,26 @@ def start(config: Config, log=None, cpu_engine: bool = True) -> Started:
 
         check_dense_cache(model_config, max_seq_len, 2, available_dram_bytes(), "DRAM")  # bfloat16 words
         numba.set_num_threads(decode_threads(config.threads_num, spare_core=False))
-        lm = load_cpu_model(gf, model_config, template)
-        _print_loaded(lm, "cpu (numpy and Numba)", max_seq_len, log)
+        with _loading(gf.path, model_config, "cpu (numpy and Numba)", max_seq_len, log):
+            lm = load_cpu_model(gf, model_config, template)
         return Started(lm, config, max_seq_len, None)
     return _start_torch(config, gf, model_config, template, max_seq_len, refusal, log)
 
 
-def _print_loaded(lm, where: str, max_seq_len: int, log):
-    c = lm.config
-    print(f"[loaded {lm.path.name}: {c.arch}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} "
-          f"heads, context {c.context_length}, on {where} in {lm.load_seconds:.1f}s; "
-          f"max_seq_len {max_seq_len}]", file=log)
+@contextmanager
+def _loading(path, c, where: str, max_seq_len: int, log):
+    """The model's line: its head flushed before the weights are read (a fresh install's wait
+    for the CPU kernels of their types falls there too), the time at its end; a failure ends the
+    line first, so that its own message starts a line."""
+    print(f"[loading {path.name}: {c.arch}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} heads, "
+          f"context {c.context_length}, on {where}", end="", file=log, flush=True)
+    start = time.perf_counter()
+    try:
+        yield
+    except BaseException:
+        print(file=log, flush=True)
+        raise
+    print(f" in {time.perf_counter() - start:.1f}s; max_seq_len {max_seq_len}]", file=log, flush=True)
 
 
 def _start_torch(config: Config, gf, model_config, template, max_seq_len: int, refusal: str, log) -> Started:
@@ -177,8 +188,8 @@ def _start_torch(config: Config, gf, model_config, template, max_seq_len: int, r
         check_dense_cache(model_config, max_seq_len, kv_dtype.itemsize, free,
                           "GPU memory" if device.type == "cuda" else "DRAM")
         apply_threads(decode_threads(config.threads_num, spare_core=device.type != "cpu"), config.threads_num)
-    lm = load_model(config.model, device, dtype, RopeOptions.of(config), tp, template, CpuWeights.of(config))
-    _print_loaded(lm, str(device), max_seq_len, log)
+    with _loading(gf.path, model_config, str(device), max_seq_len, log):
+        lm = load_model(config.model, device, dtype, RopeOptions.of(config), tp, template, CpuWeights.of(config))
     session = None
     if plan is not None:
         from ktlong.session.long_context import LongContextSession
