@@ -63,10 +63,15 @@ def _row_runs(kind, runs, type_size, ru, ri, num_blocks, target, xm, store):
                     target[j] += s_lo * np.float32(ri[o + U(2) + j]) * xm[x0 + j]
 
 
-@nb.njit(inline="always", fastmath=True, cache=True)
+@nb.njit(fastmath=True)
 def _int8_run(kind, runs, lanes, ru, ri, o, b, k, d, dmin, xm, dx, half_sums):
     """Run k of the block at byte o (block b) of one row of W times the 8-bit inputs xm, into the
-    row's 8 lanes; returns the share of the offsets and centers, (offset - s_h c) * sums[h]."""
+    row's 8 lanes; returns the share of the offsets and centers, (offset - s_h c) * sums[h].
+    A call that LLVM inlines, kind and k constants there: inlined in Numba's IR instead, its eight
+    copies in a K type's int8_matmul took 13-16 s to compile, against 2-3 s, for the same speed.
+    Not cached itself (the kernels that call it hold its code in their own cache files): kind is
+    a literal of its signature, and one function's signatures share a cache index that Numba
+    updates without a lock (named_for)."""
     s_lo, s_hi, offset, bits = run_params(kind, ru, ri, o, k, d, dmin)
     run = b * U(runs) + k
     x0, first, second = run * U(RUN), half_sums[U(2) * run], half_sums[U(2) * run + U(1)]
