@@ -422,6 +422,31 @@ def test_ctrl_c_while_the_model_loads_is_one_line_and_exit_130(no_user_file, cap
     assert "[interrupted]" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_models_line_is_begun_before_it_loads_and_ended_when_the_load_fails(monkeypatch, world):
+    """The model's line names the file before its weights are read (a fresh install waits there
+    for its CPU kernels) and gives the time at its end; a load that fails ends the line, so that
+    its error starts one of its own. Ranks under torchrun print their lines whole."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from ktlong.session.startup import _loading
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    config = SimpleNamespace(arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, context_length=512)
+    head = "[loading m.gguf: llama, 2 layers, 4/2 heads, context 512, on cpu"
+    log = io.StringIO()
+    with _loading(Path("/x/m.gguf"), config, "cpu", 99, log):
+        assert log.getvalue() == (head if world == 1 else "")
+    line = log.getvalue()
+    assert line.startswith(head + " in ") and line.endswith("s; max_seq_len 99]\n") and line.count("\n") == 1
+    log = io.StringIO()
+    with pytest.raises(MemoryError):
+        with _loading(Path("/x/m.gguf"), config, "cpu", 99, log):
+            raise MemoryError
+    assert log.getvalue() == (head + "\n" if world == 1 else "")
+
+
 def test_eval_renders_its_prompts_with_the_chat_template_file(no_user_file, tmp_path, monkeypatch):
     """--set chat_template_file reaches the model the evaluation prompts with (it was refused
     as an option the command does not read)."""

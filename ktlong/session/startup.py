@@ -137,16 +137,24 @@ def start(config: Config, log=None, cpu_engine: bool = True) -> Started:
 def _loading(path, c, where: str, max_seq_len: int, log):
     """The model's line: its head flushed before the weights are read (a fresh install's wait
     for the CPU kernels of their types falls there too), the time at its end; a failure ends the
-    line first, so that its own message starts a line."""
-    print(f"[loading {path.name}: {c.arch}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} heads, "
-          f"context {c.context_length}, on {where}", end="", file=log, flush=True)
+    line first, so that its own message starts a line. Ranks under torchrun share a terminal:
+    each prints its line whole, at the end."""
+    from ktlong.parallel.launch import launched_world
+
+    head = (f"[loading {path.name}: {c.arch}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} heads, "
+            f"context {c.context_length}, on {where}")
+    alone = launched_world() <= 1
+    if alone:
+        print(head, end="", file=log, flush=True)
     start = time.perf_counter()
     try:
         yield
     except BaseException:
-        print(file=log, flush=True)
+        if alone:
+            print(file=log, flush=True)
         raise
-    print(f" in {time.perf_counter() - start:.1f}s; max_seq_len {max_seq_len}]", file=log, flush=True)
+    print(f"{'' if alone else head} in {time.perf_counter() - start:.1f}s; max_seq_len {max_seq_len}]", file=log,
+          flush=True)
 
 
 def _start_torch(config: Config, gf, model_config, template, max_seq_len: int, refusal: str, log) -> Started:
