@@ -26,7 +26,7 @@ def started(lm, model, **options) -> Started:
         from ktlong.session.long_context import LongContextSession
         from ktlong.session.plan import plan_session
 
-        plan = plan_session(config, lm.config, lm.num_weight_elements, max_seq_len, lm.model.device,
+        plan = plan_session(config, lm.config, lm.weight_bytes, max_seq_len, lm.model.device,
                             lm.model.dtype)
         session = LongContextSession.from_plan(lm.model, plan)
     return Started(lm, config, max_seq_len, session)

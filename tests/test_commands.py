@@ -119,10 +119,22 @@ def test_gpu_benches_say_they_need_a_gpu(no_user_file, capsys, name):
     one_sentence_error(capsys, "needs a CUDA GPU")
 
 
-def test_a_plan_that_does_not_fit_is_refused_before_any_weight(no_user_file, capsys):
-    # 1M tokens of float32 K/V for LLaMA-3.1-8B: 256 GiB, more than this machine has
+def test_a_plan_that_does_not_fit_is_refused_before_any_weight(no_user_file, capsys, monkeypatch):
+    """1M tokens of float32 K/V for LLaMA-3.1-8B on a CPU: 256 GiB of cache beside 32 GB of float32
+    weights and 16 GiB of hidden states."""
+    import ktlong.session.plan
+
+    monkeypatch.setattr(ktlong.session.plan, "available_dram_bytes", lambda: 140 << 30)
     assert bench(["prefill", "--lengths", "1m", "--device", "cpu", "--set", "kv_type=fp32"]) == 2
-    one_sentence_error(capsys, "GiB of DRAM", "set kv_type: q8_0 (needs 72.0 GiB)")
+    one_sentence_error(capsys, "needs 260.0 GiB of DRAM beside 54.3 GiB of weights and compute but 140.0 GiB is free",
+                       "set kv_type: q8_0 (needs 72.0 GiB) or lower max_seq_len to about 345,")
+    monkeypatch.setattr(ktlong.session.plan, "available_dram_bytes", lambda: 100 << 30)  # q8_0 does not fit either
+    assert bench(["prefill", "--lengths", "1m", "--device", "cpu", "--set", "kv_type=fp32"]) == 2
+    one_sentence_error(capsys, "260.0 GiB of DRAM beside 54.3 GiB of weights and compute but 100.0 GiB is free; "
+                       "lower max_seq_len to about 184,")
+    monkeypatch.setattr(ktlong.session.plan, "available_dram_bytes", lambda: 40 << 30)
+    assert bench(["prefill", "--lengths", "1m", "--device", "cpu", "--set", "kv_type=fp32"]) == 2
+    one_sentence_error(capsys, "The weights and the compute need 54.3 GiB of RAM but 40.0 GiB is free")
 
 
 @pytest.mark.parametrize("argv,needles", [

@@ -19,7 +19,7 @@ def test_records_follow_topk_and_the_answer_block_holds_the_answer(real_model):
 
     lm = real_model("smollm2-135m")
     config = default_config(mode="long_context", block_size=64, keep_blocks=8, chunk_size=512)
-    plan = plan_session(config, lm.config, lm.num_weight_elements, 4096, lm.model.device, lm.model.dtype)
+    plan = plan_session(config, lm.config, lm.weight_bytes, 4096, lm.model.device, lm.model.dtype)
     session = LongContextSession.from_plan(lm.model, plan)
     conversation = Conversation(lm.tokenizer, lm.chat_template)
     sample = make_sample("passkey", 2000, 0.5, 0, lambda text: len(conversation.render_ids([], text)))
@@ -63,7 +63,7 @@ def test_masses_record_each_prompt_once_and_hold_shares(real_model):
 
     lm = real_model("smollm2-135m")
     config = default_config(mode="long_context", block_size=64, keep_blocks=8, chunk_size=512)
-    plan = plan_session(config, lm.config, lm.num_weight_elements, 4096, lm.model.device, lm.model.dtype)
+    plan = plan_session(config, lm.config, lm.weight_bytes, 4096, lm.model.device, lm.model.dtype)
     session = LongContextSession.from_plan(lm.model, plan)
     conversation = Conversation(lm.tokenizer, lm.chat_template)
     masses, counts = Masses(16, lm.model.scale), []

@@ -1,7 +1,9 @@
 """Long-context mode (layer-major prefill, DRAM cache, decode over it) generates what dense does."""
 
 import dataclasses
+import os
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -346,6 +348,25 @@ def test_local_chat_builds_its_session_from_the_config(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["long_context", "dense"])
+def test_progress_into_a_log_is_lines_not_a_redrawn_bar(tiny, kind, capsys, monkeypatch):
+    """With stderr a file or a pipe (as under pytest), a prefill's progress is whole lines that
+    count up the prompt's tokens, with no carriage return (tqdm's redraws piled into one line)."""
+    import re
+
+    import ktlong.session.progress
+
+    monkeypatch.setattr(ktlong.session.progress, "LINE_SECONDS", 0.0)  # a line every update
+    session = every_block(tiny, 400) if kind == "long_context" else DenseSession(tiny.model, 400, 32)
+    prompt = [int(t) for t in np.random.default_rng(8).integers(0, 300, size=150)]  # five chunks
+    session.prefill(prompt, show_progress=True)
+    err = capsys.readouterr().err
+    counts = [int(n) for n in re.findall(r"^\[prefill: (\d+) of 150 tokens, [\d,]+ tok/s, about [\d,]+ s left\]$",
+                                          err, re.MULTILINE)]
+    assert "\r" not in err and len(counts) >= 3
+    assert counts == sorted(counts) and 0 < counts[0] and counts[-1] < 150
+
+
+@pytest.mark.parametrize("kind", ["long_context", "dense"])
 def test_a_stopped_prefill_leaves_a_cache_the_next_prefill_can_trust(tiny, kind):
     """should_stop (a server client that went away) ends a prefill between chunks; the next
     prefill of the same prompt still gives a fresh session's logits."""
@@ -396,7 +417,7 @@ def test_evaluation_arms_make_each_stage_sparse_or_dense(tiny, tmp_path, arm, sp
     from ktlong.session.plan import plan_session
 
     config = default_config(block_size=16, chunk_size=32, local_windows_len=32)
-    plan = plan_session(config, tiny.config, tiny.num_weight_elements, 256, torch.device("cpu"), torch.float32,
+    plan = plan_session(config, tiny.config, tiny.weight_bytes, 256, torch.device("cpu"), torch.float32,
                         attention=arm)
     session = LongContextSession.from_plan(tiny.model, plan)
     assert session.engine.is_sparse == sparse_prefill
@@ -427,7 +448,7 @@ def test_a_document_shorter_than_the_local_window_runs_from_the_config(tiny):
     from ktlong.session.plan import plan_session
 
     config = default_config(block_size=16, chunk_size=32, mode="long_context")
-    plan = plan_session(config, tiny.config, tiny.num_weight_elements, 128, torch.device("cpu"), torch.float32)
+    plan = plan_session(config, tiny.config, tiny.weight_bytes, 128, torch.device("cpu"), torch.float32)
     assert plan.local_windows_len == 128 < config.local_windows_len
     session = LongContextSession.from_plan(tiny.model, plan)
     prompt = list(np.random.default_rng(3).integers(0, 300, size=45))
@@ -460,12 +481,13 @@ def test_the_plan_resolves_every_auto_and_its_consumers_refuse_one(tiny, arm):
 
     config = default_config(block_size=16, chunk_size=32, kv_type="auto", context_attention="auto",
                             block_scoring="auto", use_cuda_graph="auto", attention_backend="auto", threads_num=0)
-    plan = plan_session(config, tiny.config, tiny.num_weight_elements, 256, torch.device("cpu"), torch.float32,
+    plan = plan_session(config, tiny.config, tiny.weight_bytes, 256, torch.device("cpu"), torch.float32,
                         attention=arm)
     assert _autos(plan) == []
     assert (plan.kv_type, plan.attention_backend, plan.use_cuda_graph) == ("fp32", "torch", False)
     assert (plan.selection.block_scoring, plan.selection.context_attention) == ("cpu", "cpu")
-    assert plan.threads >= 1
+    # on the CPU alone no thread drives a GPU beside the decode operator: every core it may use
+    assert plan.threads == min(len(os.sched_getaffinity(0)), numba.config.NUMBA_NUM_THREADS)
     with pytest.raises(AssertionError, match="resolve_backend"):
         LayerMajorPrefill(tiny.model, plan.layout, 32, "auto", True)
     session = LongContextSession.from_plan(tiny.model, plan)

@@ -30,7 +30,7 @@ def plan_for(max_seq_len, budget_gb=24.0, chunk=8192):
     c = random_config("llama-3.1-8b")
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 128, max_seq_len, "bf16",
                        anchor_type="DYNAMIC", anchor_num=1)  # the default anchors
-    return plan_memory(c, num_weight_elements(c), 2, layout, chunk, int(budget_gb * GIB), True)
+    return plan_memory(c, 2 * num_weight_elements(c), 2, layout, chunk, int(budget_gb * GIB), True)
 
 
 def test_hidden_states_move_to_dram_when_they_do_not_fit():
@@ -63,7 +63,7 @@ def test_sliding_and_global_layers_are_counted_apart_and_match_the_allocation():
     c = random_config("llama-3.1-8b")
     sliding = tuple((i + 1) % 6 != 0 for i in range(32))  # gemma3's pattern: every sixth layer global
     layout = kv_layout(32, 8, 128, 128, 128 << 10, "bf16", sliding, local_windows_len=4096)
-    plan = plan_memory(c, num_weight_elements(c), 2, layout, 8192, 24 * GIB, True, local_windows_len=4096)
+    plan = plan_memory(c, 2 * num_weight_elements(c), 2, layout, 8192, 24 * GIB, True, local_windows_len=4096)
     assert plan.global_layers == 5 and plan.sliding_layers == 27
     assert "27 sliding" in plan.table() and "5 global" in plan.table()
 
@@ -94,10 +94,10 @@ def test_device_anchors_are_counted_as_allocated_and_named_in_the_refusal():
 
     c = random_config("llama-3.1-8b")
     layout = kv_layout(32, 8, 128, 128, 512 << 10, "bf16")
-    plan = plan_memory(c, num_weight_elements(c), 2, layout, 8192, 24 * GIB, True, 4096, device_anchors_per_block=1)
+    plan = plan_memory(c, 2 * num_weight_elements(c), 2, layout, 8192, 24 * GIB, True, 4096, device_anchors_per_block=1)
     assert "GPU anchors: 1.0 x max_seq_len" in plan.table()
-    assert plan_memory(c, num_weight_elements(c), 2, layout, 8192, 24 * GIB, False, 4096, 1).decode_anchors == 0
-    many = plan_memory(c, num_weight_elements(c), 2, layout, 8192, 24 * GIB, True, 4096, 32)  # DYNAMIC, 32 keys
+    assert plan_memory(c, 2 * num_weight_elements(c), 2, layout, 8192, 24 * GIB, False, 4096, 1).decode_anchors == 0
+    many = plan_memory(c, 2 * num_weight_elements(c), 2, layout, 8192, 24 * GIB, True, 4096, 32)  # DYNAMIC, 32 keys
     assert many.decode_device > many.prefill_device
     with pytest.raises(ConfigError, match=r"set block_scoring: cpu \(saves 8.50 GiB"):
         check_plan(many, many.decode_device - (1 << 20), True, free_dram=1 << 50, max_seq_len=512 << 10)
@@ -117,9 +117,29 @@ def test_device_anchors_are_counted_as_allocated_and_named_in_the_refusal():
 def test_a_cpu_plan_names_ram_not_the_device():
     c = random_config("llama-3.1-8b")
     layout = kv_layout(32, 8, 128, 128, 32 << 10, "fp32")
-    table = plan_memory(c, num_weight_elements(c), 4, layout, 8192, 24 * GIB, False).table()
+    table = plan_memory(c, 4 * num_weight_elements(c), 4, layout, 8192, 24 * GIB, False).table()
     assert "RAM weights" in table and "RAM KV (32 global layers)" in table
     assert "device" not in table.lower() and "GPU" not in table
+
+
+def test_a_cpu_plan_holds_the_weights_and_compute_beside_the_cache():
+    """On a CPU the weights, the compute and the KV cache share the machine's RAM: all three must
+    fit what is free (a GPU plan's DRAM holds the cache alone)."""
+    c = random_config("llama-3.1-8b")
+    layout = kv_layout(32, 8, 128, 128, 128 << 10, "bf16")
+    plan = plan_memory(c, 5 * GIB, 4, layout, 512, 24 * GIB, False)  # 5 GiB of weights kept as stored
+    assert plan.dram_cache - plan.dram_side_tables == 2 * 32 * 8 * (128 << 10) * 128 * 2  # K and V: 16 GiB
+    compute = plan.one_conversation
+    assert compute > 5 * GIB + (128 << 10) * 4096 * 4  # the weights and every hidden state in float32
+    check_plan(plan, 24 * GIB, False, free_dram=compute + plan.dram_cache, max_seq_len=128 << 10)
+    with pytest.raises(ConfigError, match=rf"needs {plan.dram_cache / GIB:.1f} GiB of DRAM beside "
+                                          rf"{compute / GIB:.1f} GiB of weights and compute but"):
+        check_plan(plan, 24 * GIB, False, free_dram=compute + plan.dram_cache - 1, max_seq_len=128 << 10)
+    check_plan(plan, 24 * GIB, True, free_dram=plan.dram_cache, max_seq_len=128 << 10)  # a GPU's DRAM: the cache
+    dequantised = plan_memory(c, 4 * num_weight_elements(c), 4, layout, 512, 24 * GIB, False)  # 32 GB of float32
+    with pytest.raises(ConfigError, match=r"The weights and the compute need 3\d\.\d GiB of RAM but 24\.0 GiB is "
+                                          r"free; use a smaller or more quantised model"):
+        check_plan(dequantised, 24 * GIB, False, free_dram=24 * GIB, max_seq_len=128 << 10)
 
 
 def test_bf16_at_1m_on_a_125_gib_host_is_refused_naming_q8_0():
@@ -132,8 +152,8 @@ def test_max_num_seqs_conversations_each_get_a_window_anchors_and_a_cache_and_th
     c = random_config("llama-3.1-8b")
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 128, 128 << 10, "q8_0", page_type="bf16",
                        anchor_type="DYNAMIC", anchor_num=1)
-    one = plan_memory(c, num_weight_elements(c), 2, layout, 8192, 24 * GIB, True, 4096, 1)
-    eight = plan_memory(c, num_weight_elements(c), 2, layout, 8192, 24 * GIB, True, 4096, 1, conversations=8)
+    one = plan_memory(c, 2 * num_weight_elements(c), 2, layout, 8192, 24 * GIB, True, 4096, 1)
+    eight = plan_memory(c, 2 * num_weight_elements(c), 2, layout, 8192, 24 * GIB, True, 4096, 1, conversations=8)
     # by hand: q8_0 keeps 34 bytes per 32 values; K and V of 32 layers x 8 heads x 128 at 128K
     assert one.dram_kv == 2 * 32 * 8 * (128 << 10) * 128 * 34 // 32
     assert eight.dram_total == 8 * (one.dram_kv + one.dram_side_tables) + eight.dram_hidden
@@ -173,7 +193,7 @@ def test_the_anchors_pool_holds_one_1m_conversation_beside_four_short_ones_withi
     c = random_config("llama-3.1-8b")
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 128, 1050624, "q8_0", page_type="bf16",
                        anchor_type="DYNAMIC", anchor_num=1)
-    plan = plan_memory(c, num_weight_elements(c), 2, layout, 4096, 24 * GIB, True, 4096, 1, conversations=5,
+    plan = plan_memory(c, 2 * num_weight_elements(c), 2, layout, 4096, 24 * GIB, True, 4096, 1, conversations=5,
                        kept_blocks=32)
     check_plan(plan, 24 * GIB, True, free_dram=1 << 50, max_seq_len=1050624)  # no refusal
     fixed = plan.weights + plan.kv_pages + max(plan.hidden + plan.workspace + 4 * plan.decoder, 5 * plan.decoder)

@@ -140,7 +140,7 @@ def test_the_plan_counts_a_shared_document_once():
 
     c = random_config("llama-3.1-8b")
     layout = kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, 128, 1 << 17, "q8_0")
-    args = (c, num_weight_elements(c), 2, layout, 8192, 24 << 30, True)
+    args = (c, 2 * num_weight_elements(c), 2, layout, 8192, 24 << 30, True)
     alone = plan_memory(*args, conversations=8)
     shared = plan_memory(*args, conversations=8, shared_tokens=100_000)
     # 100,000 tokens: 781 whole blocks, 776 of them in multiples of the granularity (8)

@@ -7,7 +7,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+from dataclasses import fields
+
 from ktlong.gguf.dequant import dequantize
+from ktlong.gguf.held_bytes import held_bytes
 from ktlong.gguf.model_config import ModelConfig
 from ktlong.gguf.reader import GGUFFile
 from ktlong.gguf.stored_matrix import StoredMatrix
@@ -72,6 +75,47 @@ def test_a_ranks_share_and_the_option_off_are_dequantised(tmp_path):
     _, off = _load(tmp_path / "m.gguf", CpuWeights())
     for weights in (shared, off):
         assert isinstance(weights.layers[0].w_up, torch.Tensor) and isinstance(weights.output, torch.Tensor)
+
+
+def _bytes_in_memory(weights) -> int:
+    """What loaded weights hold, by their memory: the union of the address ranges of every
+    tensor's storage and stored array (views of one buffer, such as fused q/k/v, counted once)."""
+    spans = []
+
+    def add(x):
+        if isinstance(x, torch.Tensor):
+            start = x.untyped_storage().data_ptr()
+            spans.append((start, start + x.untyped_storage().nbytes()))
+        elif isinstance(x, StoredMatrix):
+            assert x.blocks.flags.c_contiguous
+            spans.append((x.blocks.ctypes.data, x.blocks.ctypes.data + x.blocks.nbytes))
+        elif isinstance(x, StoredRows):
+            add(x.rows)
+
+    for layer in weights.layers:
+        for f in fields(layer):
+            add(getattr(layer, f.name))
+    for x in (weights.embed, weights.output, weights.output_norm, weights.rope_freq_factors):
+        add(x)
+    total, end = 0, 0
+    for lo, hi in sorted(spans):
+        total += max(0, hi - max(lo, end))
+        end = max(end, hi)
+    return total
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("stored,shard", [(True, None), (False, None), (True, (1, 2))])
+def test_the_plans_weight_bytes_are_what_the_loaded_weights_hold(tmp_path, tied, stored, shard):
+    """held_bytes, from the file's header alone, is the memory the loaded weights take: stored
+    matrices and a row-read embedding at the file's bytes, F16 and the rest in float32, a rank's
+    share where sharded."""
+    spec = TinySpec(hidden=256, intermediate=256, num_heads=4, head_dim=64, tied=tied)
+    write_tiny_gguf(tmp_path / "m.gguf", spec, seed=4, tensor_types=TYPES)
+    config, weights = _load(tmp_path / "m.gguf", CpuWeights(stored=stored), shard)
+    world = shard[1] if shard else 1
+    planned = held_bytes(GGUFFile(tmp_path / "m.gguf"), config, 4, world, compact=True, stored=stored)
+    assert planned == _bytes_in_memory(weights)
 
 
 @pytest.mark.slow

@@ -68,7 +68,7 @@ def main(argv=None) -> int:
         c = shard_config(random_config(args.shape), n)
 
         def plan(tokens):
-            return plan_session(config, c, num_weight_elements(c), tokens, device, torch.bfloat16).memory
+            return plan_session(config, c, num_weight_elements(c) * 2, tokens, device, torch.bfloat16).memory
 
         gpu = longest(lambda t: plan(t).device_total <= budget, config.block_size)
         host = longest(lambda t: n * plan(t).dram_total <= dram, config.block_size)

@@ -102,7 +102,8 @@ def resident_copies(model, host: HostKVCache, config, settings, budget: int, loc
     layout, c = host.layout, model.config
     anchors = anchors_per_block(config.anchor_type, config.anchor_num) if scores_on_device(settings) else 0
     chunk = resolve_chunk_size(config.chunk_size, config.block_size, model.device)
-    memory = plan_memory(c, num_weight_elements(c), model.dtype.itemsize, layout, chunk, budget, True,
+    act = model.dtype.itemsize
+    memory = plan_memory(c, num_weight_elements(c) * act, act, layout, chunk, budget, True,
                          local, anchors, kept_blocks=kept_blocks(settings, c.num_layers))
     resident = ResidentHistory(layout, model.device)
     resident.fit(budget - memory.prefill_device - RESIDENT_MARGIN)
@@ -271,7 +272,7 @@ def main(argv=None) -> int:
             raise KtlongError(f"A {context:,}-token document does not fill whole shared pages of this KV layout; "
                               f"give --contexts in multiples of {granularity(layout) * layout.block_size} tokens, "
                               f"or leave out --shared_document.")
-        plan = plan_memory(c, num_weight_elements(c), dtype.itemsize, layout, 1, 1 << 62, cuda,
+        plan = plan_memory(c, num_weight_elements(c) * dtype.itemsize, dtype.itemsize, layout, 1, 1 << 62, cuda,
                            conversations=max(batches), shared_tokens=context if args.shared_document else 0)
         fit = plan.conversations_that_fit(1 << 62, free, available_dram_bytes("MemTotal"))
         each = f" ({plan.dram_shared / GIB:.1f} GiB of it shared)" if args.shared_document else ""

@@ -147,7 +147,8 @@ def main(argv=None) -> int:
         torch.cuda.set_per_process_memory_fraction(min(1.0, config.gpu_memory_budget_gb * GIB / total), device)
     c = random_config(shape)
     contexts = parse_lengths(args.contexts)
-    plans = [plan_session(config, c, num_weight_elements(c), n + args.question + 8, device, dtype) for n in contexts]
+    weight_bytes = num_weight_elements(c) * dtype.itemsize
+    plans = [plan_session(config, c, weight_bytes, n + args.question + 8, device, dtype) for n in contexts]
     for plan in plans:
         plan.check()
     apply_threads(plans[0].threads, plans[0].torch_threads)

@@ -53,7 +53,7 @@ def variant_config(config: Config, attention: str) -> Config:
 
 def make_session(lm: LoadedModel, config: Config, attention: str, max_seq_len: int) -> LongContextSession:
     device = lm.model.device
-    plan = plan_session(config, lm.config, lm.num_weight_elements, max_seq_len, device, lm.model.dtype, attention)
+    plan = plan_session(config, lm.config, lm.weight_bytes, max_seq_len, device, lm.model.dtype, attention)
     plan.check()
     apply_threads(plan.threads, plan.torch_threads)
     return LongContextSession.from_plan(lm.model, plan)

@@ -60,6 +60,11 @@ class MemoryPlan:
         return self.weights + self.kv_pages + self.conversations * self.decoder + self.anchors_pool
 
     @property
+    def one_conversation(self) -> int:
+        """The peak with one conversation: its prefill, or its decode steps."""
+        return max(self.prefill_device, self.weights + self.kv_pages + self.decoder + self.decode_anchors)
+
+    @property
     def prefill_beside_decoders(self) -> int:
         """A prefill while the other conversations decode (the server runs it in slices between
         their steps): its hidden states and workspace beside their decode states."""
@@ -159,16 +164,17 @@ def decode_kept_bytes(layout: KVLayout, kept_blocks: int) -> int:
 PINNABLE = 0.9
 
 
-def plan_memory(c: ModelConfig, num_weight_elements: int, act_bytes: int, layout: KVLayout,
+def plan_memory(c: ModelConfig, weight_bytes: int, act_bytes: int, layout: KVLayout,
                 chunk_size: int, budget_bytes: int, device_is_gpu: bool, local_windows_len: int = 4096,
                 device_anchors_per_block: int = 0, conversations: int = 1, kept_blocks: int = 0,
                 shared_tokens: int = 0) -> MemoryPlan:
-    """device_anchors_per_block: anchors per block when decode scores blocks on the GPU, else 0.
+    """weight_bytes: what the weights hold (ktlong/gguf/held_bytes.py); act_bytes: an activation's
+    element. device_anchors_per_block: anchors per block when decode scores blocks on the GPU, else 0.
     conversations: decoded together (max_num_seqs), each of up to layout.capacity tokens;
     shared_tokens: the leading tokens they all hold in one copy (as much as can be shared of them).
     kept_blocks: blocks per kv head and layer the device keeps from the last tokens
     (second_select_num when it reads the selected blocks, else 0)."""
-    weights = num_weight_elements * act_bytes
+    weights = weight_bytes
     kv_pages = layout.page_bytes()
     chunk = min(chunk_size, layout.capacity)
     workspace = workspace_bytes(c, chunk, layout, act_bytes)
@@ -231,10 +237,17 @@ def check_plan(plan: MemoryPlan, budget_bytes: int, device_is_gpu: bool, free_dr
                           "chunk_size, or raise gpu_memory_budget_gb if the GPU has more.")
     # one conversation of max_seq_len must fit; caches hold only what their conversations reserve
     # (ktlong/kv/host_cache.py), so more run together as DRAM allows (the server admits them)
+    # (on a CPU beside the weights and that conversation's compute, which share its RAM)
+    beside = 0 if device_is_gpu else plan.one_conversation
+    if beside > free_dram:
+        raise ConfigError(f"The weights and the compute need {beside / GIB:.1f} GiB of RAM but {free_dram / GIB:.1f} "
+                          "GiB is free; use a smaller or more quantised model, or lower max_seq_len or chunk_size.")
     one = plan.dram_cache + plan.dram_hidden
-    if one > free_dram:
-        tokens = int(max_seq_len * free_dram / one)
+    if beside + one > free_dram:
+        tokens = int(max_seq_len * (free_dram - beside) / one)
         one_q8_0 = (plan.dram_total_q8_0 - plan.dram_hidden) // n + plan.dram_hidden if plan.dram_total_q8_0 else 0
-        smaller = f"set kv_type: q8_0 (needs {one_q8_0 / GIB:.1f} GiB) or " if 0 < one_q8_0 < one else ""
-        raise ConfigError(f"The KV cache for max_seq_len {max_seq_len:,} needs {one / GIB:.1f} GiB of DRAM but "
+        fits_q8_0 = 0 < one_q8_0 < one and beside + one_q8_0 <= free_dram
+        smaller = f"set kv_type: q8_0 (needs {one_q8_0 / GIB:.1f} GiB) or " if fits_q8_0 else ""
+        also = f" beside {beside / GIB:.1f} GiB of weights and compute" if beside else ""
+        raise ConfigError(f"The KV cache for max_seq_len {max_seq_len:,} needs {one / GIB:.1f} GiB of DRAM{also} but "
                           f"{free_dram / GIB:.1f} GiB is free; {smaller}lower max_seq_len to about {tokens:,}.")

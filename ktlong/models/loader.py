@@ -30,7 +30,7 @@ class LoadedModel:
     tokenizer: GGUFTokenizer
     chat_template: ChatTemplate
     model: "LlamaModel | CpuLlama"
-    num_weight_elements: int
+    weight_bytes: int  # what its weights hold (ktlong/gguf/held_bytes.py)
 
 
 def default_dtype(device: "torch.device") -> "torch.dtype":
@@ -64,26 +64,29 @@ def load_model(name_or_path: str | None, device: "str | torch.device" = "cpu",
     the GGUF's. cpu: what a CPU in one process keeps as stored (the cpu_stored_weights option)."""
     import torch
 
+    from ktlong.gguf.held_bytes import held_bytes
     from ktlong.gguf.weights import CpuWeights, load_weights
     from ktlong.models.llama import LlamaModel
-    from ktlong.parallel.shard import rank_share
+    from ktlong.parallel.shard import shard_config
 
     device = torch.device(device)
+    dtype, cpu = dtype or default_dtype(device), cpu or CpuWeights()
     gf, config = open_model(name_or_path, rope)
-    rank_config, elements = config, gf.num_weight_elements
-    if tp is not None:  # refused here, before any weight is read, if it does not split
-        rank_config, elements = rank_share(config, elements, tp.world)
+    # refused here, before any weight is read, if it does not split
+    rank_config = shard_config(config, tp.world) if tp is not None else config
+    world = tp.world if tp is not None else 1
+    size = held_bytes(gf, config, dtype.itemsize, world, device.type == "cpu", cpu.stored)
     tokenizer, template = _tokenizer(gf, chat_template)
-    weights = load_weights(gf, config, device, dtype or default_dtype(device),
-                           (tp.rank, tp.world) if tp is not None else None, cpu or CpuWeights())
-    return LoadedModel(gf.path, rank_config, tokenizer, template, LlamaModel(rank_config, weights, tp), elements)
+    weights = load_weights(gf, config, device, dtype, (tp.rank, tp.world) if tp is not None else None, cpu)
+    return LoadedModel(gf.path, rank_config, tokenizer, template, LlamaModel(rank_config, weights, tp), size)
 
 
 def load_cpu_model(gf: GGUFFile, config: ModelConfig, chat_template: str | None = None) -> LoadedModel:
     """The CPU engine's model (ktlong/models/cpu_llama.py) from a file open_model opened, where
     cpu_llama.unsupported(gf, config) is None."""
+    from ktlong.gguf.held_bytes import held_bytes
     from ktlong.models.cpu_llama import CpuLlama
 
     tokenizer, template = _tokenizer(gf, chat_template)
-    elements = gf.num_weight_elements
-    return LoadedModel(gf.path, config, tokenizer, template, CpuLlama.from_gguf(gf, config), elements)
+    size = held_bytes(gf, config, 4, compact=True, stored=True)
+    return LoadedModel(gf.path, config, tokenizer, template, CpuLlama.from_gguf(gf, config), size)

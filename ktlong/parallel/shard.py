@@ -43,11 +43,3 @@ def shard_rows(w: torch.Tensor | None, rank: int, world: int) -> torch.Tensor | 
 def shard_columns(w: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """Input columns (the output projection's heads, down's intermediate) of this rank."""
     return w[:, rank_slice(w.shape[1], rank, world)].contiguous()
-
-
-def rank_share(c: ModelConfig, total_elements: int, world: int) -> tuple[ModelConfig, int]:
-    """The model one rank sees (shard_config, refused before any weight is read if it does not
-    split) and the weight elements it holds: the sharded matrices split, the rest (embedding,
-    head, norms) whole on every rank."""
-    sharded = c.num_layers * c.layer_matrix_elements
-    return shard_config(c, world), total_elements - sharded + sharded // world

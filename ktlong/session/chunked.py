@@ -8,10 +8,10 @@ import sys
 import time
 from typing import Callable
 
-from tqdm import tqdm
 
 from ktlong.errors import Cancelled
 from ktlong.session.prefix import cached_prefix
+from ktlong.session.progress import prefill_progress
 
 CHUNK_GPU, CHUNK_CPU = 8192, 512  # chunk_size 0's prompt tokens per prefill chunk
 
@@ -76,8 +76,7 @@ class ChunkedSession:
         todo = prompt_ids[reuse:]
         self.ids = list(prompt_ids[:reuse])
         self.last_prefill_tokens = len(todo)
-        bar = tqdm(total=len(todo), unit="tok", desc="prefill", leave=False,
-                   disable=not show_progress or len(todo) <= self.chunk_size)
+        bar = prefill_progress(len(todo), show_progress and len(todo) > self.chunk_size)
         logits = None
         for start in range(0, len(todo), self.chunk_size):
             if should_stop is not None and should_stop():

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from tqdm import tqdm
 
 from ktlong.errors import Cancelled
 from ktlong.kv.history_load import staging_bytes
@@ -34,6 +33,7 @@ from ktlong.session.anchors_pool import AnchorsPool
 from ktlong.session.parked_decoders import ParkedDecoders
 from ktlong.session.plan import SessionPlan
 from ktlong.session.prefix import cached_prefix
+from ktlong.session.progress import prefill_progress
 from operators.compact_attention import CompactParams
 
 # device memory resident history leaves unused: the plan counts the decoder's buffers, not what
@@ -319,8 +319,7 @@ class LongContextSession:
             self.reset()
         new = prompt_ids[history:]
         layers = self.model.config.num_layers
-        bar = tqdm(total=len(new), unit="tok", desc="prefill", leave=False,
-                   disable=not show_progress or len(new) <= self.engine.chunk_size)
+        bar = prefill_progress(len(new), show_progress and len(new) > self.engine.chunk_size)
         progress = _ScaledProgress(bar, 1.0 / layers, should_stop, on_progress)
         self.last_prefill_tokens = len(new)
         try:

@@ -148,7 +148,7 @@ def apply_threads(threads: int, torch_threads: int = 0):
     set_decode_threads(threads)
 
 
-def plan_session(config: Config, model_config: ModelConfig, num_weight_elements: int, max_seq_len: int,
+def plan_session(config: Config, model_config: ModelConfig, weight_bytes: int, max_seq_len: int,
                  device: torch.device, dtype: torch.dtype, attention: str | None = None) -> SessionPlan:
     """Decide; `SessionPlan.check()` refuses what does not fit (callers print the plan first).
     attention: an evaluation arm (ktlong/session/settings.ARMS); None follows the config."""
@@ -163,12 +163,12 @@ def plan_session(config: Config, model_config: ModelConfig, num_weight_elements:
     selection = resolve_selection(selection_settings(config, model_config.num_layers, decode), device, layout)
     anchors = anchors_per_block(config.anchor_type, config.anchor_num) if scores_on_device(selection) else 0
     chunk_size = resolve_chunk_size(config.chunk_size, config.block_size, device)
-    memory = plan_memory(model_config, num_weight_elements, dtype.itemsize, layout, chunk_size, budget,
+    memory = plan_memory(model_config, weight_bytes, dtype.itemsize, layout, chunk_size, budget,
                          is_gpu, local_windows_len, anchors, config.max_num_seqs,
                          kept_blocks(selection, model_config.num_layers))
     return SessionPlan(device, dtype, layout, memory, kv_type, resolve_cuda_graph(config.use_cuda_graph, device),
                        max_seq_len, budget, is_gpu, local_windows_len, chunk_size,
                        resolve_backend(config.attention_backend, device, model_config.head_dim, layout.dtype),
-                       compact_params(config, prefill), selection, decode_threads(config.threads_num),
+                       compact_params(config, prefill), selection, decode_threads(config.threads_num, spare_core=is_gpu),
                        config.threads_num, config.resident_history, config.max_num_seqs,
                        resolve_prefill_sms(config.decode_sm_share, device))
