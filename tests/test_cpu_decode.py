@@ -72,6 +72,7 @@ def decode_against_torch(tmp_path, fused, int8, monkeypatch, rounded=False):
     prompt = np.random.default_rng(1).integers(0, spec.vocab, 300).tolist()  # past two blocks of 128
     session.prefill(prompt)
     lm.model.forward(torch.tensor(prompt), reference, 0)
+    monkeypatch.setattr(int8_runs, "AVAILABLE", False)  # the reference's products: float32 (the step's Activations are made)
     if rounded:  # the reference's decode products take their inputs rounded to 8 bits, in numpy
         linear = llama.linear
         monkeypatch.setattr(llama, "linear", lambda x, w, bias=None: linear(

@@ -110,15 +110,29 @@ def test_product_into_without_avx2_takes_float32_inputs():
     assert np.array_equal(y, matmul(T.Q4_K, blocks, x.x))
 
 
+@pytest.mark.parametrize("int8", [True, False])
 @pytest.mark.parametrize("num_x", [1, MAX_IN_PLACE_ROWS, MAX_IN_PLACE_ROWS + 1])  # in place, and dequantised
-def test_stored_matrix_products(num_x):
+def test_stored_matrix_products(num_x, int8, monkeypatch):
+    """A few rows go in place, over their 8-bit form where the machine has AVX2 (int8): within the
+    rounding's bound, half a step (max|run| / 254) an input times |w|, and float32 sums; more
+    rows go over the matrix dequantised, in float32."""
+    if int8 and not int8_runs.AVAILABLE:
+        pytest.skip("no AVX2: the products take float32 activations")
+    monkeypatch.setattr(int8_runs, "AVAILABLE", int8)
     blocks = random_blocks(T.Q5_0, 40, 256, seed=9)
-    w = torch.from_numpy(reference(T.Q5_0, blocks, 256))
+    w = reference(T.Q5_0, blocks, 256).astype(np.float64)
     matrix = StoredMatrix(blocks, T.Q5_0, (40, 256))
     x = torch.randn(num_x, 256, generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(linear(x, matrix), x @ w.t(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(torch.from_numpy(matrix.product(x.numpy())), x @ w.t(), rtol=1e-5, atol=1e-5)
+    x64 = x.double().numpy()
+    in_8_bits = int8 and num_x <= MAX_IN_PLACE_ROWS
+    half_step = np.abs(x64).reshape(num_x, -1, 32).max(2) / 254 * in_8_bits
+    rounding = np.einsum("mr,orj->mo", half_step, np.abs(w).reshape(40, -1, 32))
+    bound = 1.0001 * rounding + 1e-5 * (np.abs(x64) @ np.abs(w).T) + 1e-30
+    for y in (linear(x, matrix), torch.from_numpy(matrix.product(x.numpy()))):
+        assert (np.abs(y.double().numpy() - x64 @ w.T) <= bound).all()
     assert linear(x.bfloat16(), matrix).dtype == torch.bfloat16
+    if in_8_bits:  # rounded: not float32's product
+        assert not np.allclose(matrix.product(x.numpy()), x64 @ w.T, rtol=1e-5, atol=1e-5)
 
 
 def test_inputs_that_do_not_fit_are_refused():

@@ -1,6 +1,8 @@
 """cpu_stored_weights: a CPU in one process keeps each matrix of a type with a Numba kernel as
-the GGUF stores it (ktlong/gguf/stored_matrix.py); the model's outputs are the dequantised
-model's within float32 summation, q and k rows reordered as the loader reorders them."""
+the GGUF stores it (ktlong/gguf/stored_matrix.py); with float32 inputs to its products the
+model's outputs are the dequantised model's within float32 summation, q and k rows reordered as
+the loader reorders them. (Where the machine has AVX2 a few rows go in rounded to 8 bits:
+test_gguf_matmul.py's test_stored_matrix_products bounds that rounding.)"""
 
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ from gguf import GGMLQuantizationType as T
 
 from dataclasses import fields
 
+from cpu_ops import int8_runs
 from ktlong.gguf.dequant import dequantize
 from ktlong.gguf.held_bytes import held_bytes
 from ktlong.gguf.model_config import ModelConfig
@@ -26,6 +29,12 @@ TYPES = {"blk.0.ffn_up.weight": T.Q4_0, "blk.0.ffn_down.weight": T.Q5_0, "blk.0.
          "blk.0.attn_k.weight": T.Q5_1, "blk.1.attn_output.weight": T.F16}
 
 
+@pytest.fixture
+def float32_inputs(monkeypatch):
+    """Products in place take float32 inputs, as on a machine without AVX2."""
+    monkeypatch.setattr(int8_runs, "AVAILABLE", False)
+
+
 def _load(path, cpu, shard=None):
     gf = GGUFFile(path)
     config = ModelConfig.from_gguf(gf)
@@ -33,7 +42,7 @@ def _load(path, cpu, shard=None):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_stored_model_gives_the_dequantised_models_logits(tmp_path, tied):
+def test_stored_model_gives_the_dequantised_models_logits(tmp_path, tied, float32_inputs):
     spec = TinySpec(hidden=256, intermediate=256, num_heads=4, head_dim=64, tied=tied)
     write_tiny_gguf(tmp_path / "m.gguf", spec, seed=4, tensor_types=TYPES)
     config, stored = _load(tmp_path / "m.gguf", CpuWeights(stored=True))
@@ -56,7 +65,7 @@ def test_stored_model_gives_the_dequantised_models_logits(tmp_path, tied):
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
 
 
-def test_q_and_k_rows_reorder_as_stored_bytes(tmp_path):
+def test_q_and_k_rows_reorder_as_stored_bytes(tmp_path, float32_inputs):
     """The loader undoes llama.cpp's q/k row permutation on the stored rows: the product is the
     unreordered matrix's product, reordered, to the bit."""
     raw = torch.from_numpy(np.random.default_rng(3).integers(0, 256, (64, 4 * 20), dtype=np.uint8))
@@ -119,7 +128,7 @@ def test_the_plans_weight_bytes_are_what_the_loaded_weights_hold(tmp_path, tied,
 
 
 @pytest.mark.slow
-def test_smollm2_stored_answers_as_with_float_weights():
+def test_smollm2_stored_answers_as_with_float_weights(float32_inputs):
     """SmolLM2-135M (Q4_1 layers, a Q8_0 tied embedding read in place as its head): the logits of
     a prompt are the dequantised model's within float32 summation, the same token first."""
     from ktlong.models.loader import load_model

@@ -2,9 +2,10 @@
 
 A decode step (or a short follow-up) multiplies a few rows by the matrix with the Numba kernels
 of cpu_ops/gguf_matmul.py, which decode each block of the stored bytes as they go: the step
-reads the bytes the file holds, 0.56 (Q4_K) to 1.06 (Q8_0) per weight, and nothing else.
-`product` keeps the activations in float32; the CPU decode step's `product_into` takes them in
-8 bits, as llama.cpp does, for integer arithmetic.
+reads the bytes the file holds, 0.56 (Q4_K) to 1.06 (Q8_0) per weight, and nothing else. The
+rows go in rounded to 8 bits per run of 32 where the machine has AVX2, as llama.cpp takes them,
+for integer arithmetic (1.7-2.3x float32's speed: Qwen2.5-Coder-0.5B's matrices, 2 cores); the
+CPU decode step quantizes its Activations itself (`product_into`), the rest through `product`.
 A prefill chunk of many rows is bound by arithmetic instead: the matrix is dequantised to
 float32 for that one product (ggml's values, exactly), and numpy's matmul (BLAS) does the rest.
 Everything here is numpy, so the torch-free CPU engine (ktlong/models/cpu_llama.py) and torch's
@@ -19,6 +20,7 @@ from functools import cached_property
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from cpu_ops.checks import expect
 from cpu_ops.gguf_matmul import Activations, dequantize, matmul, product_into
 from cpu_ops.workers import Workers
 from ktlong.gguf.model_config import unpermute_qk
@@ -94,10 +96,16 @@ class StoredMatrix:
 
     def product(self, rows: np.ndarray, out: np.ndarray | None = None, workers: Workers = Workers(1)) -> np.ndarray:
         """rows [M, in] float32 -> rows @ W.T [M, out] float32 (into `out` where given): in place
-        for a few rows, else over the matrix dequantised (numpy's matmul), each worker
-        dequantising and multiplying its share of W's rows."""
+        for a few rows (over their 8-bit form where the machine has AVX2: Activations), else over
+        the matrix dequantised (numpy's matmul), each worker dequantising and multiplying its
+        share of W's rows."""
         if rows.shape[0] <= MAX_IN_PLACE_ROWS:
-            y = matmul(self.ggml_type, self.blocks, rows)
+            expect("rows", rows, ndim=2, dtype=np.float32, shape=(None, self.shape[1]))
+            x = Activations(rows.shape[0], self.shape[1])
+            x.x[...] = rows
+            x.quantize()
+            y = np.empty((rows.shape[0], self.shape[0]), np.float32)
+            self.product_into(x, y)
             if out is None:
                 return y
             out[...] = y

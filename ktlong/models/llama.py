@@ -26,7 +26,8 @@ from operators import triton_installed
 
 def linear(x: torch.Tensor, w: torch.Tensor | StoredMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T + bias: F.linear over a tensor; over a StoredMatrix (on the CPU), in float32 and
-    returned in x's dtype: a few rows in place, more by F.linear over the matrix dequantised
+    returned in x's dtype: a few rows in place (StoredMatrix.product: their inputs in 8 bits
+    where the machine has AVX2), more by F.linear over the matrix dequantised
     (torch's GEMM shares the OpenMP threads of torch and Numba; numpy's BLAS would contend with them)."""
     if not isinstance(w, StoredMatrix):
         return F.linear(x, w, bias)
