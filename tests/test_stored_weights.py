@@ -65,6 +65,32 @@ def test_stored_model_gives_the_dequantised_models_logits(tmp_path, tied, float3
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(not int8_runs.AVAILABLE, reason="no AVX2: every product takes float32 inputs")
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_heads_inputs_stay_float32_where_the_layers_go_in_8_bits(tmp_path, tied):
+    """Where products take 8-bit inputs, the output head's does not (ktlong/gguf/stored_matrix.py):
+    torch's logits of a row and the CPU engine's are the dequantised head's product, to float32 sums."""
+    from ktlong.models.cpu_llama import CpuLlama
+
+    spec = TinySpec(hidden=256, intermediate=256, num_heads=4, head_dim=64, tied=tied)
+    write_tiny_gguf(tmp_path / "m.gguf", spec, seed=4)  # Q8_0 throughout
+    config, stored = _load(tmp_path / "m.gguf", CpuWeights(stored=True))
+    gf = GGUFFile(tmp_path / "m.gguf")
+    name = "token_embd.weight" if tied else "output.weight"
+    head = dequantize(torch.from_numpy(np.array(gf.raw(name))), gf.tensors[name].ggml_type,
+                      gf.tensors[name].shape).double()
+    h = torch.randn(1, 256, generator=torch.Generator().manual_seed(2))
+    normed = (h.double() * torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)
+              * stored.output_norm.double())
+    exact = normed @ head.T
+    bound = 1e-5 * (normed.abs() @ head.abs().T) + 1e-6
+    for logits in (LlamaModel(config, stored).logits(h),
+                   torch.from_numpy(CpuLlama.from_gguf(gf, config).logits(normed.float().numpy()))):
+        assert ((logits.double() - exact).abs() <= bound).all()
+    x = h.numpy()  # the layers' products round: not float32's
+    assert not np.allclose(stored.layers[0].wo.product(x), x @ stored.layers[0].wo.float32().T, rtol=1e-5, atol=1e-5)
+
+
 def test_q_and_k_rows_reorder_as_stored_bytes(tmp_path, float32_inputs):
     """The loader undoes llama.cpp's q/k row permutation on the stored rows: the product is the
     unreordered matrix's product, reordered, to the bit."""

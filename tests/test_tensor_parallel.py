@@ -237,7 +237,8 @@ def test_the_server_under_torchrun_answers_as_its_reference_does(biased_path, tm
     """`torchrun ... -m ktlong.server --tensor_parallel 2`: rank 0 serves HTTP and both ranks run
     each prefill and step. Through the official client, a question, a follow-up that extends its
     conversation (the ranks reuse their caches alike) and a streamed completion get the answers
-    of the reference: on the CPU a one-process server (float32 sums alike), on two GPUs the chat
+    of the reference: on the CPU a one-process server with its weights dequantised as a rank's are
+    (float32 sums alike; kept as stored, its products would take 8-bit inputs), on two GPUs the chat
     on the same two GPUs, sent the same messages (bfloat16's partial sums round otherwise on one
     GPU; the chat renders and encodes messages by its own code). The server stops on SIGINT with
     status 0."""
@@ -268,7 +269,7 @@ def test_the_server_under_torchrun_answers_as_its_reference_does(biased_path, tm
 
     def answers(ranks: int) -> tuple[list[str], str]:
         launch = ([*two_ranks, "-m", "ktlong.server", "--tensor_parallel", "2"] if ranks == 2 else
-                  [sys.executable, "-m", "ktlong.server"])
+                  [sys.executable, "-m", "ktlong.server", "--set", "cpu_stored_weights=false"])
         # a session of its own: a signal meant for its processes' group never reaches pytest's
         server = LaunchedServer([*launch, *map(str, options)], cwd=ROOT, env=env, start_new_session=True)
         try:

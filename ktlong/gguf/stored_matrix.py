@@ -5,7 +5,9 @@ of cpu_ops/gguf_matmul.py, which decode each block of the stored bytes as they g
 reads the bytes the file holds, 0.56 (Q4_K) to 1.06 (Q8_0) per weight, and nothing else. The
 rows go in rounded to 8 bits per run of 32 where the machine has AVX2, as llama.cpp takes them,
 for integer arithmetic (1.7-2.3x float32's speed: Qwen2.5-Coder-0.5B's matrices, 2 cores); the
-CPU decode step quantizes its Activations itself (`product_into`), the rest through `product`.
+CPU decode step quantizes its Activations itself (`product_into`), the rest through `product`,
+where the output head keeps float32 inputs (eight_bit False): its logits are where a rounding
+shows, SmolLM2-135M's first token of the README's example turning from "Paris" to "L'".
 A prefill chunk of many rows is bound by arithmetic instead: the matrix is dequantised to
 float32 for that one product (ggml's values, exactly), and numpy's matmul (BLAS) does the rest.
 Everything here is numpy, so the torch-free CPU engine (ktlong/models/cpu_llama.py) and torch's
@@ -94,14 +96,15 @@ class StoredMatrix:
         product of many rows."""
         return self.float32(_scratch(self.shape))
 
-    def product(self, rows: np.ndarray, out: np.ndarray | None = None, workers: Workers = Workers(1)) -> np.ndarray:
+    def product(self, rows: np.ndarray, out: np.ndarray | None = None, workers: Workers = Workers(1),
+                eight_bit: bool = True) -> np.ndarray:
         """rows [M, in] float32 -> rows @ W.T [M, out] float32 (into `out` where given): in place
-        for a few rows (over their 8-bit form where the machine has AVX2: Activations), else over
-        the matrix dequantised (numpy's matmul), each worker dequantising and multiplying its
-        share of W's rows."""
+        for a few rows (over their 8-bit form where eight_bit and the machine has AVX2:
+        Activations), else over the matrix dequantised (numpy's matmul), each worker
+        dequantising and multiplying its share of W's rows."""
         if rows.shape[0] <= MAX_IN_PLACE_ROWS:
             expect("rows", rows, ndim=2, dtype=np.float32, shape=(None, self.shape[1]))
-            x = Activations(rows.shape[0], self.shape[1])
+            x = Activations(rows.shape[0], self.shape[1], None if eight_bit else False)
             x.x[...] = rows
             x.quantize()
             y = np.empty((rows.shape[0], self.shape[0]), np.float32)

@@ -153,7 +153,9 @@ class CpuLlama:
 
     def logits(self, normalised: np.ndarray) -> np.ndarray:
         """Rows after the final norm [n, hidden] -> logits [n, vocab] float32."""
-        return self.head.product(normalised) if isinstance(self.head, StoredMatrix) else self.head(normalised)
+        if isinstance(self.head, StoredMatrix):  # float32 inputs (stored_matrix.py: the head)
+            return self.head.product(normalised, eight_bit=False)
+        return self.head(normalised)
 
     def forward(self, ids: list[int], cache: WordCache, start: int) -> np.ndarray:
         """Run tokens at positions start.. through every layer, writing their K/V into cache;

@@ -24,16 +24,17 @@ from ktlong.gguf.weights import ModelWeights
 from operators import triton_installed
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | StoredMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor | StoredMatrix, bias: torch.Tensor | None = None,
+           eight_bit: bool = True) -> torch.Tensor:
     """x @ w.T + bias: F.linear over a tensor; over a StoredMatrix (on the CPU), in float32 and
     returned in x's dtype: a few rows in place (StoredMatrix.product: their inputs in 8 bits
-    where the machine has AVX2), more by F.linear over the matrix dequantised
+    where eight_bit and the machine has AVX2), more by F.linear over the matrix dequantised
     (torch's GEMM shares the OpenMP threads of torch and Numba; numpy's BLAS would contend with them)."""
     if not isinstance(w, StoredMatrix):
         return F.linear(x, w, bias)
     rows = x.reshape(-1, x.shape[-1]).float()
     if rows.shape[0] <= MAX_IN_PLACE_ROWS:
-        y = torch.from_numpy(w.product(np.ascontiguousarray(rows.numpy())))
+        y = torch.from_numpy(w.product(np.ascontiguousarray(rows.numpy()), eight_bit=eight_bit))
     else:
         y = F.linear(rows, torch.from_numpy(w.dequantized()))
     y = y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
@@ -169,7 +170,7 @@ class LlamaModel:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, vocab] float32
         h = rms_norm(x, self.weights.output_norm, self.config.rms_norm_eps)
-        return linear(h, self.weights.output).float()
+        return linear(h, self.weights.output, eight_bit=False).float()  # StoredMatrix: the head's inputs stay float32
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, cache: DenseKVCache, start: int,
