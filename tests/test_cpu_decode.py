@@ -73,9 +73,10 @@ def decode_against_torch(tmp_path, fused, int8, monkeypatch, rounded=False):
     session.prefill(prompt)
     lm.model.forward(torch.tensor(prompt), reference, 0)
     monkeypatch.setattr(int8_runs, "AVAILABLE", False)  # the reference's products: float32 (the step's Activations are made)
-    if rounded:  # the reference's decode products take their inputs rounded to 8 bits, in numpy
+    if rounded:  # the reference's decode products take their inputs rounded to 8 bits, in numpy,
+        # the head's too (the step's head takes them so; eight_bit is torch's own choice)
         linear = llama.linear
-        monkeypatch.setattr(llama, "linear", lambda x, w, bias=None: linear(
+        monkeypatch.setattr(llama, "linear", lambda x, w, bias=None, eight_bit=True: linear(
             rounded_to_8_bits(x) if isinstance(w, StoredMatrix) else x, w, bias))
     token, pairs = 5, []
     for step in range(4):
