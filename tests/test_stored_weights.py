@@ -67,9 +67,11 @@ def test_stored_model_gives_the_dequantised_models_logits(tmp_path, tied, float3
 
 @pytest.mark.skipif(not int8_runs.AVAILABLE, reason="no AVX2: every product takes float32 inputs")
 @pytest.mark.parametrize("tied", [False, True])
-def test_the_heads_inputs_stay_float32_where_the_layers_go_in_8_bits(tmp_path, tied):
-    """Where products take 8-bit inputs, the output head's does not (ktlong/gguf/stored_matrix.py):
-    torch's logits of a row and the CPU engine's are the dequantised head's product, to float32 sums."""
+def test_a_prompts_logits_stay_float32_where_products_go_in_8_bits(tmp_path, tied):
+    """Where products take 8-bit inputs, the output head takes a prompt's in float32
+    (ktlong/gguf/stored_matrix.py): torch's logits of a row and the CPU engine's are the
+    dequantised head's product to float32 sums; a decode step's (decoding) are within the
+    rounding's bound, and not float32's."""
     from ktlong.models.cpu_llama import CpuLlama
 
     spec = TinySpec(hidden=256, intermediate=256, num_heads=4, head_dim=64, tied=tied)
@@ -84,9 +86,13 @@ def test_the_heads_inputs_stay_float32_where_the_layers_go_in_8_bits(tmp_path, t
               * stored.output_norm.double())
     exact = normed @ head.T
     bound = 1e-5 * (normed.abs() @ head.abs().T) + 1e-6
-    for logits in (LlamaModel(config, stored).logits(h),
-                   torch.from_numpy(CpuLlama.from_gguf(gf, config).logits(normed.float().numpy()))):
+    model = LlamaModel(config, stored)
+    for logits in (model.logits(h), torch.from_numpy(CpuLlama.from_gguf(gf, config).logits(normed.float().numpy()))):
         assert ((logits.double() - exact).abs() <= bound).all()
+    half_step = normed.abs().reshape(1, -1, 32).amax(2) / 254  # an input's rounding, at most
+    rounding = torch.einsum("mr,orj->mo", half_step, head.abs().reshape(head.shape[0], -1, 32))
+    step = model.logits(h, decoding=True).double()
+    assert ((step - exact).abs() <= 1.0001 * rounding + bound).all() and not ((step - exact).abs() <= bound).all()
     x = h.numpy()  # the layers' products round: not float32's
     assert not np.allclose(stored.layers[0].wo.product(x), x @ stored.layers[0].wo.float32().T, rtol=1e-5, atol=1e-5)
 

@@ -283,7 +283,7 @@ class DecodeStep:
                     self.scores_host[b][j].copy_(anchors.scores(g[j], q[b]), non_blocking=True)
             self.q_dev[j].copy_(q)  # the window's and the DRAM blocks' parts read it (captured apart, or next in _token)
         else:
-            self.logits.copy_(model.logits(self.x))
+            self.logits.copy_(model.logits(self.x, decoding=True))
 
     def _window(self, j: int, streams: list = ()):
         """Global layer j's window part: each sequence's q over its sinks and window -> o_dev, lse_dev;

@@ -167,17 +167,19 @@ class LlamaModel:
                             self.config.rms_norm_eps)
         return torch.add(x, self.mlp(i, h), out=out)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden] -> [T, vocab] float32
+    def logits(self, x: torch.Tensor, decoding: bool = False) -> torch.Tensor:
+        """x: [T, hidden] -> [T, vocab] float32. A stored head (on a CPU) takes a prompt's rows in
+        float32 and a decode step's in 8 bits (decoding), as the CPU engine's (stored_matrix.py)."""
         h = rms_norm(x, self.weights.output_norm, self.config.rms_norm_eps)
-        return linear(h, self.weights.output, eight_bit=False).float()  # StoredMatrix: the head's inputs stay float32
+        return linear(h, self.weights.output, eight_bit=decoding).float()
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, cache: DenseKVCache, start: int,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, decoding: bool = False) -> torch.Tensor:
         """Run tokens at positions start.. through every layer, appending their K/V to cache.
 
-        token_ids: [T] -> logits [T, vocab] (or [1, vocab] with last_only).
+        token_ids: [T] -> logits [T, vocab] (or [1, vocab] with last_only). decoding: a decode
+        step's token (logits).
         """
         end = start + token_ids.shape[0]
         positions = torch.arange(start, end, device=self.device)
@@ -189,4 +191,4 @@ class LlamaModel:
             x = self.residual_block(i, x, cache.attention(i, q, end, self.scale, window))
         if last_only:
             x = x[-1:]
-        return self.logits(x)
+        return self.logits(x, decoding)

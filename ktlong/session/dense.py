@@ -74,6 +74,7 @@ class DenseSession(ChunkedSession):
         if self.cpu_step is not None:
             logits = torch.from_numpy(self.cpu_step(token_id, len(self.ids)))
         else:
-            logits = self.model.forward(torch.tensor([token_id]), self.cache, len(self.ids), last_only=True)[-1]
+            logits = self.model.forward(torch.tensor([token_id]), self.cache, len(self.ids), last_only=True,
+                                        decoding=True)[-1]
         self.ids.append(token_id)
         return logits
