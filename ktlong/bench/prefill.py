@@ -77,7 +77,8 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
-    plans = [plan_session(config, c, num_weight_elements(c) * dtype.itemsize, length, device, dtype) for length in lengths]
+    weight_bytes = num_weight_elements(c) * dtype.itemsize
+    plans = [plan_session(config, c, weight_bytes, length, device, dtype) for length in lengths]
     for plan in plans:  # refuse what cannot fit before any weight is made
         plan.check()
     model = random_model(args.shape, device, dtype, tp=tp)

@@ -8,7 +8,6 @@ import sys
 import time
 from typing import Callable
 
-
 from ktlong.errors import Cancelled
 from ktlong.session.prefix import cached_prefix
 from ktlong.session.progress import prefill_progress

@@ -22,7 +22,7 @@ class _Lines:
     def update(self, n: int):
         self.n += n
         now = time.monotonic()
-        if now - self.last >= LINE_SECONDS and self.n < self.total:
+        if now - self.last >= LINE_SECONDS and 0 < self.n < self.total:
             self.last = now
             rate = self.n / (now - self.start)
             print(f"[prefill: {self.n:,} of {self.total:,} tokens, {rate:,.0f} tok/s, about "
