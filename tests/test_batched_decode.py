@@ -112,7 +112,7 @@ def test_a_batch_with_joins_and_leaves_equals_each_conversation_alone(tiny, case
     logits = [[] for _ in PROMPTS]
     heads = tiny.model.logits
     passes = []
-    tiny.model.logits = lambda x: passes.append(x.shape[0]) or heads(x)
+    tiny.model.logits = lambda x, decoding=False: passes.append(x.shape[0]) or heads(x, decoding)
     try:
         batches, rebound = Batches(tiny.model, use_cuda_graph=False), []
         for step in range(STEPS):
