@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -34,7 +33,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | StoredMatrix, bias: torch.Tensor |
         return F.linear(x, w, bias)
     rows = x.reshape(-1, x.shape[-1]).float()
     if rows.shape[0] <= MAX_IN_PLACE_ROWS:
-        y = torch.from_numpy(w.product(np.ascontiguousarray(rows.numpy()), eight_bit=eight_bit))
+        y = torch.from_numpy(w.product(rows.numpy(), eight_bit=eight_bit))  # copied into its Activations
     else:
         y = F.linear(rows, torch.from_numpy(w.dequantized()))
     y = y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
