@@ -1,8 +1,9 @@
 """On the GPU: a second conversation shares a decoding one's leading blocks in pinned DRAM
 (ktlong/kv/shared_prefix.py: the pages mapped anew and page-locked again under both caches),
 while the first one's decoder and CUDA graphs, which read its DRAM where it lies, go on: the
-first decodes as it does alone, the second as the same follow-up over a private copy, and the
-two together as each alone."""
+first decodes as it does alone, the second as the same question as a follow-up over the first
+conversation's own cache (the blocks past the shared ones copied), and the two together as each
+alone."""
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ def ids(seed, n):
     return torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-DOC = ids(1, 1100)
+DOC = ids(1, 1100)  # 1,024 tokens shared, 76 copied (a block and 12 rows of a second)
 FIRST, SECOND = DOC + ids(2, 40), DOC + ids(3, 40)
 
 
@@ -55,7 +56,7 @@ def test_a_second_conversation_shares_a_decoding_ones_pinned_blocks(context_atte
     alone.prefill(FIRST)
     first_alone = [alone.step(t).float() for t in one_tokens]
     private = session_for(model, chosen)
-    private.prefill(FIRST[:1024])
+    private.prefill(FIRST)
     second_prefill_alone = private.prefill(SECOND).float()
     second_alone = [private.step(t).float() for t in two_tokens]
 
@@ -63,10 +64,10 @@ def test_a_second_conversation_shares_a_decoding_ones_pinned_blocks(context_atte
     session.prefill(FIRST)
     first = [session.step(t).float() for t in one_tokens[:STEPS]]
     one = session.detach(HostKVCache(session.layout, pin=True))
-    assert session.share(one, SECOND) == 1024
-    assert session.host.shared is one.host.shared
+    assert session.share(one, SECOND) == len(DOC)
+    assert session.host.shared is one.host.shared and session.host.shared_blocks == 16
     second_prefill = session.prefill(SECOND).float()
-    assert session.last_prefill_tokens == len(SECOND) - 1024
+    assert session.last_prefill_tokens == len(SECOND) - len(DOC)
     close([second_prefill], [second_prefill_alone])
     two = session.conversation
     together = [session.step_batch([one, two], [a, b]).float() for a, b in zip(one_tokens[STEPS:], two_tokens)]

@@ -1,7 +1,8 @@
 """Conversations over one document share its DRAM KV (LongContextSession.share): a second
 question over a document another conversation holds, while that one is still decoding, prefills
-only what follows the shared blocks, and gives what the same follow-up gives over a private copy
-of those blocks, token for token; the first conversation decodes on as it would have alone, the
+only its question (the document's whole multiples of the granularity shared, its blocks past them
+copied), and gives what the same question gives as a follow-up over the first conversation's own
+cache, token for token; the first conversation decodes on as it would have alone, the
 two decode together as each does alone, and DRAM holds the shared blocks once."""
 
 import dataclasses
@@ -18,7 +19,9 @@ from tests.settings import selection, with_anchors
 from tests.tiny_gguf import TinySpec, tiny_model
 
 B, CAPACITY = 16, 1024
-DOCUMENT, QUESTION = 560, 24  # tokens; the document's first 512 (32 blocks: the granularity) are shared
+# tokens; the document's first 512 (32 blocks: the granularity) are shared, its next 3 blocks and
+# 6 rows of a fourth copied
+DOCUMENT, QUESTION = 566, 24
 STEPS = 4
 
 
@@ -56,8 +59,8 @@ def test_a_second_question_over_a_decoding_document_shares_its_blocks(tiny, scor
                                    context_attention="gpu" if "DRAM" in scoring else "cpu")
     answer_one, answer_two = ids(4, 2 * STEPS), ids(5, STEPS)
 
-    # references: the first conversation alone; the second as a follow-up over a private copy of
-    # the shared blocks (prefilled on their own, then its question)
+    # references: the first conversation alone; the second as a follow-up over the first
+    # conversation's cache, cut back to the document
     alone = session_for(tiny, settings)
     alone.prefill(FIRST)
     first_alone = decode(alone.step, answer_one[:STEPS])
@@ -65,21 +68,21 @@ def test_a_second_question_over_a_decoding_document_shares_its_blocks(tiny, scor
     read_alone = -pcie(alone.decoder)
     first_alone += decode(alone.step, answer_one[STEPS:])
     private = session_for(tiny, settings)
-    private.prefill(FIRST[:512])
+    private.prefill(FIRST)
     second_logits_alone = private.prefill(SECOND)
     second_alone = decode(private.step, answer_two)
     read_alone += pcie(alone.decoder) + pcie(private.decoder)  # over the steps decoded together below
-    assert private.last_prefill_tokens == len(SECOND) - 512
+    assert private.last_prefill_tokens == QUESTION
 
     # the first conversation decodes, then leaves the session for the second question's prefill
     session = session_for(tiny, settings)
     session.prefill(FIRST)
     first = decode(session.step, answer_one[:STEPS])
     one = session.detach(HostKVCache(session.layout, pin=False))
-    assert session.share(one, SECOND) == 512
+    assert session.share(one, SECOND) == DOCUMENT
     assert session.host.shared is one.host.shared and one.host.shared_blocks == 32
     second_logits = session.prefill(SECOND)
-    assert session.last_prefill_tokens == len(SECOND) - 512
+    assert session.last_prefill_tokens == QUESTION
     assert torch.equal(second_logits, second_logits_alone)
     two = session.conversation
     # both decode together, each as it does alone
@@ -164,23 +167,26 @@ def test_a_joined_documents_pages_are_held_before_its_prefill_reads_them_a_piece
     for stop_at in (None, 3):
         if stop_at is not None:  # the last question's conversation leaves: an empty cache again
             session.detach(HostKVCache(session.layout, pin=False))
-        assert session.share(one, SECOND) == 512
-        assert set(session.host.committed.values()) == {0}  # mapped, nothing held yet
+        assert session.share(one, SECOND) == DOCUMENT
+        assert set(session.host.committed.values()) == {0} and session.host.copying  # mapped, nothing held yet
         pieces.clear()
         asked, seen = [], {}
         run = session.engine.run
 
         def engine_run(*args, **kwargs):
             seen["committed"], seen["asked"] = dict(session.host.committed), len(asked)
+            seen["copying"] = session.host.copying
             return run(*args, **kwargs)
         monkeypatch.setattr(session.engine, "run", engine_run)
         should_stop = lambda: asked.append(1) or len(asked) == stop_at  # noqa: E731
         if stop_at is None:
             session.prefill(SECOND, should_stop=should_stop)
-            assert min(seen["committed"].values()) >= 32  # the shared blocks held before the engine ran
+            # the shared blocks held, and the blocks past them copied, before the engine ran
+            assert min(seen["committed"].values()) >= -(-DOCUMENT // B) and not seen["copying"]
             assert seen["asked"] >= len(pieces) > len(session.layout.global_layers)  # asked after each piece
         else:
             with pytest.raises(Cancelled):
                 session.prefill(SECOND, should_stop=should_stop)
             assert "committed" not in seen and session.host.num_tokens == 0 and session.host.shared is None
+            assert not session.host.copying
         assert torch.equal(one.host.k[0], source_k)

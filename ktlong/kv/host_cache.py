@@ -112,6 +112,9 @@ into when the tables are not pinned (maps_files).
         self.num_tokens = 0  # tokens held; changed only by advance(), truncate(), reset() and share()
         self.shared: SharedPrefix | None = None  # the leading blocks held in one copy with other caches
         self.shared_blocks = 0  # how many of them (at most shared.blocks)
+        # (source, end block): the blocks past the shared ones that reserve copies from source's
+        # (share), until every global layer has committed them
+        self._copying: tuple[HostKVCache, int] | None = None
         # per global layer, the leading blocks of its tables that hold memory (page-locked where
         # pinned): `reserve` grows them before anything is written past them
         self.committed = {i: 0 for i in layout.global_layers}
@@ -132,18 +135,32 @@ into when the tables are not pinned (maps_files).
         """The tables a shared prefix covers: every non-empty one of every global layer."""
         return [kind[i] for i in self.layout.global_layers for kind in self._kinds() if kind[i].numel()]
 
-    def share(self, source: "HostKVCache", blocks: int):
-        """Hold source's first `blocks` blocks (a multiple of shared_prefix.granularity), one copy
-        in DRAM for both: this cache is empty, and holds them as its tokens now. Where source does
-        not hold that many shared already, its own bytes become the shared copy first (its private
-        pages there freed). No device work may read either cache meanwhile."""
-        assert self.num_tokens == 0 and source is not self and source.layout == self.layout
-        assert 0 < blocks * self.layout.block_size <= source.num_tokens
-        if source.shared_blocks < blocks:  # its bytes become the shared copy, mapped back in place
+    def share(self, source: "HostKVCache", blocks: int, tokens: int | None = None):
+        """Hold source's first `tokens` tokens (its first `blocks` blocks by default): of them,
+        the first `blocks` blocks (a multiple of shared_prefix.granularity, or 0) in one copy in
+        DRAM for both, and the blocks past them copies of source's, made as `reserve` commits
+        them (the tokens that a follow-up's prefill would recompute otherwise: 2,034 of a
+        6,130-token document took 24 s on two cores). This cache is empty, and holds them as its
+        tokens now; nothing may read it before it reserves them. Where source does not hold
+        that many shared already, its own bytes become the shared copy first (its private pages
+        there freed). No device work may read either cache meanwhile; source's rows before
+        `tokens` stay as they are until this cache reserved them (a conversation only grows)."""
+        tokens = blocks * self.layout.block_size if tokens is None else tokens
+        assert self.num_tokens == 0 and source is not self and source.layout == self.layout and not self.layout.sliding
+        assert blocks * self.layout.block_size <= tokens <= source.num_tokens and tokens > 0
+        if blocks and source.shared_blocks < blocks:  # its bytes become the shared copy, mapped back in place
             with source._pinned.released():
                 source.shared, source.shared_blocks = SharedPrefix(source.shared_tables(), blocks), blocks
-        self._hold(source.shared, blocks)
-        self.num_tokens = blocks * self.layout.block_size
+        if blocks:
+            self._hold(source.shared, blocks)
+        if tokens > blocks * self.layout.block_size:
+            self._copying = (source, -(-tokens // self.layout.block_size))
+        self.num_tokens = tokens
+
+    @property
+    def copying(self) -> bool:
+        """Whether blocks that share() copies from its source wait for `reserve`."""
+        return self._copying is not None
 
     def _hold(self, prefix: SharedPrefix, blocks: int):
         """The files' pages under this cache's leading blocks, mapped now and page-locked where
@@ -186,28 +203,35 @@ into when the tables are not pinned (maps_files).
             self.reserve(ahead, [short])
 
     def _grow(self, layer: int, blocks: int, pace: Callable[[], None]):
-        """Each of a global layer's tables' kv-head ranges of blocks committed..blocks: zeroed
-        (which commits them) past the shared files' pages, and page-locked in pieces of at most
+        """Each of a global layer's tables' kv-head ranges of blocks committed..blocks: past the
+        shared files' pages, copied from share()'s source up to its end and zeroed after it (which
+        commits them), and page-locked in pieces of at most
         PIN_PIECE_BYTES, or one growth step (whole pages), calling pace() after each (the heads'
         ranges between stay unheld)."""
         old = self.committed[layer]
         if blocks <= old:
             return
         step = growth_step(self.layout)
-        own = max(0, self.shared_blocks - old)  # where this cache's own blocks start, from old
-        for kind in self._kinds():
+        source, copy_end = self._copying or (None, 0)
+        for k, kind in enumerate(self._kinds()):
             part = kind[layer][:, old:blocks]
             if not part.numel():
                 continue
             block_bytes = part[0, 0].numel() * part.element_size()
             piece = max(1, PIN_PIECE_BYTES // (block_bytes * step)) * step
             for h in range(part.shape[0]):
-                for a in range(0, part.shape[1], piece):
-                    rows = part[h, a:a + piece]
-                    rows[max(0, own - a):].zero_()
-                    self._pinned.pin(rows)
+                for a in range(old, blocks, piece):
+                    b = min(a + piece, blocks)
+                    own = max(a, self.shared_blocks)  # the first block of the piece that is this cache's own
+                    copied = min(b, max(own, copy_end))  # and the end of those copied from share()'s source
+                    if copied > own:
+                        kind[layer][h, own:copied] = source._kinds()[k][layer][h, own:copied]
+                    kind[layer][h, copied:b].zero_()
+                    self._pinned.pin(kind[layer][h, a:b])
                     pace()
         self.committed[layer] = blocks
+        if source is not None and min(self.committed.values()) >= copy_end:
+            self._copying = None  # every layer holds its copies: source may change from here
 
     @property
     def dram_bytes(self) -> int:
@@ -239,7 +263,7 @@ into when the tables are not pinned (maps_files).
 
     def reset(self):
         self.unshare(keep=False)
-        self.num_tokens = 0
+        self.num_tokens, self._copying = 0, None
 
     def truncate(self, num_tokens: int):
         """Keep the first num_tokens tokens (a follow-up diverges there); what lies after is

@@ -101,7 +101,7 @@ class CacheStore:
         prompt_ids (its own, or one held or spilled); returns where the reused tokens come from
         (session, dram or disk), None for a new conversation. A conversation that is answering
         is not taken over, but a new one may share its leading blocks (LongContextSession.share:
-        one copy in DRAM): "shared"."""
+        one copy in DRAM, the rest of their common prefix copied): "shared"."""
         with self.lock:
             session = self.session
             live = session.reusable(prompt_ids)

@@ -219,24 +219,24 @@ class LongContextSession:
         return outgoing
 
     def share(self, source: "HeldConversation", prompt_ids: list[int]) -> int:
-        """Begin a new conversation whose cache holds source's leading blocks that prompt_ids
-        begins with too, one copy in DRAM for both (ktlong/kv/shared_prefix.py: whole multiples
-        of its granularity, within what source holds): the next prefill(prompt_ids) computes the
-        rest as a follow-up does. Returns the tokens shared; 0 (nothing changed) where too few
-        match, or the cache cannot share (sliding-window layers; ranks that each hold a part)."""
+        """Begin a new conversation whose cache holds the leading tokens of source that
+        prompt_ids begins with too: its whole multiples of the granularity in one copy in DRAM
+        for both (ktlong/kv/shared_prefix.py), the blocks past them copied as the prefill
+        reserves them (HostKVCache.share); the next prefill(prompt_ids) computes the rest as a
+        follow-up does. Returns the tokens held so; 0 (nothing changed) where too few match to
+        share a block, or the cache cannot share (sliding-window layers; ranks that each hold a part)."""
         assert source is not self.conversation and source.layout == self.layout
         tokens = self.shareable(source, prompt_ids)
         if tokens:
             self.reset()
-            self.host.share(source.host, tokens // self.layout.block_size)
+            self.host.share(source.host, shareable_blocks(self.layout, tokens), tokens)
             self.ids = list(prompt_ids[:tokens])
         return tokens
 
     def shareable(self, source: "HeldConversation", prompt_ids: list[int]) -> int:
-        """The tokens `share` would share: 0 where it would not."""
+        """The tokens `share` would hold: 0 where it would not."""
         common = min(cached_prefix(source.ids, prompt_ids), source.host.num_tokens)
-        blocks = shareable_blocks(self.layout, common) if self.model.tp is None else 0
-        return blocks * self.layout.block_size
+        return common if self.model.tp is None and shareable_blocks(self.layout, common) else 0
 
     def decoder_fits(self, tokens: int, busy: list["HeldConversation"]) -> bool:
         """Whether a conversation reaching `tokens` gets a decoder beside those of the busy
@@ -323,14 +323,19 @@ class LongContextSession:
         progress = _ScaledProgress(bar, 1.0 / layers, should_stop, on_progress)
         self.last_prefill_tokens = len(new)
         try:
-            # a joined document's pages (HostKVCache._hold), page-locked before anything reads
-            # them, a piece at a time: a sliced prefill hands back to the decode steps between pieces
-            self.host.reserve(self.host.shared_blocks * self.layout.block_size, pace=progress.pace)
+            # a joined document's pages (HostKVCache._hold), page-locked, and the blocks past them
+            # copied, before anything reads them, a piece at a time: a sliced prefill hands back
+            # to the decode steps between pieces
+            self.host.reserve(history, pace=progress.pace)
             progress.check()
             logits, self.last_stats = self.engine.run(new, self.host, progress, history, prefetch, self.resident,
                                                          short_launches)
         except Cancelled:
             self.reset()
+            raise
+        except Exception:
+            if self.host.copying:  # the history it was given is not all there: forgotten
+                self.reset()
             raise
         finally:
             bar.close()
