@@ -712,3 +712,20 @@ def test_a_gpu_index_past_the_machines_gpus_is_one_sentence(no_user_file, capsys
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
         assert evaluate(["passkey", "--lengths", "2k", "--device", "cuda:2"]) == 2
         one_sentence_error(capsys, "'cuda:2'", said)
+
+
+@pytest.mark.parametrize("max_seq_len,past", [(512, False), (2048, True)])
+def test_a_max_seq_len_past_the_models_context_is_said_before_it_loads(no_user_file, capsys, monkeypatch, tmp_path,
+                                                                      max_seq_len, past):
+    """The tiny model's GGUF gives a context of 512 tokens: a longer max_seq_len runs (as
+    llama.cpp's n_ctx does) with a line that says so, once, before the model's line."""
+    import local_chat
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, TinySpec(context=512), seed=1)
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert local_chat.main(["--gguf_path", str(path), "--max_seq_len", str(max_seq_len), "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    said = f"[max_seq_len {max_seq_len:,} is past the model's context of 512 tokens: "
+    assert err.count(said) == int(past), err
+    assert not past or err.index(said) < err.index("[loading tiny.gguf")
