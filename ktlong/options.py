@@ -104,6 +104,8 @@ SECTIONS: list[tuple[str, list[Option]]] = [
         Option('top_p', 1.0, 'nucleus sampling mass', low=0, high=1, low_exclusive=True),
         Option('top_k', 0, 'sample among the k likeliest tokens; 0 = no limit', low=0),
         Option('seed', 0, 'random seed for sampling', low=0, high=(1 << 63) - 1),
+        Option('presence_penalty', 0.0, "taken off the logit of each token the answer already chose, as OpenAI's presence_penalty (and the server's default for it)", low=-2, high=2),
+        Option('frequency_penalty', 0.0, "taken off the logit of each token the answer already chose, once per time, as OpenAI's frequency_penalty (and the server's default)", low=-2, high=2),
         Option('use_chat_template', True, "wrap prompts in the model's chat template: true | false"),
         Option('system_prompt', '', "system message for the chat template; empty = the template's own default"),
         Option('chat_template_file', '', "a Jinja chat template file used instead of the GGUF's (as transformers' chat_template); empty = the GGUF's", flag='chat_template_file'),

@@ -44,7 +44,7 @@ def prompting(tmp_path_factory):
     path = tmp_path_factory.mktemp("m") / "tiny.gguf"
     write_tiny_gguf(path, TinySpec(), seed=1)
     lm = load_model(str(path))
-    return Prompting(lm.tokenizer, ChatTemplate(None), "", 256, Defaults(16, 0.0, 1.0, 0, 0))
+    return Prompting(lm.tokenizer, ChatTemplate(None), "", 256, Defaults(16, 0.0, 1.0, 0, 0, 0.0, 0.0))
 
 
 class Body:
@@ -163,7 +163,7 @@ def qwen_prompting(qwen_path):
 
     tokenizer = GGUFTokenizer(GGUFFile(str(qwen_path)))
     template = template_for(tokenizer, tokenizer.chat_template)
-    return Prompting(tokenizer, template, "", 4096, Defaults(16, 0.0, 1.0, 0, 0))
+    return Prompting(tokenizer, template, "", 4096, Defaults(16, 0.0, 1.0, 0, 0, 0.0, 0.0))
 
 
 def special_counts(prompting, ids) -> dict[int, int]:

@@ -36,7 +36,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture
 def prompting(tiny):
-    return Prompting(tiny.tokenizer, ChatTemplate(None), "", 256, Defaults(16, 0.0, 1.0, 0, 0))
+    return Prompting(tiny.tokenizer, ChatTemplate(None), "", 256, Defaults(16, 0.0, 1.0, 0, 0, 0.0, 0.0))
 
 
 def chat(prompting, **fields):
@@ -154,7 +154,7 @@ def test_a_text_too_long_is_counted_only_until_it_passes_max_seq_len(prompting, 
 
 
 def test_a_long_prompt_refused_after_encoding_is_not_remembered(tiny):
-    prompting = Prompting(tiny.tokenizer, ChatTemplate(None), "", 6000, Defaults(16, 0.0, 1.0, 0, 0))
+    prompting = Prompting(tiny.tokenizer, ChatTemplate(None), "", 6000, Defaults(16, 0.0, 1.0, 0, 0, 0.0, 0.0))
     text = " ".join(str(i % 97) for i in range(2800))  # about a character a token here: encoded whole
     e = refusal(lambda: chat(prompting, messages=[{"role": "user", "content": text}]))
     assert e.code == "context_length_exceeded" and not prompting.texts.texts

@@ -97,6 +97,38 @@ def test_a_prompts_logits_stay_float32_where_products_go_in_8_bits(tmp_path, tie
     assert not np.allclose(stored.layers[0].wo.product(x), x @ stored.layers[0].wo.float32().T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not int8_runs.AVAILABLE, reason="no AVX2: every product takes float32 inputs")
+def test_a_prompts_rows_however_few_take_float32_inputs(tmp_path, monkeypatch):
+    """A follow-up of a few tokens (the server's second asking of a question: its last token
+    alone) is a prompt: both engines' layers take its rows in float32, its logits those of a
+    machine without AVX2 to the bit; a decode step's rows go in 8 bits (not float32's). With
+    8-bit layers SmolLM2-135M's answer to a question asked again turned from "The" to "L'"."""
+    from ktlong.models.cpu_llama import CpuLlama
+    from ktlong.kv.word_cache import WordCache
+
+    write_tiny_gguf(tmp_path / "m.gguf", TinySpec(hidden=256, intermediate=256, num_heads=4, head_dim=64), seed=4)
+    config, stored = _load(tmp_path / "m.gguf", CpuWeights(stored=True))
+    model, cpu = LlamaModel(config, stored), CpuLlama.from_gguf(GGUFFile(tmp_path / "m.gguf"), config)
+    ids = [5, 17, 250, 3, 99, 42]
+
+    def run(int8: bool) -> list:
+        monkeypatch.setattr(int8_runs, "AVAILABLE", int8)
+        out = []
+        for decoding in (False, True):
+            cache = DenseKVCache(config.num_layers, config.num_kv_heads, config.head_dim, 8, torch.device("cpu"),
+                                 torch.float32)
+            model.forward(torch.tensor(ids[:4]), cache, 0)
+            out.append(model.forward(torch.tensor(ids[4:]), cache, 4, decoding=decoding))  # 2 rows: in place
+        words = WordCache.zeros(config.num_layers, config.num_kv_heads, config.head_dim, 8)
+        cpu.forward(ids[:4], words, 0)
+        out.append(torch.from_numpy(cpu.forward(ids[4:], words, 4)))
+        return out
+
+    (prompt, step, engine), (prompt32, step32, engine32) = run(True), run(False)
+    assert torch.equal(prompt, prompt32) and torch.equal(engine, engine32)
+    assert not torch.equal(step, step32)
+
+
 def test_q_and_k_rows_reorder_as_stored_bytes(tmp_path, float32_inputs):
     """The loader undoes llama.cpp's q/k row permutation on the stored rows: the product is the
     unreordered matrix's product, reordered, to the bit."""

@@ -5,6 +5,7 @@ or each of a batch's rows."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING, Callable
 
 from ktlong.chat.sampling import Sampler
@@ -28,6 +29,7 @@ class Answer:
         self.max_new_tokens, self.sampler, self.stop_ids = max_new_tokens, sampler, stop_ids
         self.on_text, self.should_stop, self.on_token, self.constraint = on_text, should_stop, on_token, constraint
         self.stream = TextStream(tokenizer)
+        self.chosen: Counter[int] = Counter()  # the tokens sampled so far (the sampler's penalties)
         self.finish_reason: str | None = None  # stop | length | cancelled, once it ended
 
     @property
@@ -44,7 +46,8 @@ class Answer:
             return self._end("cancelled")
         if self.constraint is not None:
             logits = self.constraint.mask(logits)
-        token = self.sampler(logits)
+        token = self.sampler(logits, self.chosen)
+        self.chosen[token] += 1
         if token in self.stop_ids:
             return self._end("stop")
         if self.constraint is not None:

@@ -36,7 +36,8 @@ class ChatLoop:
         template = lm.chat_template if config.use_chat_template else None
         self.conversation = Conversation(lm.tokenizer, template, config.system_prompt)
         self.session = session or dense_session(lm.model, config, max_seq_len)
-        self.sampler = Sampler(config.temperature, config.top_p, config.top_k, config.seed)
+        self.sampler = Sampler(config.temperature, config.top_p, config.top_k, config.seed, config.presence_penalty,
+                               config.frequency_penalty)
 
     def notice(self, text: str):
         print(f"[{text}]", file=self.err, flush=True)

@@ -360,7 +360,7 @@ class DecodeStep:
     def _append(self, layer: int, j: int | None = None) -> torch.Tensor:
         """The layer's q, k, v of every sequence -> q [B, H, D]; each sequence's k/v into its
         window (and, for a global layer, toward DRAM)."""
-        q, k, v = self.model.qkv(layer, self.x, self.position, self.rope)
+        q, k, v = self.model.qkv(layer, self.x, self.position, self.rope, decoding=True)
         dtype = self.layout.dtype
         if j is not None and not self.device_selects:  # a global layer's q goes to the host, unless the device selects
             self.q_host[j].copy_(q.float(), non_blocking=True)
@@ -403,7 +403,7 @@ class DecodeStep:
         return state
 
     def _finish(self, layer: int, o: torch.Tensor):
-        self.model.residual_block(layer, self.x, o, out=self.x)
+        self.model.residual_block(layer, self.x, o, out=self.x, decoding=True)
 
     # ---- capture and replay -------------------------------------------------------------
     def capture(self):

@@ -5,10 +5,12 @@ of cpu_ops/gguf_matmul.py, which decode each block of the stored bytes as they g
 reads the bytes the file holds, 0.56 (Q4_K) to 1.06 (Q8_0) per weight, and nothing else. The
 rows go in rounded to 8 bits per run of 32 where the machine has AVX2, as llama.cpp takes them,
 for integer arithmetic (1.7-2.3x float32's speed: Qwen2.5-Coder-0.5B's matrices, 2 cores); the
-CPU decode step quantizes its Activations itself (`product_into`), the rest through `product`,
-where the output head keeps a prompt's inputs in float32 (eight_bit False): a prompt's logits
-are where a rounding shows, SmolLM2-135M's first token of the README's example turning from
-"Paris" to "L'"; a decode step's head takes 8 bits in either engine.
+CPU decode step quantizes its Activations itself (`product_into`), torch's decode step through
+`product` (eight_bit). A prompt's rows keep float32 inputs however few they are: a prompt's
+logits are where a rounding shows, SmolLM2-135M's first token of the README's example turning
+from "Paris" to "L'" with its head's inputs in 8 bits, and again (The -2.11 against L' -1.87)
+when a cached question's last token alone went through 8-bit layers, which made the server's
+second answer to a question differ from its first.
 A prefill chunk of many rows is bound by arithmetic instead: the matrix is dequantised to
 float32 for that one product (ggml's values, exactly), and numpy's matmul (BLAS) does the rest.
 Everything here is numpy, so the torch-free CPU engine (ktlong/models/cpu_llama.py) and torch's

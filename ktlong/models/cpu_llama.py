@@ -190,14 +190,15 @@ class CpuLlama:
         for i, w in enumerate(self.layers):
             add_rms_norm_rows(x, delta, w.attn_norm, self.eps, h)
             for matrix, first in w.qkv:
-                matrix.product(h, qkv[:, first:first + matrix.shape[0]], workers)
+                matrix.product(h, qkv[:, first:first + matrix.shape[0]], workers, eight_bit=False)
             place_qkv_rows(qkv, w.bias, cos, sin, q, cache.keys[i], cache.values[i], start)
             o = chunk_attention(q, cache.keys[i], cache.values[i], end, self.scale, workers)
-            add_rms_norm_rows(x, w.wo.product(o.reshape(num, -1), workers=workers), w.ffn_norm, self.eps, h)
+            add_rms_norm_rows(x, w.wo.product(o.reshape(num, -1), workers=workers, eight_bit=False), w.ffn_norm,
+                              self.eps, h)
             for matrix, first in w.gate_up:
-                matrix.product(h, gate_up[:, first:first + matrix.shape[0]], workers)
+                matrix.product(h, gate_up[:, first:first + matrix.shape[0]], workers, eight_bit=False)
             silu_times_rows(gate_up, act)
-            delta = w.down.product(act, workers=workers)
+            delta = w.down.product(act, workers=workers, eight_bit=False)
         last = np.empty((1, c.hidden_size), np.float32)
         add_rms_norm_rows(x[-1:], delta[-1:], self.final_norm, self.eps, last)
         return self.logits(last)[0]

@@ -24,10 +24,10 @@ from operators import triton_installed
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | StoredMatrix, bias: torch.Tensor | None = None,
-           eight_bit: bool = True) -> torch.Tensor:
+           eight_bit: bool = False) -> torch.Tensor:
     """x @ w.T + bias: F.linear over a tensor; over a StoredMatrix (on the CPU), in float32 and
     returned in x's dtype: a few rows in place (StoredMatrix.product: their inputs in 8 bits
-    where eight_bit and the machine has AVX2), more by F.linear over the matrix dequantised
+    where eight_bit, a decode step's, and the machine has AVX2), more by F.linear over the matrix dequantised
     (torch's GEMM shares the OpenMP threads of torch and Numba; numpy's BLAS would contend with them)."""
     if not isinstance(w, StoredMatrix):
         return F.linear(x, w, bias)
@@ -107,21 +107,23 @@ class LlamaModel:
             tables[True] = rope_cos_sin(self.inv_freq_local, positions, 1.0)
         return tables
 
-    def qkv(self, i: int, x: torch.Tensor, positions: torch.Tensor, rope: dict | None = None):
+    def qkv(self, i: int, x: torch.Tensor, positions: torch.Tensor, rope: dict | None = None,
+            decoding: bool = False):
         """x: [T, hidden] -> q [T, H, D], k [T, KV, D], v [T, KV, D], RoPE applied (from
-        rope_tables(positions) when given)."""
+        rope_tables(positions) when given). decoding: a decode step's rows, whose products over
+        stored matrices take 8-bit inputs (linear); a prompt's stay float32 however few."""
         c, w = self.config, self.weights.layers[i]
         h = rms_norm(x, w.attn_norm, c.rms_norm_eps)
         qkv = None
         if w.wqkv is not None:  # one product: [T, (H + 2 KV) * D], its biases in one add
-            qkv = linear(h, w.wqkv)
+            qkv = linear(h, w.wqkv, eight_bit=decoding)
             qkv = qkv if w.bqkv is None else qkv + w.bqkv
             q, k, v = qkv.split([w.wq.shape[0], w.wk.shape[0], w.wv.shape[0]], -1)
             if w.bqkv is None and any(b is not None for b in (w.bq, w.bk, w.bv)):  # some parts' biases only
                 q, k, v = (t if b is None else t + b for t, b in ((q, w.bq), (k, w.bk), (v, w.bv)))
                 qkv = None
         else:
-            q, k, v = linear(h, w.wq, w.bq), linear(h, w.wk, w.bk), linear(h, w.wv, w.bv)
+            q, k, v = (linear(h, m, b, decoding) for m, b in ((w.wq, w.bq), (w.wk, w.bk), (w.wv, w.bv)))
         q = q.reshape(-1, c.num_heads, c.head_dim)
         k = k.reshape(-1, c.num_kv_heads, c.head_dim)
         v = v.reshape(-1, c.num_kv_heads, c.head_dim)
@@ -138,33 +140,34 @@ class LlamaModel:
             return qk[:, :c.num_heads], qk[:, c.num_heads:], v
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def attention_output(self, i: int, o: torch.Tensor) -> torch.Tensor:
+    def attention_output(self, i: int, o: torch.Tensor, decoding: bool = False) -> torch.Tensor:
         # o: [T, H, D] -> [T, hidden]
         w = self.weights.layers[i]
-        out = linear(o.reshape(o.shape[0], -1), w.wo)
+        out = linear(o.reshape(o.shape[0], -1), w.wo, eight_bit=decoding)
         if self.tp is not None:
             self.tp.all_reduce(out)
         return rms_norm(out, w.post_attn_norm, self.config.rms_norm_eps) if w.post_attn_norm is not None else out
 
-    def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+    def mlp(self, i: int, h: torch.Tensor, decoding: bool = False) -> torch.Tensor:
         """h: the layer's input after its ffn_norm, [T, hidden] -> [T, hidden]."""
         w = self.weights.layers[i]
         if w.w_gate_up is not None:  # one product: [T, 2 intermediate]
-            product = gated(linear(h, w.w_gate_up), self.config.mlp_act)
+            product = gated(linear(h, w.w_gate_up, eight_bit=decoding), self.config.mlp_act)
         else:
-            product = activation(linear(h, w.w_gate), self.config.mlp_act) * linear(h, w.w_up)
-        out = linear(product, w.w_down)
+            product = (activation(linear(h, w.w_gate, eight_bit=decoding), self.config.mlp_act)
+                       * linear(h, w.w_up, eight_bit=decoding))
+        out = linear(product, w.w_down, eight_bit=decoding)
         if self.tp is not None:
             self.tp.all_reduce(out)
         return rms_norm(out, w.post_ffn_norm, self.config.rms_norm_eps) if w.post_ffn_norm is not None else out
 
-    def residual_block(self, i: int, x: torch.Tensor, o: torch.Tensor, out: torch.Tensor | None = None
-                       ) -> torch.Tensor:
+    def residual_block(self, i: int, x: torch.Tensor, o: torch.Tensor, out: torch.Tensor | None = None,
+                       decoding: bool = False) -> torch.Tensor:
         """The rest of layer i once attention is done: x [T, hidden], o [T, H, D] -> x [T, hidden]
-        (into `out` when given; it may be x)."""
-        x, h = add_rms_norm(x, self.attention_output(i, o.to(x.dtype)), self.weights.layers[i].ffn_norm,
+        (into `out` when given; it may be x). decoding: as qkv's."""
+        x, h = add_rms_norm(x, self.attention_output(i, o.to(x.dtype), decoding), self.weights.layers[i].ffn_norm,
                             self.config.rms_norm_eps)
-        return torch.add(x, self.mlp(i, h), out=out)
+        return torch.add(x, self.mlp(i, h, decoding), out=out)
 
     def logits(self, x: torch.Tensor, decoding: bool = False) -> torch.Tensor:
         """x: [T, hidden] -> [T, vocab] float32. A stored head (on a CPU) takes a prompt's rows in
@@ -178,16 +181,16 @@ class LlamaModel:
         """Run tokens at positions start.. through every layer, appending their K/V to cache.
 
         token_ids: [T] -> logits [T, vocab] (or [1, vocab] with last_only). decoding: a decode
-        step's token (logits).
+        step's token (8-bit inputs to the stored matrices' products, the head's too).
         """
         end = start + token_ids.shape[0]
         positions = torch.arange(start, end, device=self.device)
         x = self.embed(token_ids.to(self.device))
         for i in range(self.config.num_layers):
-            q, k, v = self.qkv(i, x, positions)
+            q, k, v = self.qkv(i, x, positions, decoding=decoding)
             cache.append(i, start, k, v)
             window = self.config.sliding_window if self.config.is_sliding(i) else 0
-            x = self.residual_block(i, x, cache.attention(i, q, end, self.scale, window))
+            x = self.residual_block(i, x, cache.attention(i, q, end, self.scale, window), decoding=decoding)
         if last_only:
             x = x[-1:]
         return self.logits(x, decoding)

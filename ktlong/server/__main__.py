@@ -52,7 +52,8 @@ def make_app(started, log=None, session=None):
     # without the model's template, messages are sent as plain "role: text" lines
     template = lm.chat_template if config.use_chat_template else ChatTemplate(None)
     prompting = Prompting(lm.tokenizer, template, config.system_prompt, started.max_seq_len,
-                          Defaults(config.max_new_tokens, config.temperature, config.top_p, config.top_k, config.seed))
+                          Defaults(config.max_new_tokens, config.temperature, config.top_p, config.top_k, config.seed,
+                                   config.presence_penalty, config.frequency_penalty))
     api_key = config.api_key or os.environ.get(API_KEY_VARIABLE, "")
     worker = Worker(session, lm.tokenizer, config.queue_size, log, config.finish_prefill_on_disconnect,
                     cache_store(config, started, session, log), config.max_num_seqs,

@@ -22,6 +22,7 @@ from ktlong.server.tool_calls import ToolFormat, tool_format
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 4
+MAX_LOGIT_BIAS = 1024  # logit_bias entries a request may hold
 
 
 class ApiError(Exception):
@@ -52,6 +53,9 @@ class Job:
     seed: int
     stop: tuple[str, ...]
     stream: bool
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: dict[int, float]
     include_usage: bool
     progress: bool = False  # stream prefill progress events (return_progress)
     logprobs: int | None = None  # each token's logprob and this many alternatives; None: none
@@ -69,6 +73,8 @@ class Defaults:
     top_p: float
     top_k: int
     seed: int
+    presence_penalty: float
+    frequency_penalty: float
 
 
 def _number(body: dict, name: str, default, low: float, high: float, low_open: bool = False):
@@ -98,8 +104,8 @@ def _integer(body: dict, name: str, default, low: int, high: int | None = None):
 # the request fields this server reads; "user", "metadata", "store" and "service_tier" change
 # nothing about an answer, so they are taken and left aside
 PARAMETERS = {"model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-              "top_k", "seed", "stop", "logprobs", "n", "presence_penalty", "frequency_penalty", "best_of", "echo",
-              "return_progress", "user", "metadata", "store", "service_tier"}
+              "top_k", "seed", "stop", "logprobs", "n", "presence_penalty", "frequency_penalty", "logit_bias",
+              "best_of", "echo", "return_progress", "user", "metadata", "store", "service_tier"}
 CHAT_PARAMETERS = PARAMETERS | {"messages", "tools", "tool_choice", "parallel_tool_calls", "response_format",
                                 "top_logprobs"}
 COMPLETION_PARAMETERS = PARAMETERS | {"prompt"}
@@ -114,13 +120,29 @@ def _refuse_unsupported(body: dict, known: set[str]):
             raise bad(name[:60], f"'{name[:60]}' is not supported by this server; leave it out.")
     if _integer(body, "n", 1, 1) != 1:
         raise bad("n", "'n' must be 1: this server generates one choice per request.")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
-            raise bad(name, f"'{name}' is not supported here; leave it out or set it to 0.")
     if body.get("echo"):
         raise bad("echo", "'echo' is not supported by this server; leave it out.")
     if _integer(body, "best_of", 1, 1) != 1:
         raise bad("best_of", "'best_of' must be 1 here.")
+
+
+def _logit_bias(body: dict, vocab: int) -> dict[int, float]:
+    """logit_bias: {"token id": a value from -100 to 100}, at most MAX_LOGIT_BIAS of them."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return {}
+    shape = (f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS:,} \"token id\": value pairs, each id "
+             f"from 0 to {vocab - 1} and each value from -100 to 100.")
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise bad("logit_bias", shape)
+    out = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isdecimal() and len(key) <= 12 else -1
+        if not (0 <= token < vocab and isinstance(value, (int, float)) and not isinstance(value, bool)
+                and -100 <= value <= 100):  # NaN fails the comparison too
+            raise bad("logit_bias", shape)
+        out[token] = float(value)
+    return out
 
 
 def _seed(body: dict) -> int:
@@ -408,6 +430,9 @@ class Prompting:
                    top_p=_number(body, "top_p", d.top_p, 0.0, 1.0, low_open=True),
                    top_k=_integer(body, "top_k", d.top_k, 0),
                    seed=_seed(body),
+                   presence_penalty=_number(body, "presence_penalty", d.presence_penalty, -2.0, 2.0),
+                   frequency_penalty=_number(body, "frequency_penalty", d.frequency_penalty, -2.0, 2.0),
+                   logit_bias=_logit_bias(body, len(self.tokenizer.tokens)),
                    stop=_stop(body), stream=stream, include_usage=include_usage, progress=progress,
                    logprobs=_logprobs(body, kind), tools=tools, tool_names=names, forced=forced,
                    parallel_calls=parallel, grammar=_response_grammar(body, self.tokenizer) if kind == "chat" else None)

@@ -69,8 +69,9 @@ class Reply:
         self.stops = StopStrings(job.stop)
         self.tools = ToolCallStream(job.tools, job.tool_names, job.forced) if job.tools is not None else None
         constraint = JsonConstraint(tokenizer, job.grammar) if job.grammar is not None else None
-        self.answer = Answer(max_new_tokens, Sampler(job.temperature, job.top_p, job.top_k, job.seed),
-                             tokenizer.stop_ids, tokenizer, self._text,
+        sampler = Sampler(job.temperature, job.top_p, job.top_k, job.seed, job.presence_penalty,
+                          job.frequency_penalty, job.logit_bias)
+        self.answer = Answer(max_new_tokens, sampler, tokenizer.stop_ids, tokenizer, self._text,
                              should_stop=lambda: ticket.cancelled.is_set() or self.stops.hit,
                              on_token=self._logprob if job.logprobs is not None else None, constraint=constraint)
         self.start = time.perf_counter()
