@@ -97,7 +97,9 @@ def test_a_temperature_near_zero_samples_the_likeliest_token():
 @pytest.mark.parametrize("schema", [
     {"type": "array", "minItems": 2 ** 64}, {"type": "integer", "minimum": -1e30},
     {"type": "string", "pattern": "^(a{1000}){1000}$"}, {"$ref": "#"}, {"type": "integer", "minimum": 10 ** 400},
-    {"type": "integer", "minimum": 8929548040361255, "maximum": 8929548040361254}, {"type": "string", "pattern": "("}])
+    {"type": "integer", "minimum": 8929548040361255, "maximum": 8929548040361254}, {"type": "string", "pattern": "("},
+    # a POSIX class (llguidance: a letter; JSON Schema: one of "[:alph" then "]") and a set operation
+    {"type": "string", "pattern": "[[:alpha:]]"}, {"type": "string", "pattern": "^[a-z&&[^b]]$"}])
 def test_a_schema_that_cannot_be_enforced_is_a_400_before_the_answer(prompting, schema):
     fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
     e = refusal(lambda: chat(prompting, response_format=fmt))

@@ -65,8 +65,8 @@ def one_line(text: str, limit: int = 200) -> str:
 
 def _check_values(schema):
     """Refuse what llguidance would take and not enforce: a 'pattern' that is not a regular
-    expression, or whose shortest match is longer than MAX_PATTERN_WIDTH characters; a numeric
-    bound of MAX_BOUND or more."""
+    expression, that llguidance reads otherwise than JSON Schema, or whose shortest match is
+    longer than MAX_PATTERN_WIDTH characters; a numeric bound of MAX_BOUND or more."""
     todo = [schema]
     while todo:
         node = todo.pop()
@@ -81,12 +81,19 @@ def _check_values(schema):
             pattern = node.get("pattern")
             if isinstance(pattern, str):
                 try:
-                    with warnings.catch_warnings():  # "possible nested set": Python's note on its own syntax
-                        warnings.simplefilter("ignore", FutureWarning)
+                    with warnings.catch_warnings(record=True) as notes:
+                        warnings.simplefilter("always", FutureWarning)
                         width = re._parser.parse(pattern).getwidth()[0]
                 except (re.error, RecursionError, OverflowError) as e:  # as validators check "format": "regex"
                     raise SchemaError(f"The JSON schema's pattern {pattern[:60]!r} is not a regular expression "
                                       f"({one_line(str(e), 80)}); fix it.") from None
+                # Python's notes on a "[" or "&&", "--", "~~", "||" inside a class: a nested set, a
+                # POSIX class or a set operation to llguidance's regex, plain characters to JSON
+                # Schema's (ECMA-262): "[[:alpha:]]" let "S" through, which no validator accepts
+                if any(str(n.message).startswith("Possible") for n in notes):
+                    raise SchemaError(f"The JSON schema's pattern {pattern[:60]!r} holds '[' (or '&&', '--', '~~', "
+                                      "'||') inside a character class, which regular expression dialects read "
+                                      "differently; escape it ('\\[') or write the class out ('[A-Za-z]').")
                 if width > MAX_PATTERN_WIDTH:
                     raise SchemaError(f"The JSON schema's pattern {pattern[:60]!r} matches only strings of "
                                       f"{width:,} characters or more; the most this server enforces is "
