@@ -119,9 +119,6 @@ def start(config: Config, log=None, cpu_engine: bool = True) -> Started:
     gf, model_config = open_model(config.model, RopeOptions.of(config))  # checks the file, reads no weight
     template = configured_template(config.chat_template_file)
     max_seq_len = config.check_against_model(model_config.num_layers, model_config.context_length)
-    if max_seq_len > model_config.context_length:
-        print(f"[max_seq_len {max_seq_len:,} is past the model's context of {model_config.context_length:,} tokens: "
-              "what lies past them it reads poorly; rope_scaling and rope_scale extend its context]", file=log)
     refusal = cpu_engine_refusal(config, gf, model_config) if cpu_engine else ""
     if refusal is None:
         import numba
@@ -147,6 +144,9 @@ def _loading(path, c, where: str, max_seq_len: int, log):
     head = (f"[loading {path.name}: {c.arch}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} heads, "
             f"context {c.context_length}, on {where}")
     alone = launched_world() <= 1
+    if max_seq_len > c.context_length:  # a run that was refused before this point never says it
+        print(f"[max_seq_len {max_seq_len:,} is past the model's context of {c.context_length:,} tokens: what lies "
+              "past them it reads poorly; rope_scaling and rope_scale extend its context]", file=log, flush=True)
     if alone:
         print(head, end="", file=log, flush=True)
     start = time.perf_counter()
