@@ -30,18 +30,13 @@ def plan_text(config) -> str:
     from ktlong.device import resolve_device, resolve_dtype
     from ktlong.gguf.model_config import RopeOptions
     from ktlong.models.loader import open_model
-    from ktlong.gguf.held_bytes import held_bytes
-    from ktlong.parallel.shard import shard_config
-    from ktlong.session.plan import plan_session
+    from ktlong.session.plan import plan_for_file
 
     gf, model_config = open_model(config.model, RopeOptions.of(config))
     max_seq_len = config.check_against_model(model_config.num_layers, model_config.context_length)
     device = resolve_device(config.device)
-    dtype, world = resolve_dtype(config.dtype, device), config.tensor_parallel
-    weight_bytes = held_bytes(gf, model_config, dtype.itemsize, world, device.type == "cpu", config.cpu_stored_weights)
-    if world > 1:  # one rank's share
-        model_config = shard_config(model_config, world)
-    plan = plan_session(config, model_config, weight_bytes, max_seq_len, device, dtype)
+    plan = plan_for_file(config, gf, model_config, max_seq_len, device, resolve_dtype(config.dtype, device),
+                         config.tensor_parallel)
     try:
         plan.check()
         verdict = "[it fits this machine]"

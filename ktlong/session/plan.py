@@ -172,3 +172,16 @@ def plan_session(config: Config, model_config: ModelConfig, weight_bytes: int, m
                        compact_params(config, prefill), selection, decode_threads(config.threads_num, spare_core=is_gpu),
                        config.threads_num, config.resident_history, config.max_num_seqs,
                        resolve_prefill_sms(config.decode_sm_share, device))
+
+
+def plan_for_file(config: Config, gf, model_config: ModelConfig, max_seq_len: int, device: torch.device,
+                  dtype: torch.dtype, world: int) -> SessionPlan:
+    """plan_session for one rank of `world` over a GGUF that open_model opened (model_config:
+    the whole model's), before any weight is read: the weights it will hold counted from the
+    header (ktlong/gguf/held_bytes.py), its share of the heads (ktlong/parallel/shard.py)."""
+    from ktlong.gguf.held_bytes import held_bytes
+    from ktlong.parallel.shard import shard_config
+
+    weight_bytes = held_bytes(gf, model_config, dtype.itemsize, world, device.type == "cpu", config.cpu_stored_weights)
+    rank_config = shard_config(model_config, world) if world > 1 else model_config
+    return plan_session(config, rank_config, weight_bytes, max_seq_len, device, dtype)

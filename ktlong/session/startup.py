@@ -167,28 +167,26 @@ def _start_torch(config: Config, gf, model_config, template, max_seq_len: int, r
     from ktlong.device import resolve_device, resolve_dtype
     from ktlong.models.loader import load_model
     from ktlong.gguf.model_config import RopeOptions
-    from ktlong.gguf.held_bytes import held_bytes
     from ktlong.gguf.weights import CpuWeights
     from ktlong.parallel.group import join_ranks
     from ktlong.parallel.shard import shard_config
     from cpu_ops.threads import decode_threads
-    from ktlong.session.plan import apply_threads, plan_session, resolve_dense_kv_dtype
+    from ktlong.session.plan import apply_threads, plan_for_file, resolve_dense_kv_dtype
 
     device = resolve_device(config.device)
     if refusal and config.mode == "normal" and config.cpu_engine == "auto" and device.type == "cpu" and config.tensor_parallel <= 1:
         print(f"[torch's engine: the CPU engine does not run this, as {refusal}]", file=log)
     tp, device = join_ranks(config.tensor_parallel, model_config, device)
     dtype, world = resolve_dtype(config.dtype, device), tp.world if tp is not None else 1
-    weight_bytes = held_bytes(gf, model_config, dtype.itemsize, world, device.type == "cpu", config.cpu_stored_weights)
+    plan = plan_for_file(config, gf, model_config, max_seq_len, device, dtype, world) \
+        if config.mode == "long_context" else None
     if tp is not None:
         model_config = shard_config(model_config, tp.world)
         print(f"[rank {tp.rank} of {tp.world}: {model_config.num_heads} heads, {model_config.num_kv_heads} kv "
               f"heads, {len(os.sched_getaffinity(0))} cores]", file=log)
     if config.use_cuda_graph is True and (device.type != "cuda" or config.mode != "long_context"):
         print("[use_cuda_graph: graphs replay the long-context decode step on a GPU; ignored here]", file=log)
-    plan = None
-    if config.mode == "long_context":
-        plan = plan_session(config, model_config, weight_bytes, max_seq_len, device, dtype)
+    if plan is not None:
         print(plan.describe(), file=log)
         plan.check()
         apply_threads(plan.threads, plan.torch_threads)
