@@ -106,13 +106,21 @@ def test_a_second_question_over_a_decoding_document_shares_its_blocks(tiny, scor
     assert one.host.shared_bytes == two.host.shared_bytes == one.host.shared.nbytes > per_cache // 3
 
 
-def test_too_short_a_common_prefix_shares_nothing(tiny):
+def test_a_common_prefix_shorter_than_the_granularity_is_copied_whole(tiny):
+    """400 common tokens, under the 512 a shared prefix takes: nothing shared, all 400 copied, and
+    the question prefilled over them as a follow-up over the first conversation's own cache."""
     settings = selection(second_select_num=3, preselect_block=False, dense_layer_num=0)
+    first, second = DOC[:400] + ids(6, 20), DOC[:400] + ids(7, 20)
+    private = session_for(tiny, settings)
+    private.prefill(first)
+    want = private.prefill(second)
     session = session_for(tiny, settings)
-    session.prefill(DOC[:400] + ids(6, 20))
+    session.prefill(first)
     one = session.detach(HostKVCache(session.layout, pin=False))
-    assert session.share(one, DOC[:400] + ids(7, 20)) == 0  # 400 < 512 common tokens
-    assert session.host.shared is None and one.host.shared is None and session.host.num_tokens == 0
+    assert session.share(one, second) == 400
+    assert session.host.shared is None and one.host.shared is None and session.host.copying
+    assert torch.equal(session.prefill(second), want) and session.last_prefill_tokens == 20
+    assert session.share(one, ids(8, 30)) == 0 and session.ids == second  # nothing in common: nothing changed
 
 
 def test_a_sharing_conversation_saves_and_loads_as_any_other(tiny, tmp_path):

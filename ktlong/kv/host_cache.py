@@ -205,9 +205,8 @@ into when the tables are not pinned (maps_files).
     def _grow(self, layer: int, blocks: int, pace: Callable[[], None]):
         """Each of a global layer's tables' kv-head ranges of blocks committed..blocks: past the
         shared files' pages, copied from share()'s source up to its end and zeroed after it (which
-        commits them), and page-locked in pieces of at most
-        PIN_PIECE_BYTES, or one growth step (whole pages), calling pace() after each (the heads'
-        ranges between stay unheld)."""
+        commits them), and page-locked in pieces of at most PIN_PIECE_BYTES, or one growth step
+        (whole pages), calling pace() after each (the heads' ranges between stay unheld)."""
         old = self.committed[layer]
         if blocks <= old:
             return

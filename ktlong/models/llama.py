@@ -27,8 +27,9 @@ def linear(x: torch.Tensor, w: torch.Tensor | StoredMatrix, bias: torch.Tensor |
            eight_bit: bool = False) -> torch.Tensor:
     """x @ w.T + bias: F.linear over a tensor; over a StoredMatrix (on the CPU), in float32 and
     returned in x's dtype: a few rows in place (StoredMatrix.product: their inputs in 8 bits
-    where eight_bit, a decode step's, and the machine has AVX2), more by F.linear over the matrix dequantised
-    (torch's GEMM shares the OpenMP threads of torch and Numba; numpy's BLAS would contend with them)."""
+    where eight_bit, a decode step's, and the machine has AVX2), more by F.linear over the
+    matrix dequantised (torch's GEMM shares the OpenMP threads of torch and Numba; numpy's BLAS
+    would contend with them)."""
     if not isinstance(w, StoredMatrix):
         return F.linear(x, w, bias)
     rows = x.reshape(-1, x.shape[-1]).float()

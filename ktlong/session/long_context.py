@@ -220,11 +220,12 @@ class LongContextSession:
 
     def share(self, source: "HeldConversation", prompt_ids: list[int]) -> int:
         """Begin a new conversation whose cache holds the leading tokens of source that
-        prompt_ids begins with too: its whole multiples of the granularity in one copy in DRAM
-        for both (ktlong/kv/shared_prefix.py), the blocks past them copied as the prefill
-        reserves them (HostKVCache.share); the next prefill(prompt_ids) computes the rest as a
-        follow-up does. Returns the tokens held so; 0 (nothing changed) where too few match to
-        share a block, or the cache cannot share (sliding-window layers; ranks that each hold a part)."""
+        prompt_ids begins with too: their whole multiples of the granularity in one copy in DRAM
+        for both (ktlong/kv/shared_prefix.py), the blocks past them (all of them, where the
+        layout shares none) copied as the prefill reserves them (HostKVCache.share); the next
+        prefill(prompt_ids) computes the rest as a follow-up does. Returns the tokens held so;
+        0 (nothing changed) where none match, or the cache cannot take them (sliding-window
+        layers keep only a tail; ranks that each hold a part)."""
         assert source is not self.conversation and source.layout == self.layout
         tokens = self.shareable(source, prompt_ids)
         if tokens:
@@ -236,7 +237,7 @@ class LongContextSession:
     def shareable(self, source: "HeldConversation", prompt_ids: list[int]) -> int:
         """The tokens `share` would hold: 0 where it would not."""
         common = min(cached_prefix(source.ids, prompt_ids), source.host.num_tokens)
-        return common if self.model.tp is None and shareable_blocks(self.layout, common) else 0
+        return common if self.model.tp is None and not self.layout.sliding else 0
 
     def decoder_fits(self, tokens: int, busy: list["HeldConversation"]) -> bool:
         """Whether a conversation reaching `tokens` gets a decoder beside those of the busy
