@@ -53,8 +53,9 @@ class Arriving:
     """The part of a Starlette request BodyLimits reads: parts, each after a pause (None: the
     client disconnects there)."""
 
-    def __init__(self, parts, pause=0.0):
-        self.parts, self.pause = parts, pause
+    def __init__(self, parts, pause=0.0, held: asyncio.Event | None = None):
+        """held: the body ends only once it is set (it stays unfinished until then)."""
+        self.parts, self.pause, self.held = parts, pause, held
 
     async def stream(self):
         from starlette.requests import ClientDisconnect
@@ -64,6 +65,8 @@ class Arriving:
             if part is None:
                 raise ClientDisconnect()
             yield part
+        if self.held is not None:
+            await self.held.wait()
 
 
 def test_seed_zero_is_a_seed(prompting):
@@ -116,7 +119,12 @@ def test_unfinished_bodies_together_hold_at_most_the_cap():
     limits = BodyLimits(1000, 2000, timeout=5)  # room for five of the six parts
 
     async def three_at_once():
-        reads = [limits.read(Arriving([b"x" * 400, b"y" * 400], pause=0.05)) for _ in range(3)]
+        # each body stays unfinished after its parts until one of them is refused: whatever order
+        # the parts come in, the sixth finds five (2,000 bytes) in flight
+        held = asyncio.Event()
+        reads = [asyncio.ensure_future(limits.read(Arriving([b"x" * 400, b"y" * 400], 0.05, held))) for _ in range(3)]
+        await asyncio.wait(reads, timeout=10, return_when=asyncio.FIRST_COMPLETED)  # a cap that refuses none: 10 s
+        held.set()
         return await asyncio.gather(*reads, return_exceptions=True)
 
     results = asyncio.run(three_at_once())
