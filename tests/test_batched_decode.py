@@ -196,7 +196,7 @@ def test_a_batchs_new_rows_in_one_launch_land_where_the_torch_ops_put_them(tiny,
     body.x.copy_(torch.randn(body.x.shape, generator=torch.Generator().manual_seed(3)))
     body.rope = tiny.model.rope_tables(body.position)
     qkv = tiny.model.qkv
-    monkeypatch.setattr(tiny.model, "qkv", lambda *a: [t.to(torch.bfloat16).float() for t in qkv(*a)])
+    monkeypatch.setattr(tiny.model, "qkv", lambda *a, **k: [t.to(torch.bfloat16).float() for t in qkv(*a, **k)])
     layer = body.global_layers[1]
     before = [(w.buf_k.clone(), w.buf_v.clone()) for w in body.windows]
     body._append(layer, 1)  # torch's ops
