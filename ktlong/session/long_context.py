@@ -341,7 +341,7 @@ class LongContextSession:
         finally:
             bar.close()
         densities = self.last_stats.density_per_layer
-        if show_progress and densities:
+        if show_progress and densities and min(densities) < 1.0:  # a prompt it read whole: nothing to say
             shown = " ".join(f"{d:.2f}" for d in densities)
             print(f"[CompactAttention kept {sum(densities) / len(densities):.1%} of history blocks; "
                   f"per layer: {shown}]", file=sys.stderr)
