@@ -297,6 +297,28 @@ def test_gemma3_sliding_layers_generate_like_dense_and_skip_offload(tmp_path):
     np.testing.assert_allclose(host.tokens(0, "k", start, 150).numpy(), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_a_sliding_models_plan_says_its_follow_ups_prefill_again_and_they_do(tmp_path):
+    """gemma3's sliding-window layers keep only the prompt's tail in DRAM: the plan says a
+    follow-up prefills the whole conversation again, and a follow-up does (a llama's plan does
+    not say so, and its follow-up prefills its new tokens only)."""
+    from ktlong.config import default_config
+    from ktlong.session.plan import plan_session
+
+    config = default_config(local_windows_len=32, block_size=16, chunk_size=32, max_num_seqs=1)
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, 298, size=150)]
+    for arch, sliding in (("gemma3", 24), ("llama", 0)):
+        (tmp_path / arch).mkdir()
+        lm = tiny_model(tmp_path / arch, TinySpec(arch=arch, num_layers=6, num_kv_heads=1, tied=True,
+                                                  sliding_window=sliding), seed=4)
+        plan = plan_session(config, lm.config, 0, 256, lm.model.device, lm.model.dtype)
+        said = "the sliding-window layers keep only the prompt's last 64 tokens, so a follow-up prefills the whole"
+        assert (said in plan.describe()) == bool(sliding)
+        session = LongContextSession.from_plan(lm.model, plan)
+        session.prefill(prompt)
+        session.prefill(prompt + [7, 8, 9])
+        assert session.last_prefill_tokens == (153 if sliding else 3)
+
+
 def test_local_window_must_cover_the_sliding_window(tmp_path):
     from ktlong.errors import ConfigError
 

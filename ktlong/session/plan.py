@@ -68,7 +68,10 @@ class SessionPlan:
                  + ((f"; beside decode steps on {self.prefill_sms} SMs" if self.prefill_sms
                     else "; beside decode steps in turns with them") if self.is_gpu else ""),
                  f"  KV cache: {self.kv_type} in DRAM, block {self.layout.block_size}, device window "
-                 f"{self.local_windows_len} tokens",
+                 f"{self.local_windows_len} tokens"
+                 + ("; the sliding-window layers keep only the prompt's last "
+                    f"{self.layout.sliding_blocks * self.layout.block_size:,} tokens, so a follow-up prefills the whole "
+                    "conversation again (normal mode reuses it)" if self.layout.sliding else ""),
                  f"  decode: top {s.second_select_num} blocks by {s.anchor_type} anchors ({s.head_select_mode}), "
                  f"scored on the {'GPU' if s.block_scoring == 'device' and self.is_gpu else 'CPU'}, read by the "
                  f"{'GPU' if s.context_attention == 'gpu' else 'CPU operator'}; CUDA graphs "
