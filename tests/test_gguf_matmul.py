@@ -128,11 +128,11 @@ def test_stored_matrix_products(num_x, int8, monkeypatch):
     half_step = np.abs(x64).reshape(num_x, -1, 32).max(2) / 254 * in_8_bits
     rounding = np.einsum("mr,orj->mo", half_step, np.abs(w).reshape(40, -1, 32))
     bound = 1.0001 * rounding + 1e-5 * (np.abs(x64) @ np.abs(w).T) + 1e-30
-    for y in (linear(x, matrix), torch.from_numpy(matrix.product(x.numpy()))):
+    for y in (linear(x, matrix, eight_bit=True), torch.from_numpy(matrix.product(x.numpy(), eight_bit=True))):
         assert (np.abs(y.double().numpy() - x64 @ w.T) <= bound).all()
-    assert linear(x.bfloat16(), matrix).dtype == torch.bfloat16
+    assert linear(x.bfloat16(), matrix, eight_bit=True).dtype == torch.bfloat16
     if in_8_bits:  # rounded: not float32's product
-        assert not np.allclose(matrix.product(x.numpy()), x64 @ w.T, rtol=1e-5, atol=1e-5)
+        assert not np.allclose(matrix.product(x.numpy(), eight_bit=True), x64 @ w.T, rtol=1e-5, atol=1e-5)
 
 
 def test_inputs_that_do_not_fit_are_refused():

@@ -94,7 +94,8 @@ def test_a_prompts_logits_stay_float32_where_products_go_in_8_bits(tmp_path, tie
     step = model.logits(h, decoding=True).double()
     assert ((step - exact).abs() <= 1.0001 * rounding + bound).all() and not ((step - exact).abs() <= bound).all()
     x = h.numpy()  # the layers' products round: not float32's
-    assert not np.allclose(stored.layers[0].wo.product(x), x @ stored.layers[0].wo.float32().T, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(stored.layers[0].wo.product(x, eight_bit=True), x @ stored.layers[0].wo.float32().T,
+                           rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not int8_runs.AVAILABLE, reason="no AVX2: every product takes float32 inputs")

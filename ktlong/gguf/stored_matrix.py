@@ -100,7 +100,7 @@ class StoredMatrix:
         return self.float32(_scratch(self.shape))
 
     def product(self, rows: np.ndarray, out: np.ndarray | None = None, workers: Workers = Workers(1),
-                eight_bit: bool = True) -> np.ndarray:
+                eight_bit: bool = False) -> np.ndarray:
         """rows [M, in] float32 -> rows @ W.T [M, out] float32 (into `out` where given): in place
         for a few rows (over their 8-bit form where eight_bit and the machine has AVX2:
         Activations), else over the matrix dequantised (numpy's matmul), each worker

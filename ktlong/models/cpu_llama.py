@@ -153,9 +153,7 @@ class CpuLlama:
 
     def logits(self, normalised: np.ndarray) -> np.ndarray:
         """Rows after the final norm [n, hidden] -> logits [n, vocab] float32."""
-        if isinstance(self.head, StoredMatrix):  # float32 inputs (stored_matrix.py: the head)
-            return self.head.product(normalised, eight_bit=False)
-        return self.head(normalised)
+        return self.head.product(normalised) if isinstance(self.head, StoredMatrix) else self.head(normalised)
 
     def forward(self, ids: list[int], cache: WordCache, start: int) -> np.ndarray:
         """Run tokens at positions start.. through every layer, writing their K/V into cache;
@@ -190,15 +188,14 @@ class CpuLlama:
         for i, w in enumerate(self.layers):
             add_rms_norm_rows(x, delta, w.attn_norm, self.eps, h)
             for matrix, first in w.qkv:
-                matrix.product(h, qkv[:, first:first + matrix.shape[0]], workers, eight_bit=False)
+                matrix.product(h, qkv[:, first:first + matrix.shape[0]], workers)
             place_qkv_rows(qkv, w.bias, cos, sin, q, cache.keys[i], cache.values[i], start)
             o = chunk_attention(q, cache.keys[i], cache.values[i], end, self.scale, workers)
-            add_rms_norm_rows(x, w.wo.product(o.reshape(num, -1), workers=workers, eight_bit=False), w.ffn_norm,
-                              self.eps, h)
+            add_rms_norm_rows(x, w.wo.product(o.reshape(num, -1), workers=workers), w.ffn_norm, self.eps, h)
             for matrix, first in w.gate_up:
-                matrix.product(h, gate_up[:, first:first + matrix.shape[0]], workers, eight_bit=False)
+                matrix.product(h, gate_up[:, first:first + matrix.shape[0]], workers)
             silu_times_rows(gate_up, act)
-            delta = w.down.product(act, workers=workers, eight_bit=False)
+            delta = w.down.product(act, workers=workers)
         last = np.empty((1, c.hidden_size), np.float32)
         add_rms_norm_rows(x[-1:], delta[-1:], self.final_norm, self.eps, last)
         return self.logits(last)[0]
