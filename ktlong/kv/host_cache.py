@@ -212,6 +212,7 @@ into when the tables are not pinned (maps_files).
             return
         step = growth_step(self.layout)
         source, copy_end = self._copying or (None, 0)
+        copied_kinds = source._kinds() if source is not None else ()
         for k, kind in enumerate(self._kinds()):
             part = kind[layer][:, old:blocks]
             if not part.numel():
@@ -224,7 +225,7 @@ into when the tables are not pinned (maps_files).
                     own = max(a, self.shared_blocks)  # the first block of the piece that is this cache's own
                     copied = min(b, max(own, copy_end))  # and the end of those copied from share()'s source
                     if copied > own:
-                        kind[layer][h, own:copied] = source._kinds()[k][layer][h, own:copied]
+                        kind[layer][h, own:copied] = copied_kinds[k][layer][h, own:copied]
                     kind[layer][h, copied:b].zero_()
                     self._pinned.pin(kind[layer][h, a:b])
                     pace()
